@@ -1,0 +1,151 @@
+//! Errors of the data layer ([`Error`]) and of lock backends ([`LockError`]).
+//!
+//! Expected outcomes — a row that does not exist, nothing to change, a lock held by someone else
+//! under a "proceed" policy — are values ([`crate::UpdateOutcome`], [`crate::LockReport`]), not
+//! errors.
+
+use std::time::Duration;
+
+/// A boxed foreign error (driver, server), kept as the `source` of ours.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
+
+/// `Result` with freshlock's [`Error`].
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// What went wrong in a session or repository call.
+///
+/// `target` fields name the row as `"{table} {key}"` (for example `node 1`).
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The database failed while doing `operation` on `target`.
+    #[error("database error while {operation} {target}")]
+    Database {
+        /// What was being done (`"loading"`, `"saving"`, `"beginning a transaction for"`, …).
+        operation: &'static str,
+        /// The row or table concerned.
+        target: String,
+        /// The driver's error (a `sea_orm::DbErr`).
+        #[source]
+        source: BoxError,
+    },
+    /// The `apply` closure of `locked_update` returned an error; nothing was written.
+    #[error("update of {target} aborted by apply")]
+    Apply {
+        /// The row being updated.
+        target: String,
+        /// The error `apply` returned.
+        #[source]
+        source: BoxError,
+    },
+    /// `apply` changed a primary-key column, which would move the update to another row.
+    #[error("apply changed the primary key of {target}")]
+    PrimaryKeyChanged {
+        /// The row being updated.
+        target: String,
+    },
+    /// The lock could not be taken within the policy and the policy says to fail.
+    #[error("lock {lock} for {target} not acquired after {tries} tries ({waited:?})")]
+    LockNotAcquired {
+        /// The row being updated.
+        target: String,
+        /// The lock's name.
+        lock: String,
+        /// Tries made.
+        tries: u32,
+        /// Time spent waiting.
+        waited: Duration,
+    },
+    /// The lock backend failed and the policy says to fail.
+    #[error("lock backend failed for {target}")]
+    Lock {
+        /// The row being updated.
+        target: String,
+        /// The backend's error.
+        #[source]
+        source: LockError,
+    },
+    /// A primary-key value does not fit the entity (wrong number of columns, wrong type).
+    #[error("invalid key for {entity}: {reason}")]
+    InvalidKey {
+        /// The entity's table.
+        entity: &'static str,
+        /// Why the key was rejected.
+        reason: String,
+    },
+    /// A [`crate::LockPolicy`] that cannot work (zero tries, zero TTL).
+    #[error("invalid lock policy: {reason}")]
+    InvalidPolicy {
+        /// Why the policy was rejected.
+        reason: &'static str,
+    },
+    /// The task running the locked section ended without an answer (the runtime is shutting
+    /// down, or freshlock has a bug). Its transaction was rolled back and its lock released.
+    #[error("the locked section for {target} ended without an answer")]
+    Interrupted {
+        /// The row being updated.
+        target: String,
+    },
+}
+
+/// What went wrong in a lock backend.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LockError {
+    /// Lock names must not be empty.
+    #[error("lock name is empty")]
+    EmptyName,
+    /// The backend failed (server unreachable, query failed).
+    #[error("{backend} lock backend failed")]
+    Backend {
+        /// The backend's [`kind`](crate::LockBackend::kind).
+        backend: &'static str,
+        /// What failed.
+        #[source]
+        source: BoxError,
+    },
+}
+
+/// The error an `apply` closure returns to abort `locked_update`.
+///
+/// Any error converts into it with `?` (or `ApplyError::from`), and a message with
+/// [`ApplyError::msg`]. It does not implement `std::error::Error` itself, so that the blanket
+/// conversion stays possible; `locked_update` hands its source on in [`Error::Apply`].
+#[derive(Debug)]
+pub struct ApplyError(BoxError);
+
+impl ApplyError {
+    /// An apply error carrying just a message.
+    pub fn msg(message: impl Into<String>) -> Self {
+        Self(message.into().into())
+    }
+
+    /// The underlying error.
+    pub fn into_inner(self) -> BoxError {
+        self.0
+    }
+}
+
+impl<E: Into<BoxError>> From<E> for ApplyError {
+    fn from(error: E) -> Self {
+        Self(error.into())
+    }
+}
+
+impl std::fmt::Display for ApplyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+pub(crate) fn database(
+    operation: &'static str,
+    target: &impl ToString,
+    source: sea_orm::DbErr,
+) -> Error {
+    Error::Database {
+        operation,
+        target: target.to_string(),
+        source: Box::new(source),
+    }
+}

@@ -1,0 +1,30 @@
+#![doc = include_str!("../README.md")]
+//!
+//! # Layout
+//!
+//! - `session.rs` — [`Session`]: one unit of work (connection, identity map, lock, policy).
+//! - `identity_map.rs` — the per-session cache of `Arc<Model>` by entity and primary key.
+//! - `repository.rs` — [`Repository`]: `load`, `load_many`, `load_fresh`, `reset_cache`,
+//!   `insert`, dirty-only `save`, and `locked_update`.
+//! - `locked_update.rs` — the locked read-modify-write, run in a task of its own.
+//! - `row.rs` — how a row of any entity is named (cache key, lock name, error text).
+//! - `outcome.rs` — [`UpdateOutcome`], [`UpdateReport`], [`LockReport`], [`SaveOutcome`].
+//! - `lock/` — the [`LockBackend`] trait, [`LockPolicy`], lock names and the in-process
+//!   [`LocalLock`].
+//! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
+
+mod error;
+mod identity_map;
+pub mod lock;
+mod locked_update;
+mod outcome;
+mod repository;
+mod row;
+mod session;
+
+pub use error::{ApplyError, BoxError, Error, LockError, Result};
+pub use identity_map::CacheStats;
+pub use lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockScope, OnLockFailure};
+pub use outcome::{LockReport, SaveOutcome, UpdateOutcome, UpdateReport};
+pub use repository::{PrimaryKeyOf, Repository};
+pub use session::{Session, SessionBuilder};

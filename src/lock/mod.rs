@@ -1,0 +1,114 @@
+//! Locks that serialize writers of one key.
+//!
+//! A lock backend is one small trait, [`LockBackend`], used through `Arc<dyn LockBackend>` so a
+//! session can be given any backend chosen at run time. Backends come in two scopes
+//! ([`LockScope`]):
+//!
+//! - **lease** locks are taken *before* the transaction opens and released *after* it commits
+//!   (the in-process [`LocalLock`]; a lock table, Redis or MySQL `GET_LOCK` fit here too). Their
+//!   [`LockGuard`] is released explicitly with [`LockGuard::release`].
+//! - **transaction** locks are taken *inside* the transaction and end with it
+//!   (`SELECT … FOR UPDATE` on a lock row, `pg_advisory_xact_lock`): such a backend implements
+//!   [`LockBackend::lock_in_transaction`] and has nothing to release.
+//!
+//! How often to try, how long to wait and what to do when the lock cannot be had is the caller's
+//! [`LockPolicy`], applied by the session — backends only try once, waiting at most the time they
+//! are given.
+
+mod local;
+mod name;
+mod policy;
+
+use std::{fmt, time::Duration};
+
+use async_trait::async_trait;
+use sea_orm::DatabaseTransaction;
+
+pub use local::LocalLock;
+pub use name::LockName;
+pub use policy::{LockPolicy, OnLockFailure};
+
+use crate::error::LockError;
+
+/// When a backend's lock is taken and when it ends.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LockScope {
+    /// Taken before the transaction begins, released after it ends ([`LockBackend::acquire`]).
+    Lease,
+    /// Taken inside the transaction and released by its commit or rollback
+    /// ([`LockBackend::lock_in_transaction`]).
+    Transaction,
+}
+
+/// A pluggable lock backend.
+///
+/// Implementations are shared (`Arc<dyn LockBackend>`) by every session that should exclude the
+/// others, so they must be cheap to call concurrently.
+#[async_trait]
+pub trait LockBackend: Send + Sync + fmt::Debug {
+    /// A short name for logs and reports (`"local"`, `"table"`, …).
+    fn kind(&self) -> &'static str;
+
+    /// Whether this backend's lock is a lease around the transaction or lives inside it.
+    fn scope(&self) -> LockScope {
+        LockScope::Lease
+    }
+
+    /// Takes the lease lock `name`, waiting at most `wait` (zero: try once, don't wait).
+    ///
+    /// `ttl` is how long the lease may live if its holder disappears; backends whose locks cannot
+    /// outlive their holder (the in-process lock) ignore it.
+    ///
+    /// Returns `Ok(None)` when the lock is held by someone else for the whole wait: that is an
+    /// expected outcome, not an error. Transaction-scoped backends return `Ok(None)` without waiting.
+    ///
+    /// # Errors
+    /// [`LockError`] when the backend itself fails (server unreachable, bad name).
+    ///
+    /// # Cancel safety
+    /// Dropping the future while it waits gives up the wait and leaves no lock behind.
+    async fn acquire(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError>;
+
+    /// Takes the lock `name` inside `txn`, waiting at most `wait`; it ends with the transaction.
+    ///
+    /// Returns whether the lock was taken. Lease backends keep the default, which does nothing and
+    /// returns `Ok(false)`.
+    ///
+    /// # Errors
+    /// [`LockError`] when the backend fails.
+    async fn lock_in_transaction(
+        &self,
+        txn: &DatabaseTransaction,
+        name: &LockName,
+        wait: Duration,
+    ) -> Result<bool, LockError> {
+        let _ = (txn, name, wait);
+        Ok(false)
+    }
+}
+
+/// A held lease lock.
+///
+/// Release it with [`release`](Self::release) after the transaction it protects has ended. What
+/// dropping it without `release` does depends on the backend: the in-process lock is freed at once;
+/// a lease on a server runs out by its TTL.
+#[async_trait]
+pub trait LockGuard: Send + Sync + fmt::Debug {
+    /// The fence token of this grant, for backends that issue one: it grows with every grant of
+    /// the same name.
+    fn fence(&self) -> Option<u64> {
+        None
+    }
+
+    /// Releases the lock.
+    ///
+    /// # Errors
+    /// [`LockError`] when the backend could not be told; the lease then runs out by its TTL.
+    async fn release(self: Box<Self>) -> Result<(), LockError>;
+}

@@ -1,0 +1,159 @@
+//! How hard to try for a lock, and what to do without it.
+
+use std::time::Duration;
+
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use super::{LockBackend, LockGuard, LockName};
+use crate::error::{Error, LockError};
+
+/// What `locked_update` does when the lock could not be taken within the policy's tries.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum OnLockFailure {
+    /// Go on without the lock, as the Drupal report's best-effort lock does. This is safe for the
+    /// row itself: the reload and the write run in one transaction that holds the row's write lock
+    /// (`BEGIN IMMEDIATE` on SQLite, `FOR UPDATE` elsewhere), so nothing another writer committed is
+    /// overwritten. The returned report says the lock was not held, and a warning is logged.
+    Proceed,
+    /// Give up with [`Error::LockNotAcquired`].
+    Fail,
+}
+
+/// How a session takes locks: tries, wait per try, lease TTL and the fallback.
+///
+/// The default mirrors the Drupal report: 6 tries × 5 s wait, a 60 s lease, and proceed without
+/// the lock when it cannot be had.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockPolicy {
+    /// How many times to try (at least 1).
+    pub tries: u32,
+    /// How long one try may wait for the lock. Zero: a try does not wait.
+    pub wait_per_try: Duration,
+    /// How long a lease lives if its holder disappears (server-side backends).
+    pub ttl: Duration,
+    /// What to do when every try failed.
+    pub on_failure: OnLockFailure,
+}
+
+impl Default for LockPolicy {
+    fn default() -> Self {
+        Self {
+            tries: 6,
+            wait_per_try: Duration::from_secs(5),
+            ttl: Duration::from_secs(60),
+            on_failure: OnLockFailure::Proceed,
+        }
+    }
+}
+
+impl LockPolicy {
+    /// Sets the number of tries.
+    pub fn with_tries(mut self, tries: u32) -> Self {
+        self.tries = tries;
+        self
+    }
+
+    /// Sets the wait per try.
+    pub fn with_wait_per_try(mut self, wait: Duration) -> Self {
+        self.wait_per_try = wait;
+        self
+    }
+
+    /// Sets the lease TTL.
+    pub fn with_ttl(mut self, ttl: Duration) -> Self {
+        self.ttl = ttl;
+        self
+    }
+
+    /// Sets what happens when the lock cannot be had.
+    pub fn with_on_failure(mut self, on_failure: OnLockFailure) -> Self {
+        self.on_failure = on_failure;
+        self
+    }
+
+    /// Checks the policy.
+    ///
+    /// # Errors
+    /// [`Error::InvalidPolicy`] when `tries` is 0 or `ttl` is zero.
+    pub fn validate(&self) -> Result<(), Error> {
+        if self.tries == 0 {
+            return Err(Error::InvalidPolicy {
+                reason: "tries must be at least 1",
+            });
+        }
+        if self.ttl.is_zero() {
+            return Err(Error::InvalidPolicy {
+                reason: "ttl must be longer than zero",
+            });
+        }
+        Ok(())
+    }
+
+    /// Tries for the lease lock `name` on `backend` as this policy says.
+    pub(crate) async fn acquire(&self, backend: &dyn LockBackend, name: &LockName) -> Acquisition {
+        let started = Instant::now();
+        let mut tries = 0;
+        let mut result = Ok(None);
+        while tries < self.tries.max(1) {
+            tries += 1;
+            result = backend.acquire(name, self.wait_per_try, self.ttl).await;
+            match &result {
+                Ok(Some(_)) => break,
+                Ok(None) => debug!(lock = %name, tries, "lock busy"),
+                // A failing backend is not asked again: its failure is reported as it is.
+                Err(error) => {
+                    warn!(lock = %name, backend = backend.kind(), %error, "lock backend failed");
+                    break;
+                }
+            }
+        }
+        Acquisition {
+            result,
+            tries,
+            waited: started.elapsed(),
+        }
+    }
+}
+
+/// What one [`LockPolicy::acquire`] got.
+#[derive(Debug)]
+pub(crate) struct Acquisition {
+    /// The guard, `None` when every try found the lock busy, or the backend's error.
+    pub(crate) result: Result<Option<Box<dyn LockGuard>>, LockError>,
+    /// Tries made.
+    pub(crate) tries: u32,
+    /// Time spent trying.
+    pub(crate) waited: Duration,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn default_mirrors_the_seed() {
+        let policy = LockPolicy::default();
+        assert_eq!(policy.tries, 6);
+        assert_eq!(policy.wait_per_try, Duration::from_secs(5));
+        assert_eq!(policy.ttl, Duration::from_secs(60));
+        assert_eq!(policy.on_failure, OnLockFailure::Proceed);
+        assert!(policy.validate().is_ok());
+    }
+
+    #[test]
+    fn zero_tries_and_zero_ttl_are_rejected() {
+        let zero_tries = LockPolicy::default().with_tries(0);
+        assert!(matches!(
+            zero_tries.validate(),
+            Err(Error::InvalidPolicy { .. })
+        ));
+        let zero_ttl = LockPolicy::default().with_ttl(Duration::ZERO);
+        assert!(matches!(
+            zero_ttl.validate(),
+            Err(Error::InvalidPolicy { .. })
+        ));
+    }
+}

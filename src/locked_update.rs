@@ -1,0 +1,322 @@
+//! The locked read-modify-write behind [`crate::Repository::locked_update`].
+//!
+//! The section — lock, transaction, reload, write, commit, cache, release — runs in a task of its
+//! own (the *driver*), and `apply` runs in the caller, between the two halves. They talk over two
+//! channels: the driver sends the reloaded row, the caller answers with the changed columns. So
+//! the caller can be cancelled at any await without cutting a statement in half: the driver
+//! notices the closed channel, rolls back and releases the lock after the transaction ended.
+//! `apply` need not be `'static`, since it never leaves the caller.
+
+use std::{
+    panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
+    sync::Arc,
+};
+
+use sea_orm::{
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
+    IsolationLevel, QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
+    Value,
+};
+use tokio::sync::mpsc;
+use tracing::{Instrument, debug, error, info_span, warn};
+
+use crate::{
+    error::{ApplyError, Error, Result, database},
+    lock::{LockGuard, LockScope, OnLockFailure},
+    outcome::{LockReport, UpdateOutcome, UpdateReport},
+    repository::{changed_columns, with_changes, write_changes},
+    row::{Row, is_primary_key, select_by_key},
+    session::Session,
+};
+
+/// The caller's answer to a reloaded row: the row back, and the columns `apply` changed.
+struct Write<E: EntityTrait> {
+    original: E::Model,
+    changes: Vec<(E::Column, Value)>,
+}
+
+pub(crate) async fn run<E, F>(
+    session: &Session,
+    row: Row,
+    mut apply: F,
+) -> Result<UpdateReport<E::Model>>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+    F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
+{
+    let (reloaded_tx, mut reloaded) = mpsc::channel::<E::Model>(1);
+    let (writes, writes_rx) = mpsc::channel::<Write<E>>(1);
+    let span =
+        info_span!("locked_update", row = %row.name, backend = session.lock_backend().kind());
+    let driver = Driver::<E> {
+        session: session.clone(),
+        row: row.clone(),
+        reloaded: reloaded_tx,
+        writes: writes_rx,
+    };
+    let driver = tokio::spawn(driver.run().instrument(span));
+
+    while let Some(original) = reloaded.recv().await {
+        let mut draft = original.clone().into_active_model();
+        let abort = match catch_unwind(AssertUnwindSafe(|| apply(&mut draft))) {
+            Ok(Ok(())) => {
+                let changes = changed_columns::<E>(&original, &mut draft);
+                if changes
+                    .iter()
+                    .any(|(column, _)| is_primary_key::<E>(column))
+                {
+                    Err(Error::PrimaryKeyChanged {
+                        target: row.to_string(),
+                    })
+                } else {
+                    if writes.send(Write { original, changes }).await.is_err() {
+                        break; // The driver is gone; its result says why.
+                    }
+                    continue;
+                }
+            }
+            Ok(Err(source)) => Err(Error::Apply {
+                target: row.to_string(),
+                source: source.into_inner(),
+            }),
+            Err(panic) => Ok(panic),
+        };
+        // Abort: closing the channel makes the driver roll back and release; wait for that so
+        // the lock is free when the caller sees the error (or the panic).
+        drop(writes);
+        let _ = driver.await;
+        match abort {
+            Err(error) => return Err(error),
+            Ok(panic) => resume_unwind(panic),
+        }
+    }
+    match driver.await {
+        Ok(result) => result,
+        Err(join) => {
+            error!(row = %row.name, panicked = join.is_panic(), "locked section ended without an answer");
+            Err(Error::Interrupted {
+                target: row.to_string(),
+            })
+        }
+    }
+}
+
+/// The task that owns the lock and the transaction of one `locked_update`.
+struct Driver<E: EntityTrait> {
+    session: Session,
+    row: Row,
+    reloaded: mpsc::Sender<E::Model>,
+    writes: mpsc::Receiver<Write<E>>,
+}
+
+impl<E> Driver<E>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+{
+    async fn run(mut self) -> Result<UpdateReport<E::Model>> {
+        let backend = Arc::clone(self.session.lock_backend());
+        let policy = self.session.policy().clone();
+        let mut report = LockReport {
+            backend: backend.kind(),
+            name: self.row.name.clone(),
+            held: false,
+            tries: 0,
+            waited: std::time::Duration::ZERO,
+        };
+        let mut guard: Option<Box<dyn LockGuard>> = None;
+        if backend.scope() == LockScope::Lease {
+            let acquisition = tokio::select! {
+                // The caller gave up while we waited: nothing to do.
+                () = self.reloaded.closed() => return Err(self.interrupted()),
+                acquisition = policy.acquire(backend.as_ref(), &self.row.name) => acquisition,
+            };
+            report.tries = acquisition.tries;
+            report.waited = acquisition.waited;
+            match acquisition.result {
+                Ok(Some(held)) => {
+                    guard = Some(held);
+                    report.held = true;
+                }
+                Ok(None) => self.lock_unavailable(&policy.on_failure, &report, None)?,
+                Err(source) => self.lock_unavailable(&policy.on_failure, &report, Some(source))?,
+            }
+        }
+
+        let result = self.section(&mut report).await;
+
+        // Only now, after commit or rollback: releasing earlier would let the next holder reload
+        // data this transaction had not committed yet.
+        if let Some(Err(error)) = match guard {
+            Some(guard) => Some(guard.release().await),
+            None => None,
+        } {
+            warn!(lock = %self.row.name, %error, "lock release failed; the lease runs out by its TTL");
+        }
+        result.map(|outcome| UpdateReport {
+            outcome,
+            lock: report,
+        })
+    }
+
+    /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
+    fn lock_unavailable(
+        &self,
+        on_failure: &OnLockFailure,
+        report: &LockReport,
+        failure: Option<crate::error::LockError>,
+    ) -> Result<()> {
+        match (on_failure, failure) {
+            (OnLockFailure::Fail, None) => Err(Error::LockNotAcquired {
+                target: self.row.to_string(),
+                lock: self.row.name.to_string(),
+                tries: report.tries,
+                waited: report.waited,
+            }),
+            (OnLockFailure::Fail, Some(source)) => Err(Error::Lock {
+                target: self.row.to_string(),
+                source,
+            }),
+            (_, failure) => {
+                warn!(
+                    lock = %self.row.name,
+                    tries = report.tries,
+                    waited_ms = report.waited.as_millis() as u64,
+                    error = failure.map(|e| e.to_string()),
+                    "proceeding without the lock"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Evict, begin, reload, hand over to `apply`, write, commit, cache.
+    async fn section(&mut self, report: &mut LockReport) -> Result<UpdateOutcome<E::Model>> {
+        let db = self.session.connection();
+        self.session.map().remove(&self.row.key);
+        let txn = begin(db)
+            .await
+            .map_err(|e| database("beginning the transaction for", &self.row, e))?;
+
+        let backend = Arc::clone(self.session.lock_backend());
+        if backend.scope() == LockScope::Transaction {
+            let policy = self.session.policy();
+            let wait = policy.wait_per_try.saturating_mul(policy.tries);
+            report.tries = 1;
+            match backend
+                .lock_in_transaction(&txn, &self.row.name, wait)
+                .await
+            {
+                Ok(true) => report.held = true,
+                Ok(false) => self.lock_unavailable(&policy.on_failure, report, None)?,
+                Err(source) => self.lock_unavailable(&policy.on_failure, report, Some(source))?,
+            }
+        }
+
+        let mut reload = select_by_key::<E>(self.row.pk());
+        if txn.get_database_backend() != DbBackend::Sqlite {
+            reload = reload.lock_exclusive();
+        }
+        let original = match reload.one(&txn).await {
+            Ok(Some(original)) => original,
+            Ok(None) => {
+                finish(txn, false, &self.row).await?;
+                return Ok(UpdateOutcome::NotFound);
+            }
+            Err(e) => return Err(self.rolled_back(txn, "reloading", e).await),
+        };
+
+        if self.reloaded.send(original).await.is_err() {
+            return Err(self.abandoned(txn).await);
+        }
+        let Some(Write { original, changes }) = self.writes.recv().await else {
+            return Err(self.abandoned(txn).await);
+        };
+
+        if changes.is_empty() {
+            finish(txn, true, &self.row).await?;
+            let original = Arc::new(original);
+            self.session
+                .map()
+                .insert(self.row.key.clone(), Arc::clone(&original));
+            debug!(row = %self.row.name, "unchanged");
+            return Ok(UpdateOutcome::Unchanged(original));
+        }
+        match write_changes::<E, _>(&txn, &original, &changes).await {
+            Ok(()) => {}
+            // Cannot happen while the row is locked, but a row gone is an outcome, not an error.
+            Err(DbErr::RecordNotUpdated) => {
+                finish(txn, false, &self.row).await?;
+                return Ok(UpdateOutcome::NotFound);
+            }
+            Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
+        }
+        let committed =
+            with_changes::<E>(&original, changes).map_err(|e| database("applying", &self.row, e));
+        finish(txn, true, &self.row).await?;
+        let committed = Arc::new(committed?);
+        self.session
+            .map()
+            .insert(self.row.key.clone(), Arc::clone(&committed));
+        debug!(row = %self.row.name, "updated");
+        Ok(UpdateOutcome::Updated(committed))
+    }
+
+    /// The caller is gone or aborted: roll back, and report (to nobody, or to a caller that
+    /// returns its own error instead).
+    async fn abandoned(&self, txn: DatabaseTransaction) -> Error {
+        if let Err(error) = txn.rollback().await {
+            warn!(row = %self.row.name, %error, "rollback failed");
+        }
+        self.interrupted()
+    }
+
+    async fn rolled_back(
+        &self,
+        txn: DatabaseTransaction,
+        operation: &'static str,
+        e: DbErr,
+    ) -> Error {
+        if let Err(error) = txn.rollback().await {
+            warn!(row = %self.row.name, %error, "rollback failed");
+        }
+        database(operation, &self.row, e)
+    }
+
+    fn interrupted(&self) -> Error {
+        Error::Interrupted {
+            target: self.row.to_string(),
+        }
+    }
+}
+
+/// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
+/// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
+/// snapshot could predate the lock and the reload be stale).
+async fn begin(
+    db: &sea_orm::DatabaseConnection,
+) -> std::result::Result<DatabaseTransaction, DbErr> {
+    let options = match db.get_database_backend() {
+        DbBackend::Sqlite => TransactionOptions {
+            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+            ..TransactionOptions::default()
+        },
+        _ => TransactionOptions {
+            isolation_level: Some(IsolationLevel::ReadCommitted),
+            ..TransactionOptions::default()
+        },
+    };
+    db.begin_with_options(options).await
+}
+
+async fn finish(txn: DatabaseTransaction, commit: bool, row: &Row) -> Result<()> {
+    let ended = if commit {
+        txn.commit().await
+    } else {
+        txn.rollback().await
+    };
+    ended.map_err(|e| database("committing", row, e))
+}

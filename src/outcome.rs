@@ -1,0 +1,72 @@
+//! What a write returns: its outcome and how the lock went.
+
+use std::{sync::Arc, time::Duration};
+
+use crate::lock::LockName;
+
+/// What `locked_update` did to the row.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum UpdateOutcome<M> {
+    /// `apply` changed at least one column and the change was committed. Holds the row as committed.
+    Updated(Arc<M>),
+    /// `apply` changed nothing (or set columns to the values they had): no UPDATE was sent.
+    /// Holds the row as read under the lock.
+    Unchanged(Arc<M>),
+    /// No row has this key (it never existed or was deleted): nothing was written.
+    NotFound,
+}
+
+impl<M> UpdateOutcome<M> {
+    /// The row, unless it was not found.
+    pub fn model(&self) -> Option<&Arc<M>> {
+        match self {
+            Self::Updated(model) | Self::Unchanged(model) => Some(model),
+            Self::NotFound => None,
+        }
+    }
+
+    /// Whether a change was committed.
+    pub fn is_updated(&self) -> bool {
+        matches!(self, Self::Updated(_))
+    }
+}
+
+/// How the lock of one locked section went.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct LockReport {
+    /// The backend's [`kind`](crate::LockBackend::kind).
+    pub backend: &'static str,
+    /// The lock's name (`"{table}:{key}"`).
+    pub name: LockName,
+    /// Whether the lock was held during the section. `false` means the policy let the update
+    /// proceed without it (see [`crate::OnLockFailure::Proceed`]).
+    pub held: bool,
+    /// How many tries it took (or were made in vain).
+    pub tries: u32,
+    /// How long the section waited for the lock.
+    pub waited: Duration,
+}
+
+/// The result of a successful `locked_update`: what happened to the row, and how the lock went.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct UpdateReport<M> {
+    /// What happened to the row.
+    pub outcome: UpdateOutcome<M>,
+    /// How the lock went.
+    pub lock: LockReport,
+}
+
+/// What [`crate::Repository::save`] did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum SaveOutcome<M> {
+    /// The changed columns were written. Holds the row as committed.
+    Updated(Arc<M>),
+    /// Nothing had changed: no SQL was sent.
+    Unchanged,
+    /// No row has this key: nothing was written.
+    NotFound,
+}

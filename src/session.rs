@@ -1,0 +1,142 @@
+//! A unit of work: connection, identity map, lock backend and lock policy.
+
+use std::{any::TypeId, sync::Arc};
+
+use sea_orm::{DatabaseConnection, EntityTrait};
+
+use crate::{
+    error::Result,
+    identity_map::{CacheStats, IdentityMap},
+    lock::{LocalLock, LockBackend, LockPolicy},
+    repository::Repository,
+};
+
+/// One unit of work (a job, a worker, a request): the database connection, an identity map, a
+/// lock backend and a lock policy.
+///
+/// Cloning is cheap (an `Arc` inside) and clones share everything, so the tasks of one job can
+/// each hold one. Sessions of different jobs should be separate (each has its own cache), but
+/// share a lock backend so they exclude each other: [`Session::new`] uses the process-wide
+/// [`LocalLock::shared`].
+#[derive(Clone, Debug)]
+pub struct Session {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    db: DatabaseConnection,
+    map: IdentityMap,
+    lock: Arc<dyn LockBackend>,
+    policy: LockPolicy,
+}
+
+impl Session {
+    /// A session on `db` with the process-wide in-process lock, the default [`LockPolicy`] and an
+    /// unbounded identity map.
+    pub fn new(db: DatabaseConnection) -> Self {
+        Self::builder(db).build_unchecked()
+    }
+
+    /// A builder to choose the lock backend, the policy and the cache bound.
+    pub fn builder(db: DatabaseConnection) -> SessionBuilder {
+        SessionBuilder {
+            db,
+            lock: None,
+            policy: LockPolicy::default(),
+            capacity: None,
+        }
+    }
+
+    /// The repository of entity `E`. Any sea-orm entity works; nothing needs to be implemented.
+    pub fn repository<E: EntityTrait>(&self) -> Repository<E> {
+        Repository::new(self.clone())
+    }
+
+    /// The database connection.
+    pub fn connection(&self) -> &DatabaseConnection {
+        &self.inner.db
+    }
+
+    /// The lock backend.
+    pub fn lock_backend(&self) -> &Arc<dyn LockBackend> {
+        &self.inner.lock
+    }
+
+    /// The lock policy.
+    pub fn policy(&self) -> &LockPolicy {
+        &self.inner.policy
+    }
+
+    /// Forgets every cached model of every entity.
+    pub fn clear_cache(&self) {
+        self.inner.map.clear();
+    }
+
+    /// The identity map's counters.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.inner.map.stats()
+    }
+
+    pub(crate) fn map(&self) -> &IdentityMap {
+        &self.inner.map
+    }
+
+    pub(crate) fn forget_entity(&self, entity: TypeId) -> usize {
+        self.inner.map.remove_type(entity)
+    }
+}
+
+/// Builds a [`Session`].
+#[derive(Debug)]
+#[must_use]
+pub struct SessionBuilder {
+    db: DatabaseConnection,
+    lock: Option<Arc<dyn LockBackend>>,
+    policy: LockPolicy,
+    capacity: Option<usize>,
+}
+
+impl SessionBuilder {
+    /// Uses `lock` (default: the process-wide [`LocalLock::shared`]). Give every session that must
+    /// exclude the others the same backend.
+    pub fn lock(mut self, lock: Arc<dyn LockBackend>) -> Self {
+        self.lock = Some(lock);
+        self
+    }
+
+    /// Uses `policy` (default: [`LockPolicy::default`]).
+    pub fn policy(mut self, policy: LockPolicy) -> Self {
+        self.policy = policy;
+        self
+    }
+
+    /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
+    /// new row evicts an arbitrary other one; 0 disables caching.
+    pub fn cache_capacity(mut self, capacity: usize) -> Self {
+        self.capacity = Some(capacity);
+        self
+    }
+
+    /// Builds the session.
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidPolicy`] when the policy cannot work.
+    pub fn build(self) -> Result<Session> {
+        self.policy.validate()?;
+        Ok(self.build_unchecked())
+    }
+
+    fn build_unchecked(self) -> Session {
+        Session {
+            inner: Arc::new(Inner {
+                db: self.db,
+                map: IdentityMap::new(self.capacity),
+                lock: self
+                    .lock
+                    .unwrap_or_else(|| Arc::new(LocalLock::shared()) as Arc<dyn LockBackend>),
+                policy: self.policy,
+            }),
+        }
+    }
+}
