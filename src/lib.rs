@@ -13,6 +13,11 @@
 //!   [`LocalLock`].
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
 
+#![cfg_attr(
+    not(test),
+    warn(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)
+)]
+
 mod error;
 mod identity_map;
 pub mod lock;

@@ -45,6 +45,13 @@ impl LocalLock {
         self.entries.len()
     }
 
+    /// How many tasks hold or wait for `name` right now (0: free, 1: held, more: queued).
+    pub fn queue_len(&self, name: &LockName) -> usize {
+        self.entries
+            .get(name)
+            .map_or(0, |mutex| Arc::strong_count(mutex.value()) - 1)
+    }
+
     /// Whether no name is held or waited for.
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -200,7 +207,7 @@ mod tests {
             })
         };
         // Let the waiter queue up, then release.
-        while Arc::strong_count(&lock.entries.get(&name("a")).expect("entry").clone()) < 3 {
+        while lock.queue_len(&name("a")) < 2 {
             tokio::task::yield_now().await;
         }
         assert!(held.release().await.is_ok());

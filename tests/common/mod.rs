@@ -1,5 +1,5 @@
 //! Shared helpers: a fresh in-memory database per test, a statement recorder, seed data.
-#![allow(dead_code, clippy::unwrap_used)]
+#![allow(dead_code)]
 
 use std::sync::{Arc, Mutex};
 
