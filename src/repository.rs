@@ -10,9 +10,10 @@ use sea_orm::{
 
 use crate::{
     error::{ApplyError, Error, Result, database},
+    identity_map::Key,
     locked_update,
     outcome::{SaveOutcome, UpdateReport},
-    row::{Row, select_by_key},
+    row::{Row, cache_key, select_by_key},
     session::Session,
 };
 
@@ -69,11 +70,11 @@ where
     /// # Errors
     /// [`Error::Database`] when the query fails; [`Error::InvalidKey`] for a malformed key.
     pub async fn load(&self, id: PrimaryKeyOf<E>) -> Result<Option<Arc<E::Model>>> {
-        let row = Row::new::<E>(id.into_value_tuple())?;
-        if let Some(model) = self.session.map().get::<E::Model>(&row.key) {
+        let key = cache_key::<E>(id.into_value_tuple())?;
+        if let Some(model) = self.session.map().get::<E::Model>(&key) {
             return Ok(Some(model));
         }
-        self.fetch(row).await
+        self.fetch(Row::new::<E>(key.1)?).await
     }
 
     /// The row with primary key `id`, always read from the database (the cache is refreshed with
@@ -115,40 +116,34 @@ where
         ids: impl IntoIterator<Item = PrimaryKeyOf<E>>,
     ) -> Result<Vec<Option<Arc<E::Model>>>> {
         let mut found = Vec::new();
-        let mut missing: Vec<(usize, Row)> = Vec::new();
+        let mut missing: Vec<(usize, Key)> = Vec::new();
         for (i, id) in ids.into_iter().enumerate() {
-            let row = Row::new::<E>(id.into_value_tuple())?;
-            let cached = self.session.map().get::<E::Model>(&row.key);
+            let key = cache_key::<E>(id.into_value_tuple())?;
+            let cached = self.session.map().get::<E::Model>(&key);
             if cached.is_none() {
-                missing.push((i, row));
+                missing.push((i, key));
             }
             found.push(cached);
         }
+        let table = E::default().table_name();
         let columns = E::PrimaryKey::iter().count().max(1);
         for chunk in missing.chunks(MAX_PARAMS_PER_QUERY / columns) {
-            let table = chunk
-                .first()
-                .map(|(_, row)| row.to_string())
-                .unwrap_or_default();
             let models = E::find()
-                .filter(any_of_keys::<E>(chunk.iter().map(|(_, row)| row.pk())))
+                .filter(any_of_keys::<E>(chunk.iter().map(|(_, key)| &key.1)))
                 .all(self.session.connection())
                 .await
-                .map_err(|e| database("loading many rows like", &table, e))?;
-            let mut by_key: HashMap<ValueTuple, Arc<E::Model>> = models
+                .map_err(|e| database("loading many rows of", &table, e))?;
+            let by_key: HashMap<ValueTuple, Arc<E::Model>> = models
                 .into_iter()
                 .map(|model| (model.get_primary_key_value(), Arc::new(model)))
                 .collect();
-            for (i, row) in chunk {
+            for (i, key) in chunk {
                 // The same id asked twice gets the same Arc.
-                if let Some(model) = by_key.get(row.pk()) {
-                    self.session
-                        .map()
-                        .insert(row.key.clone(), Arc::clone(model));
+                if let Some(model) = by_key.get(&key.1) {
+                    self.session.map().insert(key.clone(), Arc::clone(model));
                     found[*i] = Some(Arc::clone(model));
                 }
             }
-            by_key.clear();
         }
         Ok(found)
     }
@@ -161,8 +156,8 @@ where
     pub fn reset_cache(&self, ids: impl IntoIterator<Item = PrimaryKeyOf<E>>) -> Result<usize> {
         let mut removed = 0;
         for id in ids {
-            let row = Row::new::<E>(id.into_value_tuple())?;
-            removed += usize::from(self.session.map().remove(&row.key));
+            let key = cache_key::<E>(id.into_value_tuple())?;
+            removed += usize::from(self.session.map().remove(&key));
         }
         Ok(removed)
     }

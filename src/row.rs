@@ -23,17 +23,8 @@ impl Row {
     /// # Errors
     /// [`Error::InvalidKey`] when `pk` does not have one value per primary-key column.
     pub(crate) fn new<E: EntityTrait>(pk: ValueTuple) -> Result<Self, Error> {
+        let key = cache_key::<E>(pk)?;
         let entity = E::default();
-        let columns = E::PrimaryKey::iter().count();
-        if pk.arity() != columns {
-            return Err(Error::InvalidKey {
-                entity: entity.table_name(),
-                reason: format!(
-                    "{} value(s) given for {columns} primary-key column(s)",
-                    pk.arity()
-                ),
-            });
-        }
         let mut name = String::with_capacity(32);
         if let Some(schema) = entity.schema_name() {
             name.push_str(schema);
@@ -41,7 +32,7 @@ impl Row {
         }
         name.push_str(entity.table_name());
         name.push(':');
-        for (i, value) in pk.iter().enumerate() {
+        for (i, value) in key.1.iter().enumerate() {
             if i > 0 {
                 name.push(',');
             }
@@ -49,7 +40,7 @@ impl Row {
             let _ = write!(name, "{value}");
         }
         Ok(Self {
-            key: (TypeId::of::<E>(), pk),
+            key,
             name: LockName::trusted(name),
         })
     }
@@ -63,6 +54,25 @@ impl fmt::Display for Row {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.name, f)
     }
+}
+
+/// The identity-map key of the row of `E` whose primary key is `pk`: no allocation for keys of
+/// fixed-size values, so a cache hit allocates nothing.
+///
+/// # Errors
+/// [`Error::InvalidKey`] when `pk` does not have one value per primary-key column.
+pub(crate) fn cache_key<E: EntityTrait>(pk: ValueTuple) -> Result<Key, Error> {
+    let columns = E::PrimaryKey::iter().count();
+    if pk.arity() != columns {
+        return Err(Error::InvalidKey {
+            entity: E::default().table_name(),
+            reason: format!(
+                "{} value(s) given for {columns} primary-key column(s)",
+                pk.arity()
+            ),
+        });
+    }
+    Ok((TypeId::of::<E>(), pk))
 }
 
 /// `SELECT … WHERE pk = …` for `pk` (whose arity [`Row::new`] checked).
