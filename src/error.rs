@@ -95,6 +95,33 @@ pub enum LockError {
     /// Lock names must not be empty.
     #[error("lock name is empty")]
     EmptyName,
+    /// A table freshlock needs does not exist: run the migration it names.
+    #[error(
+        "table {table} does not exist: run the migration {migration} (freshlock::schema::Migration)"
+    )]
+    MissingTable {
+        /// The missing table.
+        table: &'static str,
+        /// The migration that creates it.
+        migration: &'static str,
+    },
+    /// The backend does not work on this database (for example PostgreSQL advisory locks on
+    /// SQLite).
+    #[error("the {backend} lock backend does not support {database}")]
+    Unsupported {
+        /// The backend's kind.
+        backend: &'static str,
+        /// The database it was used with.
+        database: String,
+    },
+    /// No lock backend has this name.
+    #[error(
+        "unknown lock backend {name:?} (expected local, table, row, pg_advisory, mysql_named or redis)"
+    )]
+    UnknownKind {
+        /// The name given.
+        name: String,
+    },
     /// The backend failed (server unreachable, query failed).
     #[error("{backend} lock backend failed")]
     Backend {

@@ -18,6 +18,7 @@
     warn(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)
 )]
 
+mod db_error;
 mod error;
 mod identity_map;
 pub mod lock;
@@ -25,11 +26,14 @@ mod locked_update;
 mod outcome;
 mod repository;
 mod row;
+pub mod schema;
 mod session;
 
 pub use error::{ApplyError, BoxError, Error, LockError, Result};
 pub use identity_map::CacheStats;
-pub use lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockScope, OnLockFailure};
+pub use lock::{
+    LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockScope, OnLockFailure,
+};
 pub use outcome::{LockReport, SaveOutcome, UpdateOutcome, UpdateReport};
 pub use repository::{PrimaryKeyOf, Repository};
 pub use session::{Session, SessionBuilder};

@@ -10,6 +10,7 @@
 use std::{
     panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
     sync::Arc,
+    time::Duration,
 };
 
 use sea_orm::{
@@ -22,7 +23,7 @@ use tracing::{Instrument, debug, error, info_span, warn};
 
 use crate::{
     error::{ApplyError, Error, Result, database},
-    lock::{LockGuard, LockScope, OnLockFailure},
+    lock::{LocalLock, LockGuard, LockScope, OnLockFailure},
     outcome::{LockReport, UpdateOutcome, UpdateReport},
     repository::{changed_columns, with_changes, write_changes},
     row::{Row, is_primary_key, select_by_key},
@@ -125,19 +126,45 @@ where
             name: self.row.name.clone(),
             held: false,
             tries: 0,
-            waited: std::time::Duration::ZERO,
+            waited: Duration::ZERO,
+            fence: None,
+            release_error: None,
         };
+
+        // Queue in-process first when the backend reaches outside the process: then at most one
+        // task per key and process waits on (and polls, or holds a connection for) the shared
+        // lock, so many waiters on one hot key cannot drain the connection pool.
+        let mut queue = None;
+        let mut available = true;
+        if backend.kind() != LocalLock::KIND {
+            let local = LocalLock::shared();
+            let acquisition = tokio::select! {
+                () = self.reloaded.closed() => return Err(self.interrupted()),
+                acquisition = policy.acquire(&local, &self.row.name) => acquisition,
+            };
+            report.waited = acquisition.waited;
+            match acquisition.result {
+                Ok(Some(held)) => queue = Some(held),
+                _ => {
+                    report.tries = acquisition.tries;
+                    available = false;
+                    self.lock_unavailable(&policy.on_failure, &report, None)?;
+                }
+            }
+        }
+
         let mut guard: Option<Box<dyn LockGuard>> = None;
-        if backend.scope() == LockScope::Lease {
+        if available && backend.scope() == LockScope::Lease {
             let acquisition = tokio::select! {
                 // The caller gave up while we waited: nothing to do.
                 () = self.reloaded.closed() => return Err(self.interrupted()),
                 acquisition = policy.acquire(backend.as_ref(), &self.row.name) => acquisition,
             };
             report.tries = acquisition.tries;
-            report.waited = acquisition.waited;
+            report.waited += acquisition.waited;
             match acquisition.result {
                 Ok(Some(held)) => {
+                    report.fence = held.fence();
                     guard = Some(held);
                     report.held = true;
                 }
@@ -146,16 +173,21 @@ where
             }
         }
 
-        let result = self.section(&mut report).await;
+        let in_transaction = available && backend.scope() == LockScope::Transaction;
+        let result = self
+            .section(&mut report, guard.as_deref(), in_transaction)
+            .await;
 
         // Only now, after commit or rollback: releasing earlier would let the next holder reload
-        // data this transaction had not committed yet.
-        if let Some(Err(error)) = match guard {
-            Some(guard) => Some(guard.release().await),
-            None => None,
-        } {
+        // data this transaction had not committed yet. A failed release does not undo a commit:
+        // it is reported, and the lease runs out by its TTL.
+        if let Some(guard) = guard
+            && let Err(error) = guard.release().await
+        {
             warn!(lock = %self.row.name, %error, "lock release failed; the lease runs out by its TTL");
+            report.release_error = Some(error.to_string());
         }
+        drop(queue);
         result.map(|outcome| UpdateReport {
             outcome,
             lock: report,
@@ -194,25 +226,44 @@ where
     }
 
     /// Evict, begin, reload, hand over to `apply`, write, commit, cache.
-    async fn section(&mut self, report: &mut LockReport) -> Result<UpdateOutcome<E::Model>> {
+    async fn section(
+        &mut self,
+        report: &mut LockReport,
+        guard: Option<&dyn LockGuard>,
+        lock_in_transaction: bool,
+    ) -> Result<UpdateOutcome<E::Model>> {
         let db = self.session.connection();
         self.session.map().remove(&self.row.key);
-        let txn = begin(db)
+        let mut txn = begin(db)
             .await
             .map_err(|e| database("beginning the transaction for", &self.row, e))?;
 
-        let backend = Arc::clone(self.session.lock_backend());
-        if backend.scope() == LockScope::Transaction {
+        if lock_in_transaction {
+            let backend = Arc::clone(self.session.lock_backend());
             let policy = self.session.policy();
             let wait = policy.wait_per_try.saturating_mul(policy.tries);
-            report.tries = 1;
-            match backend
+            let started = tokio::time::Instant::now();
+            let locked = backend
                 .lock_in_transaction(&txn, &self.row.name, wait)
-                .await
-            {
-                Ok(true) => report.held = true,
-                Ok(false) => self.lock_unavailable(&policy.on_failure, report, None)?,
-                Err(source) => self.lock_unavailable(&policy.on_failure, report, Some(source))?,
+                .await;
+            report.tries = 1;
+            report.waited += started.elapsed();
+            let failure = match locked {
+                Ok(true) => {
+                    report.held = true;
+                    None
+                }
+                Ok(false) => Some(None),
+                Err(source) => Some(Some(source)),
+            };
+            if let Some(failure) = failure {
+                // A timed-out lock wait aborts a PostgreSQL transaction: end it either way, and
+                // start a clean one if the policy says to go on without the lock.
+                let _ = txn.rollback().await;
+                self.lock_unavailable(&policy.on_failure, report, failure)?;
+                txn = begin(db)
+                    .await
+                    .map_err(|e| database("beginning the transaction for", &self.row, e))?;
             }
         }
 
@@ -244,6 +295,23 @@ where
                 .insert(self.row.key.clone(), Arc::clone(&original));
             debug!(row = %self.row.name, "unchanged");
             return Ok(UpdateOutcome::Unchanged(original));
+        }
+        if let Some(guard) = guard {
+            match guard.verify(&txn).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    finish(txn, false, &self.row).await?;
+                    warn!(row = %self.row.name, fence = report.fence, "lease lost before the write; nothing written");
+                    return Ok(UpdateOutcome::LeaseLost);
+                }
+                Err(source) => {
+                    let _ = txn.rollback().await;
+                    return Err(Error::Lock {
+                        target: self.row.to_string(),
+                        source,
+                    });
+                }
+            }
         }
         match write_changes::<E, _>(&txn, &original, &changes).await {
             Ok(()) => {}

@@ -15,6 +15,10 @@ pub enum UpdateOutcome<M> {
     Unchanged(Arc<M>),
     /// No row has this key (it never existed or was deleted): nothing was written.
     NotFound,
+    /// The lease lock was lost before the write (it expired, and another holder took it):
+    /// the fence check in the write's transaction refused, nothing was written, and the row keeps
+    /// what the newer holder wrote. Retry if the change still applies.
+    LeaseLost,
 }
 
 impl<M> UpdateOutcome<M> {
@@ -22,7 +26,7 @@ impl<M> UpdateOutcome<M> {
     pub fn model(&self) -> Option<&Arc<M>> {
         match self {
             Self::Updated(model) | Self::Unchanged(model) => Some(model),
-            Self::NotFound => None,
+            Self::NotFound | Self::LeaseLost => None,
         }
     }
 
@@ -47,6 +51,11 @@ pub struct LockReport {
     pub tries: u32,
     /// How long the section waited for the lock.
     pub waited: Duration,
+    /// The fence token of the grant, for backends that issue one.
+    pub fence: Option<u64>,
+    /// Set when releasing the lock failed *after* the transaction ended: the outcome stands (a
+    /// committed update stays committed), and the lease runs out by its TTL.
+    pub release_error: Option<String>,
 }
 
 /// The result of a successful `locked_update`: what happened to the row, and how the lock went.

@@ -17,6 +17,8 @@ impl MigratorTrait for Migrator {
         vec![
             Box::new(m20261130_000001_create_node::Migration),
             Box::new(m20261130_000002_create_ham_spam::Migration),
+            // freshlock's own tables (lease table, lock rows): the library ships the migration.
+            Box::new(freshlock::schema::Migration),
         ]
     }
 }

@@ -29,6 +29,9 @@ pub struct LocalLock {
 }
 
 impl LocalLock {
+    /// This backend's [`kind`](LockBackend::kind).
+    pub const KIND: &'static str = "local";
+
     /// A new lock space, independent of every other.
     pub fn new() -> Self {
         Self::default()
@@ -69,7 +72,7 @@ impl LocalLock {
 #[async_trait]
 impl LockBackend for LocalLock {
     fn kind(&self) -> &'static str {
-        "local"
+        Self::KIND
     }
 
     async fn acquire(

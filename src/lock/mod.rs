@@ -15,18 +15,39 @@
 //! [`LockPolicy`], applied by the session — backends only try once, waiting at most the time they
 //! are given.
 
+mod any;
+mod backoff;
+mod fence;
+mod holder;
 mod local;
+#[cfg(feature = "mysql")]
+mod mysql_named;
 mod name;
+mod pg_advisory;
 mod policy;
+#[cfg(feature = "redis")]
+mod redis;
+mod row;
+mod sql;
+mod table;
+mod wait;
 
 use std::{fmt, time::Duration};
 
 use async_trait::async_trait;
 use sea_orm::DatabaseTransaction;
 
+pub use any::LockKind;
 pub use local::LocalLock;
+#[cfg(feature = "mysql")]
+pub use mysql_named::MySqlNamedLock;
 pub use name::LockName;
+pub use pg_advisory::PgAdvisoryLock;
 pub use policy::{LockPolicy, OnLockFailure};
+#[cfg(feature = "redis")]
+pub use redis::RedisLock;
+pub use row::RowLock;
+pub use table::TableLock;
 
 use crate::error::LockError;
 
@@ -104,6 +125,29 @@ pub trait LockGuard: Send + Sync + fmt::Debug {
     /// the same name.
     fn fence(&self) -> Option<u64> {
         None
+    }
+
+    /// Extends the lease to `ttl` from now, only while it is still this holder's. Returns whether
+    /// it was extended (`false`: the lease had expired or was taken over). Locks without a lease
+    /// return `Ok(true)`.
+    ///
+    /// # Errors
+    /// [`LockError`] when the backend could not be asked.
+    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
+        let _ = ttl;
+        Ok(true)
+    }
+
+    /// Checks, inside the transaction that is about to write, that this grant is still the
+    /// current one (fencing). `locked_update` calls it before its UPDATE and, when it returns
+    /// `false`, rolls back and reports [`crate::UpdateOutcome::LeaseLost`]. Locks that cannot be
+    /// lost while held (the in-process lock) keep the default, `Ok(true)`, which sends nothing.
+    ///
+    /// # Errors
+    /// [`LockError`] when the check could not be made.
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        let _ = txn;
+        Ok(true)
     }
 
     /// Releases the lock.

@@ -1,0 +1,148 @@
+//! MySQL / MariaDB named locks (`GET_LOCK`).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sea_orm::{
+    DatabaseConnection, DatabaseTransaction, DbBackend,
+    sqlx::{MySql, pool::PoolConnection},
+};
+use tracing::warn;
+
+use super::{LockBackend, LockGuard, LockName, fence};
+use crate::{error::LockError, schema::MAX_STORED_NAME};
+
+const KIND: &str = "mysql_named";
+/// MySQL refuses longer names (error 3057).
+const MAX_NAME: usize = 64;
+
+/// `GET_LOCK` / `RELEASE_LOCK` on a connection held for the lock's whole life, taken from a pool
+/// used only for locks (so that waiting for a lock never takes the connection the work needs).
+///
+/// A named lock belongs to its connection: it survives commit and rollback, is released by
+/// `RELEASE_LOCK` after the transaction ended, and by the server when the connection closes (a
+/// crashed holder frees it at once; a guard dropped without `release` closes its connection
+/// instead of returning it to the pool with the lock held). Names longer than 64 characters or
+/// not ASCII are mapped to a stable 64-character name. Waits are always finite (MariaDB returns
+/// NULL for a negative timeout). Each grant bumps a fence in `freshlock_lock`, checked in the
+/// write's transaction.
+///
+/// `locks` must reach the same database as the data. Needs [`crate::schema::Migration`].
+#[derive(Clone, Debug)]
+pub struct MySqlNamedLock {
+    locks: DatabaseConnection,
+}
+
+impl MySqlNamedLock {
+    /// Named locks on connections of `locks` (a pool of its own; each held lock keeps one
+    /// connection).
+    ///
+    /// # Errors
+    /// [`LockError::Unsupported`] when `locks` is not a MySQL/MariaDB connection.
+    pub fn new(locks: DatabaseConnection) -> Result<Self, LockError> {
+        if locks.get_database_backend() != DbBackend::MySql {
+            return Err(LockError::Unsupported {
+                backend: KIND,
+                database: format!("{:?}", locks.get_database_backend()),
+            });
+        }
+        Ok(Self { locks })
+    }
+
+    fn fail(e: impl std::error::Error + Send + Sync + 'static) -> LockError {
+        LockError::Backend {
+            backend: KIND,
+            source: Box::new(e),
+        }
+    }
+}
+
+#[async_trait]
+impl LockBackend for MySqlNamedLock {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn acquire(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        _ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        let server_name = name.bounded(MAX_NAME, true).into_owned();
+        let mut conn = self
+            .locks
+            .get_mysql_connection_pool()
+            .acquire()
+            .await
+            .map_err(Self::fail)?;
+        let got: Option<i64> = sea_orm::sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
+            .bind(&server_name)
+            .bind(wait.as_secs_f64())
+            .fetch_one(&mut *conn)
+            .await
+            .map_err(Self::fail)?;
+        if got != Some(1) {
+            return Ok(None);
+        }
+        let mut guard = MySqlNamedGuard {
+            conn: Some(conn),
+            server_name,
+            fence_name: name.bounded(MAX_STORED_NAME, false).into_owned(),
+            fence: 0,
+        };
+        // Dropping `guard` on error closes the connection, which frees the named lock.
+        guard.fence = fence::bump(&self.locks, DbBackend::MySql, KIND, &guard.fence_name).await?;
+        Ok(Some(Box::new(guard)))
+    }
+}
+
+/// A held named lock and its connection.
+#[derive(Debug)]
+struct MySqlNamedGuard {
+    conn: Option<PoolConnection<MySql>>,
+    server_name: String,
+    fence_name: String,
+    fence: u64,
+}
+
+#[async_trait]
+impl LockGuard for MySqlNamedGuard {
+    fn fence(&self) -> Option<u64> {
+        Some(self.fence)
+    }
+
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    }
+
+    async fn release(mut self: Box<Self>) -> Result<(), LockError> {
+        let Some(mut conn) = self.conn.take() else {
+            return Ok(());
+        };
+        let released: Result<Option<i64>, _> =
+            sea_orm::sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+                .bind(&self.server_name)
+                .fetch_one(&mut *conn)
+                .await;
+        match released {
+            // Back to the pool only when the server says the lock is gone.
+            Ok(_) => Ok(()),
+            Err(e) => {
+                conn.close_on_drop();
+                Err(MySqlNamedLock::fail(e))
+            }
+        }
+    }
+}
+
+impl Drop for MySqlNamedGuard {
+    fn drop(&mut self) {
+        if let Some(mut conn) = self.conn.take() {
+            // Never hand a connection that holds a named lock to the next borrower: closing it
+            // makes the server release the lock.
+            warn!(lock = %self.server_name, "named lock dropped without release; closing its connection");
+            conn.close_on_drop();
+        }
+    }
+}

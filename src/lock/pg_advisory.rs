@@ -1,0 +1,93 @@
+//! PostgreSQL transaction-level advisory locks.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Value};
+
+use super::{LockBackend, LockGuard, LockName, LockScope, sql::statement, wait::with_lock_timeout};
+use crate::error::LockError;
+
+const KIND: &str = "pg_advisory";
+
+/// `pg_advisory_xact_lock` on the 64-bit [`LockName::stable_hash`] of the name, inside the
+/// `locked_update` transaction: released by its commit or rollback, so it can neither leak onto a
+/// pooled connection nor outlive a crashed holder, and needs no table. The wait is bounded with
+/// `lock_timeout`. Uncontended, it costs one statement (`pg_try_advisory_xact_lock`).
+///
+/// PostgreSQL only: on other databases it fails with [`LockError::Unsupported`]. Two names
+/// with the same 64-bit hash share a lock (harmless: they only serialize more).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct PgAdvisoryLock;
+
+impl PgAdvisoryLock {
+    /// The advisory-lock backend.
+    pub fn new() -> Self {
+        Self
+    }
+
+    /// The advisory-lock key of `name`: its stable hash as a `bigint`.
+    pub fn key(name: &LockName) -> i64 {
+        i64::from_ne_bytes(name.stable_hash().to_ne_bytes())
+    }
+}
+
+#[async_trait]
+impl LockBackend for PgAdvisoryLock {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn scope(&self) -> LockScope {
+        LockScope::Transaction
+    }
+
+    async fn acquire(
+        &self,
+        _name: &LockName,
+        _wait: Duration,
+        _ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        Ok(None)
+    }
+
+    async fn lock_in_transaction(
+        &self,
+        txn: &DatabaseTransaction,
+        name: &LockName,
+        wait: Duration,
+    ) -> Result<bool, LockError> {
+        let backend = txn.get_database_backend();
+        if backend != DbBackend::Postgres {
+            return Err(LockError::Unsupported {
+                backend: KIND,
+                database: format!("{backend:?}"),
+            });
+        }
+        let fail = |e| LockError::Backend {
+            backend: KIND,
+            source: Box::new(e),
+        };
+        let key = Value::from(Self::key(name));
+        let try_lock = statement(
+            backend,
+            "SELECT pg_try_advisory_xact_lock(?) AS locked",
+            vec![key.clone()],
+        );
+        let row = txn.query_one_raw(try_lock).await.map_err(fail)?;
+        let locked = row
+            .map(|r| r.try_get::<bool>("", "locked"))
+            .transpose()
+            .map_err(fail)?
+            .unwrap_or(false);
+        if locked || wait.is_zero() {
+            return Ok(locked);
+        }
+        let blocking = statement(backend, "SELECT pg_advisory_xact_lock(?)", vec![key]);
+        with_lock_timeout(txn, wait, async {
+            txn.execute_raw(blocking.clone()).await.map(|_| ())
+        })
+        .await
+        .map_err(fail)
+    }
+}

@@ -1,0 +1,212 @@
+//! Redis leases: `SET key token NX PX ttl`, released and extended only by their owner.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use redis::{Script, aio::ConnectionManager};
+use sea_orm::{DatabaseConnection, DatabaseTransaction};
+use tokio::time::{Instant, timeout};
+
+use super::{LockBackend, LockGuard, LockName, backoff::Backoff, fence, holder};
+use crate::{error::LockError, schema::MAX_STORED_NAME};
+
+const KIND: &str = "redis";
+/// Longest a single Redis call may take before the server counts as unreachable.
+const CALL_TIMEOUT: Duration = Duration::from_secs(2);
+
+const RELEASE: &str = r#"if redis.call("get", KEYS[1]) == ARGV[1] then return redis.call("del", KEYS[1]) else return 0 end"#;
+const EXTEND: &str = r#"if redis.call("get", KEYS[1]) == ARGV[1] then return redis.call("pexpire", KEYS[1], ARGV[2]) else return 0 end"#;
+
+/// A lease in Redis (one node): `SET freshlock:{name} token NX PX ttl`, polled with short jittered
+/// backoff; released and extended by a Lua compare-and-delete / compare-and-expire so only the
+/// owner's token can. A crashed holder's lease runs out by its TTL.
+///
+/// A Redis lock is an efficiency lock: a holder paused past its TTL loses it without knowing. So
+/// every grant takes a fence from the `freshlock_lock` table of the data's database (not from a
+/// Redis counter, which a Redis restart without persistence would reset and so freeze every later
+/// write), and `locked_update` checks it in the transaction of its write.
+///
+/// Connections: one multiplexed, auto-reconnecting connection ([`ConnectionManager`]) carries all
+/// concurrent calls — Redis's pipelining makes a pool unnecessary. Cheap to clone.
+#[derive(Clone)]
+pub struct RedisLock {
+    redis: ConnectionManager,
+    fences: DatabaseConnection,
+}
+
+impl std::fmt::Debug for RedisLock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisLock").finish_non_exhaustive()
+    }
+}
+
+impl RedisLock {
+    /// Connects to the Redis server at `url`; fences live in `fences` (the data's database).
+    ///
+    /// # Errors
+    /// [`LockError::Backend`] when the URL is invalid or the server does not answer in 2 s.
+    pub async fn connect(url: &str, fences: DatabaseConnection) -> Result<Self, LockError> {
+        let client = redis::Client::open(url).map_err(fail)?;
+        let redis = timeout(CALL_TIMEOUT, ConnectionManager::new(client))
+            .await
+            .map_err(|_| unreachable_server())?
+            .map_err(fail)?;
+        Ok(Self { redis, fences })
+    }
+
+    fn key(name: &LockName) -> String {
+        format!("freshlock:{name}")
+    }
+}
+
+fn fail(e: redis::RedisError) -> LockError {
+    LockError::Backend {
+        backend: KIND,
+        source: Box::new(e),
+    }
+}
+
+fn unreachable_server() -> LockError {
+    LockError::Backend {
+        backend: KIND,
+        source: "redis did not answer within 2 s".into(),
+    }
+}
+
+async fn call<T>(future: impl Future<Output = redis::RedisResult<T>>) -> Result<T, LockError> {
+    timeout(CALL_TIMEOUT, future)
+        .await
+        .map_err(|_| unreachable_server())?
+        .map_err(fail)
+}
+
+#[async_trait]
+impl LockBackend for RedisLock {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn acquire(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        let key = Self::key(name);
+        let token = holder::new_token();
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let deadline = Instant::now() + wait;
+        let mut backoff = Backoff::new();
+        let mut redis = self.redis.clone();
+        loop {
+            let set: Option<String> = call(
+                redis::cmd("SET")
+                    .arg(&key)
+                    .arg(&token)
+                    .arg("NX")
+                    .arg("PX")
+                    .arg(ttl_ms)
+                    .query_async(&mut redis),
+            )
+            .await?;
+            if set.is_some() {
+                let mut guard = RedisGuard {
+                    redis: redis.clone(),
+                    key,
+                    token,
+                    fence_name: name.bounded(MAX_STORED_NAME, false).into_owned(),
+                    fence: 0,
+                    released: false,
+                };
+                let backend = self.fences.get_database_backend();
+                guard.fence = fence::bump(&self.fences, backend, KIND, &guard.fence_name).await?;
+                return Ok(Some(Box::new(guard)));
+            }
+            if !backoff.wait_until(deadline).await {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// A Redis lease.
+struct RedisGuard {
+    redis: ConnectionManager,
+    key: String,
+    token: String,
+    fence_name: String,
+    fence: u64,
+    released: bool,
+}
+
+impl std::fmt::Debug for RedisGuard {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RedisGuard")
+            .field("key", &self.key)
+            .field("fence", &self.fence)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RedisGuard {
+    async fn release_now(
+        mut redis: ConnectionManager,
+        key: &str,
+        token: &str,
+    ) -> Result<bool, LockError> {
+        let deleted: i64 = call(
+            Script::new(RELEASE)
+                .key(key)
+                .arg(token)
+                .invoke_async(&mut redis),
+        )
+        .await?;
+        Ok(deleted == 1)
+    }
+}
+
+#[async_trait]
+impl LockGuard for RedisGuard {
+    fn fence(&self) -> Option<u64> {
+        Some(self.fence)
+    }
+
+    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
+        let mut redis = self.redis.clone();
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let extended: i64 = call(
+            Script::new(EXTEND)
+                .key(&self.key)
+                .arg(&self.token)
+                .arg(ttl_ms)
+                .invoke_async(&mut redis),
+        )
+        .await?;
+        Ok(extended == 1)
+    }
+
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    }
+
+    async fn release(mut self: Box<Self>) -> Result<(), LockError> {
+        self.released = true;
+        Self::release_now(self.redis.clone(), &self.key, &self.token)
+            .await
+            .map(drop)
+    }
+}
+
+impl Drop for RedisGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        let (redis, key, token) = (self.redis.clone(), self.key.clone(), self.token.clone());
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = Self::release_now(redis, &key, &token).await;
+            });
+        }
+    }
+}

@@ -1,0 +1,104 @@
+//! The Django report's `HamLock`: a lock row per name, locked inside the transaction.
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
+
+use super::{
+    LockBackend, LockGuard, LockName, LockScope,
+    sql::{insert_ignore, lock_error, statement},
+    wait::with_lock_timeout,
+};
+use crate::{
+    error::LockError,
+    schema::{MAX_STORED_NAME, ROW_LOCK_TABLE},
+};
+
+const KIND: &str = "row";
+
+/// Locks a row of `freshlock_row_lock` (one per lock name, created on demand) with
+/// `SELECT … FOR UPDATE` (`FOR NO KEY UPDATE` on PostgreSQL) inside the `locked_update`
+/// transaction, instead of the data row or its parent: the Django report's `HamLock`. Readers and
+/// writers of the parent row never wait for it. The lock ends with the transaction, so a crashed
+/// holder frees it at once, and there is nothing to fence.
+///
+/// On **SQLite** there are no row locks: `BEGIN IMMEDIATE`, which every `locked_update` uses, lets
+/// one writer at a time into the whole database, and that is what serializes. This backend then
+/// sends nothing.
+///
+/// Needs [`crate::schema::Migration`].
+#[derive(Clone, Copy, Debug, Default)]
+pub struct RowLock;
+
+impl RowLock {
+    /// The lock-row backend.
+    pub fn new() -> Self {
+        Self
+    }
+}
+
+#[async_trait]
+impl LockBackend for RowLock {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    fn scope(&self) -> LockScope {
+        LockScope::Transaction
+    }
+
+    async fn acquire(
+        &self,
+        _name: &LockName,
+        _wait: Duration,
+        _ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        Ok(None)
+    }
+
+    async fn lock_in_transaction(
+        &self,
+        txn: &DatabaseTransaction,
+        name: &LockName,
+        wait: Duration,
+    ) -> Result<bool, LockError> {
+        let backend = txn.get_database_backend();
+        if backend == DbBackend::Sqlite {
+            return Ok(true);
+        }
+        let fail = |e| lock_error(KIND, ROW_LOCK_TABLE, e);
+        let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
+        let row_lock = if backend == DbBackend::Postgres {
+            "FOR NO KEY UPDATE"
+        } else {
+            "FOR UPDATE"
+        };
+        // Fast path, one statement: the row exists and nobody holds it.
+        let skip =
+            format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock} SKIP LOCKED");
+        let select = statement(backend, &skip, vec![stored.clone().into()]);
+        if txn.query_one_raw(select).await.map_err(fail)?.is_some() {
+            return Ok(true);
+        }
+        // The row is missing (create it: our uncommitted insert is the lock) or held by another.
+        let insert = insert_ignore(backend, ROW_LOCK_TABLE, "name", "?");
+        let inserted = txn
+            .execute_raw(statement(backend, &insert, vec![stored.clone().into()]))
+            .await
+            .map_err(fail)?;
+        if inserted.rows_affected() == 1 {
+            return Ok(true);
+        }
+        if wait.is_zero() {
+            return Ok(false);
+        }
+        let blocking = format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock}");
+        let blocking = statement(backend, &blocking, vec![stored.into()]);
+        with_lock_timeout(txn, wait, async {
+            txn.query_one_raw(blocking.clone()).await.map(|_| ())
+        })
+        .await
+        .map_err(fail)
+    }
+}

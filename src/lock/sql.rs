@@ -1,0 +1,72 @@
+//! SQL shared by the database-backed lock backends, per dialect.
+
+use sea_orm::{DbBackend, DbErr, Statement, Value};
+
+use crate::{
+    db_error::{Failure, classify},
+    error::LockError,
+    schema::MIGRATION_NAME,
+};
+
+/// The database clock in milliseconds since the Unix epoch. Only this clock decides whether a
+/// lease has expired: worker clocks may be minutes off.
+pub(crate) fn now_ms(backend: DbBackend) -> &'static str {
+    match backend {
+        DbBackend::Postgres => "CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)",
+        DbBackend::MySql => "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
+        _ => "CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    }
+}
+
+/// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL).
+pub(crate) fn statement(backend: DbBackend, sql: &str, values: Vec<Value>) -> Statement {
+    let sql = if backend == DbBackend::Postgres {
+        let mut numbered = String::with_capacity(sql.len() + 8);
+        let mut n = 0;
+        for c in sql.chars() {
+            if c == '?' {
+                n += 1;
+                numbered.push('$');
+                numbered.push_str(&n.to_string());
+            } else {
+                numbered.push(c);
+            }
+        }
+        numbered
+    } else {
+        sql.to_owned()
+    };
+    Statement::from_sql_and_values(backend, sql, values)
+}
+
+/// `INSERT … ` that does nothing when the key exists.
+pub(crate) fn insert_ignore(
+    backend: DbBackend,
+    table: &str,
+    columns: &str,
+    values: &str,
+) -> String {
+    match backend {
+        DbBackend::MySql => format!("INSERT IGNORE INTO {table} ({columns}) VALUES ({values})"),
+        _ => format!("INSERT INTO {table} ({columns}) VALUES ({values}) ON CONFLICT DO NOTHING"),
+    }
+}
+
+/// A backend's database error, naming the migration when freshlock's table is missing.
+pub(crate) fn lock_error(backend: &'static str, table: &'static str, err: DbErr) -> LockError {
+    if classify(&err) == Failure::MissingTable {
+        return LockError::MissingTable {
+            table,
+            migration: MIGRATION_NAME,
+        };
+    }
+    LockError::Backend {
+        backend,
+        source: Box::new(err),
+    }
+}
+
+/// Milliseconds of a duration, saturating.
+pub(crate) fn millis(duration: std::time::Duration) -> i64 {
+    i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}

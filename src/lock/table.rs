@@ -1,0 +1,267 @@
+//! Leases in a table of the application's own database (`freshlock_lock`).
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, TransactionTrait, Value,
+};
+use tokio::time::Instant;
+use tracing::{debug, warn};
+
+use super::{
+    LockBackend, LockGuard, LockName,
+    backoff::Backoff,
+    holder,
+    sql::{insert_ignore, lock_error, millis, now_ms, statement},
+};
+use crate::{
+    error::LockError,
+    schema::{LOCK_TABLE, MAX_STORED_NAME},
+};
+
+const KIND: &str = "table";
+
+/// A lease lock in the `freshlock_lock` table of the database the data lives in (SQLite,
+/// PostgreSQL, MySQL/MariaDB): it holds across processes and machines.
+///
+/// Acquire is one atomic statement on SQLite and PostgreSQL (insert the row, or take over a row
+/// that is free or whose lease has expired, returning the new fence) and one short transaction on
+/// MySQL. Expiry uses the **database clock** only. Rows are never deleted, so each name's fence
+/// keeps growing. A holder that dies keeps the lease until its TTL runs out; `locked_update`
+/// checks, in the transaction of its write, that the lease is still its own and unexpired.
+///
+/// Needs [`crate::schema::Migration`]. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct TableLock {
+    db: DatabaseConnection,
+    label: Option<String>,
+}
+
+impl TableLock {
+    /// Leases in `db`'s `freshlock_lock` table.
+    pub fn new(db: DatabaseConnection) -> Self {
+        Self { db, label: None }
+    }
+
+    /// Records `label` (a worker or task name) as the holder's label, for the lock inspector.
+    pub fn with_label(mut self, label: impl Into<String>) -> Self {
+        self.label = Some(label.into());
+        self
+    }
+
+    /// One try: the new fence when the lease was taken.
+    async fn try_once(
+        &self,
+        name: &str,
+        token: &str,
+        ttl: Duration,
+    ) -> Result<Option<i64>, LockError> {
+        let backend = self.db.get_database_backend();
+        let now = now_ms(backend);
+        let holder = || -> Vec<Value> {
+            vec![
+                token.into(),
+                millis(ttl).into(),
+                holder::host().into(),
+                i64::from(std::process::id()).into(),
+                self.label.clone().into(),
+            ]
+        };
+        let fail = |e| lock_error(KIND, LOCK_TABLE, e);
+        if backend == DbBackend::MySql {
+            let txn = self.db.begin().await.map_err(fail)?;
+            let insert = insert_ignore(backend, LOCK_TABLE, "name, fence, expires_at", "?, 0, 0");
+            txn.execute_raw(statement(backend, &insert, vec![name.into()]))
+                .await
+                .map_err(fail)?;
+            let take = format!(
+                "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
+                 host = ?, pid = ?, label = ?, acquired_at = {now} \
+                 WHERE name = ? AND (owner IS NULL OR expires_at <= {now})"
+            );
+            let mut values = holder();
+            values.push(name.into());
+            let taken = txn
+                .execute_raw(statement(backend, &take, values))
+                .await
+                .map_err(fail)?;
+            let fence = if taken.rows_affected() == 1 {
+                let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ?");
+                let row = txn
+                    .query_one_raw(statement(backend, &read, vec![name.into()]))
+                    .await
+                    .map_err(fail)?;
+                row.map(|r| r.try_get::<i64>("", "fence"))
+                    .transpose()
+                    .map_err(fail)?
+            } else {
+                None
+            };
+            txn.commit().await.map_err(fail)?;
+            return Ok(fence);
+        }
+        let upsert = format!(
+            "INSERT INTO {LOCK_TABLE} (name, owner, fence, expires_at, host, pid, label, acquired_at) \
+             VALUES (?, ?, 1, {now} + ?, ?, ?, ?, {now}) \
+             ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, \
+             fence = {LOCK_TABLE}.fence + 1, expires_at = excluded.expires_at, \
+             host = excluded.host, pid = excluded.pid, label = excluded.label, \
+             acquired_at = excluded.acquired_at \
+             WHERE {LOCK_TABLE}.owner IS NULL OR {LOCK_TABLE}.expires_at <= {now} \
+             RETURNING fence"
+        );
+        let mut values = vec![Value::from(name)];
+        values.extend(holder());
+        let row = self
+            .db
+            .query_one_raw(statement(backend, &upsert, values))
+            .await
+            .map_err(fail)?;
+        row.map(|r| r.try_get::<i64>("", "fence"))
+            .transpose()
+            .map_err(fail)
+    }
+}
+
+#[async_trait]
+impl LockBackend for TableLock {
+    fn kind(&self) -> &'static str {
+        KIND
+    }
+
+    async fn acquire(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
+        let token = holder::new_token();
+        let deadline = Instant::now() + wait;
+        let mut backoff = Backoff::new();
+        loop {
+            if let Some(fence) = self.try_once(&stored, &token, ttl).await? {
+                debug!(lock = %name, fence, "table lease taken");
+                return Ok(Some(Box::new(TableGuard {
+                    db: self.db.clone(),
+                    name: stored,
+                    token,
+                    fence,
+                    released: false,
+                })));
+            }
+            if !backoff.wait_until(deadline).await {
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// A lease in `freshlock_lock`.
+#[derive(Debug)]
+struct TableGuard {
+    db: DatabaseConnection,
+    name: String,
+    token: String,
+    fence: i64,
+    released: bool,
+}
+
+impl TableGuard {
+    async fn release_now(
+        db: &DatabaseConnection,
+        name: &str,
+        token: &str,
+    ) -> Result<(), LockError> {
+        let backend = db.get_database_backend();
+        let sql = format!(
+            "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE name = ? AND owner = ?"
+        );
+        db.execute_raw(statement(backend, &sql, vec![name.into(), token.into()]))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl LockGuard for TableGuard {
+    fn fence(&self) -> Option<u64> {
+        u64::try_from(self.fence).ok()
+    }
+
+    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
+        let backend = self.db.get_database_backend();
+        let now = now_ms(backend);
+        let sql = format!(
+            "UPDATE {LOCK_TABLE} SET expires_at = {now} + ? \
+             WHERE name = ? AND owner = ? AND expires_at > {now}"
+        );
+        let values = vec![
+            millis(ttl).into(),
+            self.name.clone().into(),
+            self.token.clone().into(),
+        ];
+        let updated = self
+            .db
+            .execute_raw(statement(backend, &sql, values))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        Ok(updated.rows_affected() == 1)
+    }
+
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        let backend = txn.get_database_backend();
+        let now = now_ms(backend);
+        // FOR UPDATE: a takeover of this row waits until our transaction ends, so the lease cannot
+        // be lost between this check and the commit. (SQLite: BEGIN IMMEDIATE already excludes it.)
+        let lock = if backend == DbBackend::Sqlite {
+            ""
+        } else {
+            " FOR UPDATE"
+        };
+        let sql = format!(
+            "SELECT fence FROM {LOCK_TABLE} \
+             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}{lock}"
+        );
+        let values = vec![
+            self.name.clone().into(),
+            self.token.clone().into(),
+            self.fence.into(),
+        ];
+        let row = txn
+            .query_one_raw(statement(backend, &sql, values))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        Ok(row.is_some())
+    }
+
+    async fn release(mut self: Box<Self>) -> Result<(), LockError> {
+        self.released = true;
+        Self::release_now(&self.db, &self.name, &self.token).await
+    }
+}
+
+impl Drop for TableGuard {
+    fn drop(&mut self) {
+        if self.released {
+            return;
+        }
+        // No async drop: release in the background when a runtime is there; otherwise (or if
+        // that fails) the lease runs out by its TTL.
+        let (db, name, token) = (self.db.clone(), self.name.clone(), self.token.clone());
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    if let Err(error) = Self::release_now(&db, &name, &token).await {
+                        warn!(lock = %name, %error, "background release failed; the lease runs out by its TTL");
+                    }
+                });
+            }
+            Err(_) => {
+                warn!(lock = %name, "lease dropped outside a runtime; it runs out by its TTL")
+            }
+        }
+    }
+}
