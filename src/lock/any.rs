@@ -80,7 +80,7 @@ impl LockKind {
         Ok(match self {
             Self::Local => Arc::new(LocalLock::shared()),
             Self::Table => Arc::new(TableLock::new(db.clone())),
-            Self::Row => Arc::new(RowLock::new()),
+            Self::Row => Arc::new(RowLock::new(db.clone())),
             Self::PgAdvisory => {
                 if db.get_database_backend() != sea_orm::DbBackend::Postgres {
                     return Err(unsupported(&format!("{:?}", db.get_database_backend())));

@@ -17,6 +17,7 @@
 
 mod any;
 mod backoff;
+#[cfg(any(feature = "mysql", feature = "redis"))]
 mod fence;
 mod holder;
 mod local;

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
 
 use super::{
     LockBackend, LockGuard, LockName, LockScope,
@@ -27,14 +27,18 @@ const KIND: &str = "row";
 /// one writer at a time into the whole database, and that is what serializes. This backend then
 /// sends nothing.
 ///
-/// Needs [`crate::schema::Migration`].
-#[derive(Clone, Copy, Debug, Default)]
-pub struct RowLock;
+/// Needs [`crate::schema::Migration`]. Lock rows are created on demand through `rows`, outside
+/// the locking transaction: on PostgreSQL and MySQL its pool needs a connection besides the one
+/// the transaction holds (give it a pool of 2 or more, or a pool of its own). Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct RowLock {
+    rows: DatabaseConnection,
+}
 
 impl RowLock {
-    /// The lock-row backend.
-    pub fn new() -> Self {
-        Self
+    /// Lock rows in `rows`' database (the data's).
+    pub fn new(rows: DatabaseConnection) -> Self {
+        Self { rows }
     }
 }
 
@@ -77,21 +81,25 @@ impl LockBackend for RowLock {
         // Fast path, one statement: the row exists and nobody holds it.
         let skip =
             format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock} SKIP LOCKED");
-        let select = statement(backend, &skip, vec![stored.clone().into()]);
-        if txn.query_one_raw(select).await.map_err(fail)?.is_some() {
+        let skip = statement(backend, &skip, vec![stored.clone().into()]);
+        if txn
+            .query_one_raw(skip.clone())
+            .await
+            .map_err(fail)?
+            .is_some()
+        {
             return Ok(true);
         }
-        // The row is missing (create it: our uncommitted insert is the lock) or held by another.
+        // Held by another, or missing. Create it outside our transaction, committed at once:
+        // locking a row another transaction has inserted but not committed would wait for that
+        // transaction whatever the budget, and InnoDB's locks on a duplicate insert deadlock.
         let insert = insert_ignore(backend, ROW_LOCK_TABLE, "name", "?");
-        let inserted = txn
+        self.rows
             .execute_raw(statement(backend, &insert, vec![stored.clone().into()]))
             .await
             .map_err(fail)?;
-        if inserted.rows_affected() == 1 {
-            return Ok(true);
-        }
         if wait.is_zero() {
-            return Ok(false);
+            return Ok(txn.query_one_raw(skip).await.map_err(fail)?.is_some());
         }
         let blocking = format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock}");
         let blocking = statement(backend, &blocking, vec![stored.into()]);

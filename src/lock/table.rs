@@ -3,9 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, TransactionTrait, Value,
-};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, Value};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -16,6 +14,7 @@ use super::{
     sql::{insert_ignore, lock_error, millis, now_ms, statement},
 };
 use crate::{
+    db_error::{Failure, classify},
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
@@ -70,36 +69,7 @@ impl TableLock {
         };
         let fail = |e| lock_error(KIND, LOCK_TABLE, e);
         if backend == DbBackend::MySql {
-            let txn = self.db.begin().await.map_err(fail)?;
-            let insert = insert_ignore(backend, LOCK_TABLE, "name, fence, expires_at", "?, 0, 0");
-            txn.execute_raw(statement(backend, &insert, vec![name.into()]))
-                .await
-                .map_err(fail)?;
-            let take = format!(
-                "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
-                 host = ?, pid = ?, label = ?, acquired_at = {now} \
-                 WHERE name = ? AND (owner IS NULL OR expires_at <= {now})"
-            );
-            let mut values = holder();
-            values.push(name.into());
-            let taken = txn
-                .execute_raw(statement(backend, &take, values))
-                .await
-                .map_err(fail)?;
-            let fence = if taken.rows_affected() == 1 {
-                let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ?");
-                let row = txn
-                    .query_one_raw(statement(backend, &read, vec![name.into()]))
-                    .await
-                    .map_err(fail)?;
-                row.map(|r| r.try_get::<i64>("", "fence"))
-                    .transpose()
-                    .map_err(fail)?
-            } else {
-                None
-            };
-            txn.commit().await.map_err(fail)?;
-            return Ok(fence);
+            return self.try_once_mysql(name, token, ttl).await;
         }
         let upsert = format!(
             "INSERT INTO {LOCK_TABLE} (name, owner, fence, expires_at, host, pid, label, acquired_at) \
@@ -116,6 +86,69 @@ impl TableLock {
         let row = self
             .db
             .query_one_raw(statement(backend, &upsert, values))
+            .await
+            .map_err(fail)?;
+        row.map(|r| r.try_get::<i64>("", "fence"))
+            .transpose()
+            .map_err(fail)
+    }
+}
+
+impl TableLock {
+    /// MySQL has no `RETURNING`: take over an existing free or expired row (one atomic UPDATE),
+    /// else insert the row already held. Both are single autocommit statements on one row, so
+    /// they cannot deadlock with each other; the rare deadlock InnoDB still reports is a busy try.
+    async fn try_once_mysql(
+        &self,
+        name: &str,
+        token: &str,
+        ttl: Duration,
+    ) -> Result<Option<i64>, LockError> {
+        let backend = DbBackend::MySql;
+        let now = now_ms(backend);
+        let fail = |e| lock_error(KIND, LOCK_TABLE, e);
+        let holder = vec![
+            Value::from(token),
+            millis(ttl).into(),
+            holder::host().into(),
+            i64::from(std::process::id()).into(),
+            self.label.clone().into(),
+        ];
+        let take = format!(
+            "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
+             host = ?, pid = ?, label = ?, acquired_at = {now} \
+             WHERE name = ? AND (owner IS NULL OR expires_at <= {now})"
+        );
+        let mut values = holder.clone();
+        values.push(name.into());
+        let taken = match self.db.execute_raw(statement(backend, &take, values)).await {
+            Ok(taken) => taken.rows_affected() == 1,
+            Err(e) if classify(&e) == Failure::Deadlock => return Ok(None),
+            Err(e) => return Err(fail(e)),
+        };
+        if !taken {
+            let insert = insert_ignore(
+                backend,
+                LOCK_TABLE,
+                "name, owner, fence, expires_at, host, pid, label, acquired_at",
+                &format!("?, ?, 1, {now} + ?, ?, ?, ?, {now}"),
+            );
+            let mut values = vec![Value::from(name)];
+            values.extend(holder);
+            return match self
+                .db
+                .execute_raw(statement(backend, &insert, values))
+                .await
+            {
+                Ok(inserted) => Ok((inserted.rows_affected() == 1).then_some(1)),
+                Err(e) if classify(&e) == Failure::Deadlock => Ok(None),
+                Err(e) => Err(fail(e)),
+            };
+        }
+        let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ? AND owner = ?");
+        let row = self
+            .db
+            .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
             .await
             .map_err(fail)?;
         row.map(|r| r.try_get::<i64>("", "fence"))

@@ -1,0 +1,137 @@
+//! Databases for tests that need more than in-memory SQLite: a SQLite file, and isolated
+//! PostgreSQL schemas / MariaDB databases on the servers named by the environment.
+//!
+//! Without a server's URL a test prints why it skips and passes; with
+//! `FRESHLOCK_REQUIRE_SERVERS=1` (set by `.ci/run`) a missing URL fails the test instead.
+#![allow(dead_code)]
+
+use std::{
+    sync::atomic::{AtomicU32, Ordering},
+    time::Duration,
+};
+
+use migration::{Migrator, MigratorTrait};
+use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection};
+
+pub const POSTGRES: &str = "DATABASE_URL_POSTGRES";
+pub const MYSQL: &str = "DATABASE_URL_MYSQL";
+pub const REDIS: &str = "REDIS_URL";
+
+/// The URL in `var`, or `None` (after saying why) when the test should skip.
+pub fn url(var: &str) -> Option<String> {
+    match std::env::var(var) {
+        Ok(url) if !url.is_empty() => Some(url),
+        _ => {
+            assert!(
+                std::env::var_os("FRESHLOCK_REQUIRE_SERVERS").is_none(),
+                "{var} is not set, but FRESHLOCK_REQUIRE_SERVERS says this run needs it"
+            );
+            eprintln!("SKIPPED: {var} is not set; this test needs that server");
+            None
+        }
+    }
+}
+
+/// A name no other test (of this or a concurrent process) uses.
+pub fn unique(tag: &str) -> String {
+    static SEQUENCE: AtomicU32 = AtomicU32::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.subsec_nanos());
+    format!(
+        "fl_{tag}_{}_{:x}_{}",
+        std::process::id(),
+        nanos,
+        SEQUENCE.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Where a test database lives, so other processes can connect to it.
+#[derive(Clone, Debug)]
+pub struct TestDb {
+    pub db: DatabaseConnection,
+    /// A URL other processes can use (with `search_path` for PostgreSQL).
+    pub url: String,
+    /// For PostgreSQL: the schema to put on the search path.
+    pub schema: Option<String>,
+}
+
+/// Connects to `url` (with `schema` on the search path) with the example schema migrated.
+pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConnection {
+    let mut options = ConnectOptions::new(url);
+    options
+        .max_connections(max)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = schema {
+        options.set_schema_search_path(schema);
+    }
+    if url.starts_with("sqlite:") {
+        let file = url
+            .trim_start_matches("sqlite://")
+            .trim_start_matches("sqlite:");
+        let file = file.split('?').next().unwrap_or(file).to_owned();
+        options.map_sqlx_sqlite_opts(move |o| {
+            o.filename(&file)
+                .create_if_missing(true)
+                .journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
+                .busy_timeout(Duration::from_secs(30))
+        });
+    }
+    Database::connect(options).await.expect("connect")
+}
+
+/// A fresh SQLite file database (WAL, busy timeout) in the temp directory.
+pub async fn sqlite_file(tag: &str) -> TestDb {
+    let path = std::env::temp_dir().join(format!("{}.db", unique(tag)));
+    let url = format!("sqlite://{}", path.display());
+    let db = connect(&url, None, 4).await;
+    Migrator::up(&db, None).await.expect("migrate");
+    TestDb {
+        db,
+        url,
+        schema: None,
+    }
+}
+
+/// A fresh PostgreSQL schema with the example tables, or `None` without a server.
+pub async fn postgres(tag: &str) -> Option<TestDb> {
+    let url = url(POSTGRES)?;
+    let schema = unique(tag);
+    let admin = connect(&url, None, 1).await;
+    admin
+        .execute_unprepared(&format!("CREATE SCHEMA \"{schema}\""))
+        .await
+        .expect("create schema");
+    admin.close().await.ok();
+    let db = connect(&url, Some(&schema), 8).await;
+    Migrator::up(&db, None).await.expect("migrate");
+    Some(TestDb {
+        db,
+        url,
+        schema: Some(schema),
+    })
+}
+
+/// A fresh MariaDB/MySQL database with the example tables, or `None` without a server.
+pub async fn mysql(tag: &str) -> Option<TestDb> {
+    let base = url(MYSQL)?;
+    let name = unique(tag);
+    let admin = connect(&base, None, 1).await;
+    admin
+        .execute_unprepared(&format!("CREATE DATABASE `{name}`"))
+        .await
+        .expect("create database");
+    admin.close().await.ok();
+    let root = base
+        .rsplit_once('/')
+        .map_or(base.as_str(), |(root, _)| root);
+    let url = format!("{root}/{name}");
+    let db = connect(&url, None, 8).await;
+    Migrator::up(&db, None).await.expect("migrate");
+    Some(TestDb {
+        db,
+        url,
+        schema: None,
+    })
+}

@@ -1,0 +1,405 @@
+//! Locks that hold across real OS processes: the test binary re-runs itself as a worker
+//! (`worker_process`, ignored in normal runs) against a shared database.
+//!
+//! - 4 processes × 200 `locked_update` increments of one row → exactly 800, per backend and
+//!   database (SQLite file, PostgreSQL, MariaDB).
+//! - `kill -9` of a process holding a lease → another process gets the lock within TTL + 1 s.
+//! - `SIGSTOP` of a holder past its TTL, another process writes, `SIGCONT` → the stale holder's
+//!   write is refused (`LeaseLost`) and the newer value stays.
+
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    process::{Child, ChildStdout, Command, Stdio},
+    sync::Arc,
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use entity::node;
+use freshlock::{
+    LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, OnLockFailure, Session,
+    UpdateOutcome,
+};
+use sea_orm::{EntityTrait, Set};
+use servers::TestDb;
+
+const ENV_MODE: &str = "FRESHLOCK_WORKER_MODE";
+
+// ---------------------------------------------------------------- the worker (child side)
+
+#[test]
+#[ignore = "run by the cross-process tests as a child process"]
+fn worker_process() {
+    let Ok(mode) = std::env::var(ENV_MODE) else {
+        return;
+    };
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(worker(mode));
+}
+
+fn env(name: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| panic!("{name} not set"))
+}
+
+async fn worker(mode: String) {
+    let url = env("FRESHLOCK_WORKER_URL");
+    let schema = std::env::var("FRESHLOCK_WORKER_SCHEMA").ok();
+    let kind: LockKind = env("FRESHLOCK_WORKER_LOCK").parse().unwrap();
+    let db = servers::connect(&url, schema.as_deref(), 4).await;
+    let redis = std::env::var("REDIS_URL").ok();
+    let backend = kind.connect(&db, &url, redis.as_deref()).await.unwrap();
+    let ttl = Duration::from_millis(env("FRESHLOCK_WORKER_TTL_MS").parse().unwrap());
+    let policy = LockPolicy::default()
+        .with_tries(1)
+        .with_wait_per_try(Duration::from_secs(60))
+        .with_ttl(ttl)
+        .with_on_failure(OnLockFailure::Fail);
+    match mode.as_str() {
+        "increment" => {
+            let session = Session::builder(db)
+                .lock(backend)
+                .policy(policy)
+                .build()
+                .unwrap();
+            let nodes = session.repository::<node::Entity>();
+            let rounds: u32 = env("FRESHLOCK_WORKER_ROUNDS").parse().unwrap();
+            for _ in 0..rounds {
+                let report = nodes
+                    .locked_update(1, |n| {
+                        let score = n.score.as_ref().unwrap_or(0);
+                        n.score = Set(Some(score + 1));
+                        Ok(())
+                    })
+                    .await
+                    .unwrap();
+                assert!(report.outcome.is_updated());
+                assert!(report.lock.held);
+            }
+            println!("FRESHLOCK:done");
+        }
+        "hold" => {
+            let name = LockName::new("node:1").unwrap();
+            let guard = backend
+                .acquire(&name, Duration::from_secs(10), ttl)
+                .await
+                .unwrap();
+            assert!(guard.is_some());
+            println!("FRESHLOCK:held");
+            std::io::stdout().flush().unwrap();
+            std::future::pending::<()>().await;
+        }
+        "pause" => {
+            let pausing = Arc::new(PauseAfterAcquire(backend));
+            let session = Session::builder(db)
+                .lock(pausing)
+                .policy(policy)
+                .build()
+                .unwrap();
+            let report = session
+                .repository::<node::Entity>()
+                .locked_update(1, |n| {
+                    n.score = Set(Some(1));
+                    Ok(())
+                })
+                .await
+                .unwrap();
+            let outcome = match report.outcome {
+                UpdateOutcome::LeaseLost => "lease_lost",
+                UpdateOutcome::Updated(_) => "updated",
+                _ => "other",
+            };
+            println!("FRESHLOCK:outcome={outcome}");
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+/// Says "acquired" and waits for a line on stdin before handing the lease to `locked_update`:
+/// the parent stops this process right there.
+#[derive(Debug)]
+struct PauseAfterAcquire(Arc<dyn LockBackend>);
+
+#[async_trait]
+impl LockBackend for PauseAfterAcquire {
+    fn kind(&self) -> &'static str {
+        self.0.kind()
+    }
+
+    async fn acquire(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        let guard = self.0.acquire(name, wait, ttl).await?;
+        println!("FRESHLOCK:acquired");
+        std::io::stdout().flush().unwrap();
+        tokio::task::spawn_blocking(|| {
+            let mut line = String::new();
+            std::io::stdin().read_line(&mut line).unwrap();
+        })
+        .await
+        .unwrap();
+        Ok(guard)
+    }
+}
+
+// ---------------------------------------------------------------- the parent side
+
+struct Worker {
+    child: Child,
+    stdout: BufReader<ChildStdout>,
+}
+
+impl Worker {
+    fn spawn(mode: &str, db: &TestDb, lock: LockKind, ttl: Duration, rounds: u32) -> Worker {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
+            .args([
+                "--exact",
+                "worker_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ENV_MODE, mode)
+            .env("FRESHLOCK_WORKER_URL", &db.url)
+            .env("FRESHLOCK_WORKER_LOCK", lock.as_str())
+            .env("FRESHLOCK_WORKER_TTL_MS", ttl.as_millis().to_string())
+            .env("FRESHLOCK_WORKER_ROUNDS", rounds.to_string())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if let Some(schema) = &db.schema {
+            command.env("FRESHLOCK_WORKER_SCHEMA", schema);
+        }
+        let mut child = command.spawn().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        Worker { child, stdout }
+    }
+
+    /// The next `FRESHLOCK:` line the worker prints (blocking; run it off the runtime).
+    fn expect_line(&mut self) -> String {
+        let mut line = String::new();
+        loop {
+            line.clear();
+            let read = self.stdout.read_line(&mut line).unwrap();
+            assert!(read > 0, "worker ended without saying FRESHLOCK:…");
+            // The harness may have printed "test worker_process ... " on the same line.
+            if let Some((_, said)) = line.trim().split_once("FRESHLOCK:") {
+                return said.to_owned();
+            }
+        }
+    }
+
+    fn signal(&self, signal: &str) {
+        let status = Command::new("kill")
+            .args([signal, &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+    }
+
+    fn finish(mut self) {
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "worker failed: {status}");
+    }
+}
+
+async fn line(worker: Worker) -> (Worker, String) {
+    tokio::task::spawn_blocking(move || {
+        let mut worker = worker;
+        let said = worker.expect_line();
+        (worker, said)
+    })
+    .await
+    .unwrap()
+}
+
+async fn seed(db: &TestDb) {
+    node::Entity::insert(node::ActiveModel {
+        id: Set(1),
+        title: Set("shared".into()),
+        ..Default::default()
+    })
+    .exec(&db.db)
+    .await
+    .unwrap();
+}
+
+async fn score(db: &TestDb) -> Option<i32> {
+    node::Entity::find_by_id(1)
+        .one(&db.db)
+        .await
+        .unwrap()
+        .unwrap()
+        .score
+}
+
+async fn four_processes_increment(db: Option<TestDb>, lock: LockKind) {
+    let Some(db) = db else { return };
+    if lock == LockKind::Redis && servers::url(servers::REDIS).is_none() {
+        return;
+    }
+    seed(&db).await;
+    let workers: Vec<Worker> = (0..4)
+        .map(|_| Worker::spawn("increment", &db, lock, Duration::from_secs(30), 200))
+        .collect();
+    let mut finished = Vec::new();
+    for worker in workers {
+        let (worker, said) = line(worker).await;
+        assert_eq!(said, "done");
+        finished.push(worker);
+    }
+    for worker in finished {
+        worker.finish();
+    }
+    assert_eq!(score(&db).await, Some(800), "{lock} lost increments");
+}
+
+async fn killed_holder_frees_the_lock(db: Option<TestDb>, lock: LockKind) {
+    let Some(db) = db else { return };
+    let redis = servers::url(servers::REDIS);
+    if lock == LockKind::Redis && redis.is_none() {
+        return;
+    }
+    let ttl = Duration::from_secs(2);
+    let worker = Worker::spawn("hold", &db, lock, ttl, 0);
+    let (mut worker, said) = line(worker).await;
+    assert_eq!(said, "held");
+    worker.child.kill().unwrap(); // SIGKILL
+    worker.child.wait().unwrap();
+    let backend = lock
+        .connect(&db.db, &db.url, redis.as_deref())
+        .await
+        .unwrap();
+    let name = LockName::new("node:1").unwrap();
+    let taken = backend
+        .acquire(&name, ttl + Duration::from_secs(1), ttl)
+        .await
+        .unwrap();
+    assert!(
+        taken.is_some(),
+        "the dead holder's lock was not freed within TTL + 1 s"
+    );
+    taken.unwrap().release().await.unwrap();
+}
+
+async fn stopped_holder_is_fenced(db: Option<TestDb>, lock: LockKind) {
+    let Some(db) = db else { return };
+    let redis = servers::url(servers::REDIS);
+    if lock == LockKind::Redis && redis.is_none() {
+        return;
+    }
+    seed(&db).await;
+    let ttl = Duration::from_millis(500);
+    let worker = Worker::spawn("pause", &db, lock, ttl, 0);
+    let (mut worker, said) = line(worker).await;
+    assert_eq!(said, "acquired");
+    worker.signal("-STOP");
+
+    // The newer holder: gets the lease once the stopped one's has expired, and writes.
+    let backend = lock
+        .connect(&db.db, &db.url, redis.as_deref())
+        .await
+        .unwrap();
+    let policy = LockPolicy::default()
+        .with_tries(1)
+        .with_wait_per_try(Duration::from_secs(10))
+        .with_on_failure(OnLockFailure::Fail);
+    let session = Session::builder(db.db.clone())
+        .lock(backend)
+        .policy(policy)
+        .build()
+        .unwrap();
+    let report = session
+        .repository::<node::Entity>()
+        .locked_update(1, |n| {
+            n.score = Set(Some(100));
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert!(report.lock.held && report.outcome.is_updated());
+
+    worker.signal("-CONT");
+    writeln!(worker.child.stdin.as_mut().unwrap(), "go").unwrap();
+    let (worker, said) = line(worker).await;
+    assert_eq!(
+        said, "outcome=lease_lost",
+        "the stale holder's write was not refused"
+    );
+    worker.finish();
+    assert_eq!(score(&db).await, Some(100), "the newer value stays");
+}
+
+macro_rules! cross_process_tests {
+    ($($test:ident: $scenario:ident, $kind:expr, $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(databases::$db(stringify!($test)).await, $kind).await;
+        }
+    )*};
+}
+
+mod databases {
+    use super::{TestDb, servers};
+
+    pub async fn sqlite(tag: &str) -> Option<TestDb> {
+        Some(servers::sqlite_file(tag).await)
+    }
+
+    #[allow(unused_variables)]
+    pub async fn postgres(tag: &str) -> Option<TestDb> {
+        #[cfg(feature = "postgres")]
+        return servers::postgres(tag).await;
+        #[cfg(not(feature = "postgres"))]
+        {
+            servers::url(servers::POSTGRES)?;
+            panic!("DATABASE_URL_POSTGRES is set: run with --features postgres");
+        }
+    }
+
+    #[allow(unused_variables)]
+    pub async fn mysql(tag: &str) -> Option<TestDb> {
+        #[cfg(feature = "mysql")]
+        return servers::mysql(tag).await;
+        #[cfg(not(feature = "mysql"))]
+        {
+            servers::url(servers::MYSQL)?;
+            panic!("DATABASE_URL_MYSQL is set: run with --features mysql");
+        }
+    }
+}
+
+cross_process_tests! {
+    increments_table_sqlite: four_processes_increment, LockKind::Table, sqlite;
+    increments_row_sqlite: four_processes_increment, LockKind::Row, sqlite;
+    increments_table_postgres: four_processes_increment, LockKind::Table, postgres;
+    increments_row_postgres: four_processes_increment, LockKind::Row, postgres;
+    increments_pg_advisory_postgres: four_processes_increment, LockKind::PgAdvisory, postgres;
+    increments_table_mysql: four_processes_increment, LockKind::Table, mysql;
+    increments_row_mysql: four_processes_increment, LockKind::Row, mysql;
+    increments_mysql_named_mysql: four_processes_increment, LockKind::MySqlNamed, mysql;
+    killed_table_sqlite: killed_holder_frees_the_lock, LockKind::Table, sqlite;
+    killed_table_postgres: killed_holder_frees_the_lock, LockKind::Table, postgres;
+    killed_table_mysql: killed_holder_frees_the_lock, LockKind::Table, mysql;
+    killed_mysql_named_mysql: killed_holder_frees_the_lock, LockKind::MySqlNamed, mysql;
+    stopped_table_sqlite: stopped_holder_is_fenced, LockKind::Table, sqlite;
+    stopped_table_postgres: stopped_holder_is_fenced, LockKind::Table, postgres;
+    stopped_table_mysql: stopped_holder_is_fenced, LockKind::Table, mysql;
+}
+
+#[cfg(feature = "redis")]
+cross_process_tests! {
+    increments_redis_postgres: four_processes_increment, LockKind::Redis, postgres;
+    increments_redis_mysql: four_processes_increment, LockKind::Redis, mysql;
+    killed_redis_postgres: killed_holder_frees_the_lock, LockKind::Redis, postgres;
+    stopped_redis_postgres: stopped_holder_is_fenced, LockKind::Redis, postgres;
+}

@@ -1,0 +1,341 @@
+//! The contract every lock backend passes, on every database it supports.
+//!
+//! SQLite (a file) runs everywhere; PostgreSQL, MariaDB and Redis run when their URLs are set
+//! (`.ci/run` sets them and requires them).
+
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use freshlock::{LockBackend, LockGuard, LockKind, LockName, LockScope};
+use sea_orm::{
+    DatabaseConnection, DatabaseTransaction, DbBackend, SqliteTransactionMode, TransactionOptions,
+    TransactionTrait,
+};
+use servers::TestDb;
+use tokio::time::Instant;
+
+const TTL: Duration = Duration::from_secs(30);
+/// A hang guard, not a speed target: an operation that should return at once must not block.
+const HANG: Duration = Duration::from_secs(10);
+
+/// A held lock of either scope.
+enum Held {
+    Lease(Box<dyn LockGuard>),
+    Txn(DatabaseTransaction),
+}
+
+impl Held {
+    async fn release(self) {
+        match self {
+            Held::Lease(guard) => guard.release().await.expect("release"),
+            Held::Txn(txn) => txn.commit().await.expect("commit"),
+        }
+    }
+}
+
+struct Subject {
+    backend: Arc<dyn LockBackend>,
+    db: DatabaseConnection,
+    prefix: String,
+}
+
+impl Subject {
+    fn name(&self, suffix: &str) -> LockName {
+        LockName::new(format!("{}:{suffix}", self.prefix)).expect("valid name")
+    }
+
+    async fn take(&self, name: &LockName, wait: Duration, ttl: Duration) -> Option<Held> {
+        match self.backend.scope() {
+            LockScope::Lease => self
+                .backend
+                .acquire(name, wait, ttl)
+                .await
+                .expect("acquire")
+                .map(Held::Lease),
+            _ => {
+                let options = if self.db.get_database_backend() == DbBackend::Sqlite {
+                    TransactionOptions {
+                        sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+                        ..Default::default()
+                    }
+                } else {
+                    TransactionOptions::default()
+                };
+                let txn = self.db.begin_with_options(options).await.expect("begin");
+                let locked = self
+                    .backend
+                    .lock_in_transaction(&txn, name, wait)
+                    .await
+                    .expect("lock in transaction");
+                if locked {
+                    Some(Held::Txn(txn))
+                } else {
+                    txn.rollback().await.ok();
+                    None
+                }
+            }
+        }
+    }
+
+    /// SQLite's row "lock" is BEGIN IMMEDIATE: its waits are SQLite's busy timeout, not ours.
+    fn waits_are_ours(&self) -> bool {
+        !(self.backend.scope() == LockScope::Transaction
+            && self.db.get_database_backend() == DbBackend::Sqlite)
+    }
+
+    fn has_ttl(&self) -> bool {
+        matches!(self.backend.kind(), "table" | "redis")
+    }
+
+    fn has_fence(&self) -> bool {
+        matches!(self.backend.kind(), "table" | "redis" | "mysql_named")
+    }
+}
+
+async fn mutual_exclusion(subject: &Arc<Subject>) {
+    let name = subject.name("exclusion");
+    let inside = Arc::new(AtomicBool::new(false));
+    let entries = Arc::new(AtomicU32::new(0));
+    let tasks: Vec<_> = (0..4)
+        .map(|_| {
+            let (subject, name) = (Arc::clone(subject), name.clone());
+            let (inside, entries) = (Arc::clone(&inside), Arc::clone(&entries));
+            tokio::spawn(async move {
+                for _ in 0..10 {
+                    let held = subject
+                        .take(&name, Duration::from_secs(60), TTL)
+                        .await
+                        .expect("taken within a minute");
+                    assert!(
+                        !inside.swap(true, Ordering::SeqCst),
+                        "two holders inside at once"
+                    );
+                    entries.fetch_add(1, Ordering::SeqCst);
+                    tokio::task::yield_now().await;
+                    inside.store(false, Ordering::SeqCst);
+                    held.release().await;
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("task");
+    }
+    assert_eq!(entries.load(Ordering::SeqCst), 40);
+}
+
+async fn try_does_not_wait_and_budget_is_honoured(subject: &Subject) {
+    if !subject.waits_are_ours() {
+        return;
+    }
+    let name = subject.name("budget");
+    let held = subject
+        .take(&name, Duration::ZERO, TTL)
+        .await
+        .expect("free");
+    let other = Subject {
+        backend: Arc::clone(&subject.backend),
+        db: subject.db.clone(),
+        prefix: subject.prefix.clone(),
+    };
+    let tried = tokio::time::timeout(HANG, other.take(&name, Duration::ZERO, TTL)).await;
+    assert!(
+        matches!(tried, Ok(None)),
+        "a try on a held lock returns None at once"
+    );
+    let budget = Duration::from_millis(300);
+    let started = Instant::now();
+    let waited = tokio::time::timeout(HANG, other.take(&name, budget, TTL)).await;
+    assert!(matches!(waited, Ok(None)));
+    assert!(
+        started.elapsed() >= budget,
+        "gave up before the budget: {:?}",
+        started.elapsed()
+    );
+    held.release().await;
+}
+
+async fn release_then_reacquire(subject: &Subject) {
+    let name = subject.name("again");
+    for _ in 0..3 {
+        let held = subject
+            .take(&name, Duration::ZERO, TTL)
+            .await
+            .expect("free after release");
+        held.release().await;
+    }
+}
+
+async fn expiry_lets_the_next_holder_in_and_only_the_owner_releases(subject: &Subject) {
+    if !subject.has_ttl() {
+        return;
+    }
+    let name = subject.name("expiry");
+    let Some(Held::Lease(stale)) = subject
+        .take(&name, Duration::ZERO, Duration::from_millis(200))
+        .await
+    else {
+        panic!("lease expected");
+    };
+    let Some(Held::Lease(fresh)) = subject.take(&name, Duration::from_secs(5), TTL).await else {
+        panic!("the expired lease lets the next holder in");
+    };
+    assert!(fresh.fence() > stale.fence(), "fences grow");
+    assert!(
+        !stale.extend(TTL).await.expect("extend"),
+        "the stale holder cannot extend"
+    );
+    stale.release().await.expect("release is harmless");
+    assert!(
+        subject.take(&name, Duration::ZERO, TTL).await.is_none(),
+        "the stale holder's release did not free the new holder's lease"
+    );
+    assert!(
+        fresh.extend(TTL).await.expect("extend"),
+        "the owner can extend"
+    );
+    fresh.release().await.expect("release");
+}
+
+async fn fences_strictly_increase(subject: &Subject) {
+    if !subject.has_fence() {
+        return;
+    }
+    let name = subject.name("fence");
+    let mut last = 0;
+    for _ in 0..5 {
+        let Some(Held::Lease(guard)) = subject.take(&name, Duration::ZERO, TTL).await else {
+            panic!("lease expected");
+        };
+        let fence = guard.fence().expect("a fence");
+        assert!(fence > last, "{fence} after {last}");
+        last = fence;
+        guard.release().await.expect("release");
+    }
+}
+
+async fn odd_names_work(subject: &Subject) {
+    let long = "x".repeat(300);
+    let suffixes = [
+        "it's \"quoted\"".to_owned(),
+        "with spaces and ; semicolons".to_owned(),
+        "ロック 🔒 Ünïcode".to_owned(),
+        format!("{long}a"),
+        format!("{long}b"),
+    ];
+    // Held all at once: distinct names (even the long ones sharing a prefix) do not collide.
+    let mut held = Vec::new();
+    for suffix in &suffixes {
+        let name = subject.name(suffix);
+        if subject.backend.scope() == LockScope::Transaction
+            && subject.db.get_database_backend() == DbBackend::Sqlite
+        {
+            // One write transaction at a time on SQLite: take and release one by one.
+            subject
+                .take(&name, Duration::ZERO, TTL)
+                .await
+                .expect("odd name")
+                .release()
+                .await;
+            continue;
+        }
+        held.push(
+            subject
+                .take(&name, Duration::ZERO, TTL)
+                .await
+                .expect("odd name"),
+        );
+    }
+    for h in held {
+        h.release().await;
+    }
+}
+
+async fn contract(kind: LockKind, db: TestDb) {
+    let redis = servers::url(servers::REDIS);
+    if kind == LockKind::Redis && redis.is_none() {
+        return;
+    }
+    let backend = kind
+        .connect(&db.db, &db.url, redis.as_deref())
+        .await
+        .expect("backend");
+    let subject = Arc::new(Subject {
+        backend,
+        db: db.db.clone(),
+        prefix: servers::unique(kind.as_str()),
+    });
+    mutual_exclusion(&subject).await;
+    try_does_not_wait_and_budget_is_honoured(&subject).await;
+    release_then_reacquire(&subject).await;
+    expiry_lets_the_next_holder_in_and_only_the_owner_releases(&subject).await;
+    fences_strictly_increase(&subject).await;
+    odd_names_work(&subject).await;
+}
+
+macro_rules! contract_tests {
+    ($($test:ident: $kind:expr, $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            let Some(db) = databases::$db(stringify!($test)).await else { return };
+            contract($kind, db).await;
+        }
+    )*};
+}
+
+mod databases {
+    use super::{TestDb, servers};
+
+    pub async fn sqlite(tag: &str) -> Option<TestDb> {
+        Some(servers::sqlite_file(tag).await)
+    }
+
+    #[allow(unused_variables)]
+    pub async fn postgres(tag: &str) -> Option<TestDb> {
+        #[cfg(feature = "postgres")]
+        return servers::postgres(tag).await;
+        #[cfg(not(feature = "postgres"))]
+        {
+            servers::url(servers::POSTGRES)?;
+            panic!("DATABASE_URL_POSTGRES is set: run with --features postgres");
+        }
+    }
+
+    #[allow(unused_variables)]
+    pub async fn mysql(tag: &str) -> Option<TestDb> {
+        #[cfg(feature = "mysql")]
+        return servers::mysql(tag).await;
+        #[cfg(not(feature = "mysql"))]
+        {
+            servers::url(servers::MYSQL)?;
+            panic!("DATABASE_URL_MYSQL is set: run with --features mysql");
+        }
+    }
+}
+
+contract_tests! {
+    local_on_sqlite: LockKind::Local, sqlite;
+    table_on_sqlite: LockKind::Table, sqlite;
+    row_on_sqlite: LockKind::Row, sqlite;
+    table_on_postgres: LockKind::Table, postgres;
+    row_on_postgres: LockKind::Row, postgres;
+    pg_advisory_on_postgres: LockKind::PgAdvisory, postgres;
+    table_on_mysql: LockKind::Table, mysql;
+    row_on_mysql: LockKind::Row, mysql;
+    mysql_named_on_mysql: LockKind::MySqlNamed, mysql;
+}
+
+#[cfg(feature = "redis")]
+contract_tests! {
+    redis_with_sqlite_fences: LockKind::Redis, sqlite;
+    redis_with_postgres_fences: LockKind::Redis, postgres;
+    redis_with_mysql_fences: LockKind::Redis, mysql;
+}
