@@ -78,26 +78,39 @@ impl LockBackend for RowLock {
         } else {
             "FOR UPDATE"
         };
-        // Fast path, one statement: the row exists and nobody holds it.
         let skip =
             format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock} SKIP LOCKED");
         let skip = statement(backend, &skip, vec![stored.clone().into()]);
-        if txn
-            .query_one_raw(skip.clone())
-            .await
-            .map_err(fail)?
-            .is_some()
+        // On PostgreSQL a locking read of a missing row locks nothing, so try the one-statement
+        // fast path at once. InnoDB under REPEATABLE READ gap-locks a missing row on a locking
+        // read (blocking our own insert of it) and takes a shared lock on a duplicate insert
+        // (waiting for the holder): there, look without locking first.
+        let exists = if backend == DbBackend::Postgres {
+            None
+        } else {
+            let exists = format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ?");
+            let exists = statement(backend, &exists, vec![stored.clone().into()]);
+            Some(txn.query_one_raw(exists).await.map_err(fail)?.is_some())
+        };
+        if exists != Some(false)
+            && txn
+                .query_one_raw(skip.clone())
+                .await
+                .map_err(fail)?
+                .is_some()
         {
             return Ok(true);
         }
-        // Held by another, or missing. Create it outside our transaction, committed at once:
-        // locking a row another transaction has inserted but not committed would wait for that
-        // transaction whatever the budget, and InnoDB's locks on a duplicate insert deadlock.
-        let insert = insert_ignore(backend, ROW_LOCK_TABLE, "name", "?");
-        self.rows
-            .execute_raw(statement(backend, &insert, vec![stored.clone().into()]))
-            .await
-            .map_err(fail)?;
+        if exists != Some(true) {
+            // Missing (or, on PostgreSQL, maybe held). Create it outside our transaction,
+            // committed at once: locking a row another transaction inserted but has not committed
+            // would wait for that transaction whatever the budget.
+            let insert = insert_ignore(backend, ROW_LOCK_TABLE, "name", "?");
+            self.rows
+                .execute_raw(statement(backend, &insert, vec![stored.clone().into()]))
+                .await
+                .map_err(fail)?;
+        }
         if wait.is_zero() {
             return Ok(txn.query_one_raw(skip).await.map_err(fail)?.is_some());
         }

@@ -1,6 +1,8 @@
 //! Shared helpers: a fresh in-memory database per test, a statement recorder, seed data.
 #![allow(dead_code)]
 
+pub mod fake_lock;
+
 use std::sync::{Arc, Mutex};
 
 use entity::node;

@@ -1,0 +1,83 @@
+//! A lease-lock test double with failure switches.
+#![allow(dead_code)]
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use async_trait::async_trait;
+use freshlock::{LockBackend, LockError, LockGuard, LockName};
+use sea_orm::DatabaseTransaction;
+
+/// Switches, shared with the guards it hands out.
+#[derive(Debug, Default)]
+pub struct Switches {
+    pub never_acquires: AtomicBool,
+    pub acquire_fails: AtomicBool,
+    pub release_fails: AtomicBool,
+    pub lease_lost: AtomicBool,
+    pub grants: AtomicU64,
+}
+
+#[derive(Clone, Debug, Default)]
+pub struct FakeLock(pub Arc<Switches>);
+
+#[async_trait]
+impl LockBackend for FakeLock {
+    fn kind(&self) -> &'static str {
+        "fake"
+    }
+
+    async fn acquire(
+        &self,
+        _name: &LockName,
+        _wait: Duration,
+        _ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        if self.0.acquire_fails.load(Ordering::SeqCst) {
+            return Err(LockError::Backend {
+                backend: "fake",
+                source: "switched off".into(),
+            });
+        }
+        if self.0.never_acquires.load(Ordering::SeqCst) {
+            return Ok(None);
+        }
+        let fence = self.0.grants.fetch_add(1, Ordering::SeqCst) + 1;
+        Ok(Some(Box::new(FakeGuard {
+            switches: Arc::clone(&self.0),
+            fence,
+        })))
+    }
+}
+
+#[derive(Debug)]
+struct FakeGuard {
+    switches: Arc<Switches>,
+    fence: u64,
+}
+
+#[async_trait]
+impl LockGuard for FakeGuard {
+    fn fence(&self) -> Option<u64> {
+        Some(self.fence)
+    }
+
+    async fn verify(&self, _txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        Ok(!self.switches.lease_lost.load(Ordering::SeqCst))
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), LockError> {
+        if self.switches.release_fails.load(Ordering::SeqCst) {
+            return Err(LockError::Backend {
+                backend: "fake",
+                source: "connection reset".into(),
+            });
+        }
+        Ok(())
+    }
+}
