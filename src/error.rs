@@ -65,6 +65,23 @@ pub enum Error {
         #[source]
         source: LockError,
     },
+    /// The optimistic guard refused the write on every attempt: the row kept changing between
+    /// the reload and the write. Nothing was written.
+    #[error("update of {target} conflicted on all {attempts} attempts")]
+    Conflict {
+        /// The row being updated.
+        target: String,
+        /// Attempts made.
+        attempts: u32,
+    },
+    /// The declared version column cannot be incremented (it is not an integer, or NULL).
+    #[error("version column {column} of {entity} is not a non-null integer")]
+    VersionColumn {
+        /// The entity's table.
+        entity: &'static str,
+        /// The column.
+        column: &'static str,
+    },
     /// A primary-key value does not fit the entity (wrong number of columns, wrong type).
     #[error("invalid key for {entity}: {reason}")]
     InvalidKey {
@@ -86,6 +103,20 @@ pub enum Error {
         /// The row being updated.
         target: String,
     },
+}
+
+impl Error {
+    /// Whether the failure is transient: running the same transaction again may succeed
+    /// (deadlock, serialization failure, lock timeout, busy SQLite, lost connection).
+    /// `locked_update` already retries these within its policy's `attempts`.
+    pub fn is_transient(&self) -> bool {
+        match self {
+            Self::Database { source, .. } => source
+                .downcast_ref::<sea_orm::DbErr>()
+                .is_some_and(|e| crate::db_error::classify(e).is_transient()),
+            _ => false,
+        }
+    }
 }
 
 /// What went wrong in a lock backend.

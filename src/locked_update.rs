@@ -8,6 +8,7 @@
 //! `apply` need not be `'static`, since it never leaves the caller.
 
 use std::{
+    any::TypeId,
     panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
     sync::Arc,
     time::Duration,
@@ -18,6 +19,7 @@ use sea_orm::{
     IsolationLevel, QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
     Value,
 };
+use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, error, info_span, warn};
 
@@ -25,7 +27,7 @@ use crate::{
     error::{ApplyError, Error, Result, database},
     lock::{LocalLock, LockGuard, LockScope, OnLockFailure},
     outcome::{LockReport, UpdateOutcome, UpdateReport},
-    repository::{changed_columns, with_changes, write_changes},
+    repository::{Guard, changed_columns, next_version, with_changes, write_changes},
     row::{Row, is_primary_key, select_by_key},
     session::Session,
 };
@@ -104,6 +106,14 @@ where
     }
 }
 
+/// How one run of the locked section ended.
+enum Step<M> {
+    /// With an outcome to report.
+    Done(UpdateOutcome<M>),
+    /// The optimistic guard refused the write: run it again.
+    Conflict,
+}
+
 /// The task that owns the lock and the transaction of one `locked_update`.
 struct Driver<E: EntityTrait> {
     session: Session,
@@ -174,9 +184,49 @@ where
         }
 
         let in_transaction = available && backend.scope() == LockScope::Transaction;
-        let result = self
-            .section(&mut report, guard.as_deref(), in_transaction)
-            .await;
+        let (mut attempts, mut conflicts) = (0, 0);
+        let mut delays = ExponentialBuilder::default()
+            .with_min_delay(Duration::from_millis(2))
+            .with_max_delay(Duration::from_millis(200))
+            .with_jitter()
+            .with_max_times(policy.attempts.saturating_sub(1) as usize)
+            .build();
+        let result = loop {
+            attempts += 1;
+            let step = self
+                .section(&mut report, guard.as_deref(), in_transaction)
+                .await;
+            let retry = match &step {
+                Ok(Step::Done(_)) => false,
+                Ok(Step::Conflict) => {
+                    conflicts += 1;
+                    warn!(row = %self.row.name, attempts, "conflict: the row changed since it was read");
+                    true
+                }
+                Err(error) if error.is_transient() => {
+                    warn!(row = %self.row.name, attempts, %error, "transient database error");
+                    true
+                }
+                Err(_) => false,
+            };
+            match (step, retry.then(|| delays.next()).flatten()) {
+                (Ok(Step::Done(outcome)), _) => break Ok(outcome),
+                (Ok(Step::Conflict), None) => {
+                    break Err(Error::Conflict {
+                        target: self.row.to_string(),
+                        attempts,
+                    });
+                }
+                (Err(error), None) => break Err(error),
+                (_, Some(delay)) => {
+                    debug!(row = %self.row.name, ?delay, "running the locked section again");
+                    tokio::time::sleep(delay).await;
+                }
+            }
+        };
+        let span = tracing::Span::current();
+        span.record("attempts", attempts);
+        span.record("conflicts", conflicts);
 
         // Only now, after commit or rollback: releasing earlier would let the next holder reload
         // data this transaction had not committed yet. A failed release does not undo a commit:
@@ -191,6 +241,8 @@ where
         result.map(|outcome| UpdateReport {
             outcome,
             lock: report,
+            attempts,
+            conflicts,
         })
     }
 
@@ -231,7 +283,7 @@ where
         report: &mut LockReport,
         guard: Option<&dyn LockGuard>,
         lock_in_transaction: bool,
-    ) -> Result<UpdateOutcome<E::Model>> {
+    ) -> Result<Step<E::Model>> {
         let db = self.session.connection();
         self.session.map().remove(&self.row.key);
         let mut txn = begin(db)
@@ -275,7 +327,7 @@ where
             Ok(Some(original)) => original,
             Ok(None) => {
                 finish(txn, false, &self.row).await?;
-                return Ok(UpdateOutcome::NotFound);
+                return Ok(Step::Done(UpdateOutcome::NotFound));
             }
             Err(e) => return Err(self.rolled_back(txn, "reloading", e).await),
         };
@@ -294,7 +346,7 @@ where
                 .map()
                 .insert(self.row.key.clone(), Arc::clone(&original));
             debug!(row = %self.row.name, "unchanged");
-            return Ok(UpdateOutcome::Unchanged(original));
+            return Ok(Step::Done(UpdateOutcome::Unchanged(original)));
         }
         if let Some(guard) = guard {
             match guard.verify(&txn).await {
@@ -302,7 +354,7 @@ where
                 Ok(false) => {
                     finish(txn, false, &self.row).await?;
                     warn!(row = %self.row.name, fence = report.fence, "lease lost before the write; nothing written");
-                    return Ok(UpdateOutcome::LeaseLost);
+                    return Ok(Step::Done(UpdateOutcome::LeaseLost));
                 }
                 Err(source) => {
                     let _ = txn.rollback().await;
@@ -313,12 +365,31 @@ where
                 }
             }
         }
-        match write_changes::<E, _>(&txn, &original, &changes).await {
-            Ok(()) => {}
-            // Cannot happen while the row is locked, but a row gone is an outcome, not an error.
-            Err(DbErr::RecordNotUpdated) => {
+        // The optimistic guard: the UPDATE also checks that the row still holds what was read
+        // (its version column when one is declared, else the changed columns), so a write made
+        // without the lock can never overwrite a change it did not see.
+        let mut changes = changes;
+        let guard = match self.session.version_column(TypeId::of::<E>()) {
+            Some(name) => match next_version::<E>(&original, name) {
+                Some(next) => {
+                    changes.push(next);
+                    Guard::Version(name)
+                }
+                None => {
+                    let _ = txn.rollback().await;
+                    return Err(Error::VersionColumn {
+                        entity: E::default().table_name(),
+                        column: name,
+                    });
+                }
+            },
+            None => Guard::Columns,
+        };
+        match write_changes::<E, _>(&txn, &original, &changes, guard).await {
+            Ok(true) => {}
+            Ok(false) => {
                 finish(txn, false, &self.row).await?;
-                return Ok(UpdateOutcome::NotFound);
+                return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
         }
@@ -330,7 +401,7 @@ where
             .map()
             .insert(self.row.key.clone(), Arc::clone(&committed));
         debug!(row = %self.row.name, "updated");
-        Ok(UpdateOutcome::Updated(committed))
+        Ok(Step::Done(UpdateOutcome::Updated(committed)))
     }
 
     /// The caller is gone or aborted: roll back, and report (to nobody, or to a caller that

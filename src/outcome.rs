@@ -66,6 +66,11 @@ pub struct UpdateReport<M> {
     pub outcome: UpdateOutcome<M>,
     /// How the lock went.
     pub lock: LockReport,
+    /// How many times the locked section ran (1 unless a conflict or a transient error made it
+    /// start again).
+    pub attempts: u32,
+    /// How many of those attempts the optimistic guard refused (the row had changed).
+    pub conflicts: u32,
 }
 
 /// What [`crate::Repository::save`] did.

@@ -216,8 +216,11 @@ where
                 if changes.is_empty() {
                     return Ok(SaveOutcome::Unchanged);
                 }
-                let written = write_changes::<E, _>(db, &cached, &changes).await;
-                written.and_then(|()| with_changes::<E>(&cached, changes))
+                match write_changes::<E, _>(db, &cached, &changes, Guard::Unguarded).await {
+                    Ok(true) => with_changes::<E>(&cached, changes),
+                    Ok(false) => Err(DbErr::RecordNotUpdated),
+                    Err(e) => Err(e),
+                }
             }
             None => {
                 if !model.is_changed() {
@@ -321,23 +324,88 @@ where
         .collect()
 }
 
-/// `UPDATE … SET <changes> WHERE pk = <original's pk>`, one statement.
+/// What the UPDATE of a write checks besides the primary key.
+#[derive(Copy, Clone, Debug)]
+pub(crate) enum Guard {
+    /// Nothing: a plain write (`save`).
+    Unguarded,
+    /// Each changed column still holds the value read (NULL compared as NULL).
+    Columns,
+    /// The version column still holds the value read (the caller adds its increment to the
+    /// changes).
+    Version(&'static str),
+}
+
+/// `UPDATE … SET <changes> WHERE pk = <original's pk> [AND <guard>]`, one statement. Returns
+/// whether a row was written: `false` when none matched (the row is gone, or the guard refused).
 pub(crate) async fn write_changes<E, C>(
     db: &C,
     original: &E::Model,
     changes: &[(E::Column, Value)],
-) -> std::result::Result<(), DbErr>
+    guard: Guard,
+) -> std::result::Result<bool, DbErr>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
-    E::ActiveModel: ActiveModelTrait<Entity = E>,
     C: sea_orm::ConnectionTrait,
 {
     let mut update = original.clone().into_active_model();
     for (column, value) in changes {
         update.set(*column, value.clone());
     }
-    E::update(update).exec_without_returning(db).await.map(drop)
+    let mut update = E::update(update).validate()?;
+    let expect = |update: sea_orm::ValidatedUpdateOne<E::ActiveModel>, column: E::Column| {
+        let read = original.get(column);
+        if read == read.as_null() {
+            update.filter(column.is_null())
+        } else {
+            update.filter(column.eq(read))
+        }
+    };
+    match guard {
+        Guard::Unguarded => {}
+        Guard::Columns => {
+            for (column, _) in changes {
+                update = expect(update, *column);
+            }
+        }
+        Guard::Version(name) => {
+            if let Some(column) = column_named::<E>(name) {
+                update = expect(update, column);
+            }
+        }
+    }
+    match update.exec_without_returning(db).await {
+        Ok(_) => Ok(true),
+        Err(DbErr::RecordNotUpdated) => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+/// `E`'s column called `name`.
+pub(crate) fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
+    use sea_orm::IdenStatic;
+    E::Column::iter().find(|column| column.as_str() == name)
+}
+
+/// The next value of an integer version column, as read in `original`.
+pub(crate) fn next_version<E: EntityTrait>(
+    original: &E::Model,
+    name: &'static str,
+) -> Option<(E::Column, Value)> {
+    let column = column_named::<E>(name)?;
+    let next = match original.get(column) {
+        Value::TinyInt(Some(v)) => Value::TinyInt(Some(v.wrapping_add(1))),
+        Value::SmallInt(Some(v)) => Value::SmallInt(Some(v.wrapping_add(1))),
+        Value::Int(Some(v)) => Value::Int(Some(v.wrapping_add(1))),
+        Value::BigInt(Some(v)) => Value::BigInt(Some(v.wrapping_add(1))),
+        Value::TinyUnsigned(Some(v)) => Value::TinyUnsigned(Some(v.wrapping_add(1))),
+        Value::SmallUnsigned(Some(v)) => Value::SmallUnsigned(Some(v.wrapping_add(1))),
+        Value::Unsigned(Some(v)) => Value::Unsigned(Some(v.wrapping_add(1))),
+        Value::BigUnsigned(Some(v)) => Value::BigUnsigned(Some(v.wrapping_add(1))),
+        _ => return None,
+    };
+    Some((column, next))
 }
 
 /// `original` with `changes` applied: the row as the UPDATE left it.

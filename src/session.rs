@@ -1,8 +1,8 @@
 //! A unit of work: connection, identity map, lock backend and lock policy.
 
-use std::{any::TypeId, sync::Arc};
+use std::{any::TypeId, collections::HashMap, sync::Arc};
 
-use sea_orm::{DatabaseConnection, EntityTrait};
+use sea_orm::{DatabaseConnection, EntityTrait, IdenStatic};
 
 use crate::{
     error::Result,
@@ -29,6 +29,7 @@ struct Inner {
     map: IdentityMap,
     lock: Arc<dyn LockBackend>,
     policy: LockPolicy,
+    versions: HashMap<TypeId, &'static str>,
 }
 
 impl Session {
@@ -45,6 +46,7 @@ impl Session {
             lock: None,
             policy: LockPolicy::default(),
             capacity: None,
+            versions: HashMap::new(),
         }
     }
 
@@ -78,6 +80,11 @@ impl Session {
         self.inner.map.stats()
     }
 
+    /// The version column declared for entity `entity`, if any.
+    pub(crate) fn version_column(&self, entity: TypeId) -> Option<&'static str> {
+        self.inner.versions.get(&entity).copied()
+    }
+
     pub(crate) fn map(&self) -> &IdentityMap {
         &self.inner.map
     }
@@ -95,9 +102,18 @@ pub struct SessionBuilder {
     lock: Option<Arc<dyn LockBackend>>,
     policy: LockPolicy,
     capacity: Option<usize>,
+    versions: HashMap<TypeId, &'static str>,
 }
 
 impl SessionBuilder {
+    /// Declares `column` (an integer column) as entity `E`'s version: every `locked_update` write
+    /// then checks that it still has the value read and increments it. Without a version column
+    /// the write checks the columns it changes (see [`crate::Repository::locked_update`]).
+    pub fn version_column<E: EntityTrait>(mut self, column: E::Column) -> Self {
+        self.versions.insert(TypeId::of::<E>(), column.as_str());
+        self
+    }
+
     /// Uses `lock` (default: the process-wide [`LocalLock::shared`]). Give every session that must
     /// exclude the others the same backend.
     pub fn lock(mut self, lock: Arc<dyn LockBackend>) -> Self {
@@ -136,6 +152,7 @@ impl SessionBuilder {
                     .lock
                     .unwrap_or_else(|| Arc::new(LocalLock::shared()) as Arc<dyn LockBackend>),
                 policy: self.policy,
+                versions: self.versions,
             }),
         }
     }

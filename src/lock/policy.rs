@@ -36,6 +36,11 @@ pub struct LockPolicy {
     pub ttl: Duration,
     /// What to do when every try failed.
     pub on_failure: OnLockFailure,
+    /// How many times `locked_update` runs its locked section at most (at least 1): a write
+    /// refused by the optimistic guard (the row changed since it was read) and a transient
+    /// database error (deadlock, serialization failure, lock timeout, busy SQLite, lost
+    /// connection) each start it again — reload, `apply`, write — after a short jittered backoff.
+    pub attempts: u32,
 }
 
 impl Default for LockPolicy {
@@ -45,6 +50,7 @@ impl Default for LockPolicy {
             wait_per_try: Duration::from_secs(5),
             ttl: Duration::from_secs(60),
             on_failure: OnLockFailure::Proceed,
+            attempts: 5,
         }
     }
 }
@@ -74,11 +80,22 @@ impl LockPolicy {
         self
     }
 
+    /// Sets how many times the locked section may run (conflicts and transient errors).
+    pub fn with_attempts(mut self, attempts: u32) -> Self {
+        self.attempts = attempts;
+        self
+    }
+
     /// Checks the policy.
     ///
     /// # Errors
-    /// [`Error::InvalidPolicy`] when `tries` is 0 or `ttl` is zero.
+    /// [`Error::InvalidPolicy`] when `tries` or `attempts` is 0 or `ttl` is zero.
     pub fn validate(&self) -> Result<(), Error> {
+        if self.attempts == 0 {
+            return Err(Error::InvalidPolicy {
+                reason: "attempts must be at least 1",
+            });
+        }
         if self.tries == 0 {
             return Err(Error::InvalidPolicy {
                 reason: "tries must be at least 1",

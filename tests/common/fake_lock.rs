@@ -21,10 +21,20 @@ pub struct Switches {
     pub release_fails: AtomicBool,
     pub lease_lost: AtomicBool,
     pub grants: AtomicU64,
+    /// SQL that `verify` runs in the write's transaction, this many more times: a concurrent
+    /// change of the row between its reload and its write, as the optimistic guard sees it.
+    pub interfere: std::sync::Mutex<Option<(String, u32)>>,
 }
 
 #[derive(Clone, Debug, Default)]
 pub struct FakeLock(pub Arc<Switches>);
+
+impl FakeLock {
+    /// Makes the next `times` writes see `sql` run just before them.
+    pub fn interfere(&self, sql: &str, times: u32) {
+        *self.0.interfere.lock().unwrap() = Some((sql.to_owned(), times));
+    }
+}
 
 #[async_trait]
 impl LockBackend for FakeLock {
@@ -67,7 +77,21 @@ impl LockGuard for FakeGuard {
         Some(self.fence)
     }
 
-    async fn verify(&self, _txn: &DatabaseTransaction) -> Result<bool, LockError> {
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        use sea_orm::ConnectionTrait;
+        let sql = {
+            let mut interfere = self.switches.interfere.lock().unwrap();
+            match interfere.as_mut() {
+                Some((sql, left)) if *left > 0 => {
+                    *left -= 1;
+                    Some(sql.clone())
+                }
+                _ => None,
+            }
+        };
+        if let Some(sql) = sql {
+            txn.execute_unprepared(&sql).await.unwrap();
+        }
         Ok(!self.switches.lease_lost.load(Ordering::SeqCst))
     }
 
