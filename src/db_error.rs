@@ -26,7 +26,11 @@ impl Failure {
     pub(crate) fn is_transient(self) -> bool {
         matches!(
             self,
-            Self::LockTimeout | Self::Deadlock | Self::Serialization | Self::Busy | Self::ConnectionLost
+            Self::LockTimeout
+                | Self::Deadlock
+                | Self::Serialization
+                | Self::Busy
+                | Self::ConnectionLost
         )
     }
 }

@@ -14,18 +14,18 @@ use std::{
     time::Duration,
 };
 
+use backon::{BackoffBuilder, ExponentialBuilder};
 use sea_orm::{
     ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
     IsolationLevel, QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
     Value,
 };
-use backon::{BackoffBuilder, ExponentialBuilder};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, error, info_span, warn};
 
 use crate::{
     error::{ApplyError, Error, Result, database},
-    lock::{LocalLock, LockGuard, LockScope, OnLockFailure},
+    lock::{LocalLock, LockGuard, LockName, LockScope, OnLockFailure},
     outcome::{LockReport, UpdateOutcome, UpdateReport},
     repository::{Guard, changed_columns, next_version, with_changes, write_changes},
     row::{Row, is_primary_key, select_by_key},
@@ -129,6 +129,7 @@ where
     E::ActiveModel: Send,
 {
     async fn run(mut self) -> Result<UpdateReport<E::Model>> {
+        let _in_flight = self.session.section_started();
         let backend = Arc::clone(self.session.lock_backend());
         let policy = self.session.policy().clone();
         let mut report = LockReport {
@@ -147,10 +148,17 @@ where
         let mut queue = None;
         let mut available = true;
         if backend.kind() != LocalLock::KIND {
+            // One queue per backend instance (sessions sharing a backend share its queue;
+            // backends of other databases do not).
+            let queue_name = LockName::trusted(format!(
+                "{:p}|{}",
+                Arc::as_ptr(&backend).cast::<()>(),
+                self.row.name
+            ));
             let local = LocalLock::shared();
             let acquisition = tokio::select! {
                 () = self.reloaded.closed() => return Err(self.interrupted()),
-                acquisition = policy.acquire(&local, &self.row.name) => acquisition,
+                acquisition = policy.acquire(&local, &queue_name) => acquisition,
             };
             report.waited = acquisition.waited;
             match acquisition.result {
@@ -165,11 +173,18 @@ where
 
         let mut guard: Option<Box<dyn LockGuard>> = None;
         if available && backend.scope() == LockScope::Lease {
-            let acquisition = tokio::select! {
-                // The caller gave up while we waited: nothing to do.
-                () = self.reloaded.closed() => return Err(self.interrupted()),
-                acquisition = policy.acquire(backend.as_ref(), &self.row.name) => acquisition,
-            };
+            // Not raced against the caller going away: dropping a backend's acquire mid-statement
+            // could leave a lease taken that nobody releases (until its TTL). The in-process queue
+            // above bounds this wait to one task per key; if the caller has gone, release at once.
+            let acquisition = policy.acquire(backend.as_ref(), &self.row.name).await;
+            if self.reloaded.is_closed() {
+                if let Ok(Some(held)) = acquisition.result
+                    && let Err(error) = held.release().await
+                {
+                    warn!(lock = %self.row.name, %error, "release after cancellation failed; the lease runs out by its TTL");
+                }
+                return Err(self.interrupted());
+            }
             report.tries = acquisition.tries;
             report.waited += acquisition.waited;
             match acquisition.result {

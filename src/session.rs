@@ -1,6 +1,13 @@
 //! A unit of work: connection, identity map, lock backend and lock policy.
 
-use std::{any::TypeId, collections::HashMap, sync::Arc};
+use std::{
+    any::TypeId,
+    collections::HashMap,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
 
 use sea_orm::{DatabaseConnection, EntityTrait, IdenStatic};
 
@@ -30,6 +37,16 @@ struct Inner {
     lock: Arc<dyn LockBackend>,
     policy: LockPolicy,
     versions: HashMap<TypeId, &'static str>,
+    in_flight: AtomicUsize,
+}
+
+/// Counts a locked section as running until dropped.
+pub(crate) struct InFlight(Session);
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        self.0.inner.in_flight.fetch_sub(1, Ordering::SeqCst);
+    }
 }
 
 impl Session {
@@ -78,6 +95,18 @@ impl Session {
     /// The identity map's counters.
     pub fn cache_stats(&self) -> CacheStats {
         self.inner.map.stats()
+    }
+
+    /// How many locked sections of this session are running, including those whose caller was
+    /// cancelled and which are still rolling back or committing on their own. Wait for 0 before
+    /// shutting down to let them finish.
+    pub fn in_flight(&self) -> usize {
+        self.inner.in_flight.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn section_started(&self) -> InFlight {
+        self.inner.in_flight.fetch_add(1, Ordering::SeqCst);
+        InFlight(self.clone())
     }
 
     /// The version column declared for entity `entity`, if any.
@@ -153,6 +182,7 @@ impl SessionBuilder {
                     .unwrap_or_else(|| Arc::new(LocalLock::shared()) as Arc<dyn LockBackend>),
                 policy: self.policy,
                 versions: self.versions,
+                in_flight: AtomicUsize::new(0),
             }),
         }
     }

@@ -291,35 +291,7 @@ macro_rules! contract_tests {
     )*};
 }
 
-mod databases {
-    use super::{TestDb, servers};
-
-    pub async fn sqlite(tag: &str) -> Option<TestDb> {
-        Some(servers::sqlite_file(tag).await)
-    }
-
-    #[allow(unused_variables)]
-    pub async fn postgres(tag: &str) -> Option<TestDb> {
-        #[cfg(feature = "postgres")]
-        return servers::postgres(tag).await;
-        #[cfg(not(feature = "postgres"))]
-        {
-            servers::url(servers::POSTGRES)?;
-            panic!("DATABASE_URL_POSTGRES is set: run with --features postgres");
-        }
-    }
-
-    #[allow(unused_variables)]
-    pub async fn mysql(tag: &str) -> Option<TestDb> {
-        #[cfg(feature = "mysql")]
-        return servers::mysql(tag).await;
-        #[cfg(not(feature = "mysql"))]
-        {
-            servers::url(servers::MYSQL)?;
-            panic!("DATABASE_URL_MYSQL is set: run with --features mysql");
-        }
-    }
-}
+use servers::databases;
 
 contract_tests! {
     local_on_sqlite: LockKind::Local, sqlite;

@@ -27,7 +27,10 @@ async fn a_row_changed_after_the_reload_is_reloaded_and_apply_runs_again() {
     seed_nodes(&db, 1).await;
     let fake = FakeLock::default();
     // Someone adds 1000 to the score between our reload and our write, once.
-    fake.interfere("UPDATE node SET score = COALESCE(score, 0) + 1000 WHERE id = 1", 1);
+    fake.interfere(
+        "UPDATE node SET score = COALESCE(score, 0) + 1000 WHERE id = 1",
+        1,
+    );
     let runs = AtomicU32::new(0);
     let report = session(&db, &fake)
         .repository::<node::Entity>()
@@ -40,7 +43,11 @@ async fn a_row_changed_after_the_reload_is_reloaded_and_apply_runs_again() {
         .await
         .unwrap();
     assert_eq!((report.attempts, report.conflicts), (2, 1));
-    assert_eq!(runs.load(Ordering::SeqCst), 2, "apply ran again on the fresh row");
+    assert_eq!(
+        runs.load(Ordering::SeqCst),
+        2,
+        "apply ran again on the fresh row"
+    );
     // The interfering change was rolled back with the refused attempt; ours was applied once.
     assert_eq!(node_in_db(&db, 1).await.score, Some(1));
 }
@@ -50,7 +57,10 @@ async fn a_row_that_keeps_changing_is_a_typed_conflict_and_nothing_is_written() 
     let db = memory_db().await;
     seed_nodes(&db, 1).await;
     let fake = FakeLock::default();
-    fake.interfere("UPDATE node SET score = COALESCE(score, 0) + 1000 WHERE id = 1", u32::MAX);
+    fake.interfere(
+        "UPDATE node SET score = COALESCE(score, 0) + 1000 WHERE id = 1",
+        u32::MAX,
+    );
     let result = session(&db, &fake)
         .repository::<node::Entity>()
         .locked_update(1, |n| {
@@ -58,7 +68,10 @@ async fn a_row_that_keeps_changing_is_a_typed_conflict_and_nothing_is_written() 
             Ok(())
         })
         .await;
-    assert!(matches!(result, Err(Error::Conflict { attempts: 3, .. })), "{result:?}");
+    assert!(
+        matches!(result, Err(Error::Conflict { attempts: 3, .. })),
+        "{result:?}"
+    );
     assert_eq!(node_in_db(&db, 1).await.score, None);
 }
 
@@ -77,7 +90,11 @@ async fn the_guard_compares_null_as_null_and_costs_no_statement() {
         .await
         .unwrap();
     let sql = recorder.take();
-    assert_eq!((count(&sql, "SELECT"), count(&sql, "UPDATE")), (1, 1), "{sql:#?}");
+    assert_eq!(
+        (count(&sql, "SELECT"), count(&sql, "UPDATE")),
+        (1, 1),
+        "{sql:#?}"
+    );
     let update = sql.iter().find(|s| s.starts_with("UPDATE")).unwrap();
     assert!(update.contains("\"summary\" IS NULL"), "{update}");
 }
@@ -140,6 +157,9 @@ async fn a_declared_version_column_guards_and_grows_on_every_write() {
     let report = docs.locked_update(1, recount).await.unwrap();
     assert_eq!(report.conflicts, 1);
     let model = report.outcome.model().unwrap().clone();
-    assert_eq!(model.version, 2, "the refused attempt's bump was rolled back");
+    assert_eq!(
+        model.version, 2,
+        "the refused attempt's bump was rolled back"
+    );
     assert_eq!((model.body.as_str(), model.word_count), ("a b c c", 3));
 }

@@ -27,9 +27,17 @@ pub struct Switches {
 }
 
 #[derive(Clone, Debug, Default)]
-pub struct FakeLock(pub Arc<Switches>);
+pub struct FakeLock(pub Arc<Switches>, pub Option<&'static str>);
 
 impl FakeLock {
+    /// A double that never gets the lock and says it is the in-process backend, so sessions
+    /// skip their in-process queue too: writers then have no lock at all.
+    pub fn no_lock_at_all() -> Self {
+        let fake = FakeLock(Arc::default(), Some("local"));
+        fake.0.acquire_fails.store(true, Ordering::SeqCst);
+        fake
+    }
+
     /// Makes the next `times` writes see `sql` run just before them.
     pub fn interfere(&self, sql: &str, times: u32) {
         *self.0.interfere.lock().unwrap() = Some((sql.to_owned(), times));
@@ -39,7 +47,7 @@ impl FakeLock {
 #[async_trait]
 impl LockBackend for FakeLock {
     fn kind(&self) -> &'static str {
-        "fake"
+        self.1.unwrap_or("fake")
     }
 
     async fn acquire(

@@ -64,7 +64,10 @@ pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConne
         .acquire_timeout(Duration::from_secs(30))
         .sqlx_logging(false);
     if let Some(schema) = schema {
-        options.set_schema_search_path(schema);
+        // The schema also names the connections, so a test can find its own sessions.
+        options
+            .set_schema_search_path(schema)
+            .set_application_name(schema);
     }
     if url.starts_with("sqlite:") {
         let file = url
@@ -134,4 +137,35 @@ pub async fn mysql(tag: &str) -> Option<TestDb> {
         url,
         schema: None,
     })
+}
+
+/// The three databases by name, for test macros: `None` means skip (no URL, outside CI).
+pub mod databases {
+    use super::TestDb;
+
+    pub async fn sqlite(tag: &str) -> Option<TestDb> {
+        Some(super::sqlite_file(tag).await)
+    }
+
+    #[allow(unused_variables)]
+    pub async fn postgres(tag: &str) -> Option<TestDb> {
+        #[cfg(feature = "postgres")]
+        return super::postgres(tag).await;
+        #[cfg(not(feature = "postgres"))]
+        {
+            super::url(super::POSTGRES)?;
+            panic!("DATABASE_URL_POSTGRES is set: run with --features postgres");
+        }
+    }
+
+    #[allow(unused_variables)]
+    pub async fn mysql(tag: &str) -> Option<TestDb> {
+        #[cfg(feature = "mysql")]
+        return super::mysql(tag).await;
+        #[cfg(not(feature = "mysql"))]
+        {
+            super::url(super::MYSQL)?;
+            panic!("DATABASE_URL_MYSQL is set: run with --features mysql");
+        }
+    }
 }

@@ -1,0 +1,293 @@
+//! Faults in bulk on the real servers: a storm of cancelled and panicking calls leaves no lock,
+//! no open transaction and no unaccounted increment; a hot key does not starve other queries.
+
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    panic::AssertUnwindSafe,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use entity::node;
+use freshlock::{LockKind, LockPolicy, OnLockFailure, Session};
+use futures::FutureExt;
+use sea_orm::{ConnectionTrait, DbBackend, EntityTrait, Set, Statement};
+use servers::{TestDb, databases};
+use tokio::time::Instant;
+
+async fn seed(db: &TestDb, n: i32) {
+    let rows: Vec<_> = (1..=n)
+        .map(|id| node::ActiveModel {
+            id: Set(id),
+            title: Set(format!("node {id}")),
+            ..Default::default()
+        })
+        .collect();
+    node::Entity::insert_many(rows).exec(&db.db).await.unwrap();
+}
+
+async fn scalar(db: &TestDb, sql: &str) -> Option<i64> {
+    let backend = db.db.get_database_backend();
+    let row = db
+        .db
+        .query_one_raw(Statement::from_string(backend, sql))
+        .await
+        .unwrap()
+        .unwrap();
+    row.try_get_by_index::<Option<i64>>(0).unwrap()
+}
+
+/// A small deterministic generator (no dependency needed for test noise).
+struct Noise(u64);
+
+impl Noise {
+    fn next(&mut self, below: u64) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (self.0 >> 33) % below
+    }
+}
+
+/// Keeps the expected "apply exploded" panics out of the test output.
+fn quiet_apply_panics() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        let default = std::panic::take_hook();
+        std::panic::set_hook(Box::new(move |info| {
+            if info.payload().downcast_ref::<&str>() != Some(&"apply exploded") {
+                default(info);
+            }
+        }));
+    });
+}
+
+async fn storm(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    quiet_apply_panics();
+    let redis_url = servers::url(servers::REDIS);
+    if kind == LockKind::Redis && redis_url.is_none() {
+        return;
+    }
+    seed(&db, 1).await;
+    let backend = kind
+        .connect(&db.db, &db.url, redis_url.as_deref())
+        .await
+        .unwrap();
+    let session = Session::builder(db.db.clone())
+        .lock(backend)
+        .policy(
+            LockPolicy::default()
+                .with_tries(1)
+                .with_wait_per_try(Duration::from_secs(5))
+                .with_on_failure(OnLockFailure::Fail),
+        )
+        .build()
+        .unwrap();
+    let (applied, succeeded, panicked, cut) = (
+        Arc::new(AtomicU32::new(0)),
+        Arc::new(AtomicU32::new(0)),
+        Arc::new(AtomicU32::new(0)),
+        Arc::new(AtomicU32::new(0)),
+    );
+    let tasks: Vec<_> = (0..8u64)
+        .map(|t| {
+            let nodes = session.repository::<node::Entity>();
+            let (applied, succeeded, panicked, cut) = (
+                Arc::clone(&applied),
+                Arc::clone(&succeeded),
+                Arc::clone(&panicked),
+                Arc::clone(&cut),
+            );
+            tokio::spawn(async move {
+                let mut noise = Noise(t + 1);
+                for _ in 0..125 {
+                    let budget = Duration::from_millis(1 + noise.next(50));
+                    let explode = noise.next(10) == 0;
+                    let applied = Arc::clone(&applied);
+                    let call = nodes.locked_update(1, move |n| {
+                        assert!(!explode, "apply exploded");
+                        applied.fetch_add(1, Ordering::SeqCst);
+                        let score = n.score.as_ref().unwrap_or(0);
+                        n.score = Set(Some(score + 1));
+                        Ok(())
+                    });
+                    match tokio::time::timeout(budget, AssertUnwindSafe(call).catch_unwind()).await
+                    {
+                        Ok(Ok(Ok(report))) => {
+                            assert!(report.outcome.is_updated());
+                            succeeded.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(Ok(Err(error))) => panic!("unexpected error: {error}"),
+                        Ok(Err(_panic)) => {
+                            panicked.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(_elapsed) => {
+                            cut.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // Abandoned sections finish on their own: wait for them.
+    while session.in_flight() > 0 {
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+
+    let counter = node::Entity::find_by_id(1)
+        .one(&db.db)
+        .await
+        .unwrap()
+        .unwrap()
+        .score
+        .unwrap_or(0) as u32;
+    let (applied, succeeded) = (
+        applied.load(Ordering::SeqCst),
+        succeeded.load(Ordering::SeqCst),
+    );
+    eprintln!(
+        "storm {kind}: 1000 calls, {succeeded} reported committed, {} cut by timeouts, {} panicked, counter {counter}, apply ran {applied} times",
+        cut.load(Ordering::SeqCst),
+        panicked.load(Ordering::SeqCst),
+    );
+    assert!(counter >= succeeded, "a reported commit is missing");
+    assert!(counter <= applied, "more increments than apply ever made");
+
+    // Nothing left behind.
+    match db.db.get_database_backend() {
+        DbBackend::Postgres => {
+            let app = db.schema.clone().unwrap();
+            let advisory = format!(
+                "SELECT count(*) FROM pg_locks l JOIN pg_stat_activity a ON a.pid = l.pid \
+                 WHERE l.locktype = 'advisory' AND a.application_name = '{app}'"
+            );
+            assert_eq!(scalar(&db, &advisory).await, Some(0), "advisory lock left");
+            let idle = format!(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE application_name = '{app}' AND state LIKE 'idle in transaction%'"
+            );
+            assert_eq!(
+                scalar(&db, &idle).await,
+                Some(0),
+                "idle-in-transaction session left"
+            );
+        }
+        DbBackend::MySql => {
+            let used = scalar(&db, "SELECT IS_USED_LOCK('node:1')").await;
+            assert_eq!(used, None, "named lock left");
+            let open = "SELECT count(*) FROM information_schema.innodb_trx";
+            let _ = scalar(&db, open).await; // informative only: other test databases share the server
+        }
+        _ => {}
+    }
+    let held = "SELECT count(*) FROM freshlock_lock WHERE owner IS NOT NULL AND expires_at > 0";
+    assert_eq!(scalar(&db, held).await, Some(0), "lock-table lease left");
+    if let (LockKind::Redis, Some(url)) = (kind, redis_url) {
+        let client = redis::Client::open(url).unwrap();
+        let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+        let exists: i64 = redis::cmd("EXISTS")
+            .arg("freshlock:node:1")
+            .query_async(&mut conn)
+            .await
+            .unwrap();
+        assert_eq!(exists, 0, "redis lease left");
+    }
+}
+
+/// 1,000 tasks on one row through a pool of 5: a query on another row every 100 ms stays fast,
+/// because tasks queue in-process and at most one per key waits on the database.
+async fn hot_key(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    seed(&db, 2).await;
+    let small = servers::connect(&db.url, db.schema.as_deref(), 5).await;
+    let backend = kind.connect(&small, &db.url, None).await.unwrap();
+    let session = Session::builder(small.clone())
+        .lock(backend)
+        .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+        .build()
+        .unwrap();
+    let tasks: Vec<_> = (0..1000)
+        .map(|_| {
+            let nodes = session.repository::<node::Entity>();
+            tokio::spawn(async move {
+                nodes
+                    .locked_update(1, |n| {
+                        let score = n.score.as_ref().unwrap_or(0);
+                        n.score = Set(Some(score + 1));
+                        Ok(())
+                    })
+                    .await
+                    .unwrap();
+            })
+        })
+        .collect();
+    let all_done = futures::future::join_all(tasks);
+    tokio::pin!(all_done);
+    let mut latencies = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(100));
+    loop {
+        tokio::select! {
+            done = &mut all_done => {
+                for task in done { task.unwrap(); }
+                break;
+            }
+            _ = tick.tick() => {
+                let started = Instant::now();
+                node::Entity::find_by_id(2).one(&small).await.unwrap();
+                latencies.push(started.elapsed());
+            }
+        }
+    }
+    latencies.sort();
+    let p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
+    eprintln!(
+        "hot key {kind}: {} probes, p50 {:?}, p99 {p99:?}",
+        latencies.len(),
+        latencies[latencies.len() / 2]
+    );
+    // A liveness bound (the pool is not drained by waiters), not a speed target.
+    assert!(p99 < Duration::from_millis(250), "probe p99 {p99:?}");
+    let score = node::Entity::find_by_id(1)
+        .one(&db.db)
+        .await
+        .unwrap()
+        .unwrap()
+        .score;
+    assert_eq!(score, Some(1000));
+}
+
+macro_rules! scenarios {
+    ($($test:ident: $scenario:ident, $kind:expr, $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(databases::$db(stringify!($test)).await, $kind).await;
+        }
+    )*};
+}
+
+scenarios! {
+    storm_table_sqlite: storm, LockKind::Table, sqlite;
+    storm_table_postgres: storm, LockKind::Table, postgres;
+    storm_pg_advisory_postgres: storm, LockKind::PgAdvisory, postgres;
+    storm_row_postgres: storm, LockKind::Row, postgres;
+    storm_table_mysql: storm, LockKind::Table, mysql;
+    storm_mysql_named_mysql: storm, LockKind::MySqlNamed, mysql;
+    hot_key_table_postgres: hot_key, LockKind::Table, postgres;
+    hot_key_pg_advisory_postgres: hot_key, LockKind::PgAdvisory, postgres;
+    hot_key_row_mysql: hot_key, LockKind::Row, mysql;
+}
+
+#[cfg(feature = "redis")]
+scenarios! {
+    storm_redis_postgres: storm, LockKind::Redis, postgres;
+}
