@@ -1,16 +1,20 @@
 //! The locked read-modify-write behind [`crate::Repository::locked_update`].
 //!
-//! The section — lock, transaction, reload, write, commit, cache, release — runs in a task of its
-//! own (the *driver*), and `apply` runs in the caller, between the two halves. They talk over two
-//! channels: the driver sends the reloaded row, the caller answers with the changed columns. So
-//! the caller can be cancelled at any await without cutting a statement in half: the driver
-//! notices the closed channel, rolls back and releases the lock after the transaction ended.
-//! `apply` need not be `'static`, since it never leaves the caller.
+//! The section — lock, transaction, reload, write, commit, cache, release — is a future of its own
+//! (the *driver*), and `apply` runs in the caller, between its two halves. They talk over two
+//! channels: the driver sends the reloaded row, the caller answers with the changed columns. The
+//! caller polls the driver in place; if the caller is cancelled at any await, the driver moves to
+//! a task of its own ([`Detachable`]) instead of being cut in half: it notices the closed
+//! channel, rolls back (or, past the point of no return, commits) and releases the lock after the
+//! transaction ended. `apply` need not be `'static`, since it never leaves the caller.
 
 use std::{
     any::TypeId,
+    future::Future,
     panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
+    pin::Pin,
     sync::Arc,
+    task::{Context, Poll},
     time::Duration,
 };
 
@@ -59,9 +63,19 @@ where
         reloaded: reloaded_tx,
         writes: writes_rx,
     };
-    let driver = tokio::spawn(driver.run().instrument(span));
+    let mut driver = Detachable::new(driver.run().instrument(span));
 
-    while let Some(original) = reloaded.recv().await {
+    loop {
+        // Both halves are polled by this one task (no thread hop per message). The driver only
+        // moves to a task of its own if this future is dropped (see `Detachable`).
+        let original = tokio::select! {
+            biased;
+            received = reloaded.recv() => match received {
+                Some(original) => original,
+                None => break,
+            },
+            result = &mut driver => return result,
+        };
         let mut draft = original.clone().into_active_model();
         let abort = match catch_unwind(AssertUnwindSafe(|| apply(&mut draft))) {
             Ok(Ok(())) => {
@@ -86,22 +100,64 @@ where
             }),
             Err(panic) => Ok(panic),
         };
-        // Abort: closing the channel makes the driver roll back and release; wait for that so
-        // the lock is free when the caller sees the error (or the panic).
+        // Abort: closing the channel makes the driver roll back and release; finish it so the
+        // lock is free when the caller sees the error (or the panic).
         drop(writes);
-        let _ = driver.await;
+        let _ = (&mut driver).await;
         match abort {
             Err(error) => return Err(error),
             Ok(panic) => resume_unwind(panic),
         }
     }
-    match driver.await {
-        Ok(result) => result,
-        Err(join) => {
-            error!(row = %row.name, panicked = join.is_panic(), "locked section ended without an answer");
-            Err(Error::Interrupted {
-                target: row.to_string(),
-            })
+    driver.await
+}
+
+/// The driver's future, polled in place by the caller; if the caller is dropped before it
+/// finished, `Drop` moves it (it is boxed, so it does not move in memory) to a task of its own,
+/// which runs it to its commit or rollback and lock release. A statement is thus never cut in
+/// half by a cancellation, without paying for a task and thread hops on every call.
+struct Detachable<T: Send + 'static> {
+    future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
+}
+
+impl<T: Send + 'static> Detachable<T> {
+    fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
+        Self {
+            future: Some(Box::pin(future)),
+        }
+    }
+}
+
+impl<T: Send + 'static> Future for Detachable<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let Some(future) = self.future.as_mut() else {
+            return Poll::Pending; // Finished already: never polled again by our callers.
+        };
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T: Send + 'static> Drop for Detachable<T> {
+    fn drop(&mut self) {
+        let Some(future) = self.future.take() else {
+            return;
+        };
+        // While unwinding from a panic inside the driver the future cannot be polled again;
+        // dropping it rolls the transaction back (queued on the connection) and frees the lock.
+        if std::thread::panicking() {
+            return;
+        }
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => {
+                runtime.spawn(async move {
+                    let _ = future.await;
+                });
+            }
+            Err(_) => error!("locked section dropped outside a tokio runtime; rolled back on drop"),
         }
     }
 }
