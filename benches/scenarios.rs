@@ -46,7 +46,10 @@ unsafe impl GlobalAlloc for Counting {
         unsafe { System.dealloc(ptr, layout) }
     }
     unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        LIVE.fetch_add(new_size as isize - layout.size() as isize, Ordering::Relaxed);
+        LIVE.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
         unsafe { System.realloc(ptr, layout, new_size) }
     }
 }
@@ -76,7 +79,9 @@ async fn database(url: &str, n: i32, pool: u32) -> DatabaseConnection {
     let db = connect(url, pool).await;
     Migrator::up(&db, None).await.expect("migrate");
     node::Entity::delete_many().exec(&db).await.expect("empty");
-    db.execute_unprepared("DELETE FROM freshlock_lock").await.expect("empty locks");
+    db.execute_unprepared("DELETE FROM freshlock_lock")
+        .await
+        .expect("empty locks");
     let rows: Vec<_> = (1..=n)
         .map(|id| node::ActiveModel {
             id: Set(id),
@@ -85,7 +90,10 @@ async fn database(url: &str, n: i32, pool: u32) -> DatabaseConnection {
         })
         .collect();
     for chunk in rows.chunks(500) {
-        node::Entity::insert_many(chunk.to_vec()).exec(&db).await.expect("seed");
+        node::Entity::insert_many(chunk.to_vec())
+            .exec(&db)
+            .await
+            .expect("seed");
     }
     db
 }
@@ -179,7 +187,10 @@ async fn hand_written(db: &DatabaseConnection, id: i32) {
     let score = model.score.unwrap_or(0);
     let mut am = model.into_active_model();
     am.score = Set(Some(score + 1));
-    node::Entity::update(am).exec_without_returning(&txn).await.expect("update");
+    node::Entity::update(am)
+        .exec_without_returning(&txn)
+        .await
+        .expect("update");
     txn.commit().await.expect("commit");
 }
 
@@ -202,7 +213,10 @@ async fn cached_load() {
         },
     )
     .await;
-    println!("| `load` hit vs `find_by_id` (SQLite memory) | {ours:.3} µs | {theirs:.2} µs | {:.0}× faster | ≥ 50× faster |", theirs / ours);
+    println!(
+        "| `load` hit vs `find_by_id` (SQLite memory) | {ours:.3} µs | {theirs:.2} µs | {:.0}× faster | ≥ 50× faster |",
+        theirs / ours
+    );
 }
 
 // ---------------------------------------------------------------- 2. locked_update vs hand-written
@@ -232,7 +246,12 @@ async fn single_task(label: &str, url: &str, kinds: &[LockKind], redis: Option<&
             ("PostgreSQL", _) => "best backend ≤ 1.3×",
             _ => "",
         };
-        row(&format!("`locked_update` ({kind}) vs hand-written txn ({label})"), ours, theirs, goal);
+        row(
+            &format!("`locked_update` ({kind}) vs hand-written txn ({label})"),
+            ours,
+            theirs,
+            goal,
+        );
     }
 }
 
@@ -423,7 +442,11 @@ async fn seed_workload(mode: Mode, nodes: i32, work: Duration) -> (Duration, usi
                             .expect("update");
                         }
                         Mode::NoLock => {
-                            let model = node::Entity::find_by_id(id).one(&db).await.expect("load").expect("row");
+                            let model = node::Entity::find_by_id(id)
+                                .one(&db)
+                                .await
+                                .expect("load")
+                                .expect("row");
                             tokio::time::sleep(work).await;
                             let mut whole = model.into_active_model().reset_all();
                             set(&mut whole);
@@ -436,7 +459,11 @@ async fn seed_workload(mode: Mode, nodes: i32, work: Duration) -> (Duration, usi
                                 .await
                                 .expect("lock")
                                 .expect("held");
-                            let model = node::Entity::find_by_id(id).one(&db).await.expect("load").expect("row");
+                            let model = node::Entity::find_by_id(id)
+                                .one(&db)
+                                .await
+                                .expect("load")
+                                .expect("row");
                             tokio::time::sleep(work).await;
                             let mut whole = model.into_active_model().reset_all();
                             set(&mut whole);
@@ -490,9 +517,19 @@ async fn memory() {
         "| memory, {n} cached rows | {per_entry:.0} B per entry | model {model:.0} B | overhead {:.0} B | ≤ 128 B |",
         per_entry - model
     );
-    let bounded = Session::builder(db.clone()).cache_capacity(10_000).build().expect("session");
-    bounded.repository::<node::Entity>().load_many(1..=n).await.expect("load");
-    println!("| bounded map (cap 10,000) after {n} loads | {} entries | | | stays at cap |", bounded.cache_stats().len);
+    let bounded = Session::builder(db.clone())
+        .cache_capacity(10_000)
+        .build()
+        .expect("session");
+    bounded
+        .repository::<node::Entity>()
+        .load_many(1..=n)
+        .await
+        .expect("load");
+    println!(
+        "| bounded map (cap 10,000) after {n} loads | {} entries | | | stays at cap |",
+        bounded.cache_stats().len
+    );
 }
 
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
@@ -500,37 +537,85 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    let postgres = std::env::var("DATABASE_URL_POSTGRES").ok().filter(|_| cfg!(feature = "postgres"));
-    let mysql = std::env::var("DATABASE_URL_MYSQL").ok().filter(|_| cfg!(feature = "mysql"));
-    let redis = std::env::var("REDIS_URL").ok().filter(|_| cfg!(feature = "redis"));
+    let postgres = std::env::var("DATABASE_URL_POSTGRES")
+        .ok()
+        .filter(|_| cfg!(feature = "postgres"));
+    let mysql = std::env::var("DATABASE_URL_MYSQL")
+        .ok()
+        .filter(|_| cfg!(feature = "mysql"));
+    let redis = std::env::var("REDIS_URL")
+        .ok()
+        .filter(|_| cfg!(feature = "redis"));
 
     println!("\n| comparison | freshlock | baseline | ratio | goal |\n|---|---|---|---|---|");
     cached_load().await;
-    single_task("SQLite", "sqlite::memory:", &[LockKind::Local, LockKind::Table, LockKind::Row], None).await;
+    single_task(
+        "SQLite",
+        "sqlite::memory:",
+        &[LockKind::Local, LockKind::Table, LockKind::Row],
+        None,
+    )
+    .await;
     if let Some(url) = &postgres {
-        let kinds = [LockKind::Local, LockKind::Table, LockKind::Row, LockKind::PgAdvisory, LockKind::Redis];
+        let kinds = [
+            LockKind::Local,
+            LockKind::Table,
+            LockKind::Row,
+            LockKind::PgAdvisory,
+            LockKind::Redis,
+        ];
         single_task("PostgreSQL", url, &kinds, redis.as_deref()).await;
     }
     if let Some(url) = &mysql {
-        let kinds = [LockKind::Local, LockKind::Table, LockKind::Row, LockKind::MySqlNamed, LockKind::Redis];
+        let kinds = [
+            LockKind::Local,
+            LockKind::Table,
+            LockKind::Row,
+            LockKind::MySqlNamed,
+            LockKind::Redis,
+        ];
         single_task("MariaDB", url, &kinds, redis.as_deref()).await;
     }
     memory().await;
 
-    println!("\n| database | backend | 1 task (ops/s) | 4 tasks | 16 tasks | 16 vs 1 | handoff p50 / p99 | 16 tasks on 16 rows |\n|---|---|---|---|---|---|---|---|");
-    contention("SQLite", "sqlite::memory:", &[LockKind::Local, LockKind::Table, LockKind::Row], None).await;
+    println!(
+        "\n| database | backend | 1 task (ops/s) | 4 tasks | 16 tasks | 16 vs 1 | handoff p50 / p99 | 16 tasks on 16 rows |\n|---|---|---|---|---|---|---|---|"
+    );
+    contention(
+        "SQLite",
+        "sqlite::memory:",
+        &[LockKind::Local, LockKind::Table, LockKind::Row],
+        None,
+    )
+    .await;
     if let Some(url) = &postgres {
-        let kinds = [LockKind::Local, LockKind::Table, LockKind::Row, LockKind::PgAdvisory, LockKind::Redis];
+        let kinds = [
+            LockKind::Local,
+            LockKind::Table,
+            LockKind::Row,
+            LockKind::PgAdvisory,
+            LockKind::Redis,
+        ];
         contention("PostgreSQL", url, &kinds, redis.as_deref()).await;
     }
     if let Some(url) = &mysql {
-        let kinds = [LockKind::Local, LockKind::Table, LockKind::Row, LockKind::MySqlNamed, LockKind::Redis];
+        let kinds = [
+            LockKind::Local,
+            LockKind::Table,
+            LockKind::Row,
+            LockKind::MySqlNamed,
+            LockKind::Redis,
+        ];
         contention("MariaDB", url, &kinds, redis.as_deref()).await;
     }
 
     let nodes = if quick() { 50 } else { 500 };
     let work = Duration::from_millis(if quick() { 2 } else { 20 });
-    println!("\n| the seed's workload ({} tasks, {:?} work) | wall | fields lost |\n|---|---|---|", nodes * 4, work);
+    println!(
+        "\n| the seed's workload ({} tasks, {:?} work) | wall | fields lost |\n|---|---|---|",
+        nodes * 4,
+        work
+    );
     let mut walls = Vec::new();
     for mode in [Mode::Freshlock, Mode::NoLock, Mode::LockAroundWork] {
         let (wall, lost) = seed_workload(mode, nodes, work).await;

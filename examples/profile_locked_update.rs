@@ -17,14 +17,23 @@ fn main() {
     let hand = args.iter().any(|a| a == "hand");
     let current = args.iter().any(|a| a == "current");
     let runtime = if current {
-        tokio::runtime::Builder::new_current_thread().enable_all().build()
+        tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
     } else {
-        tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()
+        tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()
     }
     .expect("runtime");
     runtime.block_on(async move {
         let mut options = ConnectOptions::new("sqlite::memory:");
-        options.max_connections(1).idle_timeout(None).max_lifetime(None).sqlx_logging(false);
+        options
+            .max_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .sqlx_logging(false);
         let db = Database::connect(options).await.expect("connect");
         Migrator::up(&db, None).await.expect("migrate");
         node::Entity::insert(node::ActiveModel {
@@ -50,11 +59,18 @@ fn main() {
                     })
                     .await
                     .expect("begin");
-                let model = node::Entity::find_by_id(1).one(&txn).await.expect("select").expect("row");
+                let model = node::Entity::find_by_id(1)
+                    .one(&txn)
+                    .await
+                    .expect("select")
+                    .expect("row");
                 let score = model.score.unwrap_or(0);
                 let mut am = model.into_active_model();
                 am.score = Set(Some(score + 1));
-                node::Entity::update(am).exec_without_returning(&txn).await.expect("update");
+                node::Entity::update(am)
+                    .exec_without_returning(&txn)
+                    .await
+                    .expect("update");
                 txn.commit().await.expect("commit");
             } else {
                 nodes
@@ -68,6 +84,14 @@ fn main() {
             }
         }
         let per = started.elapsed().as_secs_f64() * 1e6 / iterations as f64;
-        println!("{} {:.1} µs/op", if hand { "hand-written" } else { "locked_update" }, per);
+        println!(
+            "{} {:.1} µs/op",
+            if hand {
+                "hand-written"
+            } else {
+                "locked_update"
+            },
+            per
+        );
     });
 }

@@ -11,10 +11,43 @@ use std::{
 };
 
 use dashmap::DashMap;
-use sea_orm::sea_query::ValueTuple;
+use sea_orm::{Value, sea_query::ValueTuple};
 
 /// Entity type + primary key.
-pub(crate) type Key = (TypeId, ValueTuple);
+pub(crate) type Key = (TypeId, PkKey);
+
+/// A primary-key value as the map stores it: 40 bytes for the usual single-column key, where a
+/// `ValueTuple` takes 96 (it has room for three values inline).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) enum PkKey {
+    /// A single-column key.
+    One(Value),
+    /// A composite key.
+    Many(Box<[Value]>),
+}
+
+impl From<ValueTuple> for PkKey {
+    fn from(tuple: ValueTuple) -> Self {
+        match tuple {
+            ValueTuple::One(value) => Self::One(value),
+            many => Self::Many(many.into_iter().collect()),
+        }
+    }
+}
+
+impl PkKey {
+    /// The key as sea-orm takes it.
+    pub(crate) fn to_tuple(&self) -> ValueTuple {
+        match self {
+            Self::One(value) => ValueTuple::One(value.clone()),
+            Self::Many(values) => match &values[..] {
+                [a, b] => ValueTuple::Two(a.clone(), b.clone()),
+                [a, b, c] => ValueTuple::Three(a.clone(), b.clone(), c.clone()),
+                _ => ValueTuple::Many(values.to_vec()),
+            },
+        }
+    }
+}
 
 /// Counters of an identity map, read with [`crate::Session::cache_stats`].
 #[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]

@@ -10,7 +10,7 @@ use sea_orm::{
 
 use crate::{
     error::{ApplyError, Error, Result, database},
-    identity_map::Key,
+    identity_map::{Key, PkKey},
     locked_update,
     outcome::{SaveOutcome, UpdateReport},
     row::{Row, cache_key, select_by_key},
@@ -74,7 +74,7 @@ where
         if let Some(model) = self.session.map().get::<E::Model>(&key) {
             return Ok(Some(model));
         }
-        self.fetch(Row::new::<E>(key.1)?).await
+        self.fetch(Row::new::<E>(key.1.to_tuple())?).await
     }
 
     /// The row with primary key `id`, always read from the database (the cache is refreshed with
@@ -129,13 +129,15 @@ where
         let columns = E::PrimaryKey::iter().count().max(1);
         for chunk in missing.chunks(MAX_PARAMS_PER_QUERY / columns) {
             let models = E::find()
-                .filter(any_of_keys::<E>(chunk.iter().map(|(_, key)| &key.1)))
+                .filter(any_of_keys::<E>(
+                    chunk.iter().map(|(_, key)| key.1.to_tuple()),
+                ))
                 .all(self.session.connection())
                 .await
                 .map_err(|e| database("loading many rows of", &table, e))?;
-            let by_key: HashMap<ValueTuple, Arc<E::Model>> = models
+            let by_key: HashMap<PkKey, Arc<E::Model>> = models
                 .into_iter()
-                .map(|model| (model.get_primary_key_value(), Arc::new(model)))
+                .map(|model| (model.get_primary_key_value().into(), Arc::new(model)))
                 .collect();
             for (i, key) in chunk {
                 // The same id asked twice gets the same Arc.
@@ -291,10 +293,10 @@ where
 }
 
 /// `pk IN (…)` for single-column keys, `(a = … AND b = …) OR …` for composite ones.
-fn any_of_keys<'a, E: EntityTrait>(keys: impl Iterator<Item = &'a ValueTuple>) -> Condition {
+fn any_of_keys<E: EntityTrait>(keys: impl Iterator<Item = ValueTuple>) -> Condition {
     let columns: Vec<E::Column> = E::PrimaryKey::iter().map(|pk| pk.into_column()).collect();
     match columns.as_slice() {
-        [column] => Condition::all().add(column.is_in(keys.flat_map(|key| key.iter().cloned()))),
+        [column] => Condition::all().add(column.is_in(keys.flat_map(ValueTuple::into_iter))),
         _ => keys.fold(Condition::any(), |any, key| {
             any.add(
                 columns

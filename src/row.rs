@@ -13,6 +13,8 @@ use crate::{error::Error, identity_map::Key, lock::LockName};
 #[derive(Clone, Debug)]
 pub(crate) struct Row {
     pub(crate) key: Key,
+    /// The primary key as sea-orm takes it.
+    pk: ValueTuple,
     /// `"{schema.}{table}:{key}"`, also the lock name.
     pub(crate) name: LockName,
 }
@@ -23,7 +25,7 @@ impl Row {
     /// # Errors
     /// [`Error::InvalidKey`] when `pk` does not have one value per primary-key column.
     pub(crate) fn new<E: EntityTrait>(pk: ValueTuple) -> Result<Self, Error> {
-        let key = cache_key::<E>(pk)?;
+        let key = cache_key::<E>(pk.clone())?;
         let entity = E::default();
         let mut name = String::with_capacity(32);
         if let Some(schema) = entity.schema_name() {
@@ -32,7 +34,7 @@ impl Row {
         }
         name.push_str(entity.table_name());
         name.push(':');
-        for (i, value) in key.1.iter().enumerate() {
+        for (i, value) in pk.iter().enumerate() {
             if i > 0 {
                 name.push(',');
             }
@@ -41,12 +43,13 @@ impl Row {
         }
         Ok(Self {
             key,
+            pk,
             name: LockName::trusted(name),
         })
     }
 
     pub(crate) fn pk(&self) -> &ValueTuple {
-        &self.key.1
+        &self.pk
     }
 }
 
@@ -72,7 +75,7 @@ pub(crate) fn cache_key<E: EntityTrait>(pk: ValueTuple) -> Result<Key, Error> {
             ),
         });
     }
-    Ok((TypeId::of::<E>(), pk))
+    Ok((TypeId::of::<E>(), pk.into()))
 }
 
 /// `SELECT … WHERE pk = …` for `pk` (whose arity [`Row::new`] checked).
