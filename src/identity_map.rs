@@ -159,15 +159,21 @@ impl IdentityMap {
 
 #[cfg(test)]
 mod tests {
-    use sea_orm::Value;
-
     use super::*;
 
     fn key(id: i32) -> Key {
-        (
-            TypeId::of::<String>(),
-            ValueTuple::One(Value::Int(Some(id))),
-        )
+        (TypeId::of::<String>(), PkKey::One(Value::Int(Some(id))))
+    }
+
+    #[test]
+    fn keys_are_compact_and_round_trip() {
+        assert!(
+            std::mem::size_of::<Key>() <= 56,
+            "{}",
+            std::mem::size_of::<Key>()
+        );
+        let composite = ValueTuple::Two(Value::from("a"), Value::Int(Some(1)));
+        assert_eq!(PkKey::from(composite.clone()).to_tuple(), composite);
     }
 
     #[test]
