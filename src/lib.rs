@@ -11,6 +11,10 @@
 //! - `outcome.rs` — [`UpdateOutcome`], [`UpdateReport`], [`LockReport`], [`SaveOutcome`].
 //! - `lock/` — the [`LockBackend`] trait, [`LockPolicy`], lock names and the in-process
 //!   [`LocalLock`].
+//! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
+//! - `inspect.rs` — the lock inspector's functions (held and expired leases, clearing stale ones).
+//! - `schema.rs` — freshlock's tables, as a migration.
+//! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
 
 #![cfg_attr(
@@ -18,9 +22,11 @@
     warn(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)
 )]
 
+pub mod claim;
 mod db_error;
 mod error;
 mod identity_map;
+pub mod inspect;
 pub mod lock;
 mod locked_update;
 mod outcome;
@@ -29,6 +35,7 @@ mod row;
 pub mod schema;
 mod session;
 
+pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
 pub use error::{ApplyError, BoxError, Error, LockError, Result};
 pub use identity_map::CacheStats;
 pub use lock::{
@@ -36,4 +43,5 @@ pub use lock::{
 };
 pub use outcome::{LockReport, SaveOutcome, UpdateOutcome, UpdateReport};
 pub use repository::{PrimaryKeyOf, Repository};
+pub use row::lock_name;
 pub use session::{Session, SessionBuilder};

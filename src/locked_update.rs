@@ -190,7 +190,7 @@ where
         let policy = self.session.policy().clone();
         let mut report = LockReport {
             backend: backend.kind(),
-            name: self.row.name.clone(),
+            name: self.row.lock.clone(),
             held: false,
             tries: 0,
             waited: Duration::ZERO,
@@ -209,7 +209,7 @@ where
             let queue_name = LockName::trusted(format!(
                 "{:p}|{}",
                 Arc::as_ptr(&backend).cast::<()>(),
-                self.row.name
+                self.row.lock
             ));
             let local = LocalLock::shared();
             let acquisition = tokio::select! {
@@ -232,12 +232,12 @@ where
             // Not raced against the caller going away: dropping a backend's acquire mid-statement
             // could leave a lease taken that nobody releases (until its TTL). The in-process queue
             // above bounds this wait to one task per key; if the caller has gone, release at once.
-            let acquisition = policy.acquire(backend.as_ref(), &self.row.name).await;
+            let acquisition = policy.acquire(backend.as_ref(), &self.row.lock).await;
             if self.reloaded.is_closed() {
                 if let Ok(Some(held)) = acquisition.result
                     && let Err(error) = held.release().await
                 {
-                    warn!(lock = %self.row.name, %error, "release after cancellation failed; the lease runs out by its TTL");
+                    warn!(lock = %self.row.lock, %error, "release after cancellation failed; the lease runs out by its TTL");
                 }
                 return Err(self.interrupted());
             }
@@ -305,7 +305,7 @@ where
         if let Some(guard) = guard
             && let Err(error) = guard.release().await
         {
-            warn!(lock = %self.row.name, %error, "lock release failed; the lease runs out by its TTL");
+            warn!(lock = %self.row.lock, %error, "lock release failed; the lease runs out by its TTL");
             report.release_error = Some(error.to_string());
         }
         drop(queue);
@@ -327,7 +327,7 @@ where
         match (on_failure, failure) {
             (OnLockFailure::Fail, None) => Err(Error::LockNotAcquired {
                 target: self.row.to_string(),
-                lock: self.row.name.to_string(),
+                lock: self.row.lock.to_string(),
                 tries: report.tries,
                 waited: report.waited,
             }),
@@ -337,7 +337,7 @@ where
             }),
             (_, failure) => {
                 warn!(
-                    lock = %self.row.name,
+                    lock = %self.row.lock,
                     tries = report.tries,
                     waited_ms = report.waited.as_millis() as u64,
                     error = failure.map(|e| e.to_string()),
@@ -367,7 +367,7 @@ where
             let wait = policy.wait_per_try.saturating_mul(policy.tries);
             let started = tokio::time::Instant::now();
             let locked = backend
-                .lock_in_transaction(&txn, &self.row.name, wait)
+                .lock_in_transaction(&txn, &self.row.lock, wait)
                 .await;
             report.tries = 1;
             report.waited += started.elapsed();

@@ -9,6 +9,7 @@ use sea_orm::{
 };
 
 use crate::{
+    LockName,
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
     locked_update,
@@ -288,6 +289,30 @@ where
         F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
     {
         let row = Row::new::<E>(id.into_value_tuple())?;
+        locked_update::run::<E, F>(&self.session, row, apply).await
+    }
+
+    /// [`locked_update`](Self::locked_update) of a row while serializing on another key: the
+    /// Django report's pattern, where all work on the Spams of one Ham is serialized by the Ham's
+    /// key (`freshlock::lock_name::<ham::Entity>(spam.ham_id)`) without locking the Ham row. Every
+    /// writer of the same row must use the same key. Everything else — reload, guard, fencing,
+    /// cancellation — is as in `locked_update`; the report's lock name is `lock`.
+    ///
+    /// # Errors
+    /// As [`locked_update`](Self::locked_update).
+    ///
+    /// # Cancel safety
+    /// As [`locked_update`](Self::locked_update).
+    pub async fn locked_update_under<F>(
+        &self,
+        lock: LockName,
+        id: PrimaryKeyOf<E>,
+        apply: F,
+    ) -> Result<UpdateReport<E::Model>>
+    where
+        F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
+    {
+        let row = Row::new::<E>(id.into_value_tuple())?.locked_by(lock);
         locked_update::run::<E, F>(&self.session, row, apply).await
     }
 }

@@ -15,8 +15,11 @@ pub(crate) struct Row {
     pub(crate) key: Key,
     /// The primary key as sea-orm takes it.
     pk: ValueTuple,
-    /// `"{schema.}{table}:{key}"`, also the lock name.
+    /// `"{schema.}{table}:{key}"`: the row's name in logs and errors.
     pub(crate) name: LockName,
+    /// The lock that serializes writers of this row: its own name, or a key it is updated under
+    /// (its parent's, for example).
+    pub(crate) lock: LockName,
 }
 
 impl Row {
@@ -41,11 +44,19 @@ impl Row {
             // SQL literal text: stable, and it tells 1 from '1'.
             let _ = write!(name, "{value}");
         }
+        let name = LockName::trusted(name);
         Ok(Self {
             key,
             pk,
-            name: LockName::trusted(name),
+            lock: name.clone(),
+            name,
         })
+    }
+
+    /// Serializes this row's writers on `lock` instead of the row's own name.
+    pub(crate) fn locked_by(mut self, lock: LockName) -> Self {
+        self.lock = lock;
+        self
     }
 
     pub(crate) fn pk(&self) -> &ValueTuple {
@@ -57,6 +68,17 @@ impl fmt::Display for Row {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         fmt::Display::fmt(&self.name, f)
     }
+}
+
+/// The lock name of the row of `E` whose primary key is `pk`: what `locked_update` of that row
+/// locks, and what children updated under it (see
+/// [`Repository::locked_update_under`](crate::Repository::locked_update_under)) lock.
+///
+/// # Errors
+/// [`Error::InvalidKey`] when `pk` does not have one value per primary-key column.
+pub fn lock_name<E: EntityTrait>(pk: crate::PrimaryKeyOf<E>) -> Result<LockName, Error> {
+    use sea_orm::sea_query::IntoValueTuple;
+    Row::new::<E>(pk.into_value_tuple()).map(|row| row.name)
 }
 
 /// The identity-map key of the row of `E` whose primary key is `pk`: no allocation for keys of

@@ -4,6 +4,7 @@
 //!   clock, milliseconds since the Unix epoch), fence counter, and who holds it (host, pid, label,
 //!   acquired-at). The [`TableLock`](crate::lock::TableLock) backend leases these rows; the
 //!   other lease backends keep their fence counters here.
+//! - `freshlock_claim` — claims with a lease ([`crate::claim::Claims`]).
 //! - `freshlock_row_lock` — one row per lock name, locked with `SELECT … FOR UPDATE` by the
 //!   [`RowLock`](crate::lock::RowLock) backend (the Django report's `HamLock`).
 
@@ -19,7 +20,9 @@ use sea_orm_migration::{
 pub const LOCK_TABLE: &str = "freshlock_lock";
 /// The name of the lock-row table.
 pub const ROW_LOCK_TABLE: &str = "freshlock_row_lock";
-/// The name of the migration that creates both, as it appears in `seaql_migrations`.
+/// The name of the claims table.
+pub const CLAIM_TABLE: &str = "freshlock_claim";
+/// The name of the migration that creates them, as it appears in `seaql_migrations`.
 pub const MIGRATION_NAME: &str = "m20261130_000100_create_freshlock_tables";
 /// Longest lock name stored as it is; longer ones are stored as prefix + hash.
 pub(crate) const MAX_STORED_NAME: usize = 255;
@@ -41,6 +44,38 @@ enum FreshlockLock {
 enum FreshlockRowLock {
     Table,
     Name,
+}
+
+#[derive(DeriveIden)]
+enum FreshlockClaim {
+    Table,
+    Name,
+    State,
+    Owner,
+    Fence,
+    ExpiresAt,
+    Host,
+    Pid,
+    Label,
+    ClaimedAt,
+    FinishedAt,
+}
+
+fn claim_table() -> TableCreateStatement {
+    Table::create()
+        .table(FreshlockClaim::Table)
+        .if_not_exists()
+        .col(string_len(FreshlockClaim::Name, MAX_STORED_NAME as u32).primary_key())
+        .col(string_len(FreshlockClaim::State, 16))
+        .col(string_len_null(FreshlockClaim::Owner, 64))
+        .col(big_integer(FreshlockClaim::Fence).default(0))
+        .col(big_integer(FreshlockClaim::ExpiresAt).default(0))
+        .col(string_len_null(FreshlockClaim::Host, 255))
+        .col(big_integer_null(FreshlockClaim::Pid))
+        .col(string_len_null(FreshlockClaim::Label, 255))
+        .col(big_integer_null(FreshlockClaim::ClaimedAt))
+        .col(big_integer_null(FreshlockClaim::FinishedAt))
+        .to_owned()
 }
 
 fn lock_table() -> TableCreateStatement {
@@ -80,10 +115,19 @@ impl MigrationName for Migration {
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
         manager.create_table(lock_table()).await?;
-        manager.create_table(row_lock_table()).await
+        manager.create_table(row_lock_table()).await?;
+        manager.create_table(claim_table()).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(FreshlockClaim::Table)
+                    .if_exists()
+                    .to_owned(),
+            )
+            .await?;
         manager
             .drop_table(
                 Table::drop()
@@ -111,5 +155,6 @@ impl MigrationTrait for Migration {
 pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&lock_table()).await?;
     db.execute(&row_lock_table()).await?;
+    db.execute(&claim_table()).await?;
     Ok(())
 }

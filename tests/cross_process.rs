@@ -117,6 +117,27 @@ async fn worker(mode: String) {
             };
             println!("FRESHLOCK:outcome={outcome}");
         }
+        "claim_hold" | "claim_pause" => {
+            let claims = freshlock::Claims::new(db).with_label("worker");
+            let task = LockName::new(env("FRESHLOCK_WORKER_TASK")).unwrap();
+            let freshlock::ClaimOutcome::Claimed(claim) = claims.claim(&task, ttl).await.unwrap()
+            else {
+                panic!("the task was free");
+            };
+            println!("FRESHLOCK:claimed");
+            std::io::stdout().flush().unwrap();
+            if mode == "claim_hold" {
+                std::future::pending::<()>().await;
+            }
+            tokio::task::spawn_blocking(|| {
+                let mut line = String::new();
+                std::io::stdin().read_line(&mut line).unwrap();
+            })
+            .await
+            .unwrap();
+            let finished = claims.finish(&claim).await.unwrap();
+            println!("FRESHLOCK:finish={finished:?}");
+        }
         other => panic!("unknown mode {other}"),
     }
 }
@@ -160,6 +181,17 @@ struct Worker {
 
 impl Worker {
     fn spawn(mode: &str, db: &TestDb, lock: LockKind, ttl: Duration, rounds: u32) -> Worker {
+        Self::spawn_env(mode, db, lock, ttl, rounds, None)
+    }
+
+    fn spawn_env(
+        mode: &str,
+        db: &TestDb,
+        lock: LockKind,
+        ttl: Duration,
+        rounds: u32,
+        task: Option<&str>,
+    ) -> Worker {
         let mut command = Command::new(std::env::current_exe().unwrap());
         command
             .args([
@@ -179,9 +211,16 @@ impl Worker {
         if let Some(schema) = &db.schema {
             command.env("FRESHLOCK_WORKER_SCHEMA", schema);
         }
+        if let Some(task) = task {
+            command.env("FRESHLOCK_WORKER_TASK", task);
+        }
         let mut child = command.spawn().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
         Worker { child, stdout }
+    }
+
+    fn spawn_task(mode: &str, db: &TestDb, lease: Duration, task: &str) -> Worker {
+        Self::spawn_env(mode, db, LockKind::Local, lease, 0, Some(task))
     }
 
     /// The next `FRESHLOCK:` line the worker prints (blocking; run it off the runtime).
@@ -339,6 +378,61 @@ async fn stopped_holder_is_fenced(db: Option<TestDb>, lock: LockKind) {
     assert_eq!(score(&db).await, Some(100), "the newer value stays");
 }
 
+/// A worker killed (`kill -9`) after claiming: after the lease another worker claims and
+/// finishes the task. A worker stopped past its lease and resumed: its late finish is refused.
+async fn dead_and_late_claimants(db: Option<TestDb>, _lock: LockKind) {
+    let Some(db) = db else { return };
+    let claims = freshlock::Claims::new(db.db.clone());
+    let lease = Duration::from_millis(500);
+    let claim_again = |task: LockName| {
+        let claims = claims.clone();
+        async move {
+            let deadline = tokio::time::Instant::now() + lease + Duration::from_secs(1);
+            loop {
+                match claims.claim(&task, Duration::from_secs(60)).await.unwrap() {
+                    freshlock::ClaimOutcome::Claimed(claim) => break claim,
+                    freshlock::ClaimOutcome::Busy => {
+                        assert!(
+                            tokio::time::Instant::now() < deadline,
+                            "not claimable within lease + 1 s"
+                        );
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    other => panic!("{other:?}"),
+                }
+            }
+        }
+    };
+
+    // Killed after claiming.
+    let worker = Worker::spawn_task("claim_hold", &db, lease, "spam-task:1");
+    let (mut worker, said) = line(worker).await;
+    assert_eq!(said, "claimed");
+    worker.child.kill().unwrap();
+    worker.child.wait().unwrap();
+    let retry = claim_again(LockName::new("spam-task:1").unwrap()).await;
+    assert_eq!(
+        claims.finish(&retry).await.unwrap(),
+        freshlock::FinishOutcome::Finished
+    );
+
+    // Stopped past the lease, resumed after another worker took over and finished.
+    let worker = Worker::spawn_task("claim_pause", &db, lease, "spam-task:2");
+    let (mut worker, said) = line(worker).await;
+    assert_eq!(said, "claimed");
+    worker.signal("-STOP");
+    let retry = claim_again(LockName::new("spam-task:2").unwrap()).await;
+    assert_eq!(
+        claims.finish(&retry).await.unwrap(),
+        freshlock::FinishOutcome::Finished
+    );
+    worker.signal("-CONT");
+    writeln!(worker.child.stdin.as_mut().unwrap(), "go").unwrap();
+    let (worker, said) = line(worker).await;
+    assert_eq!(said, "finish=Stale", "the late finish is refused");
+    worker.finish();
+}
+
 macro_rules! cross_process_tests {
     ($($test:ident: $scenario:ident, $kind:expr, $db:ident;)*) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -366,6 +460,9 @@ cross_process_tests! {
     stopped_table_sqlite: stopped_holder_is_fenced, LockKind::Table, sqlite;
     stopped_table_postgres: stopped_holder_is_fenced, LockKind::Table, postgres;
     stopped_table_mysql: stopped_holder_is_fenced, LockKind::Table, mysql;
+    claimants_sqlite: dead_and_late_claimants, LockKind::Local, sqlite;
+    claimants_postgres: dead_and_late_claimants, LockKind::Local, postgres;
+    claimants_mysql: dead_and_late_claimants, LockKind::Local, mysql;
 }
 
 #[cfg(feature = "redis")]

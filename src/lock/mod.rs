@@ -19,7 +19,7 @@ mod any;
 mod backoff;
 #[cfg(any(feature = "mysql", feature = "redis"))]
 mod fence;
-mod holder;
+pub(crate) mod holder;
 mod local;
 #[cfg(feature = "mysql")]
 mod mysql_named;
@@ -29,7 +29,7 @@ mod policy;
 #[cfg(feature = "redis")]
 mod redis;
 mod row;
-mod sql;
+pub(crate) mod sql;
 mod table;
 mod wait;
 

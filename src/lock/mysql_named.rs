@@ -10,7 +10,10 @@ use sea_orm::{
 use tracing::warn;
 
 use super::{LockBackend, LockGuard, LockName, fence};
-use crate::{error::LockError, schema::MAX_STORED_NAME};
+use crate::{
+    error::LockError,
+    schema::{LOCK_TABLE, MAX_STORED_NAME},
+};
 
 const KIND: &str = "mysql_named";
 /// MySQL refuses longer names (error 3057).
@@ -86,15 +89,51 @@ impl LockBackend for MySqlNamedLock {
             return Ok(None);
         }
         let mut guard = MySqlNamedGuard {
-            conn: Some(conn),
+            conn: None,
             server_name,
             fence_name: name.bounded(MAX_STORED_NAME, false).into_owned(),
             fence: 0,
         };
+        // The fence is bumped on the lock's own connection: taking a second connection from the
+        // lock pool while every connection holds a lock would wait for ever.
+        let bumped = bump_on(&mut conn, &guard.fence_name).await;
+        guard.conn = Some(conn);
         // Dropping `guard` on error closes the connection, which frees the named lock.
-        guard.fence = fence::bump(&self.locks, DbBackend::MySql, KIND, &guard.fence_name).await?;
+        guard.fence = bumped?;
         Ok(Some(Box::new(guard)))
     }
+}
+
+/// Issues the next fence of `name` on `conn` (`LAST_INSERT_ID(expr)` returns the value the
+/// upsert wrote, on this connection only).
+async fn bump_on(conn: &mut PoolConnection<MySql>, name: &str) -> Result<u64, LockError> {
+    // A literal (the table name is a constant): sqlx only takes audited SQL strings.
+    const UPSERT: &str = "INSERT INTO freshlock_lock (name, fence, expires_at) \
+        VALUES (?, LAST_INSERT_ID(1), 0) ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1)";
+    sea_orm::sqlx::query(UPSERT)
+        .bind(name)
+        .execute(&mut **conn)
+        .await
+        .map_err(missing_table_or)?;
+    sea_orm::sqlx::query_scalar::<_, u64>("SELECT LAST_INSERT_ID()")
+        .fetch_one(&mut **conn)
+        .await
+        .map_err(MySqlNamedLock::fail)
+}
+
+/// The error of a fence statement, naming the migration when the table is missing.
+fn missing_table_or(e: sea_orm::sqlx::Error) -> LockError {
+    let missing = e
+        .as_database_error()
+        .and_then(|db| db.try_downcast_ref::<sea_orm::sqlx::mysql::MySqlDatabaseError>())
+        .is_some_and(|db| db.number() == 1146);
+    if missing {
+        return LockError::MissingTable {
+            table: LOCK_TABLE,
+            migration: crate::schema::MIGRATION_NAME,
+        };
+    }
+    MySqlNamedLock::fail(e)
 }
 
 /// A held named lock and its connection.

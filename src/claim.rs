@@ -1,0 +1,265 @@
+//! Claim / finish with a lease: the Django report's new → processing → done, without its
+//! stranded rows.
+//!
+//! The report marks a row "processing" in a short transaction, does the heavy work with no
+//! transaction open, then marks it "done". If the worker dies after "processing", the retry sees
+//! "processing" and returns: the row is stranded forever. Here a claim is a lease (database
+//! clock): once it has expired, the work can be claimed again, and the dead worker's late
+//! `finish` is refused because the claim is no longer its own.
+//!
+//! Claims live in freshlock's own table, `freshlock_claim` (one row per claimed key), rather than
+//! in columns of your entity: any entity works unchanged, a claim can cover work that is not one
+//! row, and the lease bookkeeping (owner token, fence, expiry, holder) stays out of your schema.
+//! Keep your own state column if you want one, and update it in the same transaction as the
+//! finish with [`Claims::finish_with`].
+
+use std::{future::Future, pin::Pin, time::Duration};
+
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, TransactionTrait, Value,
+};
+
+use crate::{
+    error::{ApplyError, Error, Result},
+    lock::{
+        LockName, holder,
+        sql::{insert_ignore, millis, now_ms, statement},
+    },
+    schema::{CLAIM_TABLE, MAX_STORED_NAME},
+};
+
+/// Claims on keys (`"spam:17"`), in `db`'s `freshlock_claim` table. Cheap to clone.
+#[derive(Clone, Debug)]
+pub struct Claims {
+    db: DatabaseConnection,
+    label: Option<String>,
+}
+
+/// A claim this worker holds: pass it to [`Claims::finish`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Claim {
+    name: String,
+    token: String,
+    /// Grows with every claim of the same key.
+    pub fence: u64,
+}
+
+/// What [`Claims::claim`] found.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimOutcome {
+    /// The work is ours: do it, then [`Claims::finish`].
+    Claimed(Claim),
+    /// Somebody finished it already (a duplicate delivery).
+    Done,
+    /// Somebody holds a live claim (its lease has not expired).
+    Busy,
+}
+
+/// What [`Claims::finish`] did.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum FinishOutcome {
+    /// Marked done.
+    Finished,
+    /// The claim is no longer ours (it expired and was claimed again, or was finished): nothing
+    /// was changed.
+    Stale,
+}
+
+fn database(operation: &'static str, name: &str, e: sea_orm::DbErr) -> Error {
+    crate::error::database(operation, &name, e)
+}
+
+impl Claims {
+    /// Claims in `db` (needs [`crate::schema::Migration`]).
+    pub fn new(db: DatabaseConnection) -> Self {
+        Self { db, label: None }
+    }
+
+    /// Records `label` as the claimant's label.
+    pub fn with_label(mut self, label: impl Into<String>) -> Self {
+        self.label = Some(label.into());
+        self
+    }
+
+    /// Claims `key` for `lease`, unless it is done or claimed by a live claim. One short
+    /// statement (two on MySQL); no transaction stays open.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the database fails.
+    pub async fn claim(&self, key: &LockName, lease: Duration) -> Result<ClaimOutcome> {
+        let name = key.bounded(MAX_STORED_NAME, false).into_owned();
+        let token = holder::new_token();
+        let backend = self.db.get_database_backend();
+        let now = now_ms(backend);
+        let holder = vec![
+            Value::from(token.as_str()),
+            millis(lease).into(),
+            holder::host().into(),
+            i64::from(std::process::id()).into(),
+            self.label.clone().into(),
+        ];
+        let fence = if backend == DbBackend::MySql {
+            let take = format!(
+                "UPDATE {CLAIM_TABLE} SET state = 'processing', fence = fence + 1, owner = ?, \
+                 expires_at = {now} + ?, host = ?, pid = ?, label = ?, claimed_at = {now} \
+                 WHERE name = ? AND state <> 'done' AND expires_at <= {now}"
+            );
+            let mut values = holder.clone();
+            values.push(name.clone().into());
+            let taken = self
+                .db
+                .execute_raw(statement(backend, &take, values))
+                .await
+                .map_err(|e| database("claiming", &name, e))?;
+            if taken.rows_affected() == 1 {
+                self.read_fence(&name, &token).await?
+            } else {
+                let insert = insert_ignore(
+                    backend,
+                    CLAIM_TABLE,
+                    "name, state, owner, fence, expires_at, host, pid, label, claimed_at",
+                    &format!("?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}"),
+                );
+                let mut values = vec![Value::from(name.as_str())];
+                values.extend(holder);
+                let inserted = self
+                    .db
+                    .execute_raw(statement(backend, &insert, values))
+                    .await
+                    .map_err(|e| database("claiming", &name, e))?;
+                (inserted.rows_affected() == 1).then_some(1)
+            }
+        } else {
+            let upsert = format!(
+                "INSERT INTO {CLAIM_TABLE} (name, state, owner, fence, expires_at, host, pid, label, claimed_at) \
+                 VALUES (?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}) \
+                 ON CONFLICT (name) DO UPDATE SET state = 'processing', owner = excluded.owner, \
+                 fence = {CLAIM_TABLE}.fence + 1, expires_at = excluded.expires_at, \
+                 host = excluded.host, pid = excluded.pid, label = excluded.label, \
+                 claimed_at = excluded.claimed_at \
+                 WHERE {CLAIM_TABLE}.state <> 'done' AND {CLAIM_TABLE}.expires_at <= {now} \
+                 RETURNING fence"
+            );
+            let mut values = vec![Value::from(name.as_str())];
+            values.extend(holder);
+            let row = self
+                .db
+                .query_one_raw(statement(backend, &upsert, values))
+                .await
+                .map_err(|e| database("claiming", &name, e))?;
+            row.map(|r| r.try_get::<i64>("", "fence"))
+                .transpose()
+                .map_err(|e| database("claiming", &name, e))?
+        };
+        if let Some(fence) = fence {
+            return Ok(ClaimOutcome::Claimed(Claim {
+                name,
+                token,
+                fence: u64::try_from(fence).unwrap_or(0),
+            }));
+        }
+        let read = format!("SELECT state FROM {CLAIM_TABLE} WHERE name = ?");
+        let row = self
+            .db
+            .query_one_raw(statement(backend, &read, vec![name.clone().into()]))
+            .await
+            .map_err(|e| database("claiming", &name, e))?;
+        let state = row
+            .map(|r| r.try_get::<String>("", "state"))
+            .transpose()
+            .map_err(|e| database("claiming", &name, e))?;
+        Ok(match state.as_deref() {
+            Some("done") => ClaimOutcome::Done,
+            _ => ClaimOutcome::Busy,
+        })
+    }
+
+    async fn read_fence(&self, name: &str, token: &str) -> Result<Option<i64>> {
+        let backend = self.db.get_database_backend();
+        let read = format!("SELECT fence FROM {CLAIM_TABLE} WHERE name = ? AND owner = ?");
+        let row = self
+            .db
+            .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
+            .await
+            .map_err(|e| database("claiming", name, e))?;
+        row.map(|r| r.try_get::<i64>("", "fence"))
+            .transpose()
+            .map_err(|e| database("claiming", name, e))
+    }
+
+    /// Marks the claimed work done, only while the claim is still this worker's.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the database fails.
+    pub async fn finish(&self, claim: &Claim) -> Result<FinishOutcome> {
+        let txn = self
+            .db
+            .begin()
+            .await
+            .map_err(|e| database("finishing", &claim.name, e))?;
+        let outcome = mark_done(&txn, claim).await?;
+        txn.commit()
+            .await
+            .map_err(|e| database("finishing", &claim.name, e))?;
+        Ok(outcome)
+    }
+
+    /// Like [`finish`](Self::finish), and runs `also` in the same transaction when the claim is
+    /// still ours (to set your own state column, store the result…): both commit, or neither.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the database fails; [`Error::Apply`] when `also` fails (nothing
+    /// is committed then).
+    pub async fn finish_with<F>(&self, claim: &Claim, also: F) -> Result<FinishOutcome>
+    where
+        F: for<'t> FnOnce(
+            &'t DatabaseTransaction,
+        )
+            -> Pin<Box<dyn Future<Output = Result<(), ApplyError>> + Send + 't>>,
+    {
+        let txn = self
+            .db
+            .begin()
+            .await
+            .map_err(|e| database("finishing", &claim.name, e))?;
+        let outcome = mark_done(&txn, claim).await?;
+        if outcome == FinishOutcome::Finished
+            && let Err(source) = also(&txn).await
+        {
+            let _ = txn.rollback().await;
+            return Err(Error::Apply {
+                target: claim.name.clone(),
+                source: source.into_inner(),
+            });
+        }
+        txn.commit()
+            .await
+            .map_err(|e| database("finishing", &claim.name, e))?;
+        Ok(outcome)
+    }
+}
+
+async fn mark_done(txn: &DatabaseTransaction, claim: &Claim) -> Result<FinishOutcome> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let sql = format!(
+        "UPDATE {CLAIM_TABLE} SET state = 'done', owner = NULL, finished_at = {now} \
+         WHERE name = ? AND owner = ? AND fence = ? AND state = 'processing'"
+    );
+    let values = vec![
+        claim.name.clone().into(),
+        claim.token.clone().into(),
+        i64::try_from(claim.fence).unwrap_or(i64::MAX).into(),
+    ];
+    let done = txn
+        .execute_raw(statement(backend, &sql, values))
+        .await
+        .map_err(|e| database("finishing", &claim.name, e))?;
+    Ok(if done.rows_affected() == 1 {
+        FinishOutcome::Finished
+    } else {
+        FinishOutcome::Stale
+    })
+}

@@ -1,0 +1,201 @@
+//! Claim / finish with a lease, and the lock inspector.
+
+mod common;
+
+use std::{sync::Arc, time::Duration};
+
+use common::memory_db;
+use freshlock::{
+    ClaimOutcome, Claims, FinishOutcome, LockBackend, LockName, inspect, lock::TableLock,
+};
+use sea_orm::ConnectionTrait;
+
+fn key(s: &str) -> LockName {
+    LockName::new(s).unwrap()
+}
+
+#[tokio::test]
+async fn claim_is_idempotent_and_finish_is_once() {
+    let db = memory_db().await;
+    let claims = Claims::new(db.clone()).with_label("worker-1");
+    let ClaimOutcome::Claimed(claim) = claims
+        .claim(&key("spam:1"), Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("first claim wins");
+    };
+    assert_eq!(claim.fence, 1);
+    // The queue delivers the same task again while it is being processed: busy, not an error.
+    assert_eq!(
+        claims
+            .claim(&key("spam:1"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        ClaimOutcome::Busy
+    );
+    assert_eq!(
+        claims.finish(&claim).await.unwrap(),
+        FinishOutcome::Finished
+    );
+    assert_eq!(
+        claims.finish(&claim).await.unwrap(),
+        FinishOutcome::Stale,
+        "finishing twice"
+    );
+    // …and again after it is done: done, processed once.
+    assert_eq!(
+        claims
+            .claim(&key("spam:1"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        ClaimOutcome::Done
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn double_delivery_is_processed_once() {
+    let db = common::servers_sqlite_file("double").await;
+    let claims = Claims::new(db.clone());
+    let barrier = Arc::new(tokio::sync::Barrier::new(8));
+    let tasks: Vec<_> = (0..8)
+        .map(|_| {
+            let (claims, barrier) = (claims.clone(), Arc::clone(&barrier));
+            tokio::spawn(async move {
+                barrier.wait().await;
+                match claims
+                    .claim(&key("spam:7"), Duration::from_secs(60))
+                    .await
+                    .unwrap()
+                {
+                    ClaimOutcome::Claimed(claim) => {
+                        assert_eq!(
+                            claims.finish(&claim).await.unwrap(),
+                            FinishOutcome::Finished
+                        );
+                        1
+                    }
+                    _ => 0,
+                }
+            })
+        })
+        .collect();
+    let mut processed = 0;
+    for task in tasks {
+        processed += task.await.unwrap();
+    }
+    assert_eq!(processed, 1);
+}
+
+#[tokio::test]
+async fn an_expired_claim_is_claimed_again_and_the_late_finish_is_refused() {
+    let db = memory_db().await;
+    let claims = Claims::new(db.clone());
+    let ClaimOutcome::Claimed(dead) = claims
+        .claim(&key("spam:2"), Duration::from_millis(1))
+        .await
+        .unwrap()
+    else {
+        panic!("claimed");
+    };
+    // The worker "dies" after claiming. Once the lease has run out (database clock), the work
+    // can be claimed again — in the report's code it would stay "processing" forever.
+    let retry = loop {
+        match claims
+            .claim(&key("spam:2"), Duration::from_secs(60))
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Claimed(claim) => break claim,
+            ClaimOutcome::Busy => tokio::time::sleep(Duration::from_millis(1)).await,
+            ClaimOutcome::Done => panic!("nobody finished it"),
+            other => panic!("{other:?}"),
+        }
+    };
+    assert!(retry.fence > dead.fence);
+    assert_eq!(
+        claims.finish(&dead).await.unwrap(),
+        FinishOutcome::Stale,
+        "the late finish is refused"
+    );
+    assert_eq!(
+        claims.finish(&retry).await.unwrap(),
+        FinishOutcome::Finished
+    );
+}
+
+#[tokio::test]
+async fn finish_with_commits_the_users_change_with_the_claim() {
+    let db = memory_db().await;
+    common::seed_nodes(&db, 1).await;
+    let claims = Claims::new(db.clone());
+    let ClaimOutcome::Claimed(claim) = claims
+        .claim(&key("node:1"), Duration::from_secs(60))
+        .await
+        .unwrap()
+    else {
+        panic!("claimed");
+    };
+    let outcome = claims
+        .finish_with(&claim, |txn| {
+            Box::pin(async move {
+                txn.execute_unprepared("UPDATE node SET summary = 'done' WHERE id = 1")
+                    .await?;
+                Ok(())
+            })
+        })
+        .await
+        .unwrap();
+    assert_eq!(outcome, FinishOutcome::Finished);
+    assert_eq!(
+        common::node_in_db(&db, 1).await.summary.as_deref(),
+        Some("done")
+    );
+}
+
+#[tokio::test]
+async fn the_inspector_lists_and_clears_only_expired_leases() {
+    let db = memory_db().await;
+    let live_lock = TableLock::new(db.clone()).with_label("live worker");
+    let live = live_lock
+        .acquire(&key("ham:1"), Duration::ZERO, Duration::from_secs(3600))
+        .await
+        .unwrap()
+        .unwrap();
+    let dead = TableLock::new(db.clone()).with_label("dead worker");
+    let stale = dead
+        .acquire(&key("ham:2"), Duration::ZERO, Duration::from_millis(1))
+        .await
+        .unwrap()
+        .unwrap();
+    std::mem::forget(stale); // the holder died: no release, not even the background one
+    // Wait (database clock) until the short lease has run out.
+    while inspect::held_locks(&db, true).await.unwrap().is_empty() {
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+
+    let all = inspect::held_locks(&db, false).await.unwrap();
+    assert_eq!(all.len(), 2);
+    let live_row = all.iter().find(|l| l.name == "ham:1").unwrap();
+    assert_eq!(live_row.label.as_deref(), Some("live worker"));
+    assert_eq!(live_row.pid, Some(i64::from(std::process::id())));
+    assert!(live_row.host.is_some() && !live_row.expired);
+
+    let expired = inspect::held_locks(&db, true).await.unwrap();
+    assert_eq!(
+        expired.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
+        ["ham:2"]
+    );
+    assert_eq!(inspect::release_stale(&db).await.unwrap(), 1);
+    let left = inspect::held_locks(&db, false).await.unwrap();
+    assert_eq!(
+        left.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
+        ["ham:1"],
+        "a live lease is never cleared"
+    );
+    assert!(
+        live.extend(Duration::from_secs(60)).await.unwrap(),
+        "still the live holder's"
+    );
+    live.release().await.unwrap();
+}
