@@ -6,7 +6,10 @@
 //! - `identity_map.rs` — the per-session cache of `Arc<Model>` by entity and primary key.
 //! - `repository.rs` — [`Repository`]: `load`, `load_many`, `load_fresh`, `reset_cache`,
 //!   `insert`, dirty-only `save`, and `locked_update`.
-//! - `locked_update.rs` — the locked read-modify-write, run in a task of its own.
+//! - `locked_update.rs` — the locked read-modify-write (polled in place, detached on cancel).
+//! - `locking.rs` — taking and releasing a section's lock under the policy (in-process queue,
+//!   lease, transaction-scoped lock).
+//! - `section.rs` — [`Session::locked`]: a short transaction under a keyed lock.
 //! - `row.rs` — how a row of any entity is named (cache key, lock name, error text).
 //! - `outcome.rs` — [`UpdateOutcome`], [`UpdateReport`], [`LockReport`], [`SaveOutcome`].
 //! - `lock/` — the [`LockBackend`] trait, [`LockPolicy`], lock names and the in-process
@@ -29,10 +32,12 @@ mod identity_map;
 pub mod inspect;
 pub mod lock;
 mod locked_update;
+mod locking;
 mod outcome;
 mod repository;
 mod row;
 pub mod schema;
+mod section;
 mod session;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
@@ -44,4 +49,5 @@ pub use lock::{
 pub use outcome::{LockReport, SaveOutcome, UpdateOutcome, UpdateReport};
 pub use repository::{PrimaryKeyOf, Repository};
 pub use row::lock_name;
+pub use section::{SectionOutcome, SectionReport, SectionWork};
 pub use session::{Session, SessionBuilder};

@@ -21,16 +21,15 @@ use std::{
 use backon::{BackoffBuilder, ExponentialBuilder};
 use sea_orm::{
     ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
-    IsolationLevel, QuerySelect, SqliteTransactionMode, TransactionOptions, TransactionTrait,
-    Value,
+    QuerySelect, Value,
 };
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, error, info_span, warn};
 
 use crate::{
     error::{ApplyError, Error, Result, database},
-    lock::{LocalLock, LockGuard, LockName, LockScope, OnLockFailure},
-    outcome::{LockReport, UpdateOutcome, UpdateReport},
+    locking::Locking,
+    outcome::{UpdateOutcome, UpdateReport},
     repository::{Guard, changed_columns, next_version, with_changes, write_changes},
     row::{Row, is_primary_key, select_by_key},
     session::Session,
@@ -186,75 +185,18 @@ where
 {
     async fn run(mut self) -> Result<UpdateReport<E::Model>> {
         let _in_flight = self.session.section_started();
-        let backend = Arc::clone(self.session.lock_backend());
         let policy = self.session.policy().clone();
-        let mut report = LockReport {
-            backend: backend.kind(),
-            name: self.row.lock.clone(),
-            held: false,
-            tries: 0,
-            waited: Duration::ZERO,
-            fence: None,
-            release_error: None,
+        let taken = Locking::take(
+            &self.session,
+            &self.row.lock,
+            self.row.name.clone(),
+            self.reloaded.closed(),
+            || self.reloaded.is_closed(),
+        )
+        .await?;
+        let Some(mut locking) = taken else {
+            return Err(self.interrupted()); // The caller gave up while we waited.
         };
-
-        // Queue in-process first when the backend reaches outside the process: then at most one
-        // task per key and process waits on (and polls, or holds a connection for) the shared
-        // lock, so many waiters on one hot key cannot drain the connection pool.
-        let mut queue = None;
-        let mut available = true;
-        if backend.kind() != LocalLock::KIND {
-            // One queue per backend instance (sessions sharing a backend share its queue;
-            // backends of other databases do not).
-            let queue_name = LockName::trusted(format!(
-                "{:p}|{}",
-                Arc::as_ptr(&backend).cast::<()>(),
-                self.row.lock
-            ));
-            let local = LocalLock::shared();
-            let acquisition = tokio::select! {
-                () = self.reloaded.closed() => return Err(self.interrupted()),
-                acquisition = policy.acquire(&local, &queue_name) => acquisition,
-            };
-            report.waited = acquisition.waited;
-            match acquisition.result {
-                Ok(Some(held)) => queue = Some(held),
-                _ => {
-                    report.tries = acquisition.tries;
-                    available = false;
-                    self.lock_unavailable(&policy.on_failure, &report, None)?;
-                }
-            }
-        }
-
-        let mut guard: Option<Box<dyn LockGuard>> = None;
-        if available && backend.scope() == LockScope::Lease {
-            // Not raced against the caller going away: dropping a backend's acquire mid-statement
-            // could leave a lease taken that nobody releases (until its TTL). The in-process queue
-            // above bounds this wait to one task per key; if the caller has gone, release at once.
-            let acquisition = policy.acquire(backend.as_ref(), &self.row.lock).await;
-            if self.reloaded.is_closed() {
-                if let Ok(Some(held)) = acquisition.result
-                    && let Err(error) = held.release().await
-                {
-                    warn!(lock = %self.row.lock, %error, "release after cancellation failed; the lease runs out by its TTL");
-                }
-                return Err(self.interrupted());
-            }
-            report.tries = acquisition.tries;
-            report.waited += acquisition.waited;
-            match acquisition.result {
-                Ok(Some(held)) => {
-                    report.fence = held.fence();
-                    guard = Some(held);
-                    report.held = true;
-                }
-                Ok(None) => self.lock_unavailable(&policy.on_failure, &report, None)?,
-                Err(source) => self.lock_unavailable(&policy.on_failure, &report, Some(source))?,
-            }
-        }
-
-        let in_transaction = available && backend.scope() == LockScope::Transaction;
         let (mut attempts, mut conflicts) = (0, 0);
         let mut delays = ExponentialBuilder::default()
             .with_min_delay(Duration::from_millis(2))
@@ -264,9 +206,7 @@ where
             .build();
         let result = loop {
             attempts += 1;
-            let step = self
-                .section(&mut report, guard.as_deref(), in_transaction)
-                .await;
+            let step = self.section(&mut locking).await;
             let retry = match &step {
                 Ok(Step::Done(_)) => false,
                 Ok(Step::Conflict) => {
@@ -299,16 +239,8 @@ where
         span.record("attempts", attempts);
         span.record("conflicts", conflicts);
 
-        // Only now, after commit or rollback: releasing earlier would let the next holder reload
-        // data this transaction had not committed yet. A failed release does not undo a commit:
-        // it is reported, and the lease runs out by its TTL.
-        if let Some(guard) = guard
-            && let Err(error) = guard.release().await
-        {
-            warn!(lock = %self.row.lock, %error, "lock release failed; the lease runs out by its TTL");
-            report.release_error = Some(error.to_string());
-        }
-        drop(queue);
+        // Only now, after commit or rollback.
+        let report = locking.release().await;
         result.map(|outcome| UpdateReport {
             outcome,
             lock: report,
@@ -317,78 +249,11 @@ where
         })
     }
 
-    /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
-    fn lock_unavailable(
-        &self,
-        on_failure: &OnLockFailure,
-        report: &LockReport,
-        failure: Option<crate::error::LockError>,
-    ) -> Result<()> {
-        match (on_failure, failure) {
-            (OnLockFailure::Fail, None) => Err(Error::LockNotAcquired {
-                target: self.row.to_string(),
-                lock: self.row.lock.to_string(),
-                tries: report.tries,
-                waited: report.waited,
-            }),
-            (OnLockFailure::Fail, Some(source)) => Err(Error::Lock {
-                target: self.row.to_string(),
-                source,
-            }),
-            (_, failure) => {
-                warn!(
-                    lock = %self.row.lock,
-                    tries = report.tries,
-                    waited_ms = report.waited.as_millis() as u64,
-                    error = failure.map(|e| e.to_string()),
-                    "proceeding without the lock"
-                );
-                Ok(())
-            }
-        }
-    }
-
     /// Evict, begin, reload, hand over to `apply`, write, commit, cache.
-    async fn section(
-        &mut self,
-        report: &mut LockReport,
-        guard: Option<&dyn LockGuard>,
-        lock_in_transaction: bool,
-    ) -> Result<Step<E::Model>> {
+    async fn section(&mut self, locking: &mut Locking) -> Result<Step<E::Model>> {
         let db = self.session.connection();
         self.session.map().remove(&self.row.key);
-        let mut txn = begin(db)
-            .await
-            .map_err(|e| database("beginning the transaction for", &self.row, e))?;
-
-        if lock_in_transaction {
-            let backend = Arc::clone(self.session.lock_backend());
-            let policy = self.session.policy();
-            let wait = policy.wait_per_try.saturating_mul(policy.tries);
-            let started = tokio::time::Instant::now();
-            let locked = backend
-                .lock_in_transaction(&txn, &self.row.lock, wait)
-                .await;
-            report.tries = 1;
-            report.waited += started.elapsed();
-            let failure = match locked {
-                Ok(true) => {
-                    report.held = true;
-                    None
-                }
-                Ok(false) => Some(None),
-                Err(source) => Some(Some(source)),
-            };
-            if let Some(failure) = failure {
-                // A timed-out lock wait aborts a PostgreSQL transaction: end it either way, and
-                // start a clean one if the policy says to go on without the lock.
-                let _ = txn.rollback().await;
-                self.lock_unavailable(&policy.on_failure, report, failure)?;
-                txn = begin(db)
-                    .await
-                    .map_err(|e| database("beginning the transaction for", &self.row, e))?;
-            }
-        }
+        let txn = locking.begin(db).await?;
 
         let mut reload = select_by_key::<E>(self.row.pk());
         if txn.get_database_backend() != DbBackend::Sqlite {
@@ -419,12 +284,12 @@ where
             debug!(row = %self.row.name, "unchanged");
             return Ok(Step::Done(UpdateOutcome::Unchanged(original)));
         }
-        if let Some(guard) = guard {
+        if let Some(guard) = &locking.guard {
             match guard.verify(&txn).await {
                 Ok(true) => {}
                 Ok(false) => {
                     finish(txn, false, &self.row).await?;
-                    warn!(row = %self.row.name, fence = report.fence, "lease lost before the write; nothing written");
+                    warn!(row = %self.row.name, fence = locking.report.fence, "lease lost before the write; nothing written");
                     return Ok(Step::Done(UpdateOutcome::LeaseLost));
                 }
                 Err(source) => {
@@ -501,25 +366,6 @@ where
             target: self.row.to_string(),
         }
     }
-}
-
-/// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
-/// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
-/// snapshot could predate the lock and the reload be stale).
-async fn begin(
-    db: &sea_orm::DatabaseConnection,
-) -> std::result::Result<DatabaseTransaction, DbErr> {
-    let options = match db.get_database_backend() {
-        DbBackend::Sqlite => TransactionOptions {
-            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-            ..TransactionOptions::default()
-        },
-        _ => TransactionOptions {
-            isolation_level: Some(IsolationLevel::ReadCommitted),
-            ..TransactionOptions::default()
-        },
-    };
-    db.begin_with_options(options).await
 }
 
 async fn finish(txn: DatabaseTransaction, commit: bool, row: &Row) -> Result<()> {

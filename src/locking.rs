@@ -1,0 +1,221 @@
+//! Taking and releasing the lock of one locked section, as the session's policy says: shared by
+//! `locked_update` and `Session::locked`.
+
+use std::{fmt, future::Future, sync::Arc, time::Duration};
+
+use sea_orm::{
+    DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
+    SqliteTransactionMode, TransactionOptions, TransactionTrait,
+};
+use tracing::warn;
+
+use crate::{
+    error::{Error, LockError, Result, database},
+    lock::{LocalLock, LockBackend, LockGuard, LockName, LockScope, OnLockFailure},
+    outcome::LockReport,
+    session::Session,
+};
+
+/// The lock of one locked section while it runs.
+pub(crate) struct Locking {
+    backend: Arc<dyn LockBackend>,
+    on_failure: OnLockFailure,
+    wait: Duration,
+    /// What is being done, for errors and logs (the row, or the section's lock name).
+    target: LockName,
+    /// The in-process queue's guard.
+    queue: Option<Box<dyn LockGuard>>,
+    /// The lease, for lease backends.
+    pub(crate) guard: Option<Box<dyn LockGuard>>,
+    /// Whether to take a transaction-scoped lock in each transaction.
+    in_transaction: bool,
+    pub(crate) report: LockReport,
+}
+
+impl Locking {
+    /// Takes `lock` for `target`: first the in-process queue (for backends that reach outside the
+    /// process), then the backend's lease. Returns `None` when `cancelled` fired first (nothing
+    /// is held then).
+    pub(crate) async fn take(
+        session: &Session,
+        lock: &LockName,
+        target: LockName,
+        cancelled: impl Future<Output = ()>,
+        is_cancelled: impl Fn() -> bool,
+    ) -> Result<Option<Self>> {
+        let backend = Arc::clone(session.lock_backend());
+        let policy = session.policy();
+        let mut locking = Self {
+            on_failure: policy.on_failure,
+            wait: policy.wait_per_try.saturating_mul(policy.tries),
+            target,
+            queue: None,
+            guard: None,
+            in_transaction: false,
+            report: LockReport {
+                backend: backend.kind(),
+                name: lock.clone(),
+                held: false,
+                tries: 0,
+                waited: Duration::ZERO,
+                fence: None,
+                release_error: None,
+            },
+            backend,
+        };
+
+        // Queue in-process first when the backend reaches outside the process: then at most one
+        // task per key and process waits on (and polls, or holds a connection for) the shared
+        // lock, so many waiters on one hot key cannot drain the connection pool. One queue per
+        // backend instance: sessions sharing a backend share it, other databases' do not.
+        if locking.backend.kind() != LocalLock::KIND {
+            let queue_name = LockName::trusted(format!(
+                "{:p}|{lock}",
+                Arc::as_ptr(&locking.backend).cast::<()>()
+            ));
+            let local = LocalLock::shared();
+            let acquisition = tokio::select! {
+                () = cancelled => return Ok(None),
+                acquisition = policy.acquire(&local, &queue_name) => acquisition,
+            };
+            locking.report.waited = acquisition.waited;
+            match acquisition.result {
+                Ok(Some(held)) => locking.queue = Some(held),
+                _ => {
+                    locking.report.tries = acquisition.tries;
+                    locking.unavailable(None)?;
+                    return Ok(Some(locking));
+                }
+            }
+        }
+
+        match locking.backend.scope() {
+            LockScope::Transaction => locking.in_transaction = true,
+            _ => {
+                // Not raced against cancellation: dropping a backend's acquire mid-statement could
+                // leave a lease taken that nobody releases (until its TTL). The queue above bounds
+                // this wait to one task per key; if the caller has gone, release at once.
+                let acquisition = policy.acquire(locking.backend.as_ref(), lock).await;
+                if is_cancelled() {
+                    if let Ok(Some(held)) = acquisition.result
+                        && let Err(error) = held.release().await
+                    {
+                        warn!(%lock, %error, "release after cancellation failed; the lease runs out by its TTL");
+                    }
+                    return Ok(None);
+                }
+                locking.report.tries = acquisition.tries;
+                locking.report.waited += acquisition.waited;
+                match acquisition.result {
+                    Ok(Some(held)) => {
+                        locking.report.fence = held.fence();
+                        locking.report.held = true;
+                        locking.guard = Some(held);
+                    }
+                    Ok(None) => locking.unavailable(None)?,
+                    Err(source) => locking.unavailable(Some(source))?,
+                }
+            }
+        }
+        Ok(Some(locking))
+    }
+
+    /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
+    fn unavailable(&self, failure: Option<LockError>) -> Result<()> {
+        let report = &self.report;
+        match (self.on_failure, failure) {
+            (OnLockFailure::Fail, None) => Err(Error::LockNotAcquired {
+                target: self.target.to_string(),
+                lock: report.name.to_string(),
+                tries: report.tries,
+                waited: report.waited,
+            }),
+            (OnLockFailure::Fail, Some(source)) => Err(Error::Lock {
+                target: self.target.to_string(),
+                source,
+            }),
+            (_, failure) => {
+                warn!(
+                    lock = %report.name,
+                    tries = report.tries,
+                    waited_ms = report.waited.as_millis() as u64,
+                    error = failure.map(|e| e.to_string()),
+                    "proceeding without the lock"
+                );
+                Ok(())
+            }
+        }
+    }
+
+    /// Begins the section's transaction and, for transaction-scoped backends, takes the lock in
+    /// it. A timed-out lock wait aborts a PostgreSQL transaction: it is ended either way, and a
+    /// clean one begun if the policy says to go on without the lock.
+    pub(crate) async fn begin(&mut self, db: &DatabaseConnection) -> Result<DatabaseTransaction> {
+        let began = |e| database("beginning the transaction for", &self.target, e);
+        let txn = begin(db).await.map_err(began)?;
+        if !self.in_transaction {
+            return Ok(txn);
+        }
+        let started = tokio::time::Instant::now();
+        let locked = self
+            .backend
+            .lock_in_transaction(&txn, &self.report.name, self.wait)
+            .await;
+        self.report.tries = 1;
+        self.report.waited += started.elapsed();
+        let failure = match locked {
+            Ok(true) => {
+                self.report.held = true;
+                return Ok(txn);
+            }
+            Ok(false) => None,
+            Err(source) => Some(source),
+        };
+        let _ = txn.rollback().await;
+        self.unavailable(failure)?;
+        begin(db)
+            .await
+            .map_err(|e| database("beginning the transaction for", &self.target, e))
+    }
+
+    /// Releases the lock — only call this after the transaction ended: releasing earlier would
+    /// let the next holder reload data this transaction had not committed yet. A failed release
+    /// does not undo a commit: it is reported, and the lease runs out by its TTL.
+    pub(crate) async fn release(mut self) -> LockReport {
+        if let Some(guard) = self.guard.take()
+            && let Err(error) = guard.release().await
+        {
+            warn!(lock = %self.report.name, %error, "lock release failed; the lease runs out by its TTL");
+            self.report.release_error = Some(error.to_string());
+        }
+        drop(self.queue.take());
+        self.report
+    }
+}
+
+impl fmt::Debug for Locking {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Locking")
+            .field("report", &self.report)
+            .finish_non_exhaustive()
+    }
+}
+
+/// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
+/// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
+/// snapshot could predate the lock and the reload be stale).
+pub(crate) async fn begin(
+    db: &DatabaseConnection,
+) -> std::result::Result<DatabaseTransaction, DbErr> {
+    let options = match db.get_database_backend() {
+        DbBackend::Sqlite => TransactionOptions {
+            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
+            ..TransactionOptions::default()
+        },
+        _ => TransactionOptions {
+            isolation_level: Some(IsolationLevel::ReadCommitted),
+            ..TransactionOptions::default()
+        },
+    };
+    db.begin_with_options(options).await
+}
