@@ -72,7 +72,7 @@ fn database(operation: &'static str, name: &str, e: sea_orm::DbErr) -> Error {
 }
 
 impl Claims {
-    /// Claims in `db` (needs [`crate::schema::Migration`]).
+    /// Claims in `db` (needs [`crate::schema::ClaimMigration`], part of [`crate::schema::migrations`]).
     pub fn new(db: DatabaseConnection) -> Self {
         Self { db, label: None }
     }

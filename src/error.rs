@@ -128,7 +128,7 @@ pub enum LockError {
     EmptyName,
     /// A table freshlock needs does not exist: run the migration it names.
     #[error(
-        "table {table} does not exist: run the migration {migration} (freshlock::schema::Migration)"
+        "table {table} does not exist: run the migration {migration} (freshlock::schema::migrations())"
     )]
     MissingTable {
         /// The missing table.

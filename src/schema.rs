@@ -101,8 +101,8 @@ fn row_lock_table() -> TableCreateStatement {
         .to_owned()
 }
 
-/// The migration that creates freshlock's tables. Add it to your `Migrator`'s list:
-/// `Box::new(freshlock::schema::Migration)`.
+/// The migration that creates the lease and lock-row tables. Add [`migrations`] to your
+/// `Migrator`'s list (it has this one and [`ClaimMigration`]).
 pub struct Migration;
 
 impl MigrationName for Migration {
@@ -115,8 +115,7 @@ impl MigrationName for Migration {
 impl MigrationTrait for Migration {
     async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
         manager.create_table(lock_table()).await?;
-        manager.create_table(row_lock_table()).await?;
-        manager.create_table(claim_table()).await
+        manager.create_table(row_lock_table()).await
     }
 
     async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
@@ -145,6 +144,41 @@ impl MigrationTrait for Migration {
             )
             .await
     }
+}
+
+/// The name of the migration that creates the claims table.
+pub const CLAIM_MIGRATION_NAME: &str = "m20261130_000200_create_freshlock_claim";
+
+/// The migration that creates `freshlock_claim` (claims with a lease).
+pub struct ClaimMigration;
+
+impl MigrationName for ClaimMigration {
+    fn name(&self) -> &str {
+        CLAIM_MIGRATION_NAME
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for ClaimMigration {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager.create_table(claim_table()).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(FreshlockClaim::Table)
+                    .if_exists()
+                    .to_owned(),
+            )
+            .await
+    }
+}
+
+/// All of freshlock's migrations, oldest first: append them to your `Migrator`'s list.
+pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+    vec![Box::new(Migration), Box::new(ClaimMigration)]
 }
 
 /// Creates freshlock's tables if they do not exist, without the migration machinery (for tests

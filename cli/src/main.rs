@@ -1,6 +1,7 @@
-//! `freshlock` — the lock inspector.
+//! `freshlock` — the demo and the lock inspector.
 //!
 //! ```text
+//! freshlock demo [--database-url URL] [--lock KIND] [--nodes N] [--workers N] [--work-ms A-B] [--seed S] [--json]
 //! freshlock --database-url URL locks [--expired] [--json]
 //! freshlock --database-url URL release --stale [--json]
 //! ```
@@ -10,6 +11,8 @@
 //! is never cleared.
 
 use std::process::ExitCode;
+
+mod demo;
 
 use clap::{Parser, Subcommand};
 use freshlock::inspect::{self, HeldLock};
@@ -34,6 +37,27 @@ struct Cli {
 
 #[derive(Subcommand, Debug)]
 enum Command {
+    /// Reproduce both field reports and the fix: lost fields, wall time, Ham latency.
+    Demo {
+        /// The lock backend: local, table, row, pg_advisory, mysql_named, redis.
+        #[arg(long, default_value = "local")]
+        lock: freshlock::LockKind,
+        /// Needed by `--lock redis`.
+        #[arg(long, env = "REDIS_URL")]
+        redis_url: Option<String>,
+        /// Nodes per run (the Django scenario runs twice as many Spam tasks).
+        #[arg(long, default_value_t = 200)]
+        nodes: i32,
+        /// Workers per field kind.
+        #[arg(long, default_value_t = 1)]
+        workers: usize,
+        /// Simulated heavy work per task, in ms (the report's 15–60 s, scaled down).
+        #[arg(long, default_value = "15-60", value_parser = parse_range)]
+        work_ms: (u64, u64),
+        /// Seed of the simulated work times (reproducible runs).
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
     /// List held leases: name, holder host / pid / label, acquired, expires, fence.
     Locks {
         /// Only leases that have run out (their holder died or stalled).
@@ -61,7 +85,50 @@ fn to_json(lock: &HeldLock) -> serde_json::Value {
     })
 }
 
+fn parse_range(s: &str) -> Result<(u64, u64), String> {
+    let (low, high) = s.split_once('-').unwrap_or((s, s));
+    let low: u64 = low
+        .trim()
+        .parse()
+        .map_err(|_| format!("not a range of ms: {s}"))?;
+    let high: u64 = high
+        .trim()
+        .parse()
+        .map_err(|_| format!("not a range of ms: {s}"))?;
+    if low > high {
+        return Err(format!("empty range: {s}"));
+    }
+    Ok((low, high))
+}
+
 async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+    if let Command::Demo {
+        lock,
+        redis_url,
+        nodes,
+        workers,
+        work_ms,
+        seed,
+    } = cli.command
+    {
+        if nodes < 1 || workers < 1 {
+            return Err("--nodes and --workers must be at least 1".into());
+        }
+        let options = demo::Options {
+            database_url: cli.database_url,
+            lock,
+            redis_url,
+            nodes,
+            workers,
+            work_ms,
+            seed,
+            json: cli.json,
+        };
+        if !demo::run(options).await? {
+            return Err("freshlock lost a field or processed a task twice".into());
+        }
+        return Ok(());
+    }
     let url = cli
         .database_url
         .ok_or("no database: pass --database-url or set DATABASE_URL")?;
@@ -94,6 +161,7 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
         }
+        Command::Demo { .. } => {}
         Command::Release { stale: _ } => {
             let cleared = inspect::release_stale(&db).await?;
             if cli.json {

@@ -14,11 +14,12 @@ pub struct Migrator;
 #[async_trait::async_trait]
 impl MigratorTrait for Migrator {
     fn migrations() -> Vec<Box<dyn MigrationTrait>> {
-        vec![
+        let mut migrations: Vec<Box<dyn MigrationTrait>> = vec![
             Box::new(m20261130_000001_create_node::Migration),
             Box::new(m20261130_000002_create_ham_spam::Migration),
-            // freshlock's own tables (lease table, lock rows): the library ships the migration.
-            Box::new(freshlock::schema::Migration),
-        ]
+        ];
+        // freshlock's own tables (leases, lock rows, claims): the library ships the migrations.
+        migrations.extend(freshlock::schema::migrations());
+        migrations
     }
 }

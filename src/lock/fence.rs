@@ -9,6 +9,7 @@ use super::sql::{lock_error, statement};
 use crate::{error::LockError, schema::LOCK_TABLE};
 
 /// Issues the next fence of `name` (the bounded, stored name) on `db`.
+#[cfg(feature = "redis")]
 pub(crate) async fn bump(
     db: &DatabaseConnection,
     backend: DbBackend,
