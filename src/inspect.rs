@@ -50,7 +50,7 @@ fn read(row: &sea_orm::QueryResult) -> std::result::Result<HeldLock, DbErr> {
 /// The leases held in `db`, oldest first; with `expired_only`, just those that have run out.
 ///
 /// # Errors
-/// [`Error::Database`] when the query fails (for example, the migration was not run).
+/// [`Error::Database`](crate::Error::Database) when the query fails (for example, the migration was not run).
 pub async fn held_locks(db: &impl ConnectionTrait, expired_only: bool) -> Result<Vec<HeldLock>> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
@@ -79,7 +79,7 @@ pub async fn held_locks(db: &impl ConnectionTrait, expired_only: bool) -> Result
 /// clock); returns how many. Fences stay: rows are never deleted.
 ///
 /// # Errors
-/// [`Error::Database`] when the update fails.
+/// [`Error::Database`](crate::Error::Database) when the update fails.
 pub async fn release_stale(db: &impl ConnectionTrait) -> Result<u64> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
