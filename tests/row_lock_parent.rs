@@ -89,14 +89,12 @@ async fn parent_stays_free(test_db: Option<TestDb>) {
     worker.rollback().await.unwrap();
 }
 
-#[cfg(feature = "postgres")]
 #[tokio::test]
 async fn postgres_parent_row_stays_free() {
-    parent_stays_free(servers::postgres("parent_pg").await).await;
+    parent_stays_free(servers::databases::postgres("parent_pg").await).await;
 }
 
-#[cfg(feature = "mysql")]
 #[tokio::test]
 async fn mariadb_parent_row_stays_free() {
-    parent_stays_free(servers::mysql("parent_my").await).await;
+    parent_stays_free(servers::databases::mysql("parent_my").await).await;
 }

@@ -192,6 +192,7 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
     }
     let held = "SELECT count(*) FROM freshlock_lock WHERE owner IS NOT NULL AND expires_at > 0";
     assert_eq!(scalar(&db, held).await, Some(0), "lock-table lease left");
+    #[cfg(feature = "redis")]
     if let (LockKind::Redis, Some(url)) = (kind, redis_url) {
         let client = redis::Client::open(url).unwrap();
         let mut conn = client.get_multiplexed_async_connection().await.unwrap();
