@@ -416,14 +416,15 @@ async fn seed_workload(mode: Mode, nodes: i32, work: Duration) -> (Duration, usi
         .expect("session");
     let started = Instant::now();
     let fields = ["thumbnail", "summary", "score", "analysis"];
-    // 4 workers per field kind, each a queue over its share of the nodes: 16 concurrent tasks.
-    let handles: Vec<_> = (0..16)
+    // The seed's shape: one worker per field kind, each a queue over all the nodes in the same
+    // order, so the four writers of a node reach it at about the same time.
+    let handles: Vec<_> = (0..4)
         .map(|w| {
             let (session, lock, db) = (session.clone(), lock.clone(), db.clone());
-            let field = fields[w % 4];
+            let field = fields[w];
             tokio::spawn(async move {
                 let repo = session.repository::<node::Entity>();
-                for id in ((w / 4) as i32 + 1..=nodes).step_by(4) {
+                for id in 1..=nodes {
                     let set = |n: &mut node::ActiveModel| match field {
                         "thumbnail" => n.thumbnail = Set(Some("t".into())),
                         "summary" => n.summary = Set(Some("s".into())),
@@ -537,6 +538,8 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
+    // FRESHLOCK_BENCH_ONLY=seed runs only the seed's workload.
+    let only_seed = std::env::var("FRESHLOCK_BENCH_ONLY").is_ok_and(|v| v == "seed");
     let postgres = std::env::var("DATABASE_URL_POSTGRES")
         .ok()
         .filter(|_| cfg!(feature = "postgres"));
@@ -547,70 +550,54 @@ async fn main() {
         .ok()
         .filter(|_| cfg!(feature = "redis"));
 
+    if !only_seed {
+        comparisons(postgres.as_deref(), mysql.as_deref(), redis.as_deref()).await;
+    }
+    seed_table().await;
+}
+
+async fn comparisons(postgres: Option<&str>, mysql: Option<&str>, redis: Option<&str>) {
+    let pg_kinds = [
+        LockKind::Local,
+        LockKind::Table,
+        LockKind::Row,
+        LockKind::PgAdvisory,
+        LockKind::Redis,
+    ];
+    let my_kinds = [
+        LockKind::Local,
+        LockKind::Table,
+        LockKind::Row,
+        LockKind::MySqlNamed,
+        LockKind::Redis,
+    ];
+    let sqlite_kinds = [LockKind::Local, LockKind::Table, LockKind::Row];
     println!("\n| comparison | freshlock | baseline | ratio | goal |\n|---|---|---|---|---|");
     cached_load().await;
-    single_task(
-        "SQLite",
-        "sqlite::memory:",
-        &[LockKind::Local, LockKind::Table, LockKind::Row],
-        None,
-    )
-    .await;
-    if let Some(url) = &postgres {
-        let kinds = [
-            LockKind::Local,
-            LockKind::Table,
-            LockKind::Row,
-            LockKind::PgAdvisory,
-            LockKind::Redis,
-        ];
-        single_task("PostgreSQL", url, &kinds, redis.as_deref()).await;
+    single_task("SQLite", "sqlite::memory:", &sqlite_kinds, None).await;
+    if let Some(url) = postgres {
+        single_task("PostgreSQL", url, &pg_kinds, redis).await;
     }
-    if let Some(url) = &mysql {
-        let kinds = [
-            LockKind::Local,
-            LockKind::Table,
-            LockKind::Row,
-            LockKind::MySqlNamed,
-            LockKind::Redis,
-        ];
-        single_task("MariaDB", url, &kinds, redis.as_deref()).await;
+    if let Some(url) = mysql {
+        single_task("MariaDB", url, &my_kinds, redis).await;
     }
     memory().await;
 
     println!(
         "\n| database | backend | 1 task (ops/s) | 4 tasks | 16 tasks | 16 vs 1 | handoff p50 / p99 | 16 tasks on 16 rows |\n|---|---|---|---|---|---|---|---|"
     );
-    contention(
-        "SQLite",
-        "sqlite::memory:",
-        &[LockKind::Local, LockKind::Table, LockKind::Row],
-        None,
-    )
-    .await;
-    if let Some(url) = &postgres {
-        let kinds = [
-            LockKind::Local,
-            LockKind::Table,
-            LockKind::Row,
-            LockKind::PgAdvisory,
-            LockKind::Redis,
-        ];
-        contention("PostgreSQL", url, &kinds, redis.as_deref()).await;
+    contention("SQLite", "sqlite::memory:", &sqlite_kinds, None).await;
+    if let Some(url) = postgres {
+        contention("PostgreSQL", url, &pg_kinds, redis).await;
     }
-    if let Some(url) = &mysql {
-        let kinds = [
-            LockKind::Local,
-            LockKind::Table,
-            LockKind::Row,
-            LockKind::MySqlNamed,
-            LockKind::Redis,
-        ];
-        contention("MariaDB", url, &kinds, redis.as_deref()).await;
+    if let Some(url) = mysql {
+        contention("MariaDB", url, &my_kinds, redis).await;
     }
+}
 
-    let nodes = if quick() { 50 } else { 500 };
-    let work = Duration::from_millis(if quick() { 2 } else { 20 });
+async fn seed_table() {
+    let nodes = if quick() { 20 } else { 250 };
+    let work = Duration::from_millis(if quick() { 2 } else { 10 });
     println!(
         "\n| the seed's workload ({} tasks, {:?} work) | wall | fields lost |\n|---|---|---|",
         nodes * 4,
