@@ -261,17 +261,6 @@ async fn line(worker: Worker) -> (Worker, String) {
     .unwrap()
 }
 
-async fn seed(db: &TestDb) {
-    node::Entity::insert(node::ActiveModel {
-        id: Set(1),
-        title: Set("shared".into()),
-        ..Default::default()
-    })
-    .exec(&db.db)
-    .await
-    .unwrap();
-}
-
 async fn score(db: &TestDb) -> Option<i32> {
     node::Entity::find_by_id(1)
         .one(&db.db)
@@ -286,7 +275,7 @@ async fn four_processes_increment(db: Option<TestDb>, lock: LockKind) {
     if lock == LockKind::Redis && servers::url(servers::REDIS).is_none() {
         return;
     }
-    seed(&db).await;
+    db.seed_nodes(1).await;
     let workers: Vec<Worker> = (0..4)
         .map(|_| Worker::spawn("increment", &db, lock, Duration::from_secs(30), 200))
         .collect();
@@ -336,7 +325,7 @@ async fn stopped_holder_is_fenced(db: Option<TestDb>, lock: LockKind) {
     if lock == LockKind::Redis && redis.is_none() {
         return;
     }
-    seed(&db).await;
+    db.seed_nodes(1).await;
     let ttl = Duration::from_millis(500);
     let worker = Worker::spawn("pause", &db, lock, ttl, 0);
     let (mut worker, said) = line(worker).await;

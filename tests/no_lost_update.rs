@@ -22,17 +22,6 @@ use sea_orm::{EntityTrait, Set};
 use servers::{TestDb, databases};
 use tokio::sync::Barrier;
 
-async fn seed(db: &TestDb, n: i32) {
-    let rows: Vec<_> = (1..=n)
-        .map(|id| node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            ..Default::default()
-        })
-        .collect();
-    node::Entity::insert_many(rows).exec(&db.db).await.unwrap();
-}
-
 fn proceeding(db: &TestDb, lock: Arc<dyn LockBackend>) -> Session {
     Session::builder(db.db.clone())
         .lock(lock)
@@ -50,7 +39,7 @@ fn proceeding(db: &TestDb, lock: Arc<dyn LockBackend>) -> Session {
 /// reported as a conflict, and the counter is exactly the reported successes.
 async fn increments_without_any_lock(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    seed(&db, 1).await;
+    db.seed_nodes(1).await;
     let start = Arc::new(Barrier::new(8));
     let (successes, conflicts, retried) = (
         Arc::new(AtomicU32::new(0)),
@@ -118,7 +107,7 @@ async fn increments_without_any_lock(db: Option<TestDb>) {
 /// Four field writers over 100 rows with no lock at all: no field lost.
 async fn field_writers_without_any_lock(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    seed(&db, 100).await;
+    db.seed_nodes(100).await;
     let start = Arc::new(Barrier::new(4));
     let tasks: Vec<_> = (0..4)
         .map(|field| {
@@ -166,7 +155,7 @@ async fn field_writers_without_any_lock(db: Option<TestDb>) {
 /// committed, never silently lost.
 async fn lease_shorter_than_the_section(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    seed(&db, 1).await;
+    db.seed_nodes(1).await;
     let lock: Arc<dyn LockBackend> = Arc::new(ExpiresBeforeUse(TableLock::new(db.db.clone())));
     let session = Session::builder(db.db.clone())
         .lock(lock)
@@ -236,7 +225,7 @@ impl LockBackend for ExpiresBeforeUse {
 /// The row deleted after the lock was taken and before the reload: not found, nothing written.
 async fn row_deleted_under_the_lock(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    seed(&db, 1).await;
+    db.seed_nodes(1).await;
     let lock: Arc<dyn LockBackend> = Arc::new(DeletesAfterAcquire(db.db.clone()));
     let session = proceeding(&db, lock);
     let applied = AtomicU32::new(0);

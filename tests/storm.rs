@@ -20,17 +20,6 @@ use sea_orm::{ConnectionTrait, DbBackend, EntityTrait, Set, Statement};
 use servers::{TestDb, databases};
 use tokio::time::Instant;
 
-async fn seed(db: &TestDb, n: i32) {
-    let rows: Vec<_> = (1..=n)
-        .map(|id| node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            ..Default::default()
-        })
-        .collect();
-    node::Entity::insert_many(rows).exec(&db.db).await.unwrap();
-}
-
 async fn scalar(db: &TestDb, sql: &str) -> Option<i64> {
     let backend = db.db.get_database_backend();
     let row = db
@@ -75,7 +64,7 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
     if kind == LockKind::Redis && redis_url.is_none() {
         return;
     }
-    seed(&db, 1).await;
+    db.seed_nodes(1).await;
     let backend = kind
         .connect(&db.db, &db.url, redis_url.as_deref())
         .await
@@ -209,7 +198,7 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
 /// because tasks queue in-process and at most one per key waits on the database.
 async fn hot_key(db: Option<TestDb>, kind: LockKind) {
     let Some(db) = db else { return };
-    seed(&db, 2).await;
+    db.seed_nodes(2).await;
     let small = servers::connect(&db.url, db.schema.as_deref(), 5).await;
     let backend = kind.connect(&small, &db.url, None).await.unwrap();
     let session = Session::builder(small.clone())
