@@ -275,9 +275,9 @@ where
     /// is released.
     ///
     /// # Cancel safety
-    /// The locked section runs in its own task, so dropping this future never interrupts a
-    /// statement halfway (which would make the driver close the connection — with in-memory
-    /// SQLite, destroying the database). If the future is dropped before `apply` has returned, the
+    /// The locked section is polled in place, and moved to a task of its own when this future is
+    /// dropped, so a drop never interrupts a statement halfway (which would make the driver close
+    /// the connection — with in-memory SQLite, destroying the database). If the future is dropped before `apply` has returned, the
     /// section rolls back; if it is dropped after, the write still commits and the cache is
     /// updated. Either way the lock is released after the transaction has ended.
     pub async fn locked_update<F>(
