@@ -1,6 +1,8 @@
 //! Claim / finish with a lease, and the lock inspector.
 
 mod common;
+#[path = "common/servers.rs"]
+mod servers;
 
 use std::{sync::Arc, time::Duration};
 
@@ -55,7 +57,7 @@ async fn claim_is_idempotent_and_finish_is_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn double_delivery_is_processed_once() {
-    let db = common::servers_sqlite_file("double").await;
+    let db = servers::sqlite_file("double").await.db;
     let claims = Claims::new(db.clone());
     let barrier = Arc::new(tokio::sync::Barrier::new(8));
     let tasks: Vec<_> = (0..8)

@@ -82,7 +82,7 @@ async fn worker(mode: String) {
                 assert!(report.outcome.is_updated());
                 assert!(report.lock.held);
             }
-            println!("FRESHLOCK:done");
+            say("done");
         }
         "hold" => {
             let name = LockName::new("node:1").unwrap();
@@ -91,8 +91,7 @@ async fn worker(mode: String) {
                 .await
                 .unwrap();
             assert!(guard.is_some());
-            println!("FRESHLOCK:held");
-            std::io::stdout().flush().unwrap();
+            say("held");
             std::future::pending::<()>().await;
         }
         "pause" => {
@@ -115,7 +114,7 @@ async fn worker(mode: String) {
                 UpdateOutcome::Updated(_) => "updated",
                 _ => "other",
             };
-            println!("FRESHLOCK:outcome={outcome}");
+            say(&format!("outcome={outcome}"));
         }
         "claim_hold" | "claim_pause" => {
             let claims = freshlock::Claims::new(db).with_label("worker");
@@ -124,22 +123,32 @@ async fn worker(mode: String) {
             else {
                 panic!("the task was free");
             };
-            println!("FRESHLOCK:claimed");
-            std::io::stdout().flush().unwrap();
+            say("claimed");
             if mode == "claim_hold" {
                 std::future::pending::<()>().await;
             }
-            tokio::task::spawn_blocking(|| {
-                let mut line = String::new();
-                std::io::stdin().read_line(&mut line).unwrap();
-            })
-            .await
-            .unwrap();
+            wait_for_go().await;
             let finished = claims.finish(&claim).await.unwrap();
-            println!("FRESHLOCK:finish={finished:?}");
+            say(&format!("finish={finished:?}"));
         }
         other => panic!("unknown mode {other}"),
     }
+}
+
+/// Blocks (off the runtime) until the parent writes a line to our stdin.
+async fn wait_for_go() {
+    tokio::task::spawn_blocking(|| {
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+    })
+    .await
+    .unwrap();
+}
+
+/// Tells the parent `what` (it reads `FRESHLOCK:` lines), at once.
+fn say(what: &str) {
+    println!("FRESHLOCK:{what}");
+    std::io::stdout().flush().unwrap();
 }
 
 /// Says "acquired" and waits for a line on stdin before handing the lease to `locked_update`:
@@ -160,14 +169,8 @@ impl LockBackend for PauseAfterAcquire {
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let guard = self.0.acquire(name, wait, ttl).await?;
-        println!("FRESHLOCK:acquired");
-        std::io::stdout().flush().unwrap();
-        tokio::task::spawn_blocking(|| {
-            let mut line = String::new();
-            std::io::stdin().read_line(&mut line).unwrap();
-        })
-        .await
-        .unwrap();
+        say("acquired");
+        wait_for_go().await;
         Ok(guard)
     }
 }

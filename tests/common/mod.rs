@@ -102,28 +102,3 @@ pub async fn node_in_db(db: &DatabaseConnection, id: i32) -> node::Model {
         .expect("query")
         .expect("row exists")
 }
-
-/// A fresh SQLite file database (WAL) with the example schema, for tests with several writers.
-pub async fn servers_sqlite_file(tag: &str) -> DatabaseConnection {
-    let path = std::env::temp_dir().join(format!(
-        "fl_{tag}_{}_{}.db",
-        std::process::id(),
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_nanos())
-    ));
-    let mut options = ConnectOptions::new(format!("sqlite://{}", path.display()));
-    let file = path.clone();
-    options
-        .max_connections(4)
-        .sqlx_logging(false)
-        .map_sqlx_sqlite_opts(move |o| {
-            o.filename(&file)
-                .create_if_missing(true)
-                .journal_mode(sea_orm::sqlx::sqlite::SqliteJournalMode::Wal)
-                .busy_timeout(std::time::Duration::from_secs(30))
-        });
-    let db = Database::connect(options).await.expect("connect");
-    Migrator::up(&db, None).await.expect("migrate");
-    db
-}
