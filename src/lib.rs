@@ -39,6 +39,8 @@ mod row;
 pub mod schema;
 mod section;
 mod session;
+#[cfg(feature = "testing")]
+pub mod testing;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
 pub use error::{ApplyError, BoxError, Error, LockError, Result};

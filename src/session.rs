@@ -172,7 +172,7 @@ impl SessionBuilder {
         Ok(self.build_unchecked())
     }
 
-    fn build_unchecked(self) -> Session {
+    pub(crate) fn build_unchecked(self) -> Session {
         Session {
             inner: Arc::new(Inner {
                 db: self.db,

@@ -3,18 +3,16 @@
 
 mod common;
 
-use std::{
-    sync::{Arc, atomic::Ordering},
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
-use common::{fake_lock::FakeLock, memory_db, node_in_db, seed_nodes};
+use common::{FakeLock, memory_db, node_in_db, seed_nodes};
 use entity::node;
+use freshlock::testing::TestDatabase;
 use freshlock::{
     Error, LockBackend, LockError, LockName, LockPolicy, OnLockFailure, Session, UpdateOutcome,
     lock::TableLock,
 };
-use sea_orm::{ConnectionTrait, Database, Set, Statement};
+use sea_orm::{ConnectionTrait, Set, Statement};
 
 fn session_with(
     db: &sea_orm::DatabaseConnection,
@@ -46,8 +44,8 @@ fn set_score(
 async fn a_release_that_fails_after_commit_keeps_the_update_and_says_so() {
     let db = memory_db().await;
     seed_nodes(&db, 1).await;
-    let fake = FakeLock::default();
-    fake.0.release_fails.store(true, Ordering::SeqCst);
+    let fake = FakeLock::new();
+    fake.fail_release(true);
     let session = session_with(&db, Arc::new(fake), OnLockFailure::Fail);
     let report = session
         .repository::<node::Entity>()
@@ -68,8 +66,8 @@ async fn a_release_that_fails_after_commit_keeps_the_update_and_says_so() {
 async fn a_lost_lease_refuses_the_write() {
     let db = memory_db().await;
     seed_nodes(&db, 1).await;
-    let fake = FakeLock::default();
-    fake.0.lease_lost.store(true, Ordering::SeqCst);
+    let fake = FakeLock::new();
+    fake.lose_lease(true);
     let session = session_with(&db, Arc::new(fake), OnLockFailure::Fail);
     let nodes = session.repository::<node::Entity>();
     let report = nodes.locked_update(1, set_score(5)).await.unwrap();
@@ -82,8 +80,8 @@ async fn a_lost_lease_refuses_the_write() {
 async fn lock_not_acquired_fails_or_proceeds_as_the_policy_says() {
     let db = memory_db().await;
     seed_nodes(&db, 1).await;
-    let fake = FakeLock::default();
-    fake.0.never_acquires.store(true, Ordering::SeqCst);
+    let fake = FakeLock::new();
+    fake.never_acquire(true);
 
     let strict = session_with(&db, Arc::new(fake.clone()), OnLockFailure::Fail);
     let refused = strict
@@ -107,7 +105,7 @@ async fn lock_not_acquired_fails_or_proceeds_as_the_policy_says() {
     assert!(!report.lock.held, "the report says the lock was not held");
     assert!(report.outcome.is_updated());
 
-    fake.0.acquire_fails.store(true, Ordering::SeqCst);
+    fake.fail_after(0);
     let failing = strict
         .repository::<node::Entity>()
         .locked_update(1, set_score(3))
@@ -128,7 +126,8 @@ async fn lock_not_acquired_fails_or_proceeds_as_the_policy_says() {
 #[tokio::test]
 async fn a_missing_lock_table_names_the_migration() {
     // A database with the data table but without freshlock's tables.
-    let db = Database::connect("sqlite::memory:").await.unwrap();
+    let db = TestDatabase::empty().await.unwrap();
+    let db = db.connection().clone();
     let schema = sea_orm::Schema::new(db.get_database_backend());
     db.execute(&schema.create_table_from_entity(node::Entity))
         .await

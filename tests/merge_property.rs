@@ -4,12 +4,13 @@
 
 mod common;
 
-use std::sync::{Arc, atomic::Ordering};
+use std::sync::Arc;
 
-use common::fake_lock::FakeLock;
+use common::FakeLock;
+use common::TestDatabase;
 use freshlock::{Error, LockPolicy, OnLockFailure, Session};
 use proptest::prelude::*;
-use sea_orm::{ConnectOptions, ConnectionTrait, Database, EntityTrait, Schema, Set};
+use sea_orm::{ConnectionTrait, EntityTrait, Schema, Set};
 
 mod counters {
     use sea_orm::entity::prelude::*;
@@ -47,13 +48,7 @@ fn op() -> impl Strategy<Value = Op> {
 }
 
 async fn run(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
-    let mut options = ConnectOptions::new("sqlite::memory:");
-    options
-        .max_connections(1)
-        .idle_timeout(None)
-        .max_lifetime(None)
-        .sqlx_logging(false);
-    let db = Database::connect(options).await.unwrap();
+    let db = TestDatabase::new().await.unwrap().connection().clone();
     let schema = Schema::new(db.get_database_backend());
     db.execute(&schema.create_table_from_entity(counters::Entity))
         .await
@@ -62,7 +57,7 @@ async fn run(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
         .await
         .unwrap();
 
-    let fake = FakeLock::default();
+    let fake = FakeLock::new();
     let session = Session::builder(db.clone())
         .lock(Arc::new(fake.clone()))
         .policy(
@@ -83,7 +78,7 @@ async fn run(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
             tokio::spawn(async move {
                 let mut committed = [0i32; 4];
                 for op in ops {
-                    fake.0.never_acquires.store(op.lock_fails, Ordering::SeqCst);
+                    fake.never_acquire(op.lock_fails);
                     if op.conflicts > 0 {
                         // A concurrent writer touching every column right before the write.
                         fake.interfere(

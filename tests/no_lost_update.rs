@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use common::fake_lock::FakeLock;
+use common::FakeLock;
 use entity::node;
 use freshlock::{
     Error, LockBackend, LockError, LockGuard, LockName, LockPolicy, OnLockFailure, Session,
@@ -48,7 +48,7 @@ async fn increments_without_any_lock(db: Option<TestDb>) {
     );
     let tasks: Vec<_> = (0..8)
         .map(|_| {
-            let session = proceeding(&db, Arc::new(FakeLock::no_lock_at_all()));
+            let session = proceeding(&db, Arc::new(FakeLock::without_lock()));
             let (start, successes, conflicts, retried) = (
                 Arc::clone(&start),
                 Arc::clone(&successes),
@@ -111,7 +111,7 @@ async fn field_writers_without_any_lock(db: Option<TestDb>) {
     let start = Arc::new(Barrier::new(4));
     let tasks: Vec<_> = (0..4)
         .map(|field| {
-            let session = proceeding(&db, Arc::new(FakeLock::no_lock_at_all()));
+            let session = proceeding(&db, Arc::new(FakeLock::without_lock()));
             let start = Arc::clone(&start);
             tokio::spawn(async move {
                 let nodes = session.repository::<node::Entity>();

@@ -8,10 +8,11 @@ use std::sync::{
     atomic::{AtomicU32, Ordering},
 };
 
-use common::{count, fake_lock::FakeLock, memory_db, memory_db_recorded, node_in_db, seed_nodes};
+use common::{FakeLock, count, memory_db, memory_db_recorded, node_in_db, seed_nodes};
 use entity::node;
+use freshlock::testing::TestDatabase;
 use freshlock::{Error, LockPolicy, Session};
-use sea_orm::{ConnectionTrait, Database, Schema, Set};
+use sea_orm::{ConnectionTrait, Schema, Set};
 
 fn session(db: &sea_orm::DatabaseConnection, fake: &FakeLock) -> Session {
     Session::builder(db.clone())
@@ -25,7 +26,7 @@ fn session(db: &sea_orm::DatabaseConnection, fake: &FakeLock) -> Session {
 async fn a_row_changed_after_the_reload_is_reloaded_and_apply_runs_again() {
     let db = memory_db().await;
     seed_nodes(&db, 1).await;
-    let fake = FakeLock::default();
+    let fake = FakeLock::new();
     // Someone adds 1000 to the score between our reload and our write, once.
     fake.interfere(
         "UPDATE node SET score = COALESCE(score, 0) + 1000 WHERE id = 1",
@@ -56,7 +57,7 @@ async fn a_row_changed_after_the_reload_is_reloaded_and_apply_runs_again() {
 async fn a_row_that_keeps_changing_is_a_typed_conflict_and_nothing_is_written() {
     let db = memory_db().await;
     seed_nodes(&db, 1).await;
-    let fake = FakeLock::default();
+    let fake = FakeLock::new();
     fake.interfere(
         "UPDATE node SET score = COALESCE(score, 0) + 1000 WHERE id = 1",
         u32::MAX,
@@ -79,7 +80,7 @@ async fn a_row_that_keeps_changing_is_a_typed_conflict_and_nothing_is_written() 
 async fn the_guard_compares_null_as_null_and_costs_no_statement() {
     let (db, recorder) = memory_db_recorded().await;
     seed_nodes(&db, 1).await;
-    let fake = FakeLock::default();
+    let fake = FakeLock::new();
     recorder.clear();
     session(&db, &fake)
         .repository::<node::Entity>()
@@ -120,7 +121,7 @@ mod document {
 
 #[tokio::test]
 async fn a_declared_version_column_guards_and_grows_on_every_write() {
-    let db = Database::connect("sqlite::memory:").await.unwrap();
+    let db = TestDatabase::new().await.unwrap();
     let schema = Schema::new(db.get_database_backend());
     db.execute(&schema.create_table_from_entity(document::Entity))
         .await
@@ -130,7 +131,7 @@ async fn a_declared_version_column_guards_and_grows_on_every_write() {
     )
     .await
     .unwrap();
-    let fake = FakeLock::default();
+    let fake = FakeLock::new();
     let session = Session::builder(db.clone())
         .lock(Arc::new(fake.clone()))
         .version_column::<document::Entity>(document::Column::Version)

@@ -1,9 +1,8 @@
 //! An entity declared only here, not in `entity/`: users add their own types with no boilerplate.
 
-use std::sync::Arc;
-
-use freshlock::{LocalLock, Session, UpdateOutcome};
-use sea_orm::{ConnectionTrait, Database, Schema, Set};
+use freshlock::UpdateOutcome;
+use freshlock::testing::TestDatabase;
+use sea_orm::{ConnectionTrait, Schema, Set};
 
 /// A user's own entity with a composite, non-integer primary key.
 mod inventory {
@@ -28,15 +27,12 @@ mod inventory {
 
 #[tokio::test]
 async fn a_plain_user_entity_works_with_load_reset_cache_and_locked_update() {
-    let db = Database::connect("sqlite::memory:").await.unwrap();
+    let db = TestDatabase::new().await.unwrap();
     let schema = Schema::new(db.get_database_backend());
     db.execute(&schema.create_table_from_entity(inventory::Entity))
         .await
         .unwrap();
-    let session = Session::builder(db.clone())
-        .lock(Arc::new(LocalLock::new()))
-        .build()
-        .unwrap();
+    let session = db.session();
     let stock = session.repository::<inventory::Entity>();
     stock
         .insert(inventory::ActiveModel {

@@ -1,62 +1,31 @@
 //! Shared helpers: a fresh in-memory database per test, a statement recorder, seed data.
-#![allow(dead_code)]
+#![allow(dead_code, unused_imports)]
 
-pub mod fake_lock;
-
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use entity::node;
+pub use freshlock::testing::{FakeLock, Recorder, TestDatabase, count};
 use freshlock::{LocalLock, LockPolicy, Session};
-use migration::{Migrator, MigratorTrait};
-use sea_orm::{ConnectOptions, Database, DatabaseConnection, EntityTrait, Set};
+use migration::Migrator;
+use sea_orm::{DatabaseConnection, EntityTrait, Set};
 
-/// SQL statements a connection sent (no BEGIN/COMMIT: sea-orm does not report those).
-#[derive(Clone, Default)]
-pub struct Recorder(Arc<Mutex<Vec<String>>>);
-
-impl Recorder {
-    pub fn take(&self) -> Vec<String> {
-        std::mem::take(&mut *self.0.lock().unwrap())
-    }
-
-    pub fn clear(&self) {
-        self.0.lock().unwrap().clear();
-    }
-
-    fn push(&self, sql: String) {
-        self.0.lock().unwrap().push(sql);
-    }
+/// A fresh anchored in-memory SQLite database with the example schema (our `Migrator`, which
+/// includes freshlock's migrations), from the `testing` helpers we ship.
+pub async fn test_db() -> TestDatabase {
+    TestDatabase::with_migrator::<Migrator>()
+        .await
+        .expect("test database")
 }
 
-/// Counts statements by their first word.
-pub fn count(statements: &[String], verb: &str) -> usize {
-    statements
-        .iter()
-        .filter(|s| s.trim_start().to_ascii_uppercase().starts_with(verb))
-        .count()
-}
-
-/// A fresh in-memory SQLite database with the example schema. The pool never closes its
-/// connection, so the database lives as long as the handle.
+/// The connection of a fresh [`test_db`]; the database lives as long as any clone of it.
 pub async fn memory_db() -> DatabaseConnection {
-    memory_db_recorded().await.0
+    test_db().await.connection().clone()
 }
 
 /// Like [`memory_db`], with a recorder of every statement sent after the migrations.
 pub async fn memory_db_recorded() -> (DatabaseConnection, Recorder) {
-    let mut options = ConnectOptions::new("sqlite::memory:");
-    options
-        .max_connections(1)
-        .min_connections(1)
-        .idle_timeout(None)
-        .max_lifetime(None)
-        .sqlx_logging(false);
-    let mut db = Database::connect(options).await.expect("connect");
-    Migrator::up(&db, None).await.expect("migrate");
-    let recorder = Recorder::default();
-    let sink = recorder.clone();
-    db.set_metric_callback(move |info| sink.push(info.statement.to_string()));
-    (db, recorder)
+    let db = test_db().await;
+    (db.connection().clone(), db.recorder().clone())
 }
 
 /// A session with its own lock space (tests run in parallel in one process).
