@@ -90,8 +90,10 @@ impl IdentityMap {
             .get(key)
             .and_then(|entry| Arc::clone(entry.value()).downcast::<M>().ok());
         let counter = if found.is_some() {
+            crate::metrics::cache_hit();
             &self.hits
         } else {
+            crate::metrics::cache_miss();
             &self.misses
         };
         counter.fetch_add(1, Ordering::Relaxed);
@@ -124,6 +126,7 @@ impl IdentityMap {
         let removed = self.entries.remove(key).is_some();
         if removed {
             self.evictions.fetch_add(1, Ordering::Relaxed);
+            crate::metrics::cache_evictions(1);
         }
         removed
     }
@@ -137,6 +140,7 @@ impl IdentityMap {
             keep
         });
         self.evictions.fetch_add(removed as u64, Ordering::Relaxed);
+        crate::metrics::cache_evictions(removed as u64);
         removed
     }
 
@@ -145,6 +149,7 @@ impl IdentityMap {
         let before = self.entries.len();
         self.entries.clear();
         self.evictions.fetch_add(before as u64, Ordering::Relaxed);
+        crate::metrics::cache_evictions(before as u64);
     }
 
     pub(crate) fn stats(&self) -> CacheStats {

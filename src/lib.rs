@@ -33,6 +33,7 @@ pub mod inspect;
 pub mod lock;
 mod locked_update;
 mod locking;
+pub mod metrics;
 mod outcome;
 mod repository;
 mod row;

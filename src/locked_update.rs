@@ -24,7 +24,7 @@ use sea_orm::{
     QuerySelect, Value,
 };
 use tokio::sync::mpsc;
-use tracing::{Instrument, debug, error, info_span, warn};
+use tracing::{Instrument, debug, error, field, info_span, warn};
 
 use crate::{
     error::{ApplyError, Error, Result, database},
@@ -54,8 +54,20 @@ where
 {
     let (reloaded_tx, mut reloaded) = mpsc::channel::<E::Model>(1);
     let (writes, writes_rx) = mpsc::channel::<Write<E>>(1);
-    let span =
-        info_span!("locked_update", row = %row.name, backend = session.lock_backend().kind());
+    // Fields are evaluated only when a subscriber wants the span; the empty ones are filled in
+    // when the section ends.
+    let span = info_span!(
+        "locked_update",
+        entity = E::default().table_name(),
+        key = row.name.as_str().split_once(':').map_or("", |(_, key)| key),
+        lock = %row.lock,
+        backend = session.lock_backend().kind(),
+        lock_wait_ms = field::Empty,
+        lock_held = field::Empty,
+        attempts = field::Empty,
+        conflicts = field::Empty,
+        outcome = field::Empty,
+    );
     let driver = Driver::<E> {
         session: session.clone(),
         row: row.clone(),
@@ -183,7 +195,35 @@ where
     E::Model: IntoActiveModel<E::ActiveModel> + Sync,
     E::ActiveModel: Send,
 {
-    async fn run(mut self) -> Result<UpdateReport<E::Model>> {
+    /// Runs the section and records how it ended (span fields, metrics).
+    async fn run(self) -> Result<UpdateReport<E::Model>> {
+        let entity = E::default().table_name();
+        let result = self.run_locked().await;
+        let outcome = match &result {
+            Ok(report) => {
+                let span = tracing::Span::current();
+                span.record("lock_wait_ms", report.lock.waited.as_secs_f64() * 1e3);
+                span.record("lock_held", report.lock.held);
+                span.record("attempts", report.attempts);
+                span.record("conflicts", report.conflicts);
+                match report.outcome {
+                    UpdateOutcome::Updated(_) => "updated",
+                    UpdateOutcome::Unchanged(_) => "unchanged",
+                    UpdateOutcome::NotFound => "not_found",
+                    UpdateOutcome::LeaseLost => "lease_lost",
+                }
+            }
+            Err(Error::Interrupted { .. }) => "interrupted",
+            Err(Error::Conflict { .. }) => "conflict",
+            Err(Error::LockNotAcquired { .. }) => "lock_not_acquired",
+            Err(_) => "error",
+        };
+        tracing::Span::current().record("outcome", outcome);
+        crate::metrics::update(entity, outcome);
+        result
+    }
+
+    async fn run_locked(mut self) -> Result<UpdateReport<E::Model>> {
         let _in_flight = self.session.section_started();
         let policy = self.session.policy().clone();
         let taken = Locking::take(
@@ -211,6 +251,7 @@ where
                 Ok(Step::Done(_)) => false,
                 Ok(Step::Conflict) => {
                     conflicts += 1;
+                    crate::metrics::conflict(E::default().table_name());
                     warn!(row = %self.row.name, attempts, "conflict: the row changed since it was read");
                     true
                 }
@@ -235,9 +276,6 @@ where
                 }
             }
         };
-        let span = tracing::Span::current();
-        span.record("attempts", attempts);
-        span.record("conflicts", conflicts);
 
         // Only now, after commit or rollback.
         let report = locking.release().await;
@@ -290,6 +328,7 @@ where
                 Ok(false) => {
                     finish(txn, false, &self.row).await?;
                     warn!(row = %self.row.name, fence = locking.report.fence, "lease lost before the write; nothing written");
+                    crate::metrics::lease_lost(locking.report.backend);
                     return Ok(Step::Done(UpdateOutcome::LeaseLost));
                 }
                 Err(source) => {

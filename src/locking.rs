@@ -123,6 +123,12 @@ impl Locking {
     /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
     fn unavailable(&self, failure: Option<LockError>) -> Result<()> {
         let report = &self.report;
+        let proceed = self.on_failure == OnLockFailure::Proceed;
+        crate::metrics::acquire_failure(report.backend, failure.is_some(), proceed);
+        if !proceed {
+            // No release follows a refusal: the wait is recorded here.
+            crate::metrics::lock_wait(report.backend, false, report.waited);
+        }
         match (self.on_failure, failure) {
             (OnLockFailure::Fail, None) => Err(Error::LockNotAcquired {
                 target: self.target.to_string(),
@@ -182,6 +188,7 @@ impl Locking {
     /// let the next holder reload data this transaction had not committed yet. A failed release
     /// does not undo a commit: it is reported, and the lease runs out by its TTL.
     pub(crate) async fn release(mut self) -> LockReport {
+        crate::metrics::lock_wait(self.report.backend, self.report.held, self.report.waited);
         if let Some(guard) = self.guard.take()
             && let Err(error) = guard.release().await
         {

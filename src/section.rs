@@ -106,6 +106,7 @@ impl Session {
                 Ok(false) => {
                     let _ = txn.rollback().await;
                     warn!(%lock, "lease lost before the commit; rolled back");
+                    crate::metrics::lease_lost(locking.report.backend);
                     return Ok(SectionOutcome::LeaseLost);
                 }
                 Err(source) => {

@@ -24,9 +24,10 @@ const KIND: &str = "table";
 /// A lease lock in the `freshlock_lock` table of the database the data lives in (SQLite,
 /// PostgreSQL, MySQL/MariaDB): it holds across processes and machines.
 ///
-/// Acquire is one atomic statement on SQLite and PostgreSQL (insert the row, or take over a row
-/// that is free or whose lease has expired, returning the new fence) and one short transaction on
-/// MySQL. Expiry uses the **database clock** only. Rows are never deleted, so each name's fence
+/// Acquire is one atomic statement on SQLite and PostgreSQL when the name is free (insert the
+/// row or take the released one, returning the new fence); a held name costs a second statement
+/// that takes the row over only if its holder's lease has expired (logged as "stale lock taken
+/// over"). MySQL, without `RETURNING`, uses up to three single-row statements and a read. Expiry uses the **database clock** only. Rows are never deleted, so each name's fence
 /// keeps growing. A holder that dies keeps the lease until its TTL runs out; `locked_update`
 /// checks, in the transaction of its write, that the lease is still its own and unexpired.
 ///
@@ -49,13 +50,14 @@ impl TableLock {
         self
     }
 
-    /// One try: the new fence when the lease was taken.
+    /// One try: the new fence when the lease was taken, and whether it was taken over from a
+    /// holder whose lease had expired (a free row is tried first, so a takeover is visible).
     async fn try_once(
         &self,
         name: &str,
         token: &str,
         ttl: Duration,
-    ) -> Result<Option<i64>, LockError> {
+    ) -> Result<Option<(i64, bool)>, LockError> {
         let backend = self.db.get_database_backend();
         let now = now_ms(backend);
         let holder = || -> Vec<Value> {
@@ -78,7 +80,7 @@ impl TableLock {
              fence = {LOCK_TABLE}.fence + 1, expires_at = excluded.expires_at, \
              host = excluded.host, pid = excluded.pid, label = excluded.label, \
              acquired_at = excluded.acquired_at \
-             WHERE {LOCK_TABLE}.owner IS NULL OR {LOCK_TABLE}.expires_at <= {now} \
+             WHERE {LOCK_TABLE}.owner IS NULL \
              RETURNING fence"
         );
         let mut values = vec![Value::from(name)];
@@ -88,22 +90,52 @@ impl TableLock {
             .query_one_raw(statement(backend, &upsert, values))
             .await
             .map_err(fail)?;
-        row.map(|r| r.try_get::<i64>("", "fence"))
+        if let Some(row) = row {
+            return Ok(Some((
+                row.try_get::<i64>("", "fence").map_err(fail)?,
+                false,
+            )));
+        }
+        // Held: take it over only if the holder's lease has expired.
+        let mut values = holder();
+        values.push(name.into());
+        let row = self
+            .db
+            .query_one_raw(statement(backend, &takeover(backend), values))
+            .await
+            .map_err(fail)?;
+        row.map(|r| r.try_get::<i64>("", "fence").map(|fence| (fence, true)))
             .transpose()
             .map_err(fail)
     }
 }
 
+/// Takes over a row whose holder's lease has expired (values: the holder's, then the name).
+fn takeover(backend: DbBackend) -> String {
+    let now = now_ms(backend);
+    let returning = if backend == DbBackend::MySql {
+        ""
+    } else {
+        " RETURNING fence"
+    };
+    format!(
+        "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
+         host = ?, pid = ?, label = ?, acquired_at = {now} \
+         WHERE name = ? AND owner IS NOT NULL AND expires_at <= {now}{returning}"
+    )
+}
+
 impl TableLock {
-    /// MySQL has no `RETURNING`: take over an existing free or expired row (one atomic UPDATE),
-    /// else insert the row already held. Both are single autocommit statements on one row, so
-    /// they cannot deadlock with each other; the rare deadlock InnoDB still reports is a busy try.
+    /// MySQL has no `RETURNING`: take a free row (one atomic UPDATE), else insert the row
+    /// already held, else take over an expired lease, then read the fence. Each is a single
+    /// autocommit statement on one row, so they cannot deadlock with each other; the rare
+    /// deadlock InnoDB still reports is a busy try.
     async fn try_once_mysql(
         &self,
         name: &str,
         token: &str,
         ttl: Duration,
-    ) -> Result<Option<i64>, LockError> {
+    ) -> Result<Option<(i64, bool)>, LockError> {
         let backend = DbBackend::MySql;
         let now = now_ms(backend);
         let fail = |e| lock_error(KIND, LOCK_TABLE, e);
@@ -114,36 +146,40 @@ impl TableLock {
             i64::from(std::process::id()).into(),
             self.label.clone().into(),
         ];
+        let run = |sql: String, values: Vec<Value>| {
+            let db = &self.db;
+            async move {
+                match db.execute_raw(statement(backend, &sql, values)).await {
+                    Ok(done) => Ok(done.rows_affected() == 1),
+                    Err(e) if classify(&e) == Failure::Deadlock => Ok(false),
+                    Err(e) => Err(fail(e)),
+                }
+            }
+        };
         let take = format!(
             "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
              host = ?, pid = ?, label = ?, acquired_at = {now} \
-             WHERE name = ? AND (owner IS NULL OR expires_at <= {now})"
+             WHERE name = ? AND owner IS NULL"
         );
         let mut values = holder.clone();
         values.push(name.into());
-        let taken = match self.db.execute_raw(statement(backend, &take, values)).await {
-            Ok(taken) => taken.rows_affected() == 1,
-            Err(e) if classify(&e) == Failure::Deadlock => return Ok(None),
-            Err(e) => return Err(fail(e)),
-        };
-        if !taken {
+        let mut taken_over = false;
+        if !run(take, values.clone()).await? {
             let insert = insert_ignore(
                 backend,
                 LOCK_TABLE,
                 "name, owner, fence, expires_at, host, pid, label, acquired_at",
                 &format!("?, ?, 1, {now} + ?, ?, ?, ?, {now}"),
             );
-            let mut values = vec![Value::from(name)];
-            values.extend(holder);
-            return match self
-                .db
-                .execute_raw(statement(backend, &insert, values))
-                .await
-            {
-                Ok(inserted) => Ok((inserted.rows_affected() == 1).then_some(1)),
-                Err(e) if classify(&e) == Failure::Deadlock => Ok(None),
-                Err(e) => Err(fail(e)),
-            };
+            let mut inserted = vec![Value::from(name)];
+            inserted.extend(holder);
+            if run(insert, inserted).await? {
+                return Ok(Some((1, false)));
+            }
+            if !run(takeover(backend), values).await? {
+                return Ok(None);
+            }
+            taken_over = true;
         }
         let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ? AND owner = ?");
         let row = self
@@ -151,9 +187,12 @@ impl TableLock {
             .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
             .await
             .map_err(fail)?;
-        row.map(|r| r.try_get::<i64>("", "fence"))
-            .transpose()
-            .map_err(fail)
+        row.map(|r| {
+            r.try_get::<i64>("", "fence")
+                .map(|fence| (fence, taken_over))
+        })
+        .transpose()
+        .map_err(fail)
     }
 }
 
@@ -174,8 +213,13 @@ impl LockBackend for TableLock {
         let deadline = Instant::now() + wait;
         let mut backoff = Backoff::new();
         loop {
-            if let Some(fence) = self.try_once(&stored, &token, ttl).await? {
-                debug!(lock = %name, fence, "table lease taken");
+            if let Some((fence, taken_over)) = self.try_once(&stored, &token, ttl).await? {
+                if taken_over {
+                    warn!(lock = %name, fence, "stale lock taken over: the previous holder's lease had expired");
+                    crate::metrics::stale_lock_taken_over(KIND);
+                } else {
+                    debug!(lock = %name, fence, "table lease taken");
+                }
                 return Ok(Some(Box::new(TableGuard {
                     db: self.db.clone(),
                     name: stored,

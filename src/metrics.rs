@@ -1,0 +1,138 @@
+//! Metrics through the [`metrics`](https://docs.rs/metrics) facade (cargo feature `metrics`).
+//!
+//! freshlock records into whatever recorder the application installed (Prometheus exporter,
+//! StatsD, …); without the feature, or without a recorder, recording costs nothing. Names:
+//!
+//! | name | kind | labels | what |
+//! |---|---|---|---|
+//! | [`LOCK_WAIT`] | histogram (seconds) | `backend`, `held` | time from asking for a row's lock to holding it (or giving up) |
+//! | [`ACQUIRE_FAILURES`] | counter | `backend`, `reason` (`busy`/`error`), `policy` (`proceed`/`fail`) | locks not had after the policy's tries |
+//! | [`CONFLICTS`] | counter | `entity` | writes refused by the optimistic guard (run again) |
+//! | [`LEASES_LOST`] | counter | `backend` | writes refused because the lease expired and was taken over |
+//! | [`STALE_TAKEOVERS`] | counter | `backend` | expired leases taken over from a dead or slow holder |
+//! | [`UPDATES`] | counter | `entity`, `outcome` | `locked_update` calls by outcome (`updated`, `unchanged`, `not_found`, `lease_lost`, `error`) |
+//! | [`CACHE_HITS`] / [`CACHE_MISSES`] / [`CACHE_EVICTIONS`] | counter | — | identity-map lookups answered from memory / from the database, entries dropped |
+//!
+//! Call [`describe`] once after installing the recorder to give exporters units and help texts.
+
+/// Histogram: seconds from asking for a row's lock to holding it (or giving up).
+pub const LOCK_WAIT: &str = "freshlock_lock_wait_seconds";
+/// Counter: locks not had after the policy's tries.
+pub const ACQUIRE_FAILURES: &str = "freshlock_lock_acquire_failures_total";
+/// Counter: writes refused by the optimistic guard because the row changed since it was read.
+pub const CONFLICTS: &str = "freshlock_conflicts_total";
+/// Counter: writes refused because the lease was lost before the write.
+pub const LEASES_LOST: &str = "freshlock_leases_lost_total";
+/// Counter: expired leases taken over from their holder.
+pub const STALE_TAKEOVERS: &str = "freshlock_stale_locks_taken_over_total";
+/// Counter: `locked_update` calls by outcome.
+pub const UPDATES: &str = "freshlock_locked_updates_total";
+/// Counter: identity-map lookups answered from memory.
+pub const CACHE_HITS: &str = "freshlock_cache_hits_total";
+/// Counter: identity-map lookups that went to the database.
+pub const CACHE_MISSES: &str = "freshlock_cache_misses_total";
+/// Counter: identity-map entries evicted (reset, capacity, before a locked reload).
+pub const CACHE_EVICTIONS: &str = "freshlock_cache_evictions_total";
+
+/// Registers units and descriptions of freshlock's metrics with the installed recorder.
+#[cfg(feature = "metrics")]
+pub fn describe() {
+    use metrics::{Unit, describe_counter, describe_histogram};
+    describe_histogram!(
+        LOCK_WAIT,
+        Unit::Seconds,
+        "Time from asking for a row's lock to holding it (or giving up)"
+    );
+    describe_counter!(ACQUIRE_FAILURES, "Locks not had after the policy's tries");
+    describe_counter!(CONFLICTS, "Writes refused by the optimistic guard");
+    describe_counter!(LEASES_LOST, "Writes refused because the lease was lost");
+    describe_counter!(
+        STALE_TAKEOVERS,
+        "Expired leases taken over from their holder"
+    );
+    describe_counter!(UPDATES, "locked_update calls by outcome");
+    describe_counter!(CACHE_HITS, "Identity-map lookups answered from memory");
+    describe_counter!(
+        CACHE_MISSES,
+        "Identity-map lookups that went to the database"
+    );
+    describe_counter!(CACHE_EVICTIONS, "Identity-map entries evicted");
+}
+
+#[cfg(feature = "metrics")]
+mod record {
+    use std::time::Duration;
+
+    use metrics::{counter, histogram};
+
+    pub(crate) fn lock_wait(backend: &'static str, held: bool, waited: Duration) {
+        let held = if held { "true" } else { "false" };
+        histogram!(super::LOCK_WAIT, "backend" => backend, "held" => held)
+            .record(waited.as_secs_f64());
+    }
+
+    pub(crate) fn acquire_failure(backend: &'static str, error: bool, proceed: bool) {
+        let reason = if error { "error" } else { "busy" };
+        let policy = if proceed { "proceed" } else { "fail" };
+        counter!(super::ACQUIRE_FAILURES, "backend" => backend, "reason" => reason, "policy" => policy)
+            .increment(1);
+    }
+
+    pub(crate) fn conflict(entity: &'static str) {
+        counter!(super::CONFLICTS, "entity" => entity).increment(1);
+    }
+
+    pub(crate) fn lease_lost(backend: &'static str) {
+        counter!(super::LEASES_LOST, "backend" => backend).increment(1);
+    }
+
+    pub(crate) fn stale_lock_taken_over(backend: &'static str) {
+        counter!(super::STALE_TAKEOVERS, "backend" => backend).increment(1);
+    }
+
+    pub(crate) fn update(entity: &'static str, outcome: &'static str) {
+        counter!(super::UPDATES, "entity" => entity, "outcome" => outcome).increment(1);
+    }
+
+    pub(crate) fn cache_hit() {
+        counter!(super::CACHE_HITS).increment(1);
+    }
+
+    pub(crate) fn cache_miss() {
+        counter!(super::CACHE_MISSES).increment(1);
+    }
+
+    pub(crate) fn cache_evictions(n: u64) {
+        if n > 0 {
+            counter!(super::CACHE_EVICTIONS).increment(n);
+        }
+    }
+}
+
+/// Without the feature every recording is an empty inline function.
+#[cfg(not(feature = "metrics"))]
+#[allow(clippy::missing_const_for_fn)]
+mod record {
+    use std::time::Duration;
+
+    #[inline(always)]
+    pub(crate) fn lock_wait(_: &'static str, _: bool, _: Duration) {}
+    #[inline(always)]
+    pub(crate) fn acquire_failure(_: &'static str, _: bool, _: bool) {}
+    #[inline(always)]
+    pub(crate) fn conflict(_: &'static str) {}
+    #[inline(always)]
+    pub(crate) fn lease_lost(_: &'static str) {}
+    #[inline(always)]
+    pub(crate) fn stale_lock_taken_over(_: &'static str) {}
+    #[inline(always)]
+    pub(crate) fn update(_: &'static str, _: &'static str) {}
+    #[inline(always)]
+    pub(crate) fn cache_hit() {}
+    #[inline(always)]
+    pub(crate) fn cache_miss() {}
+    #[inline(always)]
+    pub(crate) fn cache_evictions(_: u64) {}
+}
+
+pub(crate) use record::*;

@@ -1,0 +1,442 @@
+//! Spans, events and metrics as an operator sees them: a tracing subscriber and a metrics
+//! recorder installed by the test, then the situations they exist for.
+
+mod common;
+
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+};
+
+use common::{FakeLock, TestDatabase, node_in_db, seed_nodes, test_db};
+use entity::node;
+use freshlock::{LockPolicy, OnLockFailure, Session, UpdateOutcome, lock::TableLock};
+use sea_orm::{ConnectionTrait, Set};
+use tracing::{
+    Subscriber,
+    field::{Field, Visit},
+    span,
+};
+use tracing_subscriber::{Layer, layer::Context, prelude::*, registry::LookupSpan};
+
+type Fields = BTreeMap<String, String>;
+
+/// What the subscriber saw: closed spans and events, with their fields as text.
+#[derive(Clone, Default)]
+struct Seen {
+    spans: Arc<Mutex<Vec<(String, Fields)>>>,
+    events: Arc<Mutex<Vec<(tracing::Level, Fields)>>>,
+}
+
+struct Text<'a>(&'a mut Fields);
+
+impl Visit for Text<'_> {
+    fn record_str(&mut self, field: &Field, value: &str) {
+        self.0.insert(field.name().into(), value.into());
+    }
+    fn record_debug(&mut self, field: &Field, value: &dyn std::fmt::Debug) {
+        self.0.insert(field.name().into(), format!("{value:?}"));
+    }
+}
+
+/// A span's place in `Seen::spans`.
+struct Index(usize);
+
+// Spans are captured as they are created and recorded, not when they close: sqlx hands the
+// current span to its SQLite worker thread, which may drop it a moment after the call returned.
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Seen {
+    fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+        let mut fields = Fields::new();
+        attrs.record(&mut Text(&mut fields));
+        let mut spans = self.spans.lock().unwrap();
+        spans.push((attrs.metadata().name().to_owned(), fields));
+        let index = Index(spans.len() - 1);
+        ctx.span(id).unwrap().extensions_mut().insert(index);
+    }
+
+    fn on_record(&self, id: &span::Id, values: &span::Record<'_>, ctx: Context<'_, S>) {
+        let span = ctx.span(id).unwrap();
+        let extensions = span.extensions();
+        let Index(index) = extensions.get::<Index>().unwrap();
+        values.record(&mut Text(&mut self.spans.lock().unwrap()[*index].1));
+    }
+
+    fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        let mut fields = Fields::new();
+        event.record(&mut Text(&mut fields));
+        self.events
+            .lock()
+            .unwrap()
+            .push((*event.metadata().level(), fields));
+    }
+}
+
+impl Seen {
+    /// Installs this layer for the current thread (the test's current-thread runtime).
+    fn install(&self) -> tracing::subscriber::DefaultGuard {
+        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    }
+
+    fn updates(&self) -> Vec<Fields> {
+        let spans = self.spans.lock().unwrap();
+        spans
+            .iter()
+            .filter(|(name, _)| name == "locked_update")
+            .map(|(_, fields)| fields.clone())
+            .collect()
+    }
+
+    fn event(&self, message_start: &str) -> Option<(tracing::Level, Fields)> {
+        let events = self.events.lock().unwrap();
+        events
+            .iter()
+            .find(|(_, f)| {
+                f.get("message")
+                    .is_some_and(|m| m.starts_with(message_start))
+            })
+            .cloned()
+    }
+}
+
+fn with_lock(db: &TestDatabase, lock: FakeLock, on_failure: OnLockFailure) -> Session {
+    db.session_builder()
+        .lock(Arc::new(lock))
+        .policy(
+            LockPolicy::default()
+                .with_tries(2)
+                .with_on_failure(on_failure),
+        )
+        .build()
+        .unwrap()
+}
+
+fn score(n: i32) -> impl FnMut(&mut node::ActiveModel) -> Result<(), freshlock::ApplyError> {
+    move |row| {
+        row.score = Set(Some(n));
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_span_per_locked_update_with_entity_key_backend_wait_attempts_and_outcome() {
+    let seen = Seen::default();
+    let _guard = seen.install();
+    let db = test_db().await;
+    seed_nodes(&db, 2).await;
+    let nodes = db.session().repository::<node::Entity>();
+    nodes.locked_update(2, score(1)).await.unwrap();
+    nodes.locked_update(2, score(1)).await.unwrap();
+    nodes.locked_update(99, score(1)).await.unwrap();
+
+    let spans = seen.updates();
+    assert_eq!(spans.len(), 3, "{spans:#?}");
+    let first = &spans[0];
+    assert_eq!(first["entity"], "node");
+    assert_eq!(first["key"], "2");
+    assert_eq!(first["backend"], "local");
+    assert_eq!(first["lock_held"], "true");
+    assert_eq!(first["attempts"], "1");
+    assert_eq!(first["conflicts"], "0");
+    assert_eq!(first["outcome"], "updated");
+    assert!(first["lock_wait_ms"].parse::<f64>().unwrap() >= 0.0);
+    assert_eq!(spans[1]["outcome"], "unchanged");
+    assert_eq!(spans[2]["outcome"], "not_found");
+    assert_eq!(spans[2]["key"], "99");
+}
+
+#[tokio::test]
+async fn events_for_conflicts_proceeding_without_the_lock_and_a_lost_lease() {
+    let seen = Seen::default();
+    let _guard = seen.install();
+    let db = test_db().await;
+    seed_nodes(&db, 1).await;
+
+    let fake = FakeLock::new();
+    fake.interfere("UPDATE node SET score = 100 WHERE id = 1", 1);
+    let report = with_lock(&db, fake.clone(), OnLockFailure::Fail)
+        .repository::<node::Entity>()
+        .locked_update(1, score(5))
+        .await
+        .unwrap();
+    assert_eq!((report.attempts, report.conflicts), (2, 1));
+    let (level, _) = seen.event("conflict").expect("a conflict event");
+    assert_eq!(level, tracing::Level::WARN);
+    assert_eq!(seen.updates()[0]["conflicts"], "1");
+
+    fake.never_acquire(true);
+    with_lock(&db, fake.clone(), OnLockFailure::Proceed)
+        .repository::<node::Entity>()
+        .locked_update(1, score(6))
+        .await
+        .unwrap();
+    let (level, fields) = seen
+        .event("proceeding without the lock")
+        .expect("a proceeding event");
+    assert_eq!(
+        (level, fields["tries"].as_str()),
+        (tracing::Level::WARN, "2")
+    );
+    assert_eq!(seen.updates()[1]["lock_held"], "false");
+
+    fake.never_acquire(false).lose_lease(true);
+    let report = with_lock(&db, fake, OnLockFailure::Fail)
+        .repository::<node::Entity>()
+        .locked_update(1, score(7))
+        .await
+        .unwrap();
+    assert!(matches!(report.outcome, UpdateOutcome::LeaseLost));
+    assert!(seen.event("lease lost").is_some());
+    assert_eq!(seen.updates()[2]["outcome"], "lease_lost");
+    assert_eq!(node_in_db(&db, 1).await.score, Some(6));
+}
+
+/// A holder that died with its lease: the row is owned, its lease ran out long ago.
+async fn dead_holder(db: &TestDatabase, name: &str) {
+    db.execute_unprepared(&format!(
+        "INSERT INTO freshlock_lock (name, owner, fence, expires_at, host, pid, label, acquired_at) \
+         VALUES ('{name}', 'dead-worker', 7, 0, 'elsewhere', 1, NULL, 0)"
+    ))
+    .await
+    .unwrap();
+}
+
+#[tokio::test]
+async fn taking_over_an_expired_lease_is_an_event() {
+    let seen = Seen::default();
+    let _guard = seen.install();
+    let db = test_db().await;
+    seed_nodes(&db, 1).await;
+    dead_holder(&db, "node:1").await;
+    let session = db
+        .session_builder()
+        .lock(Arc::new(TableLock::new(db.connection().clone())))
+        .build()
+        .unwrap();
+    let report = session
+        .repository::<node::Entity>()
+        .locked_update(1, score(3))
+        .await
+        .unwrap();
+    assert_eq!(
+        report.lock.fence,
+        Some(8),
+        "the fence grows past the dead holder's"
+    );
+    let (level, fields) = seen
+        .event("stale lock taken over")
+        .expect("a takeover event");
+    assert_eq!(
+        (level, fields["fence"].as_str()),
+        (tracing::Level::WARN, "8")
+    );
+
+    // A released lease taken again is not a takeover.
+    session
+        .repository::<node::Entity>()
+        .locked_update(1, score(4))
+        .await
+        .unwrap();
+    let takeovers = seen
+        .events
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|(_, f)| {
+            f.get("message")
+                .is_some_and(|m| m.starts_with("stale lock"))
+        })
+        .count();
+    assert_eq!(takeovers, 1);
+}
+
+#[cfg(feature = "metrics")]
+mod metrics_facade {
+    use std::{
+        collections::BTreeMap,
+        sync::{Arc, Mutex},
+    };
+
+    use metrics::{
+        Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
+        SharedString, Unit,
+    };
+
+    use super::*;
+
+    /// A recorder that keeps counter totals and histogram samples, keyed `name{k=v,…}`.
+    #[derive(Clone, Default)]
+    struct Memory {
+        counters: Arc<Mutex<BTreeMap<String, u64>>>,
+        histograms: Arc<Mutex<BTreeMap<String, Vec<f64>>>>,
+    }
+
+    struct Slot(Arc<Mutex<BTreeMap<String, u64>>>, String);
+    impl CounterFn for Slot {
+        fn increment(&self, value: u64) {
+            *self.0.lock().unwrap().entry(self.1.clone()).or_default() += value;
+        }
+        fn absolute(&self, value: u64) {
+            self.0.lock().unwrap().insert(self.1.clone(), value);
+        }
+    }
+    struct Samples(Arc<Mutex<BTreeMap<String, Vec<f64>>>>, String);
+    impl HistogramFn for Samples {
+        fn record(&self, value: f64) {
+            self.0
+                .lock()
+                .unwrap()
+                .entry(self.1.clone())
+                .or_default()
+                .push(value);
+        }
+    }
+
+    fn render(key: &Key) -> String {
+        let mut labels: Vec<String> = key
+            .labels()
+            .map(|l| format!("{}={}", l.key(), l.value()))
+            .collect();
+        labels.sort();
+        if labels.is_empty() {
+            key.name().to_owned()
+        } else {
+            format!("{}{{{}}}", key.name(), labels.join(","))
+        }
+    }
+
+    impl Recorder for Memory {
+        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
+        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
+            Counter::from_arc(Arc::new(Slot(Arc::clone(&self.counters), render(key))))
+        }
+        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
+            Gauge::noop()
+        }
+        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
+            Histogram::from_arc(Arc::new(Samples(Arc::clone(&self.histograms), render(key))))
+        }
+    }
+
+    impl Memory {
+        fn counter(&self, key: &str) -> u64 {
+            self.counters.lock().unwrap().get(key).copied().unwrap_or(0)
+        }
+        fn samples(&self, key: &str) -> usize {
+            self.histograms.lock().unwrap().get(key).map_or(0, Vec::len)
+        }
+    }
+
+    #[test]
+    fn lock_waits_failures_conflicts_takeovers_and_cache_traffic_are_counted() {
+        let memory = Memory::default();
+        // A recorder for this thread only; the runtime below runs everything on it.
+        metrics::with_local_recorder(&memory, || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(workload())
+        });
+        let m = &memory;
+        let c = |key: &str| m.counter(key);
+        assert_eq!(c("freshlock_cache_misses_total"), 1, "{:#?}", m.counters);
+        assert_eq!(c("freshlock_cache_hits_total"), 1);
+        assert_eq!(c("freshlock_cache_evictions_total"), 1, "the reset");
+        assert_eq!(c("freshlock_conflicts_total{entity=node}"), 1);
+        assert_eq!(
+            c("freshlock_lock_acquire_failures_total{backend=fake,policy=fail,reason=busy}"),
+            1
+        );
+        assert_eq!(
+            c("freshlock_lock_acquire_failures_total{backend=fake,policy=proceed,reason=error}"),
+            1
+        );
+        assert_eq!(c("freshlock_leases_lost_total{backend=fake}"), 1);
+        assert_eq!(
+            c("freshlock_stale_locks_taken_over_total{backend=table}"),
+            1
+        );
+        assert_eq!(
+            c("freshlock_locked_updates_total{entity=node,outcome=updated}"),
+            4
+        );
+        assert_eq!(
+            c("freshlock_locked_updates_total{entity=node,outcome=lock_not_acquired}"),
+            1
+        );
+        assert_eq!(
+            c("freshlock_locked_updates_total{entity=node,outcome=lease_lost}"),
+            1
+        );
+        assert_eq!(
+            m.samples("freshlock_lock_wait_seconds{backend=local,held=true}"),
+            1
+        );
+        assert_eq!(
+            m.samples("freshlock_lock_wait_seconds{backend=fake,held=true}"),
+            2
+        );
+        assert_eq!(
+            m.samples("freshlock_lock_wait_seconds{backend=fake,held=false}"),
+            2
+        );
+        assert_eq!(
+            m.samples("freshlock_lock_wait_seconds{backend=table,held=true}"),
+            1
+        );
+    }
+
+    async fn workload() {
+        freshlock::metrics::describe();
+        let db = test_db().await;
+        seed_nodes(&db, 2).await;
+        let session = db.session();
+        let nodes = session.repository::<node::Entity>();
+        nodes.load(2).await.unwrap(); // miss
+        nodes.load(2).await.unwrap(); // hit
+        nodes.reset_cache([2]).unwrap(); // eviction
+        nodes.locked_update(2, score(1)).await.unwrap(); // local, updated
+
+        let fake = FakeLock::new();
+        fake.interfere("UPDATE node SET score = 100 WHERE id = 1", 1);
+        // fake, held, one conflict then updated
+        with_lock(&db, fake.clone(), OnLockFailure::Fail)
+            .repository::<node::Entity>()
+            .locked_update(1, score(5))
+            .await
+            .unwrap();
+        fake.never_acquire(true);
+        // fake, busy, refused
+        let refused = with_lock(&db, fake.clone(), OnLockFailure::Fail)
+            .repository::<node::Entity>()
+            .locked_update(1, score(6))
+            .await;
+        assert!(refused.is_err());
+        fake.never_acquire(false).fail_after(0);
+        // fake, backend error, proceeded: updated
+        with_lock(&db, fake.clone(), OnLockFailure::Proceed)
+            .repository::<node::Entity>()
+            .locked_update(1, score(7))
+            .await
+            .unwrap();
+        fake.recover().lose_lease(true);
+        // fake, held, lease lost
+        with_lock(&db, fake, OnLockFailure::Fail)
+            .repository::<node::Entity>()
+            .locked_update(1, score(8))
+            .await
+            .unwrap();
+
+        dead_holder(&db, "node:2").await;
+        db.session_builder()
+            .lock(Arc::new(TableLock::new(db.connection().clone())))
+            .build()
+            .unwrap()
+            .repository::<node::Entity>()
+            .locked_update(2, score(9))
+            .await
+            .unwrap();
+    }
+}
