@@ -19,6 +19,8 @@
 //! - `schema.rs` — freshlock's tables, as a migration.
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
+//! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
+//! - `testing/` — `testing` (feature `testing`): `TestDatabase`, `Recorder`, `FakeLock`.
 
 #![cfg_attr(
     not(test),

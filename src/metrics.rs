@@ -34,9 +34,15 @@ pub const CACHE_MISSES: &str = "freshlock_cache_misses_total";
 /// Counter: identity-map entries evicted (reset, capacity, before a locked reload).
 pub const CACHE_EVICTIONS: &str = "freshlock_cache_evictions_total";
 
-/// Registers units and descriptions of freshlock's metrics with the installed recorder.
-#[cfg(feature = "metrics")]
+/// Registers units and descriptions of freshlock's metrics with the installed recorder (does
+/// nothing without the `metrics` feature).
 pub fn describe() {
+    #[cfg(feature = "metrics")]
+    describe_all();
+}
+
+#[cfg(feature = "metrics")]
+fn describe_all() {
     use metrics::{Unit, describe_counter, describe_histogram};
     describe_histogram!(
         LOCK_WAIT,
