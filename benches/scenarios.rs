@@ -328,14 +328,20 @@ impl LockGuard for TimedGuard {
     }
 }
 
-async fn throughput(session: &Session, tasks: usize, rows: usize, per_task: usize) -> f64 {
+/// Updates per second of `tasks` tasks, each running `op` `per_task` times on row
+/// `task % rows + 1`.
+async fn throughput_of<F, Fut>(tasks: usize, rows: usize, per_task: usize, op: F) -> f64
+where
+    F: Fn(i32) -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
     let started = Instant::now();
     let handles: Vec<_> = (0..tasks)
         .map(|t| {
-            let session = session.clone();
+            let op = op.clone();
             tokio::spawn(async move {
                 for _ in 0..per_task {
-                    increment(&session, (t % rows) as i32 + 1).await;
+                    op((t % rows) as i32 + 1).await;
                 }
             })
         })
@@ -346,6 +352,15 @@ async fn throughput(session: &Session, tasks: usize, rows: usize, per_task: usiz
     (tasks * per_task) as f64 / started.elapsed().as_secs_f64()
 }
 
+async fn throughput(session: &Session, tasks: usize, rows: usize, per_task: usize) -> f64 {
+    let session = session.clone();
+    throughput_of(tasks, rows, per_task, move |id| {
+        let session = session.clone();
+        async move { increment(&session, id).await }
+    })
+    .await
+}
+
 /// The database's own floor: the hand-written transaction (no freshlock), same task counts.
 async fn hand_written_throughput(
     db: &DatabaseConnection,
@@ -353,21 +368,12 @@ async fn hand_written_throughput(
     rows: usize,
     per_task: usize,
 ) -> f64 {
-    let started = Instant::now();
-    let handles: Vec<_> = (0..tasks)
-        .map(|t| {
-            let db = db.clone();
-            tokio::spawn(async move {
-                for _ in 0..per_task {
-                    hand_written(&db, (t % rows) as i32 + 1).await;
-                }
-            })
-        })
-        .collect();
-    for handle in handles {
-        handle.await.expect("task");
-    }
-    (tasks * per_task) as f64 / started.elapsed().as_secs_f64()
+    let db = db.clone();
+    throughput_of(tasks, rows, per_task, move |id| {
+        let db = db.clone();
+        async move { hand_written(&db, id).await }
+    })
+    .await
 }
 
 async fn contention(label: &str, url: &str, kinds: &[LockKind], redis: Option<&str>) {

@@ -91,6 +91,7 @@ async fn the_users_migrator_and_freshlocks_tables_are_applied_and_statements_cou
         .unwrap();
     assert!(report.outcome.is_updated());
 
+    assert_eq!(db.recorder().statements().len(), 2, "statements() copies…");
     let sent = db.recorder().take();
     assert_eq!(db.recorder().count("SELECT"), 0, "take() started over");
     assert_eq!(freshlock::testing::count(&sent, "SELECT"), 1, "{sent:#?}");
@@ -229,6 +230,10 @@ async fn random_request_timeouts_lose_nothing_and_leave_no_trace() {
     }
     eprintln!("cancelled {cancelled} of 200");
     assert!(
+        db.lock().is_empty(),
+        "no lock held or awaited is left behind"
+    );
+    assert!(
         cancelled > 0,
         "the budgets are short enough to cancel calls"
     );
@@ -290,6 +295,11 @@ async fn the_fake_lock_fails_after_n_grants_and_can_be_slow() {
     assert!(
         matches!(busy, Err(Error::LockNotAcquired { tries: 6, .. })),
         "{busy:?}"
+    );
+    assert_eq!(
+        fake.tries(),
+        3 + 6,
+        "three calls tried once, the busy one six times"
     );
     assert_eq!(ticket_in_db(&db, 1).await.assignee.as_deref(), Some("bob"));
 }

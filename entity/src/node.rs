@@ -1,6 +1,6 @@
 //! A content node, written by four independent workers (one column each).
 
-use sea_orm::entity::prelude::*;
+use sea_orm::{Set, entity::prelude::*};
 
 /// One node row.
 #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
@@ -28,3 +28,18 @@ pub struct Model {
 pub enum Relation {}
 
 impl ActiveModelBehavior for ActiveModel {}
+
+impl ActiveModel {
+    /// Node `id` as created, before any worker ran: a title, every worker column empty.
+    pub fn fresh(id: i32) -> Self {
+        Self {
+            id: Set(id),
+            title: Set(format!("node {id}")),
+            thumbnail: Set(None),
+            summary: Set(None),
+            score: Set(None),
+            analysis: Set(None),
+            changed: Set(0),
+        }
+    }
+}

@@ -46,15 +46,7 @@ pub fn must_lock_now() -> LockPolicy {
 
 /// Inserts nodes 1..=n with empty worker columns.
 pub async fn seed_nodes(db: &DatabaseConnection, n: i32) {
-    let rows = (1..=n).map(|id| node::ActiveModel {
-        id: Set(id),
-        title: Set(format!("node {id}")),
-        thumbnail: Set(None),
-        summary: Set(None),
-        score: Set(None),
-        analysis: Set(None),
-        changed: Set(0),
-    });
+    let rows = (1..=n).map(node::ActiveModel::fresh);
     for chunk in rows.collect::<Vec<_>>().chunks(200) {
         node::Entity::insert_many(chunk.to_vec())
             .exec(db)

@@ -15,7 +15,7 @@ use entity::node;
 use freshlock::{LocalLock, LockPolicy};
 use freshlock_axum_example::{AppState, app, check};
 use migration::{Migrator, MigratorTrait};
-use sea_orm::{ConnectOptions, Database, EntityTrait, Set};
+use sea_orm::{ConnectOptions, Database, EntityTrait};
 
 struct Args {
     database_url: String,
@@ -70,15 +70,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let db = Database::connect(options).await?;
     Migrator::up(&db, None).await?;
     for id in 1..=args.nodes {
-        let row = node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            thumbnail: Set(None),
-            summary: Set(None),
-            score: Set(None),
-            analysis: Set(None),
-            changed: Set(0),
-        };
+        let row = node::ActiveModel::fresh(id);
         // Seeding is idempotent: existing rows are kept.
         let _ = node::Entity::insert(row)
             .on_conflict_do_nothing()

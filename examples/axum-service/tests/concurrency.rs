@@ -7,21 +7,13 @@ use entity::node;
 use freshlock::{LocalLock, LockPolicy, testing::TestDatabase};
 use freshlock_axum_example::{AppState, app, check, request};
 use migration::Migrator;
-use sea_orm::{EntityTrait, Set};
+use sea_orm::EntityTrait;
 
 const NODES: i32 = 20;
 
 async fn database() -> TestDatabase {
     let db = TestDatabase::with_migrator::<Migrator>().await.unwrap();
-    let rows = (1..=NODES).map(|id| node::ActiveModel {
-        id: Set(id),
-        title: Set(format!("node {id}")),
-        thumbnail: Set(None),
-        summary: Set(None),
-        score: Set(None),
-        analysis: Set(None),
-        changed: Set(0),
-    });
+    let rows = (1..=NODES).map(node::ActiveModel::fresh);
     node::Entity::insert_many(rows)
         .exec(db.connection())
         .await
