@@ -14,6 +14,10 @@
 //! | [`CACHE_HITS`] / [`CACHE_MISSES`] / [`CACHE_EVICTIONS`] | counter | — | identity-map lookups answered from memory / from the database, entries dropped |
 //!
 //! Call [`describe`] once after installing the recorder to give exporters units and help texts.
+//!
+//! Cost: with a recorder installed, every identity-map lookup also increments a counter through
+//! it (in most exporters a hash-map lookup, tens of nanoseconds, beside a cached `load` of about
+//! 150 ns); the other metrics are recorded once per `locked_update`.
 
 /// Histogram: seconds from asking for a row's lock to holding it (or giving up).
 pub const LOCK_WAIT: &str = "freshlock_lock_wait_seconds";
