@@ -425,18 +425,9 @@ async fn dead_and_late_claimants(db: Option<TestDb>, _lock: LockKind) {
     worker.finish();
 }
 
-macro_rules! cross_process_tests {
-    ($($test:ident: $scenario:ident, $kind:expr, $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            $scenario(databases::$db(stringify!($test)).await, $kind).await;
-        }
-    )*};
-}
-
 use servers::databases;
 
-cross_process_tests! {
+servers::server_tests! {
     increments_table_sqlite: four_processes_increment, LockKind::Table, sqlite;
     increments_row_sqlite: four_processes_increment, LockKind::Row, sqlite;
     increments_table_postgres: four_processes_increment, LockKind::Table, postgres;
@@ -458,7 +449,7 @@ cross_process_tests! {
 }
 
 #[cfg(feature = "redis")]
-cross_process_tests! {
+servers::server_tests! {
     increments_redis_postgres: four_processes_increment, LockKind::Redis, postgres;
     increments_redis_mysql: four_processes_increment, LockKind::Redis, mysql;
     killed_redis_postgres: killed_holder_frees_the_lock, LockKind::Redis, postgres;

@@ -259,7 +259,8 @@ async fn odd_names_work(subject: &Subject) {
     }
 }
 
-async fn contract(kind: LockKind, db: TestDb) {
+async fn contract(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
     let redis = servers::url(servers::REDIS);
     if kind == LockKind::Redis && redis.is_none() {
         return;
@@ -281,33 +282,23 @@ async fn contract(kind: LockKind, db: TestDb) {
     odd_names_work(&subject).await;
 }
 
-macro_rules! contract_tests {
-    ($($test:ident: $kind:expr, $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            let Some(db) = databases::$db(stringify!($test)).await else { return };
-            contract($kind, db).await;
-        }
-    )*};
-}
-
 use servers::databases;
 
-contract_tests! {
-    local_on_sqlite: LockKind::Local, sqlite;
-    table_on_sqlite: LockKind::Table, sqlite;
-    row_on_sqlite: LockKind::Row, sqlite;
-    table_on_postgres: LockKind::Table, postgres;
-    row_on_postgres: LockKind::Row, postgres;
-    pg_advisory_on_postgres: LockKind::PgAdvisory, postgres;
-    table_on_mysql: LockKind::Table, mysql;
-    row_on_mysql: LockKind::Row, mysql;
-    mysql_named_on_mysql: LockKind::MySqlNamed, mysql;
+servers::server_tests! {
+    local_on_sqlite: contract, LockKind::Local, sqlite;
+    table_on_sqlite: contract, LockKind::Table, sqlite;
+    row_on_sqlite: contract, LockKind::Row, sqlite;
+    table_on_postgres: contract, LockKind::Table, postgres;
+    row_on_postgres: contract, LockKind::Row, postgres;
+    pg_advisory_on_postgres: contract, LockKind::PgAdvisory, postgres;
+    table_on_mysql: contract, LockKind::Table, mysql;
+    row_on_mysql: contract, LockKind::Row, mysql;
+    mysql_named_on_mysql: contract, LockKind::MySqlNamed, mysql;
 }
 
 #[cfg(feature = "redis")]
-contract_tests! {
-    redis_with_sqlite_fences: LockKind::Redis, sqlite;
-    redis_with_postgres_fences: LockKind::Redis, postgres;
-    redis_with_mysql_fences: LockKind::Redis, mysql;
+servers::server_tests! {
+    redis_with_sqlite_fences: contract, LockKind::Redis, sqlite;
+    redis_with_postgres_fences: contract, LockKind::Redis, postgres;
+    redis_with_mysql_fences: contract, LockKind::Redis, mysql;
 }

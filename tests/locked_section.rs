@@ -87,27 +87,18 @@ async fn exclusive_sections(db: Option<TestDb>, kind: LockKind) {
     assert_eq!(ham.updated_at, 100, "{kind}: lost updates");
 }
 
-macro_rules! sections {
-    ($($test:ident: $kind:expr, $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            exclusive_sections(databases::$db(stringify!($test)).await, $kind).await;
-        }
-    )*};
-}
-
-sections! {
-    table_sqlite: LockKind::Table, sqlite;
-    row_sqlite: LockKind::Row, sqlite;
-    table_postgres: LockKind::Table, postgres;
-    row_postgres: LockKind::Row, postgres;
-    pg_advisory_postgres: LockKind::PgAdvisory, postgres;
-    table_mysql: LockKind::Table, mysql;
-    row_mysql: LockKind::Row, mysql;
-    mysql_named_mysql: LockKind::MySqlNamed, mysql;
+servers::server_tests! {
+    table_sqlite: exclusive_sections, LockKind::Table, sqlite;
+    row_sqlite: exclusive_sections, LockKind::Row, sqlite;
+    table_postgres: exclusive_sections, LockKind::Table, postgres;
+    row_postgres: exclusive_sections, LockKind::Row, postgres;
+    pg_advisory_postgres: exclusive_sections, LockKind::PgAdvisory, postgres;
+    table_mysql: exclusive_sections, LockKind::Table, mysql;
+    row_mysql: exclusive_sections, LockKind::Row, mysql;
+    mysql_named_mysql: exclusive_sections, LockKind::MySqlNamed, mysql;
 }
 
 #[cfg(feature = "redis")]
-sections! {
-    redis_postgres: LockKind::Redis, postgres;
+servers::server_tests! {
+    redis_postgres: exclusive_sections, LockKind::Redis, postgres;
 }

@@ -254,16 +254,7 @@ async fn hot_key(db: Option<TestDb>, kind: LockKind) {
     assert_eq!(score, Some(1000));
 }
 
-macro_rules! scenarios {
-    ($($test:ident: $scenario:ident, $kind:expr, $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            $scenario(databases::$db(stringify!($test)).await, $kind).await;
-        }
-    )*};
-}
-
-scenarios! {
+servers::server_tests! {
     storm_table_sqlite: storm, LockKind::Table, sqlite;
     storm_table_postgres: storm, LockKind::Table, postgres;
     storm_pg_advisory_postgres: storm, LockKind::PgAdvisory, postgres;
@@ -276,6 +267,6 @@ scenarios! {
 }
 
 #[cfg(feature = "redis")]
-scenarios! {
+servers::server_tests! {
     storm_redis_postgres: storm, LockKind::Redis, postgres;
 }

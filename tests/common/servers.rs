@@ -189,3 +189,18 @@ pub mod databases {
         }
     }
 }
+
+/// One multi-threaded `#[tokio::test]` per line `name: scenario, LockKind::…, database;`, running
+/// `scenario(databases::database("name").await, kind)`; the scenario skips on `None` (no URL).
+/// Invoke it where `databases` is in scope.
+#[allow(unused_macros)]
+macro_rules! server_tests {
+    ($($test:ident: $scenario:ident, $kind:expr, $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(databases::$db(stringify!($test)).await, $kind).await;
+        }
+    )*};
+}
+#[allow(unused_imports)]
+pub(crate) use server_tests;
