@@ -9,11 +9,7 @@ use std::sync::Arc;
 use criterion::{Criterion, criterion_group, criterion_main};
 use entity::node;
 use freshlock::{LocalLock, Session};
-use migration::{Migrator, MigratorTrait};
-use sea_orm::{
-    ConnectOptions, Database, DatabaseConnection, EntityTrait, IntoActiveModel, Set,
-    SqliteTransactionMode, TransactionOptions, TransactionTrait,
-};
+use sea_orm::{DatabaseConnection, EntityTrait};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -23,26 +19,10 @@ fn runtime() -> tokio::runtime::Runtime {
         .expect("runtime")
 }
 
+mod common;
+
 async fn database() -> DatabaseConnection {
-    let mut options = ConnectOptions::new("sqlite::memory:");
-    options
-        .max_connections(1)
-        .idle_timeout(None)
-        .max_lifetime(None)
-        .sqlx_logging(false);
-    let db = Database::connect(options).await.expect("connect");
-    Migrator::up(&db, None).await.expect("migrate");
-    for id in 1..=2 {
-        node::Entity::insert(node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            ..Default::default()
-        })
-        .exec(&db)
-        .await
-        .expect("seed");
-    }
-    db
+    common::database("sqlite::memory:", 2, 1).await
 }
 
 fn load(c: &mut Criterion) {
@@ -70,43 +50,12 @@ fn update(c: &mut Criterion) {
         .lock(Arc::new(LocalLock::new()))
         .build()
         .expect("session");
-    let nodes = session.repository::<node::Entity>();
     let mut group = c.benchmark_group("update");
     group.bench_function("freshlock locked_update", |b| {
-        b.to_async(&rt).iter(|| async {
-            nodes
-                .locked_update(1, |n| {
-                    let score = n.score.as_ref().unwrap_or(0);
-                    n.score = Set(Some(score + 1));
-                    Ok(())
-                })
-                .await
-                .expect("update")
-        })
+        b.to_async(&rt).iter(|| common::increment(&session, 1))
     });
     group.bench_function("hand-written transaction", |b| {
-        b.to_async(&rt).iter(|| async {
-            let txn = db
-                .begin_with_options(TransactionOptions {
-                    sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-                    ..Default::default()
-                })
-                .await
-                .expect("begin");
-            let model = node::Entity::find_by_id(2)
-                .one(&txn)
-                .await
-                .expect("select")
-                .expect("row");
-            let score = model.score.unwrap_or(0);
-            let mut am = model.into_active_model();
-            am.score = Set(Some(score + 1));
-            node::Entity::update(am)
-                .exec_without_returning(&txn)
-                .await
-                .expect("update");
-            txn.commit().await.expect("commit");
-        })
+        b.to_async(&rt).iter(|| common::hand_written(&db, 2))
     });
     group.finish();
 }

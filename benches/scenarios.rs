@@ -20,12 +20,7 @@ use freshlock::{
     LocalLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, LockScope,
     OnLockFailure, Session,
 };
-use migration::{Migrator, MigratorTrait};
-use sea_orm::{
-    ActiveModelTrait, ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend,
-    EntityTrait, IntoActiveModel, IsolationLevel, QuerySelect, Set, SqliteTransactionMode,
-    TransactionOptions, TransactionTrait,
-};
+use sea_orm::{ActiveModelTrait, DatabaseConnection, EntityTrait, IntoActiveModel, Set};
 
 // ---------------------------------------------------------------- counting allocator
 // The only unsafe code in the workspace (the library forbids it): a global allocator that counts
@@ -59,43 +54,12 @@ static ALLOCATOR: Counting = Counting;
 
 // ---------------------------------------------------------------- helpers
 
+mod common;
+
+use common::{database, hand_written, increment};
+
 fn quick() -> bool {
     std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
-}
-
-async fn connect(url: &str, max: u32) -> DatabaseConnection {
-    let mut options = ConnectOptions::new(url);
-    options
-        .max_connections(max)
-        .min_connections(1)
-        .idle_timeout(None)
-        .max_lifetime(None)
-        .sqlx_logging(false);
-    Database::connect(options).await.expect("connect")
-}
-
-/// A database with `n` nodes. Server databases are emptied first.
-async fn database(url: &str, n: i32, pool: u32) -> DatabaseConnection {
-    let db = connect(url, pool).await;
-    Migrator::up(&db, None).await.expect("migrate");
-    node::Entity::delete_many().exec(&db).await.expect("empty");
-    db.execute_unprepared("DELETE FROM freshlock_lock")
-        .await
-        .expect("empty locks");
-    let rows: Vec<_> = (1..=n)
-        .map(|id| node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            ..Default::default()
-        })
-        .collect();
-    for chunk in rows.chunks(500) {
-        node::Entity::insert_many(chunk.to_vec())
-            .exec(&db)
-            .await
-            .expect("seed");
-    }
-    db
 }
 
 fn median(samples: &mut [f64]) -> f64 {
@@ -149,49 +113,6 @@ fn session(db: &DatabaseConnection, lock: Arc<dyn LockBackend>) -> Session {
         .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
         .build()
         .expect("session")
-}
-
-async fn increment(session: &Session, id: i32) {
-    let report = session
-        .repository::<node::Entity>()
-        .locked_update(id, |n| {
-            let score = n.score.as_ref().unwrap_or(0);
-            n.score = Set(Some(score + 1));
-            Ok(())
-        })
-        .await
-        .expect("locked_update");
-    assert!(report.outcome.is_updated());
-}
-
-/// The minimal hand-written transaction: BEGIN (IMMEDIATE on SQLite), SELECT (FOR UPDATE
-/// elsewhere), UPDATE of the one column, COMMIT.
-async fn hand_written(db: &DatabaseConnection, id: i32) {
-    let options = if db.get_database_backend() == DbBackend::Sqlite {
-        TransactionOptions {
-            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-            ..Default::default()
-        }
-    } else {
-        TransactionOptions {
-            isolation_level: Some(IsolationLevel::ReadCommitted),
-            ..Default::default()
-        }
-    };
-    let txn = db.begin_with_options(options).await.expect("begin");
-    let mut select = node::Entity::find_by_id(id);
-    if db.get_database_backend() != DbBackend::Sqlite {
-        select = select.lock_exclusive();
-    }
-    let model = select.one(&txn).await.expect("select").expect("row");
-    let score = model.score.unwrap_or(0);
-    let mut am = model.into_active_model();
-    am.score = Set(Some(score + 1));
-    node::Entity::update(am)
-        .exec_without_returning(&txn)
-        .await
-        .expect("update");
-    txn.commit().await.expect("commit");
 }
 
 // ---------------------------------------------------------------- 1. cached load

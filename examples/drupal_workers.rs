@@ -37,13 +37,7 @@ async fn heavy_work(id: i32, field: &str) {
 async fn run(db: &DatabaseConnection, locked: bool) -> Result<usize, Box<dyn std::error::Error>> {
     node::Entity::delete_many().exec(db).await?;
     for id in 1..=NODES {
-        node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            ..Default::default()
-        }
-        .insert(db)
-        .await?;
+        node::ActiveModel::fresh(id).insert(db).await?;
     }
     let lock = LocalLock::new();
     let workers = FIELDS.map(|field| {

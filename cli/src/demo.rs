@@ -113,13 +113,7 @@ impl Drupal {
 
 async fn reset_nodes(db: &DatabaseConnection, nodes: i32) -> Result<(), sea_orm::DbErr> {
     node::Entity::delete_many().exec(db).await?;
-    let rows: Vec<_> = (1..=nodes)
-        .map(|id| node::ActiveModel {
-            id: Set(id),
-            title: Set(format!("node {id}")),
-            ..Default::default()
-        })
-        .collect();
+    let rows: Vec<_> = (1..=nodes).map(node::ActiveModel::fresh).collect();
     for chunk in rows.chunks(500) {
         node::Entity::insert_many(chunk.to_vec()).exec(db).await?;
     }

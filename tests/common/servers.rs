@@ -142,14 +142,8 @@ pub async fn mysql(tag: &str) -> Option<TestDb> {
 impl TestDb {
     /// Inserts nodes 1..=n with empty worker columns.
     pub async fn seed_nodes(&self, n: i32) {
-        use sea_orm::{EntityTrait, Set};
-        let rows: Vec<_> = (1..=n)
-            .map(|id| entity::node::ActiveModel {
-                id: Set(id),
-                title: Set(format!("node {id}")),
-                ..Default::default()
-            })
-            .collect();
+        use sea_orm::EntityTrait;
+        let rows: Vec<_> = (1..=n).map(entity::node::ActiveModel::fresh).collect();
         for chunk in rows.chunks(500) {
             entity::node::Entity::insert_many(chunk.to_vec())
                 .exec(&self.db)
