@@ -60,15 +60,7 @@ impl TableLock {
     ) -> Result<Option<(i64, bool)>, LockError> {
         let backend = self.db.get_database_backend();
         let now = now_ms(backend);
-        let holder = || -> Vec<Value> {
-            vec![
-                token.into(),
-                millis(ttl).into(),
-                holder::host().into(),
-                i64::from(std::process::id()).into(),
-                self.label.clone().into(),
-            ]
-        };
+        let holder = || self.holder(token, ttl);
         let fail = |e| lock_error(KIND, LOCK_TABLE, e);
         if backend == DbBackend::MySql {
             return self.try_once_mysql(name, token, ttl).await;
@@ -101,7 +93,7 @@ impl TableLock {
         values.push(name.into());
         let row = self
             .db
-            .query_one_raw(statement(backend, &takeover(backend), values))
+            .query_one_raw(statement(backend, &take_row(backend, true), values))
             .await
             .map_err(fail)?;
         row.map(|r| r.try_get::<i64>("", "fence").map(|fence| (fence, true)))
@@ -110,9 +102,15 @@ impl TableLock {
     }
 }
 
-/// Takes over a row whose holder's lease has expired (values: the holder's, then the name).
-fn takeover(backend: DbBackend) -> String {
+/// Takes the row of a name for a new holder (values: the holder's, then the name): a free row,
+/// or with `expired` one whose holder's lease has run out. Returns the fence off MySQL.
+fn take_row(backend: DbBackend, expired: bool) -> String {
     let now = now_ms(backend);
+    let condition = if expired {
+        format!("owner IS NOT NULL AND expires_at <= {now}")
+    } else {
+        "owner IS NULL".to_owned()
+    };
     let returning = if backend == DbBackend::MySql {
         ""
     } else {
@@ -121,8 +119,22 @@ fn takeover(backend: DbBackend) -> String {
     format!(
         "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
          host = ?, pid = ?, label = ?, acquired_at = {now} \
-         WHERE name = ? AND owner IS NOT NULL AND expires_at <= {now}{returning}"
+         WHERE name = ? AND {condition}{returning}"
     )
+}
+
+impl TableLock {
+    /// The holder's columns, in the order the statements take them: owner token, TTL, host,
+    /// pid, label.
+    fn holder(&self, token: &str, ttl: Duration) -> Vec<Value> {
+        vec![
+            token.into(),
+            millis(ttl).into(),
+            holder::host().into(),
+            i64::from(std::process::id()).into(),
+            self.label.clone().into(),
+        ]
+    }
 }
 
 impl TableLock {
@@ -139,13 +151,7 @@ impl TableLock {
         let backend = DbBackend::MySql;
         let now = now_ms(backend);
         let fail = |e| lock_error(KIND, LOCK_TABLE, e);
-        let holder = vec![
-            Value::from(token),
-            millis(ttl).into(),
-            holder::host().into(),
-            i64::from(std::process::id()).into(),
-            self.label.clone().into(),
-        ];
+        let holder = self.holder(token, ttl);
         let run = |sql: String, values: Vec<Value>| {
             let db = &self.db;
             async move {
@@ -156,15 +162,10 @@ impl TableLock {
                 }
             }
         };
-        let take = format!(
-            "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
-             host = ?, pid = ?, label = ?, acquired_at = {now} \
-             WHERE name = ? AND owner IS NULL"
-        );
         let mut values = holder.clone();
         values.push(name.into());
         let mut taken_over = false;
-        if !run(take, values.clone()).await? {
+        if !run(take_row(backend, false), values.clone()).await? {
             let insert = insert_ignore(
                 backend,
                 LOCK_TABLE,
@@ -176,7 +177,7 @@ impl TableLock {
             if run(insert, inserted).await? {
                 return Ok(Some((1, false)));
             }
-            if !run(takeover(backend), values).await? {
+            if !run(take_row(backend, true), values).await? {
                 return Ok(None);
             }
             taken_over = true;
