@@ -23,7 +23,7 @@ use freshlock::{
     LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, OnLockFailure, Session,
     UpdateOutcome,
 };
-use sea_orm::{EntityTrait, Set};
+use sea_orm::Set;
 use servers::TestDb;
 
 const ENV_MODE: &str = "FRESHLOCK_WORKER_MODE";
@@ -264,15 +264,6 @@ async fn line(worker: Worker) -> (Worker, String) {
     .unwrap()
 }
 
-async fn score(db: &TestDb) -> Option<i32> {
-    node::Entity::find_by_id(1)
-        .one(&db.db)
-        .await
-        .unwrap()
-        .unwrap()
-        .score
-}
-
 async fn four_processes_increment(db: Option<TestDb>, lock: LockKind) {
     let Some(db) = db else { return };
     if lock == LockKind::Redis && servers::url(servers::REDIS).is_none() {
@@ -291,7 +282,7 @@ async fn four_processes_increment(db: Option<TestDb>, lock: LockKind) {
     for worker in finished {
         worker.finish();
     }
-    assert_eq!(score(&db).await, Some(800), "{lock} lost increments");
+    assert_eq!(db.score(1).await, Some(800), "{lock} lost increments");
 }
 
 async fn killed_holder_frees_the_lock(db: Option<TestDb>, lock: LockKind) {
@@ -367,7 +358,7 @@ async fn stopped_holder_is_fenced(db: Option<TestDb>, lock: LockKind) {
         "the stale holder's write was not refused"
     );
     worker.finish();
-    assert_eq!(score(&db).await, Some(100), "the newer value stays");
+    assert_eq!(db.score(1).await, Some(100), "the newer value stays");
 }
 
 /// A worker killed (`kill -9`) after claiming: after the lease another worker claims and

@@ -85,13 +85,7 @@ async fn increments_without_any_lock(db: Option<TestDb>) {
     for task in tasks {
         task.await.unwrap();
     }
-    let counter = node::Entity::find_by_id(1)
-        .one(&db.db)
-        .await
-        .unwrap()
-        .unwrap()
-        .score
-        .unwrap_or(0) as u32;
+    let counter = db.score(1).await.unwrap_or(0) as u32;
     let (successes, conflicts) = (
         successes.load(Ordering::SeqCst),
         conflicts.load(Ordering::SeqCst),
@@ -185,12 +179,7 @@ async fn lease_shorter_than_the_section(db: Option<TestDb>) {
     }
     eprintln!("short lease: {committed} committed, {fenced} fenced");
     assert_eq!(fenced, 20, "an expired lease never writes");
-    let score = node::Entity::find_by_id(1)
-        .one(&db.db)
-        .await
-        .unwrap()
-        .unwrap()
-        .score;
+    let score = db.score(1).await;
     assert_eq!(score.unwrap_or(0), committed);
 }
 

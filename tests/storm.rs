@@ -133,13 +133,7 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
 
-    let counter = node::Entity::find_by_id(1)
-        .one(&db.db)
-        .await
-        .unwrap()
-        .unwrap()
-        .score
-        .unwrap_or(0) as u32;
+    let counter = db.score(1).await.unwrap_or(0) as u32;
     let (applied, succeeded) = (
         applied.load(Ordering::SeqCst),
         succeeded.load(Ordering::SeqCst),
@@ -192,8 +186,9 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
     }
 }
 
-/// 1,000 tasks on one row through a pool of 5: a query on another row every 100 ms stays fast,
-/// because tasks queue in-process and at most one per key waits on the database.
+/// 1,000 tasks on one row through a pool of 5: the waiters hold no connection (they queue
+/// in-process and at most one per key waits on the database), so a query on another row every
+/// 100 ms always finds one.
 async fn hot_key(db: Option<TestDb>, kind: LockKind) {
     let Some(db) = db else { return };
     db.seed_nodes(2).await;
@@ -222,6 +217,7 @@ async fn hot_key(db: Option<TestDb>, kind: LockKind) {
     let all_done = futures::future::join_all(tasks);
     tokio::pin!(all_done);
     let mut latencies = Vec::new();
+    let mut most_in_use = 0;
     let mut tick = tokio::time::interval(Duration::from_millis(100));
     loop {
         tokio::select! {
@@ -230,6 +226,7 @@ async fn hot_key(db: Option<TestDb>, kind: LockKind) {
                 break;
             }
             _ = tick.tick() => {
+                most_in_use = most_in_use.max(servers::connections_in_use(&small));
                 let started = Instant::now();
                 node::Entity::find_by_id(2).one(&small).await.unwrap();
                 latencies.push(started.elapsed());
@@ -239,18 +236,17 @@ async fn hot_key(db: Option<TestDb>, kind: LockKind) {
     latencies.sort();
     let p99 = latencies[(latencies.len() * 99 / 100).min(latencies.len() - 1)];
     eprintln!(
-        "hot key {kind}: {} probes, p50 {:?}, p99 {p99:?}",
+        "hot key {kind}: {} probes, p50 {:?}, p99 {p99:?}, at most {most_in_use} of 5 connections in use",
         latencies.len(),
         latencies[latencies.len() / 2]
     );
-    // A liveness bound (the pool is not drained by waiters), not a speed target.
-    assert!(p99 < Duration::from_millis(250), "probe p99 {p99:?}");
-    let score = node::Entity::find_by_id(1)
-        .one(&db.db)
-        .await
-        .unwrap()
-        .unwrap()
-        .score;
+    // The pool is not drained by the 999 waiters: they wait in-process and hold no connection;
+    // only the holder's transaction (and, for a lease, its acquire or release) uses one.
+    assert!(
+        (1..=2).contains(&most_in_use),
+        "{most_in_use} connections in use"
+    );
+    let score = db.score(1).await;
     assert_eq!(score, Some(1000));
 }
 

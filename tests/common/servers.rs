@@ -139,7 +139,41 @@ pub async fn mysql(tag: &str) -> Option<TestDb> {
     })
 }
 
+/// Connections of `db`'s pool checked out right now.
+pub fn connections_in_use(db: &DatabaseConnection) -> usize {
+    fn in_use(size: u32, idle: usize) -> usize {
+        (size as usize).saturating_sub(idle)
+    }
+    match db.get_database_backend() {
+        #[cfg(feature = "postgres")]
+        sea_orm::DbBackend::Postgres => {
+            let pool = db.get_postgres_connection_pool();
+            in_use(pool.size(), pool.num_idle())
+        }
+        #[cfg(feature = "mysql")]
+        sea_orm::DbBackend::MySql => {
+            let pool = db.get_mysql_connection_pool();
+            in_use(pool.size(), pool.num_idle())
+        }
+        _ => {
+            let pool = db.get_sqlite_connection_pool();
+            in_use(pool.size(), pool.num_idle())
+        }
+    }
+}
+
 impl TestDb {
+    /// The score of node `id` as the database has it now.
+    pub async fn score(&self, id: i32) -> Option<i32> {
+        use sea_orm::EntityTrait;
+        entity::node::Entity::find_by_id(id)
+            .one(&self.db)
+            .await
+            .expect("query")
+            .expect("row exists")
+            .score
+    }
+
     /// Inserts nodes 1..=n with empty worker columns.
     pub async fn seed_nodes(&self, n: i32) {
         use sea_orm::EntityTrait;
