@@ -39,42 +39,79 @@ impl Visit for Text<'_> {
     }
 }
 
-/// A span's place in `Seen::spans`.
-struct Index(usize);
+/// A span's capture: the test that saw it created, and its place in that test's `spans`.
+struct Index(Seen, usize);
+
+thread_local! {
+    /// The capture of the test running on this thread (each test runs a current-thread runtime).
+    static CURRENT: std::cell::RefCell<Option<Seen>> = const { std::cell::RefCell::new(None) };
+}
+
+/// One process-wide subscriber that hands spans and events to the current thread's test. (A
+/// subscriber per test with `set_default` lost events now and then when tests ran in parallel:
+/// tracing caches each callsite's interest process-wide.)
+struct Route;
+
+fn current() -> Option<Seen> {
+    CURRENT.with(|c| c.borrow().clone())
+}
 
 // Spans are captured as they are created and recorded, not when they close: sqlx hands the
 // current span to its SQLite worker thread, which may drop it a moment after the call returned.
-impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Seen {
+impl<S: Subscriber + for<'a> LookupSpan<'a>> Layer<S> for Route {
     fn on_new_span(&self, attrs: &span::Attributes<'_>, id: &span::Id, ctx: Context<'_, S>) {
+        let Some(seen) = current() else { return };
         let mut fields = Fields::new();
         attrs.record(&mut Text(&mut fields));
-        let mut spans = self.spans.lock().unwrap();
-        spans.push((attrs.metadata().name().to_owned(), fields));
-        let index = Index(spans.len() - 1);
-        ctx.span(id).unwrap().extensions_mut().insert(index);
+        let index = {
+            let mut spans = seen.spans.lock().unwrap();
+            spans.push((attrs.metadata().name().to_owned(), fields));
+            spans.len() - 1
+        };
+        ctx.span(id)
+            .unwrap()
+            .extensions_mut()
+            .insert(Index(seen, index));
     }
 
     fn on_record(&self, id: &span::Id, values: &span::Record<'_>, ctx: Context<'_, S>) {
         let span = ctx.span(id).unwrap();
         let extensions = span.extensions();
-        let Index(index) = extensions.get::<Index>().unwrap();
-        values.record(&mut Text(&mut self.spans.lock().unwrap()[*index].1));
+        if let Some(Index(seen, index)) = extensions.get::<Index>() {
+            values.record(&mut Text(&mut seen.spans.lock().unwrap()[*index].1));
+        }
     }
 
     fn on_event(&self, event: &tracing::Event<'_>, _: Context<'_, S>) {
+        let Some(seen) = current() else { return };
         let mut fields = Fields::new();
         event.record(&mut Text(&mut fields));
-        self.events
+        seen.events
             .lock()
             .unwrap()
             .push((*event.metadata().level(), fields));
     }
 }
 
+/// The current thread's capture, until dropped.
+struct Installed;
+
+impl Drop for Installed {
+    fn drop(&mut self) {
+        CURRENT.with(|c| c.borrow_mut().take());
+    }
+}
+
 impl Seen {
-    /// Installs this layer for the current thread (the test's current-thread runtime).
-    fn install(&self) -> tracing::subscriber::DefaultGuard {
-        tracing::subscriber::set_default(tracing_subscriber::registry().with(self.clone()))
+    /// Captures what this thread's test emits (the test's current-thread runtime).
+    fn install(&self) -> Installed {
+        static GLOBAL: std::sync::Once = std::sync::Once::new();
+        GLOBAL.call_once(|| {
+            tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Route))
+                .expect("no other global subscriber in this test binary");
+        });
+        CURRENT.with(|c| *c.borrow_mut() = Some(self.clone()));
+        Installed
     }
 
     fn updates(&self) -> Vec<Fields> {
