@@ -87,8 +87,13 @@ impl Claims {
     /// statement (two on MySQL); no transaction stays open.
     ///
     /// # Errors
-    /// [`Error::Database`] when the database fails.
+    /// [`Error::InvalidLease`] when `lease` is shorter than a millisecond (the lease would have
+    /// run out when it was granted, and a second worker would claim the same work); nothing is
+    /// written. [`Error::Database`] when the database fails.
     pub async fn claim(&self, key: &LockName, lease: Duration) -> Result<ClaimOutcome> {
+        if millis(lease) < 1 {
+            return Err(Error::InvalidLease { lease });
+        }
         let name = key.bounded(MAX_STORED_NAME, false).into_owned();
         let token = holder::new_token();
         let backend = self.db.get_database_backend();

@@ -82,6 +82,16 @@ pub enum Error {
         /// The column.
         column: &'static str,
     },
+    /// A [`crate::Repository::save`] of a row this session has no snapshot of (it was never
+    /// loaded, or the cache evicted it): there is nothing to check the write against, so nothing
+    /// was written. Load the row first, or use [`crate::Repository::locked_update`].
+    #[error(
+        "no snapshot of {target} to check the save against: load it first, or use locked_update"
+    )]
+    NoSnapshot {
+        /// The row being saved.
+        target: String,
+    },
     /// A primary-key value does not fit the entity (wrong number of columns, wrong type).
     #[error("invalid key for {entity}: {reason}")]
     InvalidKey {
@@ -89,6 +99,12 @@ pub enum Error {
         entity: &'static str,
         /// Why the key was rejected.
         reason: String,
+    },
+    /// A claim's lease must be at least a millisecond long.
+    #[error("invalid lease {lease:?}: a claim's lease must be at least 1 ms")]
+    InvalidLease {
+        /// The lease given.
+        lease: Duration,
     },
     /// A [`crate::LockPolicy`] that cannot work (zero tries, zero TTL).
     #[error("invalid lock policy: {reason}")]

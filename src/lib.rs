@@ -6,12 +6,16 @@
 //! - `identity_map.rs` — the per-session cache of `Arc<Model>` by entity and primary key.
 //! - `repository.rs` — [`Repository`]: `load`, `load_many`, `load_fresh`, `reset_cache`,
 //!   `insert`, dirty-only `save`, and `locked_update`.
-//! - `locked_update.rs` — the locked read-modify-write (polled in place, detached on cancel).
+//! - `locked_update.rs` — the locked driver behind `locked_update`, `locked_delete`,
+//!   `get_or_insert` and `update_or_insert` (polled in place, detached on cancel).
+//! - `write.rs` — the write primitives below every write path: changed columns, the guarded
+//!   UPDATE that returns the stored row, sea-orm's hooks.
 //! - `locking.rs` — taking and releasing a section's lock under the policy (in-process queue,
 //!   lease, transaction-scoped lock).
 //! - `section.rs` — [`Session::locked`]: a short transaction under a keyed lock.
 //! - `row.rs` — how a row of any entity is named (cache key, lock name, error text).
-//! - `outcome.rs` — [`UpdateOutcome`], [`UpdateReport`], [`LockReport`], [`SaveOutcome`].
+//! - `outcome.rs` — [`UpdateOutcome`], [`DeleteOutcome`], [`Report`], [`LockReport`],
+//!   [`SaveOutcome`].
 //! - `lock/` — the [`LockBackend`] trait, [`LockPolicy`], lock names and the in-process
 //!   [`LocalLock`].
 //! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
@@ -44,6 +48,7 @@ mod section;
 mod session;
 #[cfg(feature = "testing")]
 pub mod testing;
+mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
 pub use error::{ApplyError, BoxError, Error, LockError, Result};
@@ -51,7 +56,9 @@ pub use identity_map::CacheStats;
 pub use lock::{
     LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockScope, OnLockFailure,
 };
-pub use outcome::{LockReport, SaveOutcome, UpdateOutcome, UpdateReport};
+pub use outcome::{
+    DeleteOutcome, DeleteReport, LockReport, Report, SaveOutcome, UpdateOutcome, UpdateReport,
+};
 pub use repository::{PrimaryKeyOf, Repository};
 pub use row::lock_name;
 pub use section::{SectionOutcome, SectionReport, SectionWork};

@@ -1,8 +1,10 @@
-//! The locked read-modify-write behind [`crate::Repository::locked_update`].
+//! The locked read-modify-write behind [`crate::Repository::locked_update`], and the locked
+//! delete, get-or-insert and update-or-insert built on the same driver.
 //!
 //! The section — lock, transaction, reload, write, commit, cache, release — is a future of its own
 //! (the *driver*), and `apply` runs in the caller, between its two halves. They talk over two
-//! channels: the driver sends the reloaded row, the caller answers with the changed columns. The
+//! channels: the driver sends the reloaded row (or its absence), the caller answers with a
+//! [`Decision`] (update these columns, insert, delete, or keep the row as it is). The
 //! caller polls the driver in place; if the caller is cancelled at any await, the driver moves to
 //! a task of its own ([`Detachable`]) instead of being cut in half: it notices the closed
 //! channel, rolls back (or, past the point of no return, commits) and releases the lock after the
@@ -20,40 +22,76 @@ use std::{
 
 use backon::{BackoffBuilder, ExponentialBuilder};
 use sea_orm::{
-    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
-    QuerySelect, Value,
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IdenStatic,
+    IntoActiveModel, ModelTrait, QuerySelect,
 };
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, error, field, info_span, warn};
 
 use crate::{
-    error::{ApplyError, Error, Result, database},
+    error::{Error, Result, database},
     locking::Locking,
-    outcome::{UpdateOutcome, UpdateReport},
-    repository::{Guard, changed_columns, next_version, with_changes, write_changes},
-    row::{Row, is_primary_key, select_by_key},
+    outcome::Report,
+    row::{Row, select_by_key},
     session::Session,
+    write,
 };
 
-/// The caller's answer to a reloaded row: the row back, and the columns `apply` changed.
-struct Write<E: EntityTrait> {
-    original: E::Model,
-    changes: Vec<(E::Column, Value)>,
+/// What the caller decided, given the row as reloaded under the lock (`None`: no such row).
+pub(crate) enum Decision<E: EntityTrait> {
+    /// Write nothing: report the row as read ([`Written::Unchanged`]), or [`Written::NotFound`].
+    Keep(Option<E::Model>),
+    /// Write the columns `draft` changed relative to `original` (after `before_save`).
+    Update {
+        original: E::Model,
+        draft: E::ActiveModel,
+    },
+    /// Insert `draft` (the row was missing).
+    Insert(E::ActiveModel),
+    /// Delete `original`.
+    Delete(E::Model),
 }
 
-pub(crate) async fn run<E, F>(
+/// How a locked write ended (the front ends turn it into their public outcome).
+#[derive(Debug)]
+pub(crate) enum Written<M> {
+    Updated(Arc<M>),
+    Unchanged(Arc<M>),
+    Inserted(Arc<M>),
+    Deleted(Arc<M>),
+    NotFound,
+    LeaseLost,
+}
+
+impl<M> Written<M> {
+    fn name(&self) -> &'static str {
+        match self {
+            Self::Updated(_) => "updated",
+            Self::Unchanged(_) => "unchanged",
+            Self::Inserted(_) => "inserted",
+            Self::Deleted(_) => "deleted",
+            Self::NotFound => "not_found",
+            Self::LeaseLost => "lease_lost",
+        }
+    }
+}
+
+/// Runs one locked write of `row`: `decide` is called in the caller with the row as reloaded
+/// under the lock, and says what to write. It is `FnMut` because a conflict or a transient error
+/// runs the section again.
+pub(crate) async fn run<E, D>(
     session: &Session,
     row: Row,
-    mut apply: F,
-) -> Result<UpdateReport<E::Model>>
+    mut decide: D,
+) -> Result<Report<Written<E::Model>>>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel> + Sync,
     E::ActiveModel: Send,
-    F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
+    D: FnMut(Option<E::Model>) -> Result<Decision<E>> + Send,
 {
-    let (reloaded_tx, mut reloaded) = mpsc::channel::<E::Model>(1);
-    let (writes, writes_rx) = mpsc::channel::<Write<E>>(1);
+    let (reloaded_tx, mut reloaded) = mpsc::channel::<Option<E::Model>>(1);
+    let (decisions, decisions_rx) = mpsc::channel::<Decision<E>>(1);
     // Fields are evaluated only when a subscriber wants the span; the empty ones are filled in
     // when the section ends.
     let span = info_span!(
@@ -70,50 +108,36 @@ where
     );
     let driver = Driver::<E> {
         session: session.clone(),
-        row: row.clone(),
+        row,
         reloaded: reloaded_tx,
-        writes: writes_rx,
+        decisions: decisions_rx,
     };
     let mut driver = Detachable::new(driver.run().instrument(span));
 
     loop {
         // Both halves are polled by this one task (no thread hop per message). The driver only
         // moves to a task of its own if this future is dropped (see `Detachable`).
-        let original = tokio::select! {
+        let found = tokio::select! {
             biased;
             received = reloaded.recv() => match received {
-                Some(original) => original,
+                Some(found) => found,
                 None => break,
             },
             result = &mut driver => return result,
         };
-        let mut draft = original.clone().into_active_model();
-        let abort = match catch_unwind(AssertUnwindSafe(|| apply(&mut draft))) {
-            Ok(Ok(())) => {
-                let changes = changed_columns::<E>(&original, &mut draft);
-                if changes
-                    .iter()
-                    .any(|(column, _)| is_primary_key::<E>(column))
-                {
-                    Err(Error::PrimaryKeyChanged {
-                        target: row.to_string(),
-                    })
-                } else {
-                    if writes.send(Write { original, changes }).await.is_err() {
-                        break; // The driver is gone; its result says why.
-                    }
-                    continue;
+        let abort = match catch_unwind(AssertUnwindSafe(|| decide(found))) {
+            Ok(Ok(decision)) => {
+                if decisions.send(decision).await.is_err() {
+                    break; // The driver is gone; its result says why.
                 }
+                continue;
             }
-            Ok(Err(source)) => Err(Error::Apply {
-                target: row.to_string(),
-                source: source.into_inner(),
-            }),
+            Ok(Err(error)) => Err(error),
             Err(panic) => Ok(panic),
         };
         // Abort: closing the channel makes the driver roll back and release; finish it so the
         // lock is free when the caller sees the error (or the panic).
-        drop(writes);
+        drop(decisions);
         let _ = (&mut driver).await;
         match abort {
             Err(error) => return Err(error),
@@ -176,17 +200,17 @@ impl<T: Send + 'static> Drop for Detachable<T> {
 /// How one run of the locked section ended.
 enum Step<M> {
     /// With an outcome to report.
-    Done(UpdateOutcome<M>),
-    /// The optimistic guard refused the write: run it again.
+    Done(Written<M>),
+    /// The optimistic guard refused the write (or a concurrent creator won): run it again.
     Conflict,
 }
 
-/// The task that owns the lock and the transaction of one `locked_update`.
+/// The task that owns the lock and the transaction of one locked write.
 struct Driver<E: EntityTrait> {
     session: Session,
     row: Row,
-    reloaded: mpsc::Sender<E::Model>,
-    writes: mpsc::Receiver<Write<E>>,
+    reloaded: mpsc::Sender<Option<E::Model>>,
+    decisions: mpsc::Receiver<Decision<E>>,
 }
 
 impl<E> Driver<E>
@@ -196,7 +220,7 @@ where
     E::ActiveModel: Send,
 {
     /// Runs the section and records how it ended (span fields, metrics).
-    async fn run(self) -> Result<UpdateReport<E::Model>> {
+    async fn run(self) -> Result<Report<Written<E::Model>>> {
         let entity = E::default().table_name();
         let result = self.run_locked().await;
         let outcome = match &result {
@@ -206,12 +230,7 @@ where
                 span.record("lock_held", report.lock.held);
                 span.record("attempts", report.attempts);
                 span.record("conflicts", report.conflicts);
-                match report.outcome {
-                    UpdateOutcome::Updated(_) => "updated",
-                    UpdateOutcome::Unchanged(_) => "unchanged",
-                    UpdateOutcome::NotFound => "not_found",
-                    UpdateOutcome::LeaseLost => "lease_lost",
-                }
+                report.outcome.name()
             }
             Err(Error::Interrupted { .. }) => "interrupted",
             Err(Error::Conflict { .. }) => "conflict",
@@ -223,11 +242,12 @@ where
         result
     }
 
-    async fn run_locked(mut self) -> Result<UpdateReport<E::Model>> {
+    async fn run_locked(mut self) -> Result<Report<Written<E::Model>>> {
         let _in_flight = self.session.section_started();
         let policy = self.session.policy().clone();
         let taken = Locking::take(
-            &self.session,
+            self.session.lock_backend(),
+            &policy,
             &self.row.lock,
             self.row.name.clone(),
             self.reloaded.closed(),
@@ -279,7 +299,7 @@ where
 
         // Only now, after commit or rollback.
         let report = locking.release().await;
-        result.map(|outcome| UpdateReport {
+        result.map(|outcome| Report {
             outcome,
             lock: report,
             attempts,
@@ -287,96 +307,221 @@ where
         })
     }
 
-    /// Evict, begin, reload, hand over to `apply`, write, commit, cache.
+    /// Evict, begin, reload, hand over to the caller, write what it decided, commit, cache.
     async fn section(&mut self, locking: &mut Locking) -> Result<Step<E::Model>> {
         let db = self.session.connection();
         self.session.map().remove(&self.row.key);
         let txn = locking.begin(db).await?;
 
-        let mut reload = select_by_key::<E>(self.row.pk());
-        if txn.get_database_backend() != DbBackend::Sqlite {
-            reload = reload.lock_exclusive();
-        }
-        let original = match reload.one(&txn).await {
-            Ok(Some(original)) => original,
-            Ok(None) => {
-                finish(txn, false, &self.row).await?;
-                return Ok(Step::Done(UpdateOutcome::NotFound));
-            }
+        let found = match reload_for_update::<E>(&txn, self.row.pk()).await {
+            Ok(found) => found,
             Err(e) => return Err(self.rolled_back(txn, "reloading", e).await),
         };
-
-        if self.reloaded.send(original).await.is_err() {
+        if self.reloaded.send(found).await.is_err() {
             return Err(self.abandoned(txn).await);
         }
-        let Some(Write { original, changes }) = self.writes.recv().await else {
+        let Some(decision) = self.decisions.recv().await else {
             return Err(self.abandoned(txn).await);
         };
+        match decision {
+            Decision::Keep(None) => {
+                finish(txn, false, &self.row).await?;
+                Ok(Step::Done(Written::NotFound))
+            }
+            Decision::Keep(Some(original)) => {
+                finish(txn, true, &self.row).await?;
+                debug!(row = %self.row.name, "unchanged");
+                Ok(Step::Done(Written::Unchanged(self.cache(original))))
+            }
+            Decision::Update { original, draft } => {
+                self.update(txn, locking, original, draft).await
+            }
+            Decision::Insert(draft) => self.insert(txn, draft).await,
+            Decision::Delete(original) => self.delete(txn, locking, original).await,
+        }
+    }
 
+    /// `before_save`, the guarded UPDATE (fence checked first), `after_save`, commit.
+    async fn update(
+        &self,
+        txn: DatabaseTransaction,
+        locking: &Locking,
+        original: E::Model,
+        draft: E::ActiveModel,
+    ) -> Result<Step<E::Model>> {
+        let mut draft = match write::before_save::<E, _>(draft, &txn, false).await {
+            Ok(draft) => draft,
+            Err(e) => return Err(self.rolled_back(txn, "running before_save for", e).await),
+        };
+        let mut changes = write::changed_columns::<E>(&original, &mut draft);
+        if changes
+            .iter()
+            .any(|(column, _)| write::is_primary_key::<E>(column))
+        {
+            let _ = txn.rollback().await;
+            return Err(Error::PrimaryKeyChanged {
+                target: self.row.to_string(),
+            });
+        }
         if changes.is_empty() {
             finish(txn, true, &self.row).await?;
-            let original = Arc::new(original);
-            self.session
-                .map()
-                .insert(self.row.key.clone(), Arc::clone(&original));
-            debug!(row = %self.row.name, "unchanged");
-            return Ok(Step::Done(UpdateOutcome::Unchanged(original)));
+            return Ok(Step::Done(Written::Unchanged(self.cache(original))));
         }
-        if let Some(guard) = &locking.guard {
-            match guard.verify(&txn).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    finish(txn, false, &self.row).await?;
-                    warn!(row = %self.row.name, fence = locking.report.fence, "lease lost before the write; nothing written");
-                    crate::metrics::lease_lost(locking.report.backend);
-                    return Ok(Step::Done(UpdateOutcome::LeaseLost));
-                }
-                Err(source) => {
-                    let _ = txn.rollback().await;
-                    return Err(Error::Lock {
-                        target: self.row.to_string(),
-                        source,
-                    });
-                }
-            }
+        if let Some(step) = self.fence(&txn, locking).await? {
+            let _ = txn.rollback().await;
+            return Ok(step);
         }
         // The optimistic guard: the UPDATE also checks that the row still holds what was read
         // (its version column when one is declared, else the changed columns), so a write made
         // without the lock can never overwrite a change it did not see.
-        let mut changes = changes;
-        let guard = match self.session.version_column(TypeId::of::<E>()) {
-            Some(name) => match next_version::<E>(&original, name) {
-                Some(next) => {
-                    changes.push(next);
-                    Guard::Version(name)
-                }
-                None => {
+        let expected = match self.session.version_column(TypeId::of::<E>()) {
+            Some(name) => {
+                let Some(column) = write::column_named::<E>(name) else {
                     let _ = txn.rollback().await;
-                    return Err(Error::VersionColumn {
-                        entity: E::default().table_name(),
-                        column: name,
-                    });
-                }
-            },
-            None => Guard::Columns,
+                    return Err(self.version_error(name));
+                };
+                let read = original.get(column);
+                let Some(next) = write::next_version(&read) else {
+                    let _ = txn.rollback().await;
+                    return Err(self.version_error(name));
+                };
+                changes.retain(|(changed, _)| changed.as_str() != name);
+                changes.push((column, next));
+                vec![(column, read)]
+            }
+            None => changes
+                .iter()
+                .map(|(column, _)| (*column, original.get(*column)))
+                .collect(),
         };
-        match write_changes::<E, _>(&txn, &original, &changes, guard).await {
+        let stored =
+            match write::update_returning::<E, _>(&txn, &original, &changes, &expected).await {
+                Ok(Some(stored)) => stored,
+                Ok(None) => {
+                    finish(txn, false, &self.row).await?;
+                    return Ok(Step::Conflict);
+                }
+                Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
+            };
+        let reported = match write::after_save::<E, _>(stored.clone(), &txn, false).await {
+            Ok(reported) => reported,
+            Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
+        };
+        finish(txn, true, &self.row).await?;
+        self.cache(stored);
+        debug!(row = %self.row.name, "updated");
+        Ok(Step::Done(Written::Updated(Arc::new(reported))))
+    }
+
+    /// `before_save`, INSERT … RETURNING, `after_save`, commit. No fence check: an insert cannot
+    /// overwrite anything, and a concurrent creator makes it fail on the key (a conflict: the
+    /// next attempt finds the winner's row).
+    async fn insert(
+        &self,
+        txn: DatabaseTransaction,
+        draft: E::ActiveModel,
+    ) -> Result<Step<E::Model>> {
+        let draft = match write::before_save::<E, _>(draft, &txn, true).await {
+            Ok(draft) => draft,
+            Err(e) => return Err(self.rolled_back(txn, "running before_save for", e).await),
+        };
+        let stored = match E::insert(draft).exec_with_returning(&txn).await {
+            Ok(stored) => stored,
+            Err(e) if write::is_unique_violation(&e) => {
+                finish(txn, false, &self.row).await?;
+                return Ok(Step::Conflict);
+            }
+            Err(e) => return Err(self.rolled_back(txn, "inserting", e).await),
+        };
+        let reported = match write::after_save::<E, _>(stored.clone(), &txn, true).await {
+            Ok(reported) => reported,
+            Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
+        };
+        finish(txn, true, &self.row).await?;
+        self.cache(stored);
+        debug!(row = %self.row.name, "inserted");
+        Ok(Step::Done(Written::Inserted(Arc::new(reported))))
+    }
+
+    /// Fence, `before_delete`, DELETE (guarded by the version column when one is declared),
+    /// `after_delete`, commit, evict.
+    async fn delete(
+        &self,
+        txn: DatabaseTransaction,
+        locking: &Locking,
+        original: E::Model,
+    ) -> Result<Step<E::Model>> {
+        if let Some(step) = self.fence(&txn, locking).await? {
+            let _ = txn.rollback().await;
+            return Ok(step);
+        }
+        let draft = original.clone().into_active_model();
+        let draft = match write::before_delete::<E, _>(draft, &txn).await {
+            Ok(draft) => draft,
+            Err(e) => return Err(self.rolled_back(txn, "running before_delete for", e).await),
+        };
+        let expected: Vec<_> = self
+            .session
+            .version_column(TypeId::of::<E>())
+            .and_then(write::column_named::<E>)
+            .map(|column| (column, original.get(column)))
+            .into_iter()
+            .collect();
+        match write::delete_holding::<E, _>(&txn, self.row.pk(), &expected).await {
             Ok(true) => {}
             Ok(false) => {
                 finish(txn, false, &self.row).await?;
                 return Ok(Step::Conflict);
             }
-            Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
+            Err(e) => return Err(self.rolled_back(txn, "deleting", e).await),
         }
-        let committed =
-            with_changes::<E>(&original, changes).map_err(|e| database("applying", &self.row, e));
+        if let Err(e) = write::after_delete::<E, _>(draft, &txn).await {
+            return Err(self.rolled_back(txn, "running after_delete for", e).await);
+        }
         finish(txn, true, &self.row).await?;
-        let committed = Arc::new(committed?);
+        self.session.map().remove(&self.row.key);
+        debug!(row = %self.row.name, "deleted");
+        Ok(Step::Done(Written::Deleted(Arc::new(original))))
+    }
+
+    /// The lease's fence check in the write's transaction: `Some(LeaseLost)` when a newer holder
+    /// has the lock (the caller rolls back).
+    async fn fence(
+        &self,
+        txn: &DatabaseTransaction,
+        locking: &Locking,
+    ) -> Result<Option<Step<E::Model>>> {
+        let Some(guard) = &locking.guard else {
+            return Ok(None);
+        };
+        match guard.verify(txn).await {
+            Ok(true) => Ok(None),
+            Ok(false) => {
+                warn!(row = %self.row.name, fence = locking.report.fence, "lease lost before the write; nothing written");
+                crate::metrics::lease_lost(locking.report.backend);
+                Ok(Some(Step::Done(Written::LeaseLost)))
+            }
+            Err(source) => Err(Error::Lock {
+                target: self.row.to_string(),
+                source,
+            }),
+        }
+    }
+
+    /// Caches `model` as this row's committed state.
+    fn cache(&self, model: E::Model) -> Arc<E::Model> {
+        let model = Arc::new(model);
         self.session
             .map()
-            .insert(self.row.key.clone(), Arc::clone(&committed));
-        debug!(row = %self.row.name, "updated");
-        Ok(Step::Done(UpdateOutcome::Updated(committed)))
+            .insert(self.row.key.clone(), Arc::clone(&model));
+        model
+    }
+
+    fn version_error(&self, column: &'static str) -> Error {
+        Error::VersionColumn {
+            entity: E::default().table_name(),
+            column,
+        }
     }
 
     /// The caller is gone or aborted: roll back, and report (to nobody, or to a caller that
@@ -405,6 +550,19 @@ where
             target: self.row.to_string(),
         }
     }
+}
+
+/// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
+/// already excludes other writers).
+async fn reload_for_update<E: EntityTrait>(
+    txn: &DatabaseTransaction,
+    pk: &sea_orm::sea_query::ValueTuple,
+) -> std::result::Result<Option<E::Model>, DbErr> {
+    let mut reload = select_by_key::<E>(pk);
+    if txn.get_database_backend() != DbBackend::Sqlite {
+        reload = reload.lock_exclusive();
+    }
+    reload.one(txn).await
 }
 
 async fn finish(txn: DatabaseTransaction, commit: bool, row: &Row) -> Result<()> {

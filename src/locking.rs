@@ -11,9 +11,8 @@ use tracing::warn;
 
 use crate::{
     error::{Error, LockError, Result, database},
-    lock::{LocalLock, LockBackend, LockGuard, LockName, LockScope, OnLockFailure},
+    lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockScope, OnLockFailure},
     outcome::LockReport,
-    session::Session,
 };
 
 /// The lock of one locked section while it runs.
@@ -37,14 +36,14 @@ impl Locking {
     /// process), then the backend's lease. Returns `None` when `cancelled` fired first (nothing
     /// is held then).
     pub(crate) async fn take(
-        session: &Session,
+        backend: &Arc<dyn LockBackend>,
+        policy: &LockPolicy,
         lock: &LockName,
         target: LockName,
         cancelled: impl Future<Output = ()>,
         is_cancelled: impl Fn() -> bool,
     ) -> Result<Option<Self>> {
-        let backend = Arc::clone(session.lock_backend());
-        let policy = session.policy();
+        let backend = Arc::clone(backend);
         let mut locking = Self {
             on_failure: policy.on_failure,
             wait: policy.wait_per_try.saturating_mul(policy.tries),

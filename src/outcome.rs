@@ -13,6 +13,9 @@ pub enum UpdateOutcome<M> {
     /// `apply` changed nothing (or set columns to the values they had): no UPDATE was sent.
     /// Holds the row as read under the lock.
     Unchanged(Arc<M>),
+    /// The row was missing and was inserted
+    /// ([`update_or_insert`](crate::Repository::update_or_insert)). Holds the row as stored.
+    Inserted(Arc<M>),
     /// No row has this key (it never existed or was deleted): nothing was written.
     NotFound,
     /// The lease lock was lost before the write (it expired, and another holder took it):
@@ -25,15 +28,27 @@ impl<M> UpdateOutcome<M> {
     /// The row, unless it was not found.
     pub fn model(&self) -> Option<&Arc<M>> {
         match self {
-            Self::Updated(model) | Self::Unchanged(model) => Some(model),
+            Self::Updated(model) | Self::Unchanged(model) | Self::Inserted(model) => Some(model),
             Self::NotFound | Self::LeaseLost => None,
         }
     }
 
-    /// Whether a change was committed.
+    /// Whether a change was committed (an update or an insert).
     pub fn is_updated(&self) -> bool {
-        matches!(self, Self::Updated(_))
+        matches!(self, Self::Updated(_) | Self::Inserted(_))
     }
+}
+
+/// What [`locked_delete`](crate::Repository::locked_delete) did to the row.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum DeleteOutcome<M> {
+    /// The row was deleted. Holds it as it was, read under the lock just before.
+    Deleted(Arc<M>),
+    /// No row has this key: nothing was deleted.
+    NotFound,
+    /// The lease lock was lost before the delete (fencing refused): nothing was deleted.
+    LeaseLost,
 }
 
 /// How the lock of one locked section went.
@@ -58,12 +73,12 @@ pub struct LockReport {
     pub release_error: Option<String>,
 }
 
-/// The result of a successful `locked_update`: what happened to the row, and how the lock went.
+/// The result of a successful locked write: what happened to the row, and how the lock went.
 #[derive(Debug)]
 #[non_exhaustive]
-pub struct UpdateReport<M> {
+pub struct Report<O> {
     /// What happened to the row.
-    pub outcome: UpdateOutcome<M>,
+    pub outcome: O,
     /// How the lock went.
     pub lock: LockReport,
     /// How many times the locked section ran (1 unless a conflict or a transient error made it
@@ -73,14 +88,40 @@ pub struct UpdateReport<M> {
     pub conflicts: u32,
 }
 
+impl<O> Report<O> {
+    /// The same report with its outcome mapped.
+    pub(crate) fn map<P>(self, f: impl FnOnce(O) -> P) -> Report<P> {
+        Report {
+            outcome: f(self.outcome),
+            lock: self.lock,
+            attempts: self.attempts,
+            conflicts: self.conflicts,
+        }
+    }
+}
+
+/// What [`locked_update`](crate::Repository::locked_update) and
+/// [`update_or_insert`](crate::Repository::update_or_insert) return.
+pub type UpdateReport<M> = Report<UpdateOutcome<M>>;
+
+/// What [`locked_delete`](crate::Repository::locked_delete) returns.
+pub type DeleteReport<M> = Report<DeleteOutcome<M>>;
+
 /// What [`crate::Repository::save`] did.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SaveOutcome<M> {
-    /// The changed columns were written. Holds the row as committed.
+    /// The changed columns were written, and the row held the snapshot's values for every column
+    /// the caller set. Holds the row as the database stored it.
     Updated(Arc<M>),
-    /// Nothing had changed: no SQL was sent.
+    /// Nothing needed writing: the caller set nothing, or only values the row still holds (which
+    /// was checked against the database, not against the cache).
     Unchanged,
     /// No row has this key: nothing was written.
     NotFound,
+    /// The row changed since the snapshot the save was based on (a set column, or the version
+    /// column, no longer holds the snapshot's value): nothing was written and the cached row was
+    /// evicted. Load the row again and redo the change on it, or use
+    /// [`locked_update`](crate::Repository::locked_update), which does exactly that under a lock.
+    Conflict,
 }

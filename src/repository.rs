@@ -3,8 +3,9 @@
 use std::{any::TypeId, collections::HashMap, marker::PhantomData, sync::Arc};
 
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ColumnTrait, Condition, DbErr, EntityTrait, IntoActiveModel,
-    Iterable, ModelTrait, PrimaryKeyToColumn, PrimaryKeyTrait, QueryFilter, Value,
+    ActiveModelTrait, ActiveValue, ColumnTrait, Condition, ConnectionTrait, DbBackend, EntityTrait,
+    IdenStatic, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, PrimaryKeyTrait,
+    QueryFilter,
     sea_query::{IntoValueTuple, ValueTuple},
 };
 
@@ -12,10 +13,12 @@ use crate::{
     LockName,
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
-    locked_update,
-    outcome::{SaveOutcome, UpdateReport},
+    locked_update::{self, Decision, Written},
+    locking::begin,
+    outcome::{DeleteOutcome, DeleteReport, SaveOutcome, UpdateOutcome, UpdateReport},
     row::{Row, cache_key, select_by_key},
     session::Session,
+    write,
 };
 
 /// The primary-key value type of entity `E` (`i32` for a single integer key, a tuple for a
@@ -170,82 +173,128 @@ where
         self.session.forget_entity(TypeId::of::<E>())
     }
 
-    /// Inserts a row and caches it as the database returned it.
+    /// Inserts a row and caches it as the database stored it (`RETURNING`, or a read back on
+    /// MySQL/MariaDB). Runs the entity's `before_save` / `after_save` hooks (`insert = true`), as
+    /// sea-orm's `ActiveModel::insert` does; returns what `after_save` returned.
     ///
     /// # Errors
-    /// [`Error::Database`] when the insert fails.
-    pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>>
-    where
-        E::ActiveModel: ActiveModelTrait<Entity = E>,
-    {
+    /// [`Error::Database`] when the insert or a hook fails (a unique-key violation included:
+    /// use [`get_or_insert`](Self::get_or_insert) when another writer may create the row).
+    pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
         let entity = E::default();
-        let inserted = E::insert(model)
-            .exec_with_returning(self.session.connection())
+        let fail = |e| database("inserting into", &entity.table_name(), e);
+        let db = self.session.connection();
+        let model = write::before_save::<E, _>(model, db, true)
             .await
-            .map_err(|e| database("inserting into", &entity.table_name(), e))?;
-        let row = Row::new::<E>(inserted.get_primary_key_value())?;
-        let inserted = Arc::new(inserted);
-        self.session.map().insert(row.key, Arc::clone(&inserted));
-        Ok(inserted)
+            .map_err(fail)?;
+        let stored = E::insert(model)
+            .exec_with_returning(db)
+            .await
+            .map_err(fail)?;
+        let row = Row::new::<E>(stored.get_primary_key_value())?;
+        let reported = write::after_save::<E, _>(stored.clone(), db, true)
+            .await
+            .map_err(fail)?;
+        self.session.map().insert(row.key, Arc::new(stored));
+        Ok(Arc::new(reported))
     }
 
-    /// Writes the changed columns of an existing row, without a lock.
+    /// Writes the columns `model` sets, checked against the snapshot this session holds of the
+    /// row, in one statement: the optimistic write.
     ///
-    /// Only columns that are `Set` are written, and when the row is cached, a column `Set` to the
-    /// value it has in the cache is not a change: when nothing changed, no SQL is sent at all.
-    /// After the write the cache holds the row as committed.
+    /// The snapshot is the row as this session has it cached (what [`load`](Self::load) returned,
+    /// or what the last write through this session stored). The UPDATE's `WHERE` checks that the
+    /// row still holds the snapshot's value of every column `model` sets — or, when the entity
+    /// has a [version column](crate::SessionBuilder::version_column), that the version is still
+    /// the one `model` carries (the version is then incremented). So a save based on a stale
+    /// snapshot can never overwrite a newer write: it returns [`SaveOutcome::Conflict`], writes
+    /// nothing and evicts the cached row. `model`'s `Unchanged` columns must also agree with the
+    /// snapshot, or the save is a conflict too (the model was built from an older copy).
     ///
-    /// This is a plain write: it does not reread the row, so it is only as fresh as the values
-    /// you set. For read-modify-write use [`locked_update`](Self::locked_update).
+    /// Only columns set to a value other than the snapshot's are written; when there are none,
+    /// one `SELECT` checks that the row still holds what was set, so [`SaveOutcome::Unchanged`]
+    /// is never an assumption based on the cache. With nothing set at all, no SQL is sent.
+    ///
+    /// The entity's `before_save` / `after_save` hooks run (`insert = false`), as in sea-orm's
+    /// `ActiveModel::update`: columns `before_save` sets are written and checked like the
+    /// caller's. The cache and [`SaveOutcome::Updated`] hold the row as the database stored it
+    /// (`RETURNING`; on MySQL/MariaDB, UPDATE and a read back in one transaction).
     ///
     /// # Errors
-    /// [`Error::InvalidKey`] when the primary key is not set; [`Error::Database`] when the update
-    /// fails.
-    pub async fn save(&self, mut model: E::ActiveModel) -> Result<SaveOutcome<E::Model>>
-    where
-        E::ActiveModel: ActiveModelTrait<Entity = E>,
-    {
-        let pk = model
-            .get_primary_key_value()
-            .ok_or_else(|| Error::InvalidKey {
-                entity: E::default().table_name(),
+    /// - [`Error::InvalidKey`] when the primary key is not set, or a primary-key column is `Set`
+    ///   (a save identifies its row by the key: keep it `Unchanged`, as `into_active_model`
+    ///   does).
+    /// - [`Error::NoSnapshot`] when this session has no snapshot of the row: load it first.
+    /// - [`Error::VersionColumn`] when the version is NULL.
+    /// - [`Error::Database`] when a statement or a hook fails.
+    pub async fn save(&self, model: E::ActiveModel) -> Result<SaveOutcome<E::Model>> {
+        let entity = E::default().table_name();
+        let Some(pk) = model.get_primary_key_value() else {
+            return Err(Error::InvalidKey {
+                entity,
                 reason: "the primary key of the active model is not set".into(),
-            })?;
-        let row = Row::new::<E>(pk)?;
-        let db = self.session.connection();
-        let result = match self.session.map().get::<E::Model>(&row.key) {
-            Some(cached) => {
-                let changes = changed_columns::<E>(&cached, &mut model);
-                if changes.is_empty() {
-                    return Ok(SaveOutcome::Unchanged);
-                }
-                match write_changes::<E, _>(db, &cached, &changes, Guard::Unguarded).await {
-                    Ok(true) => with_changes::<E>(&cached, changes),
-                    Ok(false) => Err(DbErr::RecordNotUpdated),
-                    Err(e) => Err(e),
-                }
-            }
-            None => {
-                if !model.is_changed() {
-                    return Ok(SaveOutcome::Unchanged);
-                }
-                // Nothing to compare with: write what is `Set`, and take the row the database
-                // returns (RETURNING, or a SELECT on MySQL) as the committed one.
-                E::update(model).exec(db).await
-            }
+            });
         };
-        match result {
-            Ok(committed) => {
-                let committed = Arc::new(committed);
-                self.session.map().insert(row.key, Arc::clone(&committed));
-                Ok(SaveOutcome::Updated(committed))
-            }
-            Err(DbErr::RecordNotUpdated) => {
-                self.session.map().remove(&row.key);
-                Ok(SaveOutcome::NotFound)
-            }
-            Err(e) => Err(database("saving", &row, e)),
+        reject_set_primary_key::<E>(&model)?;
+        let row = Row::new::<E>(pk)?;
+        let Some(snapshot) = self.session.map().get::<E::Model>(&row.key) else {
+            return Err(Error::NoSnapshot {
+                target: row.to_string(),
+            });
+        };
+        let built_from_snapshot = E::Column::iter().all(|column| match model.get(column) {
+            ActiveValue::Unchanged(value) => value == snapshot.get(column),
+            _ => true,
+        });
+        if !built_from_snapshot {
+            self.session.map().remove(&row.key);
+            return Ok(SaveOutcome::Conflict);
         }
+        if !model.is_changed() {
+            return Ok(SaveOutcome::Unchanged);
+        }
+        let version = self
+            .session
+            .version_column(TypeId::of::<E>())
+            .and_then(write::column_named::<E>);
+        let db = self.session.connection();
+        let saved = if db.get_database_backend() == DbBackend::MySql {
+            // No UPDATE … RETURNING: the read back must see this UPDATE's row, not a later one.
+            let txn = begin(db).await.map_err(|e| database("saving", &row, e))?;
+            let saved = save_on::<E, _>(&txn, &row, &snapshot, model, version).await;
+            match saved {
+                Ok(saved) => {
+                    txn.commit()
+                        .await
+                        .map_err(|e| database("committing", &row, e))?;
+                    Ok(saved)
+                }
+                Err(error) => {
+                    let _ = txn.rollback().await;
+                    Err(error)
+                }
+            }
+        } else {
+            save_on::<E, _>(db, &row, &snapshot, model, version).await
+        }?;
+        Ok(match saved {
+            Saved::Stored { stored, reported } => {
+                self.session.map().insert(row.key, Arc::new(stored));
+                SaveOutcome::Updated(Arc::new(reported))
+            }
+            Saved::Holds(stored) => {
+                self.session.map().insert(row.key, Arc::new(stored));
+                SaveOutcome::Unchanged
+            }
+            Saved::Conflict => {
+                self.session.map().remove(&row.key);
+                SaveOutcome::Conflict
+            }
+            Saved::NotFound => {
+                self.session.map().remove(&row.key);
+                SaveOutcome::NotFound
+            }
+        })
     }
 
     /// Read-modify-write of one row that never overwrites a concurrent writer's columns.
@@ -253,22 +302,28 @@ where
     /// In order: takes the lock for this row under the session's [`crate::LockPolicy`] → evicts
     /// the cached row → opens a transaction (`BEGIN IMMEDIATE` on SQLite, `READ COMMITTED` on
     /// PostgreSQL and MySQL) → reloads the row through it (`FOR UPDATE` on PostgreSQL and MySQL) →
-    /// runs `apply` on it → writes only the columns `apply` changed (nothing when it changed
-    /// none) → commits → caches the committed row → releases the lock.
+    /// runs `apply` on it → runs the entity's `before_save` hook → writes only the columns that
+    /// changed (nothing, and no hook, when `apply` changed none), `RETURNING` the stored row →
+    /// runs `after_save` → commits → caches the stored row → releases the lock.
     ///
     /// `apply` is a synchronous closure that sets columns on the freshly read row; it may return
     /// an error (any error converts with `?`) to abort without writing. It is `FnMut` because it
     /// may be run again on a retry, so keep it free of side effects other than setting columns.
     /// Do the heavy work *before* calling this; the lock is held only for the reload and write.
     ///
+    /// Hooks run inside the attempt's transaction (what they write through the connection they
+    /// are given commits or rolls back with it), once per attempt that has something to write:
+    /// a retried attempt runs them again.
+    ///
     /// A missing row is the outcome [`crate::UpdateOutcome::NotFound`], not an error.
     ///
     /// # Errors
     /// - [`Error::Apply`] when `apply` returned an error; nothing was written.
-    /// - [`Error::PrimaryKeyChanged`] when `apply` changed a primary-key column.
+    /// - [`Error::PrimaryKeyChanged`] when `apply` or `before_save` changed a primary-key column.
     /// - [`Error::LockNotAcquired`] / [`Error::Lock`] when the lock could not be had and the
     ///   policy says to fail.
-    /// - [`Error::Database`] when a statement failed; the transaction was rolled back.
+    /// - [`Error::Conflict`] when the optimistic guard refused every attempt.
+    /// - [`Error::Database`] when a statement or a hook failed; the transaction was rolled back.
     ///
     /// In every error case, and when `apply` panics (the panic is resumed in the caller after the
     /// rollback), the transaction is rolled back, the cache holds no half-applied row and the lock
@@ -277,9 +332,10 @@ where
     /// # Cancel safety
     /// The locked section is polled in place, and moved to a task of its own when this future is
     /// dropped, so a drop never interrupts a statement halfway (which would make the driver close
-    /// the connection — with in-memory SQLite, destroying the database). If the future is dropped before `apply` has returned, the
-    /// section rolls back; if it is dropped after, the write still commits and the cache is
-    /// updated. Either way the lock is released after the transaction has ended.
+    /// the connection — with in-memory SQLite, destroying the database). If the future is dropped
+    /// before `apply` has returned, the section rolls back; if it is dropped after, the write still
+    /// commits and the cache is updated. Either way the lock is released after the transaction
+    /// has ended.
     pub async fn locked_update<F>(
         &self,
         id: PrimaryKeyOf<E>,
@@ -289,7 +345,7 @@ where
         F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
     {
         let row = Row::new::<E>(id.into_value_tuple())?;
-        locked_update::run::<E, F>(&self.session, row, apply).await
+        self.update_row(row, apply).await
     }
 
     /// [`locked_update`](Self::locked_update) of a row while serializing on another key: the
@@ -313,7 +369,324 @@ where
         F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
     {
         let row = Row::new::<E>(id.into_value_tuple())?.locked_by(lock);
-        locked_update::run::<E, F>(&self.session, row, apply).await
+        self.update_row(row, apply).await
+    }
+
+    async fn update_row<F>(&self, row: Row, mut apply: F) -> Result<UpdateReport<E::Model>>
+    where
+        F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
+    {
+        let target = row.to_string();
+        let report = locked_update::run::<E, _>(&self.session, row, |found| match found {
+            None => Ok(Decision::Keep(None)),
+            Some(original) => {
+                let mut draft = original.clone().into_active_model();
+                apply(&mut draft).map_err(|source| Error::Apply {
+                    target: target.clone(),
+                    source: source.into_inner(),
+                })?;
+                Ok(update_or_keep::<E>(original, draft))
+            }
+        })
+        .await?;
+        Ok(report.map(update_outcome))
+    }
+
+    /// Deletes the row under its lock: takes the lock under the session's policy → begins →
+    /// reloads the row (`FOR UPDATE`) → checks the lease's fence → runs `before_delete` →
+    /// `DELETE` (also checking the version column when one is declared) → `after_delete` →
+    /// commits → evicts the cached row → releases the lock.
+    ///
+    /// A [`locked_update`](Self::locked_update) racing the delete never brings the row back: it
+    /// either ran before (and the delete removes its result) or reloads nothing and reports
+    /// [`crate::UpdateOutcome::NotFound`].
+    ///
+    /// # Errors
+    /// As [`locked_update`](Self::locked_update) (hooks' errors are [`Error::Database`]).
+    ///
+    /// # Cancel safety
+    /// As [`locked_update`](Self::locked_update): past the decision to delete, the delete still
+    /// commits when the caller is dropped.
+    pub async fn locked_delete(&self, id: PrimaryKeyOf<E>) -> Result<DeleteReport<E::Model>> {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        let report = locked_update::run::<E, _>(&self.session, row, |found| {
+            Ok(match found {
+                None => Decision::Keep(None),
+                Some(original) => Decision::Delete(original),
+            })
+        })
+        .await?;
+        Ok(report.map(|written| match written {
+            Written::Deleted(model) => DeleteOutcome::Deleted(model),
+            Written::LeaseLost => DeleteOutcome::LeaseLost,
+            // A delete decides nothing else; `NotFound` is the only other outcome.
+            _ => DeleteOutcome::NotFound,
+        }))
+    }
+
+    /// The row with primary key `id`, created from `init` when there is none; the `bool` says
+    /// whether this call created it.
+    ///
+    /// A cached row is returned as it is (like [`load`](Self::load)); otherwise one `SELECT`
+    /// finds an existing row without taking any lock. Only a missing row takes the row's lock
+    /// (as [`locked_update`](Self::locked_update) does), reloads it in a transaction and inserts
+    /// `init()` with the `before_save` / `after_save` hooks (`insert = true`). Callers racing for
+    /// the same missing key — tasks or processes — get the same row, and exactly one of them
+    /// creates it: a unique-key violation from a concurrent creator (one that did not take the
+    /// lock, or a lock that was not had) means the row exists, and the next attempt loads the
+    /// winner's row, never an error.
+    ///
+    /// `init`'s primary key may be left `NotSet` (it is set to `id`); if it is set, it must equal
+    /// `id`.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidKey`] when `init`'s primary key differs from `id`; nothing is written.
+    /// - Otherwise as [`locked_update`](Self::locked_update).
+    ///
+    /// # Cancel safety
+    /// As [`locked_update`](Self::locked_update).
+    pub async fn get_or_insert<F>(
+        &self,
+        id: PrimaryKeyOf<E>,
+        mut init: F,
+    ) -> Result<(Arc<E::Model>, bool)>
+    where
+        F: FnMut() -> E::ActiveModel + Send,
+    {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        if let Some(cached) = self.session.map().get::<E::Model>(&row.key) {
+            return Ok((cached, false));
+        }
+        if let Some(found) = self.fetch(row.clone()).await? {
+            return Ok((found, false));
+        }
+        let target = row.to_string();
+        let pk = row.pk().clone();
+        let report = locked_update::run::<E, _>(&self.session, row, |found| {
+            Ok(match found {
+                Some(existing) => Decision::Keep(Some(existing)),
+                None => Decision::Insert(keyed::<E>(init(), &pk)?),
+            })
+        })
+        .await?;
+        match report.outcome {
+            Written::Inserted(model) => Ok((model, true)),
+            Written::Unchanged(model) => Ok((model, false)),
+            // Neither a write that could be refused by a fence nor a missing row is decided here.
+            _ => Err(Error::Interrupted { target }),
+        }
+    }
+
+    /// Under the row's lock, applies `apply` to the row if it exists, or to `init()` if it does
+    /// not, and writes the result: an update of the changed columns (guarded, as in
+    /// [`locked_update`](Self::locked_update)) or an insert
+    /// ([`crate::UpdateOutcome::Inserted`]). If another writer creates the row between the
+    /// reload and the insert (one that did not take the lock), the insert fails on the key and
+    /// the whole section runs again, now applying `apply` to the existing row.
+    ///
+    /// `init`'s primary key may be left `NotSet` (it is set to `id`); if it is set, it must equal
+    /// `id`.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidKey`] when `init`'s primary key differs from `id`.
+    /// - Otherwise as [`locked_update`](Self::locked_update).
+    ///
+    /// # Cancel safety
+    /// As [`locked_update`](Self::locked_update).
+    pub async fn update_or_insert<I, F>(
+        &self,
+        id: PrimaryKeyOf<E>,
+        mut init: I,
+        mut apply: F,
+    ) -> Result<UpdateReport<E::Model>>
+    where
+        I: FnMut() -> E::ActiveModel + Send,
+        F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
+    {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        let target = row.to_string();
+        let pk = row.pk().clone();
+        let report = locked_update::run::<E, _>(&self.session, row, |found| {
+            let aborted = |source: ApplyError| Error::Apply {
+                target: target.clone(),
+                source: source.into_inner(),
+            };
+            match found {
+                Some(original) => {
+                    let mut draft = original.clone().into_active_model();
+                    apply(&mut draft).map_err(aborted)?;
+                    Ok(update_or_keep::<E>(original, draft))
+                }
+                None => {
+                    let mut draft = keyed::<E>(init(), &pk)?;
+                    apply(&mut draft).map_err(aborted)?;
+                    if draft.get_primary_key_value().as_ref() != Some(&pk) {
+                        return Err(Error::PrimaryKeyChanged {
+                            target: target.clone(),
+                        });
+                    }
+                    Ok(Decision::Insert(draft))
+                }
+            }
+        })
+        .await?;
+        Ok(report.map(update_outcome))
+    }
+}
+
+/// What a save found.
+enum Saved<M> {
+    /// Written; the row as stored, and what `after_save` made of it.
+    Stored {
+        stored: M,
+        reported: M,
+    },
+    /// Nothing to write, and the row still holds what was set.
+    Holds(M),
+    Conflict,
+    NotFound,
+}
+
+/// The statements of one save, on `db` (a transaction on MySQL/MariaDB).
+async fn save_on<E, C>(
+    db: &C,
+    row: &Row,
+    snapshot: &E::Model,
+    model: E::ActiveModel,
+    version: Option<E::Column>,
+) -> Result<Saved<E::Model>>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    let fail = |operation| move |e| database(operation, row, e);
+    let version_read = version.map(|column| match model.get(column) {
+        ActiveValue::Unchanged(value) => value,
+        _ => snapshot.get(column),
+    });
+    let model = write::before_save::<E, _>(model, db, false)
+        .await
+        .map_err(fail("running before_save for"))?;
+    reject_set_primary_key::<E>(&model)?;
+    let set = write::set_columns::<E>(&model);
+    let mut changes: Vec<_> = set
+        .iter()
+        .filter(|(column, value)| *value != snapshot.get(*column))
+        .cloned()
+        .collect();
+    let expected: Vec<_> = match (version, version_read) {
+        (Some(column), Some(read)) => {
+            let Some(next) = write::next_version(&read) else {
+                return Err(Error::VersionColumn {
+                    entity: E::default().table_name(),
+                    column: column.as_str(),
+                });
+            };
+            if !changes.is_empty() {
+                changes.retain(|(changed, _)| changed.as_str() != column.as_str());
+                changes.push((column, next));
+            }
+            vec![(column, read)]
+        }
+        _ => set
+            .iter()
+            .map(|(column, _)| (*column, snapshot.get(*column)))
+            .collect(),
+    };
+    let stored = if changes.is_empty() {
+        write::select_holding::<E, _>(db, row.pk(), &expected)
+            .await
+            .map_err(fail("checking"))?
+    } else {
+        write::update_returning::<E, _>(db, snapshot, &changes, &expected)
+            .await
+            .map_err(fail("saving"))?
+    };
+    match stored {
+        Some(stored) if changes.is_empty() => Ok(Saved::Holds(stored)),
+        Some(stored) => {
+            let reported = write::after_save::<E, _>(stored.clone(), db, false)
+                .await
+                .map_err(fail("running after_save for"))?;
+            Ok(Saved::Stored { stored, reported })
+        }
+        // Refused: tell a changed row from a missing one (only on this path).
+        None => match select_by_key::<E>(row.pk())
+            .one(db)
+            .await
+            .map_err(fail("checking"))?
+        {
+            Some(_) => Ok(Saved::Conflict),
+            None => Ok(Saved::NotFound),
+        },
+    }
+}
+
+/// [`InvalidKey`](Error::InvalidKey) when `model` has a primary-key column `Set`.
+fn reject_set_primary_key<E>(model: &E::ActiveModel) -> Result<()>
+where
+    E: EntityTrait,
+{
+    match E::PrimaryKey::iter()
+        .map(PrimaryKeyToColumn::into_column)
+        .find(|column| matches!(model.get(*column), ActiveValue::Set(_)))
+    {
+        Some(column) => Err(Error::InvalidKey {
+            entity: E::default().table_name(),
+            reason: format!(
+                "primary-key column {} is Set: a save identifies its row by the key and cannot \
+                 change it (keep it Unchanged, as into_active_model does)",
+                column.as_str()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `draft` with its primary key set to `pk` where it was left `NotSet`;
+/// [`InvalidKey`](Error::InvalidKey) when it holds another key.
+fn keyed<E: EntityTrait>(mut draft: E::ActiveModel, pk: &ValueTuple) -> Result<E::ActiveModel> {
+    for (key, value) in E::PrimaryKey::iter().zip(pk.iter()) {
+        let column = key.into_column();
+        match draft.get(column).into_value() {
+            None => draft.set(column, value.clone()),
+            Some(given) if given == *value => {}
+            Some(given) => {
+                return Err(Error::InvalidKey {
+                    entity: E::default().table_name(),
+                    reason: format!(
+                        "the initial row's {} is {given}, but the row asked for is {value}",
+                        column.as_str()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(draft)
+}
+
+/// An update of what `apply` changed, or nothing to write.
+fn update_or_keep<E: EntityTrait>(original: E::Model, draft: E::ActiveModel) -> Decision<E>
+where
+    E::ActiveModel: ActiveModelTrait<Entity = E>,
+{
+    if write::has_changes::<E>(&original, &draft) {
+        Decision::Update { original, draft }
+    } else {
+        Decision::Keep(Some(original))
+    }
+}
+
+fn update_outcome<M>(written: Written<M>) -> UpdateOutcome<M> {
+    match written {
+        Written::Updated(model) => UpdateOutcome::Updated(model),
+        Written::Unchanged(model) => UpdateOutcome::Unchanged(model),
+        Written::Inserted(model) => UpdateOutcome::Inserted(model),
+        Written::LeaseLost => UpdateOutcome::LeaseLost,
+        // An update decides no delete; `NotFound` is the only other outcome.
+        Written::Deleted(_) | Written::NotFound => UpdateOutcome::NotFound,
     }
 }
 
@@ -333,116 +706,4 @@ fn any_of_keys<E: EntityTrait>(keys: impl Iterator<Item = ValueTuple>) -> Condit
             )
         }),
     }
-}
-
-/// The columns `Set` in `draft` to a value other than `original`'s, taken out of `draft`.
-pub(crate) fn changed_columns<E: EntityTrait>(
-    original: &E::Model,
-    draft: &mut E::ActiveModel,
-) -> Vec<(E::Column, Value)>
-where
-    E::ActiveModel: ActiveModelTrait<Entity = E>,
-{
-    E::Column::iter()
-        .filter_map(|column| match draft.take(column) {
-            ActiveValue::Set(value) if value != original.get(column) => Some((column, value)),
-            _ => None,
-        })
-        .collect()
-}
-
-/// What the UPDATE of a write checks besides the primary key.
-#[derive(Copy, Clone, Debug)]
-pub(crate) enum Guard {
-    /// Nothing: a plain write (`save`).
-    Unguarded,
-    /// Each changed column still holds the value read (NULL compared as NULL).
-    Columns,
-    /// The version column still holds the value read (the caller adds its increment to the
-    /// changes).
-    Version(&'static str),
-}
-
-/// `UPDATE … SET <changes> WHERE pk = <original's pk> [AND <guard>]`, one statement. Returns
-/// whether a row was written: `false` when none matched (the row is gone, or the guard refused).
-pub(crate) async fn write_changes<E, C>(
-    db: &C,
-    original: &E::Model,
-    changes: &[(E::Column, Value)],
-    guard: Guard,
-) -> std::result::Result<bool, DbErr>
-where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel>,
-    C: sea_orm::ConnectionTrait,
-{
-    let mut update = original.clone().into_active_model();
-    for (column, value) in changes {
-        update.set(*column, value.clone());
-    }
-    let mut update = E::update(update).validate()?;
-    let expect = |update: sea_orm::ValidatedUpdateOne<E::ActiveModel>, column: E::Column| {
-        let read = original.get(column);
-        if read == read.as_null() {
-            update.filter(column.is_null())
-        } else {
-            update.filter(column.eq(read))
-        }
-    };
-    match guard {
-        Guard::Unguarded => {}
-        Guard::Columns => {
-            for (column, _) in changes {
-                update = expect(update, *column);
-            }
-        }
-        Guard::Version(name) => {
-            if let Some(column) = column_named::<E>(name) {
-                update = expect(update, column);
-            }
-        }
-    }
-    match update.exec_without_returning(db).await {
-        Ok(_) => Ok(true),
-        Err(DbErr::RecordNotUpdated) => Ok(false),
-        Err(e) => Err(e),
-    }
-}
-
-/// `E`'s column called `name`.
-pub(crate) fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
-    use sea_orm::IdenStatic;
-    E::Column::iter().find(|column| column.as_str() == name)
-}
-
-/// The next value of an integer version column, as read in `original`.
-pub(crate) fn next_version<E: EntityTrait>(
-    original: &E::Model,
-    name: &'static str,
-) -> Option<(E::Column, Value)> {
-    let column = column_named::<E>(name)?;
-    let next = match original.get(column) {
-        Value::TinyInt(Some(v)) => Value::TinyInt(Some(v.wrapping_add(1))),
-        Value::SmallInt(Some(v)) => Value::SmallInt(Some(v.wrapping_add(1))),
-        Value::Int(Some(v)) => Value::Int(Some(v.wrapping_add(1))),
-        Value::BigInt(Some(v)) => Value::BigInt(Some(v.wrapping_add(1))),
-        Value::TinyUnsigned(Some(v)) => Value::TinyUnsigned(Some(v.wrapping_add(1))),
-        Value::SmallUnsigned(Some(v)) => Value::SmallUnsigned(Some(v.wrapping_add(1))),
-        Value::Unsigned(Some(v)) => Value::Unsigned(Some(v.wrapping_add(1))),
-        Value::BigUnsigned(Some(v)) => Value::BigUnsigned(Some(v.wrapping_add(1))),
-        _ => return None,
-    };
-    Some((column, next))
-}
-
-/// `original` with `changes` applied: the row as the UPDATE left it.
-pub(crate) fn with_changes<E: EntityTrait>(
-    original: &E::Model,
-    changes: Vec<(E::Column, Value)>,
-) -> std::result::Result<E::Model, DbErr> {
-    let mut model = original.clone();
-    for (column, value) in changes {
-        model.try_set(column, value)?;
-    }
-    Ok(model)
 }

@@ -109,12 +109,6 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
         })
 }
 
-/// Whether `column` is part of `E`'s primary key.
-pub(crate) fn is_primary_key<E: EntityTrait>(column: &E::Column) -> bool {
-    use sea_orm::IdenStatic;
-    E::PrimaryKey::iter().any(|pk| pk.into_column().as_str() == column.as_str())
-}
-
 #[cfg(test)]
 mod tests {
     use sea_orm::Value;

@@ -62,7 +62,14 @@ impl Session {
         let span = info_span!("locked", lock = %lock, backend = self.lock_backend().kind());
         async move {
             let _in_flight = self.section_started();
-            let taken = Locking::take(self, lock, lock.clone(), std::future::pending(), || false);
+            let taken = Locking::take(
+                self.lock_backend(),
+                self.policy(),
+                lock,
+                lock.clone(),
+                std::future::pending(),
+                || false,
+            );
             let Some(mut locking) = taken.await? else {
                 return Err(Error::Interrupted {
                     target: lock.to_string(),

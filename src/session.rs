@@ -64,6 +64,7 @@ impl Session {
             policy: LockPolicy::default(),
             capacity: None,
             versions: HashMap::new(),
+            invalid_version: None,
         }
     }
 
@@ -132,13 +133,22 @@ pub struct SessionBuilder {
     policy: LockPolicy,
     capacity: Option<usize>,
     versions: HashMap<TypeId, &'static str>,
+    /// The first declared version column that is not an integer column.
+    invalid_version: Option<(&'static str, &'static str)>,
 }
 
 impl SessionBuilder {
     /// Declares `column` (an integer column) as entity `E`'s version: every `locked_update` write
     /// then checks that it still has the value read and increments it. Without a version column
     /// the write checks the columns it changes (see [`crate::Repository::locked_update`]).
+    ///
+    /// A column that is not declared as an integer makes [`build`](Self::build) fail with
+    /// [`crate::Error::VersionColumn`].
     pub fn version_column<E: EntityTrait>(mut self, column: E::Column) -> Self {
+        if !crate::write::is_integer_column::<E>(&column) {
+            self.invalid_version
+                .get_or_insert((E::default().table_name(), column.as_str()));
+        }
         self.versions.insert(TypeId::of::<E>(), column.as_str());
         self
     }
@@ -166,9 +176,13 @@ impl SessionBuilder {
     /// Builds the session.
     ///
     /// # Errors
-    /// [`crate::Error::InvalidPolicy`] when the policy cannot work.
+    /// [`crate::Error::InvalidPolicy`] when the policy cannot work;
+    /// [`crate::Error::VersionColumn`] when a declared version column is not an integer column.
     pub fn build(self) -> Result<Session> {
         self.policy.validate()?;
+        if let Some((entity, column)) = self.invalid_version {
+            return Err(crate::Error::VersionColumn { entity, column });
+        }
         Ok(self.build_unchecked())
     }
 

@@ -1,0 +1,235 @@
+//! The write primitives every write path shares: which columns changed, what the UPDATE checks,
+//! the guarded UPDATE that returns the row as the database stores it, and sea-orm's hooks.
+//!
+//! This module sits below the repository, the locked driver and sections: it knows entities and
+//! SQL, nothing of sessions, caches or locks.
+
+use sea_orm::{
+    ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
+    DbErr, EntityTrait, IdenStatic, IntoActiveModel, Iterable, ModelTrait, QueryFilter, SqlErr,
+    Value, sea_query::ValueTuple,
+};
+
+use crate::row::select_by_key;
+
+/// A column and a value: set by a write, or expected by its guard.
+pub(crate) type ColumnValue<E> = (<E as EntityTrait>::Column, Value);
+
+/// The columns `Set` in `draft` to a value other than `original`'s, taken out of `draft`.
+pub(crate) fn changed_columns<E: EntityTrait>(
+    original: &E::Model,
+    draft: &mut E::ActiveModel,
+) -> Vec<ColumnValue<E>>
+where
+    E::ActiveModel: ActiveModelTrait<Entity = E>,
+{
+    E::Column::iter()
+        .filter_map(|column| match draft.take(column) {
+            ActiveValue::Set(value) if value != original.get(column) => Some((column, value)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether `draft` sets any column to a value other than `original`'s (nothing is taken out).
+pub(crate) fn has_changes<E: EntityTrait>(original: &E::Model, draft: &E::ActiveModel) -> bool
+where
+    E::ActiveModel: ActiveModelTrait<Entity = E>,
+{
+    E::Column::iter().any(|column| match draft.get(column) {
+        ActiveValue::Set(value) => value != original.get(column),
+        _ => false,
+    })
+}
+
+/// The columns `Set` in `draft`, with their values (the draft is left as it is).
+pub(crate) fn set_columns<E: EntityTrait>(draft: &E::ActiveModel) -> Vec<ColumnValue<E>>
+where
+    E::ActiveModel: ActiveModelTrait<Entity = E>,
+{
+    E::Column::iter()
+        .filter_map(|column| match draft.get(column) {
+            ActiveValue::Set(value) => Some((column, value)),
+            _ => None,
+        })
+        .collect()
+}
+
+/// `E`'s column called `name`.
+pub(crate) fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
+    E::Column::iter().find(|column| column.as_str() == name)
+}
+
+/// Whether `column` is part of `E`'s primary key.
+pub(crate) fn is_primary_key<E: EntityTrait>(column: &E::Column) -> bool {
+    use sea_orm::PrimaryKeyToColumn;
+    E::PrimaryKey::iter().any(|pk| pk.into_column().as_str() == column.as_str())
+}
+
+/// Whether `column` of `E` is declared as an integer column (what a version column must be).
+pub(crate) fn is_integer_column<E: EntityTrait>(column: &E::Column) -> bool {
+    matches!(
+        column.def().get_column_type(),
+        ColumnType::TinyInteger
+            | ColumnType::SmallInteger
+            | ColumnType::Integer
+            | ColumnType::BigInteger
+            | ColumnType::TinyUnsigned
+            | ColumnType::SmallUnsigned
+            | ColumnType::Unsigned
+            | ColumnType::BigUnsigned
+    )
+}
+
+/// The value after `value` of an integer version column; `None` for NULL or a non-integer.
+pub(crate) fn next_version(value: &Value) -> Option<Value> {
+    Some(match value {
+        Value::TinyInt(Some(v)) => Value::TinyInt(Some(v.wrapping_add(1))),
+        Value::SmallInt(Some(v)) => Value::SmallInt(Some(v.wrapping_add(1))),
+        Value::Int(Some(v)) => Value::Int(Some(v.wrapping_add(1))),
+        Value::BigInt(Some(v)) => Value::BigInt(Some(v.wrapping_add(1))),
+        Value::TinyUnsigned(Some(v)) => Value::TinyUnsigned(Some(v.wrapping_add(1))),
+        Value::SmallUnsigned(Some(v)) => Value::SmallUnsigned(Some(v.wrapping_add(1))),
+        Value::Unsigned(Some(v)) => Value::Unsigned(Some(v.wrapping_add(1))),
+        Value::BigUnsigned(Some(v)) => Value::BigUnsigned(Some(v.wrapping_add(1))),
+        _ => return None,
+    })
+}
+
+/// `column = value`, or `column IS NULL` for a NULL value.
+fn holds<E: EntityTrait>(column: E::Column, value: &Value) -> sea_orm::Condition {
+    let condition = if *value == value.as_null() {
+        column.is_null()
+    } else {
+        column.eq(value.clone())
+    };
+    sea_orm::Condition::all().add(condition)
+}
+
+/// `UPDATE … SET <changes> WHERE pk = <original's pk> AND <each expected column holds its value>`, one
+/// statement, returning the row as the database stored it (`RETURNING` on PostgreSQL and SQLite;
+/// on MySQL/MariaDB a read by primary key after the UPDATE, which is only the same row when `db`
+/// is a transaction). `None` when no row matched: the row is gone, or the guard refused.
+pub(crate) async fn update_returning<E, C>(
+    db: &C,
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+) -> Result<Option<E::Model>, DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    C: ConnectionTrait,
+{
+    let mut update = original.clone().into_active_model();
+    for (column, value) in changes {
+        update.set(*column, value.clone());
+    }
+    let mut update = E::update(update).validate()?;
+    for (column, value) in expected {
+        update = update.filter(holds::<E>(*column, value));
+    }
+    match update.exec(db).await {
+        Ok(model) => Ok(Some(model)),
+        Err(DbErr::RecordNotUpdated) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// The row with primary key `pk`, if it still holds every expected value: the check of a write
+/// that has nothing to change.
+pub(crate) async fn select_holding<E, C>(
+    db: &C,
+    pk: &ValueTuple,
+    expected: &[ColumnValue<E>],
+) -> Result<Option<E::Model>, DbErr>
+where
+    E: EntityTrait,
+    C: ConnectionTrait,
+{
+    let mut select = select_by_key::<E>(pk);
+    for (column, value) in expected {
+        select = select.filter(holds::<E>(*column, value));
+    }
+    select.one(db).await
+}
+
+/// `DELETE … WHERE pk = <pk> AND <expected>`; whether a row was deleted.
+pub(crate) async fn delete_holding<E, C>(
+    db: &C,
+    pk: &ValueTuple,
+    expected: &[ColumnValue<E>],
+) -> Result<bool, DbErr>
+where
+    E: EntityTrait,
+    C: ConnectionTrait,
+{
+    use sea_orm::PrimaryKeyToColumn;
+    let mut delete = E::delete_many();
+    for (column, value) in E::PrimaryKey::iter().zip(pk.iter()) {
+        delete = delete.filter(holds::<E>(column.into_column(), value));
+    }
+    for (column, value) in expected {
+        delete = delete.filter(holds::<E>(*column, value));
+    }
+    Ok(delete.exec(db).await?.rows_affected > 0)
+}
+
+/// Whether `err` is a unique-key violation (a concurrent creator won).
+pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
+    matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))
+}
+
+/// sea-orm's `before_save` hook, as `ActiveModel::insert` / `update` run it.
+pub(crate) async fn before_save<E, C>(
+    draft: E::ActiveModel,
+    db: &C,
+    insert: bool,
+) -> Result<E::ActiveModel, DbErr>
+where
+    E: EntityTrait,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    ActiveModelBehavior::before_save(draft, db, insert).await
+}
+
+/// sea-orm's `after_save` hook.
+pub(crate) async fn after_save<E, C>(
+    model: E::Model,
+    db: &C,
+    insert: bool,
+) -> Result<E::Model, DbErr>
+where
+    E: EntityTrait,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    <E::ActiveModel as ActiveModelBehavior>::after_save(model, db, insert).await
+}
+
+/// sea-orm's `before_delete` hook.
+pub(crate) async fn before_delete<E, C>(
+    draft: E::ActiveModel,
+    db: &C,
+) -> Result<E::ActiveModel, DbErr>
+where
+    E: EntityTrait,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    ActiveModelBehavior::before_delete(draft, db).await
+}
+
+/// sea-orm's `after_delete` hook.
+pub(crate) async fn after_delete<E, C>(
+    draft: E::ActiveModel,
+    db: &C,
+) -> Result<E::ActiveModel, DbErr>
+where
+    E: EntityTrait,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    ActiveModelBehavior::after_delete(draft, db).await
+}
