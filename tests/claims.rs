@@ -17,6 +17,37 @@ fn key(s: &str) -> LockName {
 }
 
 #[tokio::test]
+async fn a_claim_without_a_lease_is_refused_and_writes_nothing() {
+    let db = memory_db().await;
+    let claims = Claims::new(db.clone());
+    for lease in [Duration::ZERO, Duration::from_micros(999)] {
+        assert!(matches!(
+            claims.claim(&key("spam:0"), lease).await,
+            Err(freshlock::Error::InvalidLease { .. })
+        ));
+    }
+    let rows = db
+        .query_one_raw(sea_orm::Statement::from_string(
+            db.get_database_backend(),
+            "SELECT COUNT(*) AS n FROM freshlock_claim",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get::<i64>("", "n")
+        .unwrap();
+    assert_eq!(rows, 0);
+    // The shortest real lease still works.
+    assert!(matches!(
+        claims
+            .claim(&key("spam:0"), Duration::from_millis(1))
+            .await
+            .unwrap(),
+        ClaimOutcome::Claimed(_)
+    ));
+}
+
+#[tokio::test]
 async fn claim_is_idempotent_and_finish_is_once() {
     let db = memory_db().await;
     let claims = Claims::new(db.clone()).with_label("worker-1");

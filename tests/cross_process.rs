@@ -23,7 +23,7 @@ use freshlock::{
     LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, OnLockFailure, Session,
     UpdateOutcome,
 };
-use sea_orm::Set;
+use sea_orm::{ConnectionTrait, Set};
 use servers::TestDb;
 
 const ENV_MODE: &str = "FRESHLOCK_WORKER_MODE";
@@ -130,6 +130,25 @@ async fn worker(mode: String) {
             wait_for_go().await;
             let finished = claims.finish(&claim).await.unwrap();
             say(&format!("finish={finished:?}"));
+        }
+        "get_or_insert" => {
+            let session = Session::builder(db)
+                .lock(backend)
+                .policy(policy)
+                .build()
+                .unwrap();
+            say("ready");
+            wait_for_go().await;
+            let title = format!("by process {}", std::process::id());
+            let (row, created) = session
+                .repository::<node::Entity>()
+                .get_or_insert(7, || node::ActiveModel {
+                    title: Set(title.clone()),
+                    ..node::ActiveModel::fresh(7)
+                })
+                .await
+                .unwrap();
+            say(&format!("created={created};title={}", row.title));
         }
         other => panic!("unknown mode {other}"),
     }
@@ -285,6 +304,47 @@ async fn four_processes_increment(db: Option<TestDb>, lock: LockKind) {
     assert_eq!(db.score(1).await, Some(800), "{lock} lost increments");
 }
 
+/// Four processes ask for the same missing row at once: exactly one creates it, and all four
+/// get the creator's row.
+async fn four_processes_get_or_insert(db: Option<TestDb>, lock: LockKind) {
+    let Some(db) = db else { return };
+    if lock == LockKind::Redis && servers::url(servers::REDIS).is_none() {
+        return;
+    }
+    let mut ready = Vec::new();
+    for _ in 0..4 {
+        let worker = Worker::spawn("get_or_insert", &db, lock, Duration::from_secs(30), 0);
+        let (worker, said) = line(worker).await;
+        assert_eq!(said, "ready");
+        ready.push(worker);
+    }
+    for worker in &mut ready {
+        writeln!(worker.child.stdin.as_mut().unwrap(), "go").unwrap();
+    }
+    let mut answers = Vec::new();
+    for worker in ready {
+        let (worker, said) = line(worker).await;
+        answers.push(said);
+        worker.finish();
+    }
+    let stored = db.db.query_one_raw(sea_orm::Statement::from_string(
+        db.db.get_database_backend(),
+        "SELECT title FROM node WHERE id = 7",
+    ));
+    let stored: String = stored.await.unwrap().unwrap().try_get("", "title").unwrap();
+    let created = answers
+        .iter()
+        .filter(|a| a.starts_with("created=true"))
+        .count();
+    assert_eq!(created, 1, "{lock}: exactly one creator: {answers:?}");
+    for answer in &answers {
+        assert!(
+            answer.ends_with(&format!(";title={stored}")),
+            "{answer} vs {stored}"
+        );
+    }
+}
+
 async fn killed_holder_frees_the_lock(db: Option<TestDb>, lock: LockKind) {
     let Some(db) = db else { return };
     let redis = servers::url(servers::REDIS);
@@ -420,6 +480,17 @@ use servers::databases;
 
 servers::server_tests! {
     increments_table_sqlite: four_processes_increment, LockKind::Table, sqlite;
+    get_or_insert_table_sqlite: four_processes_get_or_insert, LockKind::Table, sqlite;
+    get_or_insert_row_sqlite: four_processes_get_or_insert, LockKind::Row, sqlite;
+    get_or_insert_local_sqlite: four_processes_get_or_insert, LockKind::Local, sqlite;
+    get_or_insert_table_postgres: four_processes_get_or_insert, LockKind::Table, postgres;
+    get_or_insert_row_postgres: four_processes_get_or_insert, LockKind::Row, postgres;
+    get_or_insert_pg_advisory_postgres: four_processes_get_or_insert, LockKind::PgAdvisory, postgres;
+    get_or_insert_local_postgres: four_processes_get_or_insert, LockKind::Local, postgres;
+    get_or_insert_table_mysql: four_processes_get_or_insert, LockKind::Table, mysql;
+    get_or_insert_row_mysql: four_processes_get_or_insert, LockKind::Row, mysql;
+    get_or_insert_mysql_named_mysql: four_processes_get_or_insert, LockKind::MySqlNamed, mysql;
+    get_or_insert_local_mysql: four_processes_get_or_insert, LockKind::Local, mysql;
     increments_row_sqlite: four_processes_increment, LockKind::Row, sqlite;
     increments_table_postgres: four_processes_increment, LockKind::Table, postgres;
     increments_row_postgres: four_processes_increment, LockKind::Row, postgres;
@@ -442,6 +513,7 @@ servers::server_tests! {
 #[cfg(feature = "redis")]
 servers::server_tests! {
     increments_redis_postgres: four_processes_increment, LockKind::Redis, postgres;
+    get_or_insert_redis_postgres: four_processes_get_or_insert, LockKind::Redis, postgres;
     increments_redis_mysql: four_processes_increment, LockKind::Redis, mysql;
     killed_redis_postgres: killed_holder_frees_the_lock, LockKind::Redis, postgres;
     stopped_redis_postgres: stopped_holder_is_fenced, LockKind::Redis, postgres;
