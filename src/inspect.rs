@@ -43,8 +43,16 @@ fn read(row: &sea_orm::QueryResult) -> std::result::Result<HeldLock, DbErr> {
         acquired_at_ms: row.try_get("", "acquired_at")?,
         expires_at_ms: row.try_get("", "expires_at")?,
         fence: row.try_get("", "fence")?,
-        expired: row.try_get::<i64>("", "expired")? != 0,
+        expired: flag(row, "expired")?,
     })
+}
+
+/// A `CASE … THEN 1 ELSE 0 END` column: INT4 on PostgreSQL, BIGINT on MySQL/MariaDB, INTEGER
+/// on SQLite.
+fn flag(row: &sea_orm::QueryResult, column: &str) -> std::result::Result<bool, DbErr> {
+    row.try_get::<i64>("", column)
+        .or_else(|_| row.try_get::<i32>("", column).map(i64::from))
+        .map(|value| value != 0)
 }
 
 /// The leases held in `db`, oldest first; with `expired_only`, just those that have run out.

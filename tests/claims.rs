@@ -188,7 +188,26 @@ async fn finish_with_commits_the_users_change_with_the_claim() {
 
 #[tokio::test]
 async fn the_inspector_lists_and_clears_only_expired_leases() {
-    let db = memory_db().await;
+    inspector_lists_and_clears_only_expired_leases(memory_db().await).await;
+}
+
+async fn inspector_on(db: Option<servers::TestDb>, _: ()) {
+    if let Some(db) = db {
+        inspector_lists_and_clears_only_expired_leases(db.db).await;
+    }
+}
+
+use servers::databases;
+
+servers::server_tests! {
+    inspector_sqlite_file: inspector_on, (), sqlite;
+    inspector_postgres: inspector_on, (), postgres;
+    inspector_mysql: inspector_on, (), mysql;
+}
+
+/// A live and an expired lease (the holder died): both listed, only the expired one listed by
+/// `expired_only` and cleared, the live one still its holder's.
+async fn inspector_lists_and_clears_only_expired_leases(db: sea_orm::DatabaseConnection) {
     let live_lock = TableLock::new(db.clone()).with_label("live worker");
     let live = live_lock
         .acquire(&key("ham:1"), Duration::ZERO, Duration::from_secs(3600))
@@ -203,7 +222,12 @@ async fn the_inspector_lists_and_clears_only_expired_leases() {
         .unwrap();
     std::mem::forget(stale); // the holder died: no release, not even the background one
     // Wait (database clock) until the short lease has run out.
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while inspect::held_locks(&db, true).await.unwrap().is_empty() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the 1 ms lease never expired"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
 

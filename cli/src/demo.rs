@@ -59,9 +59,19 @@ fn set_field(n: &mut node::ActiveModel, field: &str, id: i32) {
     }
 }
 
-async fn connect(url: &str) -> Result<DatabaseConnection, Box<dyn std::error::Error>> {
+async fn connect(
+    url: &str,
+    schema: Option<&str>,
+) -> Result<DatabaseConnection, Box<dyn std::error::Error>> {
     let mut options = ConnectOptions::new(url);
-    options.max_connections(16).sqlx_logging(false);
+    options
+        .max_connections(16)
+        .connect_timeout(Duration::from_secs(5))
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = schema {
+        options.set_schema_search_path(schema);
+    }
     if url.starts_with("sqlite:") {
         let file = url
             .trim_start_matches("sqlite://")
@@ -79,6 +89,109 @@ async fn connect(url: &str) -> Result<DatabaseConnection, Box<dyn std::error::Er
     let db = Database::connect(options).await?;
     Migrator::up(&db, None).await?;
     Ok(db)
+}
+
+/// Where the demo runs: a place of its own that it creates and removes, so it never reads or
+/// writes an application's tables (`node`, `freshlock_claim`, …) even on the application's server.
+struct Space {
+    /// The demo's URL (for backends that open their own connections).
+    url: String,
+    db: DatabaseConnection,
+    /// What to remove afterwards.
+    made: Made,
+}
+
+enum Made {
+    /// A temporary SQLite file's directory.
+    Dir(std::path::PathBuf),
+    /// A PostgreSQL schema of its own (the demo's connections have it as their search path).
+    Schema(DatabaseConnection, String),
+    /// A MySQL/MariaDB database of its own.
+    Database(DatabaseConnection, String),
+}
+
+impl Space {
+    /// A fresh space on the server at `url`; a temporary SQLite file without one (or for a
+    /// SQLite URL: an application's SQLite file is never written).
+    async fn create(url: Option<&str>) -> Result<Self, Box<dyn std::error::Error>> {
+        let name = format!(
+            "freshlock_demo_{}_{}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.subsec_micros())
+        );
+        let server = url.filter(|url| !url.starts_with("sqlite:"));
+        let Some(server) = server else {
+            let dir = std::env::temp_dir().join(&name);
+            std::fs::create_dir_all(&dir)?;
+            let url = format!("sqlite://{}", dir.join("demo.db").display());
+            let db = connect(&url, None).await?;
+            return Ok(Self {
+                url,
+                db,
+                made: Made::Dir(dir),
+            });
+        };
+        let mut admin = ConnectOptions::new(server);
+        admin
+            .max_connections(1)
+            .connect_timeout(Duration::from_secs(5))
+            .acquire_timeout(Duration::from_secs(10))
+            .sqlx_logging(false);
+        let admin = Database::connect(admin).await?;
+        match admin.get_database_backend() {
+            DbBackend::Postgres => {
+                admin
+                    .execute_unprepared(&format!("CREATE SCHEMA \"{name}\""))
+                    .await?;
+                let db = connect(server, Some(&name)).await?;
+                Ok(Self {
+                    url: server.to_owned(),
+                    db,
+                    made: Made::Schema(admin, name),
+                })
+            }
+            _ => {
+                admin
+                    .execute_unprepared(&format!(
+                        "CREATE DATABASE `{name}` CHARACTER SET utf8mb4 COLLATE utf8mb4_bin"
+                    ))
+                    .await?;
+                let (root, query) = match server.split_once('?') {
+                    Some((root, query)) => (root, format!("?{query}")),
+                    None => (server, String::new()),
+                };
+                let base = root.rsplit_once('/').map_or(root, |(base, _)| base);
+                let url = format!("{base}/{name}{query}");
+                let db = connect(&url, None).await?;
+                Ok(Self {
+                    url,
+                    db,
+                    made: Made::Database(admin, name),
+                })
+            }
+        }
+    }
+
+    /// Removes what [`create`](Self::create) made.
+    async fn remove(self) -> Result<(), Box<dyn std::error::Error>> {
+        self.db.close().await?;
+        match self.made {
+            Made::Dir(dir) => std::fs::remove_dir_all(dir)?,
+            Made::Schema(admin, name) => {
+                admin
+                    .execute_unprepared(&format!("DROP SCHEMA \"{name}\" CASCADE"))
+                    .await?;
+            }
+            Made::Database(admin, name) => {
+                admin
+                    .execute_unprepared(&format!("DROP DATABASE `{name}`"))
+                    .await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 fn bar(progress: &MultiProgress, len: u64, label: &str) -> ProgressBar {
@@ -429,27 +542,24 @@ async fn django(
 
 /// Runs both scenarios; returns whether freshlock lost nothing and processed nothing twice.
 pub async fn run(options: Options) -> Result<bool, Box<dyn std::error::Error>> {
-    let (url, temp) = match &options.database_url {
-        Some(url) => (url.clone(), None),
-        None => {
-            let dir = std::env::temp_dir().join(format!("freshlock-demo-{}", std::process::id()));
-            std::fs::create_dir_all(&dir)?;
-            (
-                format!("sqlite://{}", dir.join("demo.db").display()),
-                Some(dir),
-            )
-        }
-    };
-    let db = connect(&url).await?;
-    let kind = db.get_database_backend();
-    let database = match kind {
+    let space = Space::create(options.database_url.as_deref()).await?;
+    let result = scenarios(&space, &options).await;
+    let removed = space.remove().await;
+    let ok = result?;
+    removed?;
+    Ok(ok)
+}
+
+async fn scenarios(space: &Space, options: &Options) -> Result<bool, Box<dyn std::error::Error>> {
+    let db = &space.db;
+    let database = match db.get_database_backend() {
         DbBackend::Postgres => "postgres",
         DbBackend::MySql => "mysql",
         _ => "sqlite",
     };
     let lock = options
         .lock
-        .connect(&db, &url, options.redis_url.as_deref())
+        .connect(db, &space.url, options.redis_url.as_deref())
         .await?;
     let progress = if options.json {
         MultiProgress::with_draw_target(indicatif::ProgressDrawTarget::hidden())
@@ -459,12 +569,12 @@ pub async fn run(options: Options) -> Result<bool, Box<dyn std::error::Error>> {
 
     let mut drupal_rows = Vec::new();
     for strategy in [Drupal::Naive, Drupal::StaleReload, Drupal::Freshlock] {
-        drupal_rows.push(drupal(&db, &lock, &options, strategy, &progress).await?);
+        drupal_rows.push(drupal(db, &lock, options, strategy, &progress).await?);
     }
     let mut django_rows = Vec::new();
     let mut twice = 0;
     for strategy in [Django::ParentRowLock, Django::LockRow] {
-        let (row, dup) = django(&db, &options, strategy, &progress).await?;
+        let (row, dup) = django(db, options, strategy, &progress).await?;
         if strategy == Django::LockRow {
             twice = dup;
         }
@@ -486,10 +596,6 @@ pub async fn run(options: Options) -> Result<bool, Box<dyn std::error::Error>> {
         println!("{report}");
     } else {
         print_table(&report, database);
-    }
-    db.close().await?;
-    if let Some(dir) = temp {
-        let _ = std::fs::remove_dir_all(dir);
     }
     Ok(fresh_lost == 0 && twice == 0)
 }

@@ -10,11 +10,11 @@
 //! the database clock; `release --stale` re-checks it in the clearing statement, so a live lease
 //! is never cleared.
 
-use std::process::ExitCode;
+use std::{process::ExitCode, time::Duration};
 
 mod demo;
 
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, parser::ValueSource};
 use freshlock::inspect::{self, HeldLock};
 use sea_orm::{ConnectOptions, Database};
 
@@ -25,7 +25,9 @@ use sea_orm::{ConnectOptions, Database};
     about = "Inspect and clear freshlock's leases"
 )]
 struct Cli {
-    /// The database holding `freshlock_lock` (SQLite, PostgreSQL or MySQL/MariaDB URL).
+    /// The database holding `freshlock_lock` (SQLite, PostgreSQL or MySQL/MariaDB URL). For
+    /// `locks` and `release` it may come from `DATABASE_URL`; the demo never reads that variable
+    /// and never touches the database's own tables (it works in a schema or database of its own).
     #[arg(long, env = "DATABASE_URL", global = true)]
     database_url: Option<String>,
     /// Print JSON instead of a table.
@@ -101,7 +103,7 @@ fn parse_range(s: &str) -> Result<(u64, u64), String> {
     Ok((low, high))
 }
 
-async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
+async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Error>> {
     if let Command::Demo {
         lock,
         redis_url,
@@ -114,8 +116,23 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         if nodes < 1 || workers < 1 {
             return Err("--nodes and --workers must be at least 1".into());
         }
+        if lock == freshlock::LockKind::Redis && !cfg!(feature = "redis") {
+            return Err("this freshlock was built without Redis support: \
+                        cargo install --path cli --features redis"
+                .into());
+        }
+        // An application's DATABASE_URL is not an invitation to run a demo in its database.
+        let database_url = if url_from_env {
+            eprintln!(
+                "freshlock: the demo ignores DATABASE_URL; pass --database-url to run it on a \
+                 server (in a schema or database of its own)"
+            );
+            None
+        } else {
+            cli.database_url
+        };
         let options = demo::Options {
-            database_url: cli.database_url,
+            database_url,
             lock,
             redis_url,
             nodes,
@@ -132,9 +149,7 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     let url = cli
         .database_url
         .ok_or("no database: pass --database-url or set DATABASE_URL")?;
-    let mut options = ConnectOptions::new(url);
-    options.max_connections(1).sqlx_logging(false);
-    let db = Database::connect(options).await?;
+    let db = connect(&url).await?;
     match cli.command {
         Command::Locks { expired } => {
             let locks = inspect::held_locks(&db, expired).await?;
@@ -174,8 +189,66 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
     Ok(())
 }
 
+/// Connects to `url`. A pool that cannot connect only says "pool timed out" (after its acquire
+/// timeout): one direct connection first gives the real cause (refused, unknown host, bad
+/// password) at once.
+async fn connect(url: &str) -> Result<sea_orm::DatabaseConnection, Box<dyn std::error::Error>> {
+    use sea_orm::sqlx::Connection;
+    let probe = async {
+        #[cfg(feature = "postgres")]
+        if url.starts_with("postgres") {
+            return sea_orm::sqlx::PgConnection::connect(url).await.map(drop);
+        }
+        #[cfg(feature = "mysql")]
+        if url.starts_with("mysql") || url.starts_with("mariadb") {
+            return sea_orm::sqlx::MySqlConnection::connect(url).await.map(drop);
+        }
+        Ok(())
+    };
+    match tokio::time::timeout(Duration::from_secs(5), probe).await {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => return Err(format!("cannot connect to the database: {e}").into()),
+        Err(_) => return Err("cannot connect to the database: no answer within 5 s".into()),
+    }
+    let mut options = ConnectOptions::new(url);
+    options
+        .max_connections(1)
+        .connect_timeout(Duration::from_secs(5))
+        .acquire_timeout(Duration::from_secs(10))
+        .sqlx_logging(false);
+    Ok(Database::connect(options).await?)
+}
+
+/// The error and every cause below it, one per line, with a hint where one helps.
+fn report(error: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = format!("freshlock: {error}");
+    let mut missing_table = false;
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(&format!("\n  caused by: {cause}"));
+        let said = cause.to_string();
+        missing_table |= said.contains("no such table")
+            || (said.contains("relation") && said.contains("does not exist"))
+            || said.contains("doesn't exist");
+        source = cause.source();
+    }
+    if missing_table {
+        text.push_str(
+            "\n  hint: freshlock's tables are missing here: run its migrations \
+             (freshlock::schema::migrations(), part of your Migrator), or point --database-url \
+             at the application's database",
+        );
+    }
+    text
+}
+
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let url_from_env = matches.value_source("database_url") == Some(ValueSource::EnvVariable);
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -186,10 +259,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(run(cli)) {
+    match runtime.block_on(run(cli, url_from_env)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("freshlock: {e}");
+            eprintln!("{}", report(e.as_ref()));
             ExitCode::FAILURE
         }
     }

@@ -1,9 +1,9 @@
 //! Fence counters in `freshlock_lock` for lease backends whose server issues none (MySQL
 //! `GET_LOCK`, Redis): bumped on every grant, checked in the transaction of the write.
 
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, TransactionTrait,
-};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
+#[cfg(feature = "redis")]
+use sea_orm::{DatabaseConnection, TransactionTrait};
 
 use super::sql::{lock_error, statement};
 use crate::{error::LockError, schema::LOCK_TABLE};
