@@ -193,6 +193,7 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
 /// timeout): one direct connection first gives the real cause (refused, unknown host, bad
 /// password) at once.
 async fn connect(url: &str) -> Result<sea_orm::DatabaseConnection, Box<dyn std::error::Error>> {
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
     use sea_orm::sqlx::Connection;
     let probe = async {
         #[cfg(feature = "postgres")]
@@ -203,7 +204,8 @@ async fn connect(url: &str) -> Result<sea_orm::DatabaseConnection, Box<dyn std::
         if url.starts_with("mysql") || url.starts_with("mariadb") {
             return sea_orm::sqlx::MySqlConnection::connect(url).await.map(drop);
         }
-        Ok(())
+        let _ = url;
+        Ok::<(), sea_orm::sqlx::Error>(())
     };
     match tokio::time::timeout(Duration::from_secs(5), probe).await {
         Ok(Ok(())) => {}
