@@ -139,3 +139,27 @@ servers::server_tests! {
 servers::server_tests! {
     redis_postgres: delete_races_updates, LockKind::Redis, postgres;
 }
+
+#[tokio::test]
+async fn a_lost_lease_deletes_nothing() {
+    let db = common::memory_db().await;
+    common::seed_nodes(&db, 1).await;
+    let lock = common::FakeLock::new();
+    lock.lose_lease(true);
+    let session = Session::builder(db.clone())
+        .lock(Arc::new(lock.clone()))
+        .build()
+        .unwrap();
+    let nodes = session.repository::<node::Entity>();
+    let report = nodes.locked_delete(1).await.unwrap();
+    assert!(matches!(report.outcome, DeleteOutcome::LeaseLost));
+    assert!(report.lock.held);
+    assert!(
+        node::Entity::find_by_id(1)
+            .one(&db)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    assert_eq!(lock.releases(), 1, "released after the rollback");
+}

@@ -3,15 +3,16 @@
 //! file, PostgreSQL and MariaDB — and `DATABASE_URL` alone never sends the demo there. CLI errors
 //! print their causes.
 
+mod common;
+
 use std::{process::Command, time::Duration};
+
+use common::{connect, fresh_database, unique};
 
 use entity::node;
 use freshlock::{ClaimOutcome, Claims, LockName};
 use migration::{Migrator, MigratorTrait};
-use sea_orm::{
-    ConnectOptions, ConnectionTrait, Database, DatabaseConnection, EntityTrait, PaginatorTrait,
-    Statement,
-};
+use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, PaginatorTrait, Statement};
 
 fn freshlock(args: &[&str], env_url: Option<&str>) -> std::process::Output {
     let mut command = Command::new(env!("CARGO_BIN_EXE_freshlock"));
@@ -20,12 +21,6 @@ fn freshlock(args: &[&str], env_url: Option<&str>) -> std::process::Output {
         command.env("DATABASE_URL", url);
     }
     command.output().expect("run freshlock")
-}
-
-async fn connect(url: &str) -> DatabaseConnection {
-    let mut options = ConnectOptions::new(url);
-    options.max_connections(2).sqlx_logging(false);
-    Database::connect(options).await.expect("connect")
 }
 
 /// The application's state: three claims (one finished) and three nodes.
@@ -113,43 +108,6 @@ async fn application_survives(url: &str) {
     assert_eq!(node::Entity::find().count(&db).await.unwrap(), 3);
 }
 
-fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("fl_{tag}_{}_{nanos:x}", std::process::id())
-}
-
-fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var_os("FRESHLOCK_REQUIRE_SERVERS").is_none(),
-                "{var} is not set, but FRESHLOCK_REQUIRE_SERVERS says this run needs it"
-            );
-            eprintln!("SKIPPED: {var} is not set; this test needs that server");
-            None
-        }
-    }
-}
-
-/// A fresh database on the server at `base` (its URL), dropped by the caller.
-async fn fresh_database(
-    base: &str,
-    quote: char,
-    charset: &str,
-) -> (DatabaseConnection, String, String) {
-    let admin = connect(base).await;
-    let name = unique("demoapp");
-    admin
-        .execute_unprepared(&format!("CREATE DATABASE {quote}{name}{quote}{charset}"))
-        .await
-        .unwrap();
-    let root = base.rsplit_once('/').map_or(base, |(root, _)| root);
-    (admin, name.clone(), format!("{root}/{name}"))
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_on_a_sqlite_file_survives_the_demo() {
     let path = std::env::temp_dir().join(format!("{}.db", unique("demoapp")));
@@ -160,60 +118,39 @@ async fn an_application_on_a_sqlite_file_survives_the_demo() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_on_postgres_survives_the_demo() {
-    let Some(base) = server_url("DATABASE_URL_POSTGRES") else {
+    let Some(fresh) = fresh_database("postgres", "demoapp").await else {
         return;
     };
-    if !cfg!(feature = "postgres") {
-        panic!("DATABASE_URL_POSTGRES is set: run with --features postgres");
-    }
-    let (admin, name, url) = fresh_database(&base, '"', "").await;
-    application_survives(&url).await;
-    let leftovers = admin
-        .query_all_raw(Statement::from_string(
-            admin.get_database_backend(),
-            format!("SELECT datname FROM pg_database WHERE datname = '{name}'"),
-        ))
-        .await
-        .unwrap();
-    assert_eq!(leftovers.len(), 1);
-    let schemas = connect(&url)
+    application_survives(&fresh.url).await;
+    let schemas = connect(&fresh.url)
         .await
         .query_all_raw(Statement::from_string(
-            admin.get_database_backend(),
+            sea_orm::DbBackend::Postgres,
             "SELECT nspname FROM pg_namespace WHERE nspname LIKE 'freshlock_demo_%'",
         ))
         .await
         .unwrap();
     assert!(schemas.is_empty(), "the demo removed its schema");
-    admin
-        .execute_unprepared(&format!("DROP DATABASE \"{name}\" WITH (FORCE)"))
-        .await
-        .unwrap();
+    fresh.drop_database().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_application_on_mariadb_survives_the_demo() {
-    let Some(base) = server_url("DATABASE_URL_MYSQL") else {
+    let Some(fresh) = fresh_database("mysql", "demoapp").await else {
         return;
     };
-    if !cfg!(feature = "mysql") {
-        panic!("DATABASE_URL_MYSQL is set: run with --features mysql");
-    }
-    let (admin, name, url) = fresh_database(&base, '`', " CHARACTER SET utf8mb4").await;
-    application_survives(&url).await;
-    let leftovers = admin
+    application_survives(&fresh.url).await;
+    let leftovers = fresh
+        .admin
         .query_all_raw(Statement::from_string(
-            admin.get_database_backend(),
+            sea_orm::DbBackend::MySql,
             "SELECT schema_name FROM information_schema.schemata \
              WHERE schema_name LIKE 'freshlock\\_demo\\_%'",
         ))
         .await
         .unwrap();
     assert!(leftovers.is_empty(), "the demo removed its database");
-    admin
-        .execute_unprepared(&format!("DROP DATABASE `{name}`"))
-        .await
-        .unwrap();
+    fresh.drop_database().await;
 }
 
 #[test]

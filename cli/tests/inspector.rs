@@ -1,11 +1,12 @@
 //! The inspector command against a SQLite file: a live lease is listed with its holder and never
 //! cleared; an expired one is listed with `--expired` and cleared by `release --stale`.
 
+mod common;
+
 use std::{process::Command, time::Duration};
 
 use freshlock::{LockBackend, LockName, lock::TableLock};
 use migration::{Migrator, MigratorTrait};
-use sea_orm::{ConnectOptions, Database};
 
 fn freshlock(url: &str, args: &[&str]) -> serde_json::Value {
     let output = Command::new(env!("CARGO_BIN_EXE_freshlock"))
@@ -32,12 +33,33 @@ fn names(listing: &serde_json::Value) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lists_holders_and_clears_only_expired_leases() {
-    let path = std::env::temp_dir().join(format!("fl_cli_{}.db", std::process::id()));
-    let _ = std::fs::remove_file(&path);
+    let path = std::env::temp_dir().join(format!("{}.db", common::unique("cli")));
     let url = format!("sqlite://{}?mode=rwc", path.display());
-    let mut options = ConnectOptions::new(url.clone());
-    options.max_connections(2).sqlx_logging(false);
-    let db = Database::connect(options).await.unwrap();
+    lists_and_clears(&url).await;
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_holders_and_clears_only_expired_leases_on_postgres() {
+    if let Some(fresh) = common::fresh_database("postgres", "cli").await {
+        lists_and_clears(&fresh.url).await;
+        fresh.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lists_holders_and_clears_only_expired_leases_on_mariadb() {
+    if let Some(fresh) = common::fresh_database("mysql", "cli").await {
+        lists_and_clears(&fresh.url).await;
+        fresh.drop_database().await;
+    }
+}
+
+/// A live lease and a dead holder's expired one: `locks` lists both with their holders, `locks
+/// --expired` and `release --stale` only the expired one.
+async fn lists_and_clears(url: &str) {
+    let url = url.to_owned();
+    let db = common::connect(&url).await;
     Migrator::up(&db, None).await.unwrap();
 
     let live = TableLock::new(db.clone()).with_label("importer");
@@ -61,11 +83,16 @@ async fn lists_holders_and_clears_only_expired_leases() {
         .unwrap()
         .unwrap();
     std::mem::forget(stale);
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
     while freshlock::inspect::held_locks(&db, true)
         .await
         .unwrap()
         .is_empty()
     {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the 1 ms lease never expired"
+        );
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
 
@@ -85,5 +112,5 @@ async fn lists_holders_and_clears_only_expired_leases() {
     );
     assert_eq!(freshlock(&url, &["release", "--stale"])["released"], 0);
     held.release().await.unwrap();
-    let _ = std::fs::remove_file(&path);
+    db.close().await.unwrap();
 }
