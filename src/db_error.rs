@@ -13,8 +13,15 @@ pub(crate) enum Failure {
     Serialization,
     /// SQLite's database is busy or locked (codes 5, 6 and their extended forms).
     Busy,
-    /// The connection broke, or none could be had in time.
+    /// The connection broke: IO and protocol errors, PostgreSQL 57P01 / 57P02 (administrator or
+    /// crash shutdown), MySQL / MariaDB 1053 (server shutdown), 1927 (connection killed), 2006 /
+    /// 2013 (server gone, lost during a query). Before a `COMMIT` that is transient; while a
+    /// `COMMIT` (or an autocommit write) is in flight it leaves the outcome unknown (see
+    /// `commit.rs`).
     ConnectionLost,
+    /// No connection could be had: the pool timed out, PostgreSQL 57P03 (cannot connect now),
+    /// MySQL / MariaDB 1040 (too many connections). Nothing was sent.
+    NoConnection,
     /// A table does not exist (SQLite "no such table", PostgreSQL 42P01, MySQL 1146).
     MissingTable,
     /// Anything else.
@@ -31,6 +38,7 @@ impl Failure {
                 | Self::Serialization
                 | Self::Busy
                 | Self::ConnectionLost
+                | Self::NoConnection
         )
     }
 }
@@ -40,14 +48,14 @@ pub(crate) fn classify(err: &DbErr) -> Failure {
         DbErr::Exec(RuntimeErr::SqlxError(e))
         | DbErr::Query(RuntimeErr::SqlxError(e))
         | DbErr::Conn(RuntimeErr::SqlxError(e)) => e,
-        DbErr::ConnectionAcquire(_) => return Failure::ConnectionLost,
+        DbErr::ConnectionAcquire(_) => return Failure::NoConnection,
         _ => return Failure::Other,
     };
     let db = match sqlx.as_ref() {
-        sqlx::Error::Io(_)
-        | sqlx::Error::Protocol(_)
-        | sqlx::Error::PoolTimedOut
-        | sqlx::Error::WorkerCrashed => return Failure::ConnectionLost,
+        sqlx::Error::Io(_) | sqlx::Error::Protocol(_) | sqlx::Error::WorkerCrashed => {
+            return Failure::ConnectionLost;
+        }
+        sqlx::Error::PoolTimedOut | sqlx::Error::PoolClosed => return Failure::NoConnection,
         other => match other.as_database_error() {
             Some(db) => db,
             None => return Failure::Other,
@@ -58,6 +66,8 @@ pub(crate) fn classify(err: &DbErr) -> Failure {
         return match mysql.number() {
             1205 | 3572 => Failure::LockTimeout,
             1213 => Failure::Deadlock,
+            1053 | 1927 | 2006 | 2013 => Failure::ConnectionLost,
+            1040 => Failure::NoConnection,
             1146 => Failure::MissingTable,
             _ => Failure::Other,
         };
@@ -68,9 +78,17 @@ pub(crate) fn classify(err: &DbErr) -> Failure {
         Some("40P01") => Failure::Deadlock,
         Some("40001") => Failure::Serialization,
         Some("42P01") => Failure::MissingTable,
+        Some("57P01" | "57P02") => Failure::ConnectionLost,
+        Some("57P03") => Failure::NoConnection,
         // SQLite: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
         Some(c) if c.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 5 | 6)) => Failure::Busy,
         _ if db.message().contains("no such table") => Failure::MissingTable,
         _ => Failure::Other,
     }
+}
+
+/// Whether `err`, from a write that may have reached the database (a `COMMIT`, an autocommit
+/// statement), leaves its outcome unknown.
+pub(crate) fn in_doubt(err: &DbErr) -> bool {
+    classify(err) == Failure::ConnectionLost
 }

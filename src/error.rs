@@ -74,6 +74,18 @@ pub enum Error {
         /// Attempts made.
         attempts: u32,
     },
+    /// The connection was lost while the write's `COMMIT` was in flight, and whether it committed
+    /// could not be resolved (the database did not answer in time, or a write path without a
+    /// commit marker: `insert`, `save`). The write may or may not be in the database; it was not
+    /// run again. Read the row to find out before writing it again.
+    #[error("the commit of {target} was sent but its outcome is unknown (the connection was lost)")]
+    CommitUnknown {
+        /// The row or section being written.
+        target: String,
+        /// Why it could not be resolved.
+        #[source]
+        source: BoxError,
+    },
     /// The declared version column cannot be incremented (it is not an integer, or NULL).
     #[error("version column {column} of {entity} is not a non-null integer")]
     VersionColumn {

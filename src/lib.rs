@@ -21,6 +21,7 @@
 //! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
 //! - `inspect.rs` — the lock inspector's functions (held and expired leases, clearing stale ones).
 //! - `schema.rs` — freshlock's tables, as a migration.
+//! - `commit.rs` — commit markers: a commit whose reply was lost is resolved, never run twice.
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
 //! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
@@ -32,6 +33,7 @@
 )]
 
 pub mod claim;
+mod commit;
 mod db_error;
 mod error;
 mod identity_map;

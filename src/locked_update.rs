@@ -407,7 +407,7 @@ where
             Ok(reported) => reported,
             Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
         };
-        finish(txn, true, &self.row).await?;
+        self.commit(txn).await?;
         self.cache(stored);
         debug!(row = %self.row.name, "updated");
         Ok(Step::Done(Written::Updated(Arc::new(reported))))
@@ -437,7 +437,7 @@ where
             Ok(reported) => reported,
             Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
         };
-        finish(txn, true, &self.row).await?;
+        self.commit(txn).await?;
         self.cache(stored);
         debug!(row = %self.row.name, "inserted");
         Ok(Step::Done(Written::Inserted(Arc::new(reported))))
@@ -478,7 +478,7 @@ where
         if let Err(e) = write::after_delete::<E, _>(draft, &txn).await {
             return Err(self.rolled_back(txn, "running after_delete for", e).await);
         }
-        finish(txn, true, &self.row).await?;
+        self.commit(txn).await?;
         self.session.map().remove(&self.row.key);
         debug!(row = %self.row.name, "deleted");
         Ok(Step::Done(Written::Deleted(Arc::new(original))))
@@ -506,6 +506,18 @@ where
                 source,
             }),
         }
+    }
+
+    /// Commits a write, with a commit marker when the session writes them: a lost reply is
+    /// resolved, never run twice blindly.
+    async fn commit(&self, txn: DatabaseTransaction) -> Result<()> {
+        crate::commit::commit_write(
+            txn,
+            self.session.commit_markers(),
+            self.session.connection(),
+            self.row.name.as_str(),
+        )
+        .await
     }
 
     /// Caches `model` as this row's committed state.

@@ -10,7 +10,7 @@ use sea_orm::{
 };
 
 use crate::{
-    LockName,
+    LockName, commit,
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
     locked_update::{self, Decision, Written},
@@ -266,7 +266,7 @@ where
                 Ok(saved) => {
                     txn.commit()
                         .await
-                        .map_err(|e| database("committing", &row, e))?;
+                        .map_err(|e| commit::write_error("committing", row.name.as_str(), e))?;
                     Ok(saved)
                 }
                 Err(error) => {
@@ -602,7 +602,8 @@ where
     } else {
         write::update_returning::<E, _>(db, snapshot, &changes, &expected)
             .await
-            .map_err(fail("saving"))?
+            // In autocommit the UPDATE is its own commit: a lost connection leaves it in doubt.
+            .map_err(|e| commit::write_error("saving", row.name.as_str(), e))?
     };
     match stored {
         Some(stored) if changes.is_empty() => Ok(Saved::Holds(stored)),

@@ -6,7 +6,7 @@ use sea_orm::DatabaseTransaction;
 use tracing::{Instrument, info_span, warn};
 
 use crate::{
-    error::{ApplyError, Error, Result, database},
+    error::{ApplyError, Error, Result},
     lock::LockName,
     locking::Locking,
     outcome::LockReport,
@@ -125,9 +125,13 @@ impl Session {
                 }
             }
         }
-        txn.commit()
-            .await
-            .map_err(|e| database("committing", lock, e))?;
+        crate::commit::commit_write(
+            txn,
+            session.commit_markers(),
+            session.connection(),
+            lock.as_str(),
+        )
+        .await?;
         Ok(SectionOutcome::Committed(value))
     }
 }

@@ -37,6 +37,7 @@ struct Inner {
     lock: Arc<dyn LockBackend>,
     policy: LockPolicy,
     versions: HashMap<TypeId, &'static str>,
+    commit_markers: bool,
     in_flight: AtomicUsize,
 }
 
@@ -65,6 +66,7 @@ impl Session {
             capacity: None,
             versions: HashMap::new(),
             invalid_version: None,
+            commit_markers: None,
         }
     }
 
@@ -115,6 +117,11 @@ impl Session {
         self.inner.versions.get(&entity).copied()
     }
 
+    /// Whether locked writes write a commit marker (see [`SessionBuilder::commit_markers`]).
+    pub(crate) fn commit_markers(&self) -> bool {
+        self.inner.commit_markers
+    }
+
     pub(crate) fn map(&self) -> &IdentityMap {
         &self.inner.map
     }
@@ -135,6 +142,7 @@ pub struct SessionBuilder {
     versions: HashMap<TypeId, &'static str>,
     /// The first declared version column that is not an integer column.
     invalid_version: Option<(&'static str, &'static str)>,
+    commit_markers: Option<bool>,
 }
 
 impl SessionBuilder {
@@ -166,6 +174,21 @@ impl SessionBuilder {
         self
     }
 
+    /// Whether locked writes (`locked_update`, `locked_delete`, `get_or_insert`,
+    /// `update_or_insert`, [`Session::locked`]) insert a commit marker into `freshlock_commit`
+    /// in their transaction, so that a commit whose reply was lost (the connection broke while
+    /// `COMMIT` was in flight) is resolved on another connection: reported as done if it
+    /// committed, run again only if it provably did not. Without markers such a write returns
+    /// [`crate::Error::CommitUnknown`] and is never run again.
+    ///
+    /// Default: on for PostgreSQL and MySQL/MariaDB (needs
+    /// [`crate::schema::CommitMigration`], part of [`crate::schema::migrations`]), off for
+    /// SQLite, whose commits do not cross a network.
+    pub fn commit_markers(mut self, on: bool) -> Self {
+        self.commit_markers = Some(on);
+        self
+    }
+
     /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
     /// new row evicts an arbitrary other one; 0 disables caching.
     pub fn cache_capacity(mut self, capacity: usize) -> Self {
@@ -187,6 +210,9 @@ impl SessionBuilder {
     }
 
     pub(crate) fn build_unchecked(self) -> Session {
+        let commit_markers = self
+            .commit_markers
+            .unwrap_or(self.db.get_database_backend() != sea_orm::DbBackend::Sqlite);
         Session {
             inner: Arc::new(Inner {
                 db: self.db,
@@ -195,6 +221,7 @@ impl SessionBuilder {
                     .lock
                     .unwrap_or_else(|| Arc::new(LocalLock::shared()) as Arc<dyn LockBackend>),
                 policy: self.policy,
+                commit_markers,
                 versions: self.versions,
                 in_flight: AtomicUsize::new(0),
             }),
