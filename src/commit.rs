@@ -6,9 +6,11 @@
 //! in its own transaction, just before `COMMIT`. If the reply is lost, the outcome is resolved on
 //! another connection by inserting the *same* token:
 //!
-//! - the insert fails on the key → the marker is there → the write committed: report it;
+//! - the insert fails on the key and the row is the writer's → the write committed: report it;
 //! - the insert succeeds → the write did not commit, and now never can (its own insert of the
-//!   token would fail): it is provably absent and safe to run again;
+//!   token would fail): it is provably absent and safe to run again. The resolver's row is
+//!   marked as its own (`created_at = 0`), because its insert can lose its reply too: a retried
+//!   resolution that finds its own row knows the write is absent, not committed;
 //! - while the old transaction is still finishing on the server, the insert waits for it (a
 //!   unique-key check waits for the transaction that inserted the same key, on PostgreSQL,
 //!   InnoDB and SQLite alike), so the answer is never read too early.
@@ -27,7 +29,10 @@ use std::{
     time::Duration,
 };
 
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr, sea_query::Query};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr,
+    sea_query::{ExprTrait, Query},
+};
 use tracing::{info, warn};
 
 use crate::{
@@ -69,8 +74,18 @@ impl Marker {
         }
     }
 
-    fn insert(&self, backend: sea_orm::DbBackend) -> sea_orm::sea_query::InsertStatement {
-        let now = crate::lock::sql::now_ms(backend);
+    /// The marker's INSERT: the writer's, stamped with the database clock, or the resolver's
+    /// (`created_at = 0`).
+    fn insert(
+        &self,
+        backend: sea_orm::DbBackend,
+        writer: bool,
+    ) -> sea_orm::sea_query::InsertStatement {
+        let now = if writer {
+            crate::lock::sql::now_ms(backend)
+        } else {
+            "0"
+        };
         Query::insert()
             .into_table(sea_orm::sea_query::Alias::new(COMMIT_TABLE))
             .columns([
@@ -87,7 +102,7 @@ impl Marker {
 
     /// Writes the marker in the write's transaction, just before its `COMMIT`.
     pub(crate) async fn write(&self, txn: &DatabaseTransaction) -> Result<(), DbErr> {
-        txn.execute(&self.insert(txn.get_database_backend()))
+        txn.execute(&self.insert(txn.get_database_backend(), true))
             .await
             .map(drop)
     }
@@ -102,7 +117,7 @@ impl Marker {
         target: &str,
     ) -> Result<Resolution, Error> {
         let backend = db.get_database_backend();
-        let insert = self.insert(backend);
+        let insert = self.insert(backend, false);
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let mut delay = Duration::from_millis(20);
         loop {
@@ -113,8 +128,17 @@ impl Marker {
                     return Ok(Resolution::Absent);
                 }
                 Ok(Err(e)) if crate::write::is_unique_violation(&e) => {
-                    info!(target, token = %self.token, "lost commit reply: the write committed");
-                    return Ok(Resolution::Committed);
+                    match self.written_by_writer(db).await {
+                        Ok(true) => {
+                            info!(target, token = %self.token, "lost commit reply: the write committed");
+                            return Ok(Resolution::Committed);
+                        }
+                        Ok(false) => {
+                            info!(target, token = %self.token, "lost commit reply: the write did not commit (found our own resolution)");
+                            return Ok(Resolution::Absent);
+                        }
+                        Err(e) => e,
+                    }
                 }
                 Ok(Err(e)) if classify(&e).is_transient() => e,
                 Ok(Err(e)) => return Err(unknown(target, Box::new(e))),
@@ -138,6 +162,27 @@ pub(crate) fn write_error(operation: &'static str, target: &str, e: DbErr) -> Er
         unknown(target, Box::new(e))
     } else {
         database(operation, &target, e)
+    }
+}
+
+impl Marker {
+    /// Whether the marker row (which exists) is the writer's, not an earlier resolution's.
+    async fn written_by_writer(&self, db: &DatabaseConnection) -> Result<bool, DbErr> {
+        let select = Query::select()
+            .column(sea_orm::sea_query::Alias::new("created_at"))
+            .from(sea_orm::sea_query::Alias::new(COMMIT_TABLE))
+            .and_where(ExprTrait::eq(
+                sea_orm::sea_query::Expr::col(sea_orm::sea_query::Alias::new("token")),
+                self.token.as_str(),
+            ))
+            .to_owned();
+        let row = db.query_one(&select).await?;
+        let created_at: i64 = match row {
+            Some(row) => row.try_get("", "created_at")?,
+            // Swept in between (it was old): only a writer's row is ever old enough.
+            None => return Ok(true),
+        };
+        Ok(created_at != 0)
     }
 }
 

@@ -138,10 +138,18 @@ impl Error {
     /// (deadlock, serialization failure, lock timeout, busy SQLite, lost connection).
     /// `locked_update` already retries these within its policy's `attempts`.
     pub fn is_transient(&self) -> bool {
-        match self {
-            Self::Database { source, .. } => source
+        let transient = |source: &BoxError| {
+            source
                 .downcast_ref::<sea_orm::DbErr>()
-                .is_some_and(|e| crate::db_error::classify(e).is_transient()),
+                .is_some_and(|e| crate::db_error::classify(e).is_transient())
+        };
+        match self {
+            Self::Database { source, .. } => transient(source),
+            // A lock statement (a fence check, a lease) that failed on a lost connection.
+            Self::Lock {
+                source: LockError::Backend { source, .. },
+                ..
+            } => transient(source),
             _ => false,
         }
     }

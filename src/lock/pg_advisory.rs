@@ -88,6 +88,7 @@ impl LockBackend for PgAdvisoryLock {
             txn.execute_raw(blocking.clone()).await.map(|_| ())
         })
         .await
+        .map(|locked| locked.is_some())
         .map_err(fail)
     }
 }

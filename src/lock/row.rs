@@ -27,18 +27,19 @@ const KIND: &str = "row";
 /// one writer at a time into the whole database, and that is what serializes. This backend then
 /// sends nothing.
 ///
-/// Needs [`crate::schema::Migration`]. Lock rows are created on demand through `rows`, outside
-/// the locking transaction: on PostgreSQL and MySQL its pool needs a connection besides the one
-/// the transaction holds (give it a pool of 2 or more, or a pool of its own). Cheap to clone.
+/// Needs [`crate::schema::Migration`]. Lock rows are created on demand inside the locking
+/// transaction (the insert is the lock), so the section needs no second connection of its pool,
+/// and a section that rolls back leaves no lock row. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct RowLock {
-    rows: DatabaseConnection,
+    _rows: DatabaseConnection,
 }
 
 impl RowLock {
-    /// Lock rows in `rows`' database (the data's).
+    /// Lock rows in `rows`' database (the data's). Every statement runs in the section's own
+    /// transaction; `rows` names the database and is not used for statements of its own.
     pub fn new(rows: DatabaseConnection) -> Self {
-        Self { rows }
+        Self { _rows: rows }
     }
 }
 
@@ -102,14 +103,26 @@ impl LockBackend for RowLock {
             return Ok(true);
         }
         if exists != Some(true) {
-            // Missing (or, on PostgreSQL, maybe held). Create it outside our transaction,
-            // committed at once: locking a row another transaction inserted but has not committed
-            // would wait for that transaction whatever the budget.
+            // Missing (or, on PostgreSQL, maybe held): create it in this transaction. A row we
+            // insert stays locked by us until we end, so inserting it *is* taking the lock; a
+            // concurrent creator's uncommitted insert makes ours wait, bounded like any lock
+            // wait. No second connection of the pool is needed (a pool of 1 works), and a
+            // transaction that rolls back — an update whose row turned out missing — leaves no
+            // lock row behind.
             let insert = insert_ignore(backend, ROW_LOCK_TABLE, "name", "?");
-            self.rows
-                .execute_raw(statement(backend, &insert, vec![stored.clone().into()]))
-                .await
-                .map_err(fail)?;
+            let insert = statement(backend, &insert, vec![stored.clone().into()]);
+            let inserted = with_lock_timeout(txn, wait, async {
+                txn.execute_raw(insert)
+                    .await
+                    .map(|done| done.rows_affected())
+            })
+            .await
+            .map_err(fail)?;
+            match inserted {
+                None => return Ok(false),
+                Some(1) => return Ok(true),
+                Some(_) => {} // Created meanwhile by another transaction: lock it below.
+            }
         }
         if wait.is_zero() {
             return Ok(txn.query_one_raw(skip).await.map_err(fail)?.is_some());
@@ -120,6 +133,7 @@ impl LockBackend for RowLock {
             txn.query_one_raw(blocking.clone()).await.map(|_| ())
         })
         .await
+        .map(|locked| locked.is_some())
         .map_err(fail)
     }
 }

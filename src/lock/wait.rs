@@ -8,17 +8,17 @@ use super::sql::statement;
 use crate::db_error::{Failure, classify};
 
 /// Runs `wait_for_lock` (a statement that blocks on a lock) with the wait bounded by `wait`, and
-/// restores the connection's setting afterwards. Returns `Ok(false)` when the wait ran out.
+/// restores the connection's setting afterwards. Returns `Ok(None)` when the wait ran out.
 ///
 /// PostgreSQL: `lock_timeout`, set for this transaction only. After a timeout PostgreSQL has
 /// aborted the transaction: the caller must roll it back (`locked_update` does, and starts a new
 /// one if it proceeds without the lock). MySQL/MariaDB: `innodb_lock_wait_timeout`, whole seconds
 /// (rounded up, at least 1), restored to the server default afterwards.
-pub(crate) async fn with_lock_timeout(
+pub(crate) async fn with_lock_timeout<T>(
     txn: &DatabaseTransaction,
     wait: Duration,
-    wait_for_lock: impl Future<Output = Result<(), DbErr>>,
-) -> Result<bool, DbErr> {
+    wait_for_lock: impl Future<Output = Result<T, DbErr>>,
+) -> Result<Option<T>, DbErr> {
     let backend = txn.get_database_backend();
     let restore = match backend {
         DbBackend::Postgres => {
@@ -42,12 +42,12 @@ pub(crate) async fn with_lock_timeout(
         _ => None,
     };
     let outcome = match wait_for_lock.await {
-        Ok(()) => Ok(true),
-        Err(e) if classify(&e) == Failure::LockTimeout => Ok(false),
+        Ok(value) => Ok(Some(value)),
+        Err(e) if classify(&e) == Failure::LockTimeout => Ok(None),
         Err(e) => Err(e),
     };
     match (backend, restore) {
-        (DbBackend::Postgres, Some(previous)) if matches!(outcome, Ok(true)) => {
+        (DbBackend::Postgres, Some(previous)) if matches!(outcome, Ok(Some(_))) => {
             let reset = "SELECT set_config('lock_timeout', ?, true)";
             txn.execute_raw(statement(backend, reset, vec![previous.into()]))
                 .await?;

@@ -1,0 +1,309 @@
+//! Lost replies and killed connections never apply a write twice, nor lose an acknowledged one.
+//!
+//! 8 tasks × 50 locked increments of one row go through a TCP proxy that cuts the connection
+//! right after forwarding every 20th `COMMIT` (the server commits, the client never hears), or
+//! right after every 10th locked reload; or, without the proxy, a killer ends the test's
+//! database sessions every few milliseconds (`pg_terminate_backend`, MariaDB `KILL`). Every call
+//! is counted and the row is checked: acknowledged increments = the counter, exactly.
+//! PostgreSQL and MariaDB (the shared servers: only this test's own connections are cut or
+//! killed), with every backend that applies.
+
+mod common;
+#[path = "common/proxy.rs"]
+mod proxy;
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use entity::node;
+use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
+use proxy::{CutAfter, Proxy};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Set, Statement};
+use servers::{TestDb, databases};
+use tokio::sync::Barrier;
+
+const TASKS: u32 = 8;
+const ROUNDS: u32 = 50;
+const RELOAD_ROUNDS: u32 = 15;
+
+#[derive(Debug, Default)]
+struct Tally {
+    acknowledged: AtomicU32,
+    unknown: AtomicU32,
+    failed: AtomicU32,
+}
+
+/// 8 tasks × `rounds` increments of node 1 through `db`; returns the tally.
+async fn storm(
+    db: &DatabaseConnection,
+    url: &str,
+    kind: LockKind,
+    markers: bool,
+    rounds: u32,
+) -> Arc<Tally> {
+    let redis = servers::url(servers::REDIS);
+    let backend = kind.connect(db, url, redis.as_deref()).await.unwrap();
+    let tally = Arc::new(Tally::default());
+    let start = Arc::new(Barrier::new(TASKS as usize));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|_| {
+            let session = Session::builder(db.clone())
+                .lock(Arc::clone(&backend))
+                .policy(
+                    LockPolicy::default()
+                        .with_tries(1)
+                        .with_wait_per_try(Duration::from_secs(60))
+                        .with_ttl(Duration::from_secs(2))
+                        .with_attempts(20)
+                        .with_on_failure(OnLockFailure::Proceed),
+                )
+                .commit_markers(markers)
+                .build()
+                .unwrap();
+            let (tally, start) = (Arc::clone(&tally), Arc::clone(&start));
+            tokio::spawn(async move {
+                let nodes = session.repository::<node::Entity>();
+                start.wait().await;
+                for _ in 0..rounds {
+                    let call = nodes.locked_update(1, |n| {
+                        let score = n.score.as_ref().unwrap_or(0);
+                        n.score = Set(Some(score + 1));
+                        Ok(())
+                    });
+                    let result = tokio::time::timeout(Duration::from_secs(120), call)
+                        .await
+                        .expect("no call hangs");
+                    match result {
+                        Ok(report) => {
+                            assert!(report.outcome.is_updated(), "{:?}", report.outcome);
+                            tally.acknowledged.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(Error::CommitUnknown { .. }) => {
+                            tally.unknown.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(error) => {
+                            eprintln!("reported failure: {error}");
+                            tally.failed.fetch_add(1, Ordering::SeqCst);
+                        }
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    tally
+}
+
+fn counts(tally: &Tally) -> (u32, u32, u32) {
+    (
+        tally.acknowledged.load(Ordering::SeqCst),
+        tally.unknown.load(Ordering::SeqCst),
+        tally.failed.load(Ordering::SeqCst),
+    )
+}
+
+/// A pool through `proxy` to the test's database. `uncached`: without a statement cache, every
+/// statement's text crosses the proxy each time (a cached prepared statement is sent by name
+/// only), so the proxy can recognize the reload. (On MariaDB that costs ~170 ms per call, so
+/// only the reload test asks for it.)
+async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> (DatabaseConnection, String) {
+    let url = proxy.url(&db.url);
+    let mut options = sea_orm::ConnectOptions::new(&url);
+    options
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = &db.schema {
+        options
+            .set_schema_search_path(schema)
+            .set_application_name(schema);
+    }
+    if uncached {
+        #[cfg(feature = "postgres")]
+        options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0));
+        #[cfg(feature = "mysql")]
+        options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
+    }
+    let pool = sea_orm::Database::connect(options).await.expect("connect");
+    (pool, url)
+}
+
+/// Every 20th COMMIT's reply is lost: each one is resolved by its marker, so every call is
+/// acknowledged exactly once and the counter equals the acknowledgements.
+async fn lost_commit_replies(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    if kind == LockKind::Redis && servers::url(servers::REDIS).is_none() {
+        return;
+    }
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let (proxied, url) = through(&proxy, &db, false).await;
+    proxy.cut_every(20);
+    let tally = storm(&proxied, &url, kind, true, ROUNDS).await;
+    let (acknowledged, unknown, failed) = counts(&tally);
+    let counter = db.score(1).await.unwrap_or(0) as u32;
+    eprintln!(
+        "{kind}: {} commit replies cut; {acknowledged} acknowledged, {unknown} unknown, \
+         {failed} failed; counter {counter}",
+        proxy.cuts()
+    );
+    assert!(proxy.cuts() >= 5, "the proxy cut commit replies");
+    assert_eq!(
+        counter, acknowledged,
+        "{kind}: none lost, none applied twice"
+    );
+    assert_eq!(unknown, 0, "every lost reply was resolved");
+    assert_eq!(acknowledged + failed, TASKS * ROUNDS);
+}
+
+/// Without markers a lost reply is reported as unknown, never run again: the counter holds
+/// every acknowledged increment and at most the unknown ones besides.
+async fn lost_commit_replies_without_markers(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let (proxied, url) = through(&proxy, &db, false).await;
+    proxy.cut_every(20);
+    let tally = storm(&proxied, &url, kind, false, ROUNDS).await;
+    let (acknowledged, unknown, failed) = counts(&tally);
+    let counter = db.score(1).await.unwrap_or(0) as u32;
+    eprintln!(
+        "{kind} without markers: {} cut; {acknowledged} acknowledged, {unknown} unknown, \
+         {failed} failed; counter {counter}",
+        proxy.cuts()
+    );
+    assert!(unknown > 0, "lost replies are reported as unknown");
+    assert!(
+        acknowledged <= counter && counter <= acknowledged + unknown,
+        "{counter} outside [{acknowledged}, {}]",
+        acknowledged + unknown
+    );
+}
+
+/// Every 10th locked reload loses its connection: the transaction never reached its commit, so
+/// the call runs again, and every call is acknowledged once.
+async fn lost_reloads(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Reload).await;
+    let (proxied, url) = through(&proxy, &db, true).await;
+    proxy.cut_every(10);
+    // Uncached statements make every MariaDB call slow here: fewer rounds.
+    let tally = storm(&proxied, &url, kind, true, RELOAD_ROUNDS).await;
+    let (acknowledged, unknown, failed) = counts(&tally);
+    let counter = db.score(1).await.unwrap_or(0) as u32;
+    eprintln!(
+        "{kind} reloads cut: {} cut; {acknowledged} acknowledged, {unknown} unknown, {failed} \
+         failed; counter {counter}",
+        proxy.cuts()
+    );
+    assert!(proxy.cuts() >= 5);
+    assert_eq!((counter, unknown), (acknowledged, 0));
+    assert_eq!(acknowledged + failed, TASKS * RELOAD_ROUNDS);
+}
+
+/// A killer ends this test's database sessions every 20 ms while the storm runs: a kill may land
+/// anywhere, the commit included. Nothing acknowledged is lost or applied twice.
+async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    if kind == LockKind::Redis && servers::url(servers::REDIS).is_none() {
+        return;
+    }
+    db.seed_nodes(1).await;
+    let backend = db.db.get_database_backend();
+    let killing = match backend {
+        // The test's connections carry its schema as their application name.
+        DbBackend::Postgres => format!(
+            "SELECT pg_terminate_backend(pid) AS killed FROM pg_stat_activity \
+             WHERE application_name = '{}' AND pid <> pg_backend_pid()",
+            db.schema.as_deref().unwrap_or_default()
+        ),
+        _ => {
+            let name = db.url.rsplit('/').next().unwrap_or_default().to_owned();
+            format!(
+                "SELECT id FROM information_schema.processlist \
+                 WHERE db = '{name}' AND id <> CONNECTION_ID()"
+            )
+        }
+    };
+    // The killer's own connection, outside the test's pool.
+    let killer_db = servers::connect(&db.url, None, 1).await;
+    let (stop, kills) = (
+        Arc::new(AtomicBool::new(false)),
+        Arc::new(AtomicU32::new(0)),
+    );
+    let killer = {
+        let (stop, kills) = (Arc::clone(&stop), Arc::clone(&kills));
+        tokio::spawn(async move {
+            while !stop.load(Ordering::SeqCst) {
+                let found = killer_db
+                    .query_all_raw(Statement::from_string(backend, killing.clone()))
+                    .await
+                    .expect("list the test's sessions");
+                for row in found {
+                    if backend == DbBackend::MySql {
+                        let id: i64 = row.try_get("", "id").expect("a session id");
+                        let sql = format!("KILL CONNECTION {id}");
+                        if killer_db.execute_unprepared(&sql).await.is_ok() {
+                            kills.fetch_add(1, Ordering::SeqCst);
+                        }
+                    } else {
+                        kills.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+    };
+    let tally = storm(&db.db, &db.url, kind, true, ROUNDS).await;
+    stop.store(true, Ordering::SeqCst);
+    killer.await.unwrap();
+    let (acknowledged, unknown, failed) = counts(&tally);
+    let counter = db.score(1).await.unwrap_or(0) as u32;
+    eprintln!(
+        "{kind}: {} sessions killed; {acknowledged} acknowledged, {unknown} unknown, {failed} \
+         failed; counter {counter}",
+        kills.load(Ordering::SeqCst)
+    );
+    assert!(kills.load(Ordering::SeqCst) > 0, "the killer killed");
+    assert!(
+        acknowledged <= counter && counter <= acknowledged + unknown,
+        "{kind}: counter {counter} outside [{acknowledged}, {}]",
+        acknowledged + unknown
+    );
+    assert_eq!(acknowledged + unknown + failed, TASKS * ROUNDS);
+}
+
+servers::server_tests! {
+    commit_cut_local_postgres: lost_commit_replies, LockKind::Local, postgres;
+    commit_cut_table_postgres: lost_commit_replies, LockKind::Table, postgres;
+    commit_cut_row_postgres: lost_commit_replies, LockKind::Row, postgres;
+    commit_cut_pg_advisory_postgres: lost_commit_replies, LockKind::PgAdvisory, postgres;
+    commit_cut_local_mysql: lost_commit_replies, LockKind::Local, mysql;
+    commit_cut_table_mysql: lost_commit_replies, LockKind::Table, mysql;
+    commit_cut_row_mysql: lost_commit_replies, LockKind::Row, mysql;
+    commit_cut_mysql_named_mysql: lost_commit_replies, LockKind::MySqlNamed, mysql;
+    unmarked_local_postgres: lost_commit_replies_without_markers, LockKind::Local, postgres;
+    unmarked_local_mysql: lost_commit_replies_without_markers, LockKind::Local, mysql;
+    reload_cut_local_postgres: lost_reloads, LockKind::Local, postgres;
+    reload_cut_local_mysql: lost_reloads, LockKind::Local, mysql;
+    killed_local_postgres: killed_backends, LockKind::Local, postgres;
+    killed_pg_advisory_postgres: killed_backends, LockKind::PgAdvisory, postgres;
+    killed_row_postgres: killed_backends, LockKind::Row, postgres;
+    killed_local_mysql: killed_backends, LockKind::Local, mysql;
+    killed_table_mysql: killed_backends, LockKind::Table, mysql;
+}
+
+#[cfg(feature = "redis")]
+servers::server_tests! {
+    commit_cut_redis_postgres: lost_commit_replies, LockKind::Redis, postgres;
+}

@@ -1,0 +1,177 @@
+//! A TCP proxy between the tests and a database server that can cut a connection right after
+//! forwarding a chosen message: the only way to make "the commit happened but its reply was lost"
+//! reproducible.
+#![allow(dead_code)]
+
+use std::{
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+};
+
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    net::{TcpListener, TcpStream},
+    task::JoinHandle,
+};
+
+/// Which client message a cut follows.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub enum CutAfter {
+    /// A `COMMIT` (forwarded to the server, then both sides are dropped: the server commits,
+    /// the client never hears).
+    Commit,
+    /// The locked reload (`… FOR UPDATE`): the transaction never reaches its commit.
+    Reload,
+}
+
+impl CutAfter {
+    /// Whether `chunk` (client to server) holds the message: the `COMMIT` statement itself
+    /// (not `READ COMMITTED`: the word must end there), or a locking read.
+    fn matches(self, chunk: &[u8]) -> bool {
+        let pattern: &[u8] = match self {
+            Self::Commit => b"COMMIT",
+            Self::Reload => b"FOR UPDATE",
+        };
+        chunk
+            .windows(pattern.len())
+            .enumerate()
+            .any(|(at, window)| {
+                window == pattern
+                    && chunk
+                        .get(at + pattern.len())
+                        .is_none_or(|next| !next.is_ascii_alphabetic())
+            })
+    }
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    /// Cut every n-th matching message (0: never).
+    every: AtomicU32,
+    seen: AtomicU32,
+    cuts: AtomicU32,
+}
+
+/// A running proxy; stops when dropped.
+#[derive(Debug)]
+pub struct Proxy {
+    pub port: u16,
+    cut_after: CutAfter,
+    counters: Arc<Counters>,
+    task: JoinHandle<()>,
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+impl Proxy {
+    /// Listens on a free loopback port and forwards every connection to `target`.
+    pub async fn start(target: SocketAddr, cut_after: CutAfter) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+        let port = listener.local_addr().expect("addr").port();
+        let counters = Arc::new(Counters::default());
+        let shared = Arc::clone(&counters);
+        let task = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let counters = Arc::clone(&shared);
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(target).await {
+                        // Small request/response messages: Nagle's delay would add ~40 ms to
+                        // each round trip.
+                        let _ = (client.set_nodelay(true), server.set_nodelay(true));
+                        let _ = forward(client, server, cut_after, &counters).await;
+                    }
+                });
+            }
+        });
+        Self {
+            port,
+            cut_after,
+            counters,
+            task,
+        }
+    }
+
+    /// Cuts the connection after every `n`-th matching message (0: never).
+    pub fn cut_every(&self, n: u32) {
+        self.counters.every.store(n, Ordering::SeqCst);
+    }
+
+    /// How many connections were cut.
+    pub fn cuts(&self) -> u32 {
+        self.counters.cuts.load(Ordering::SeqCst)
+    }
+
+    /// `url` with its host and port replaced by this proxy's.
+    pub fn url(&self, url: &str) -> String {
+        let (scheme, rest) = url.split_once("://").expect("a URL");
+        let (authority, path) = rest.split_once('/').unwrap_or((rest, ""));
+        let user = authority
+            .rsplit_once('@')
+            .map_or(String::new(), |(user, _)| format!("{user}@"));
+        format!("{scheme}://{user}127.0.0.1:{}/{path}", self.port)
+    }
+}
+
+/// The address a URL's host and port name (loopback only in these tests).
+pub fn target(url: &str) -> SocketAddr {
+    let rest = url.split_once("://").expect("a URL").1;
+    let authority = rest.split('/').next().unwrap_or(rest);
+    let host_port = authority.rsplit_once('@').map_or(authority, |(_, hp)| hp);
+    host_port.parse().expect("host:port as an address")
+}
+
+async fn forward(
+    mut client: TcpStream,
+    mut server: TcpStream,
+    cut_after: CutAfter,
+    counters: &Counters,
+) -> std::io::Result<()> {
+    let (mut up, mut down) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+    loop {
+        tokio::select! {
+            read = client.read(&mut up) => {
+                let n = read?;
+                if n == 0 {
+                    return Ok(());
+                }
+                let chunk = &up[..n];
+                let every = counters.every.load(Ordering::SeqCst);
+                let cut = every > 0
+                    && cut_after.matches(chunk)
+                    && (counters.seen.fetch_add(1, Ordering::SeqCst) + 1) % every == 0;
+                server.write_all(chunk).await?;
+                if cut && cut_after == CutAfter::Reload {
+                    counters.cuts.fetch_add(1, Ordering::SeqCst);
+                    return Ok(()); // both sockets dropped mid-transaction
+                }
+                if cut {
+                    // The server gets the message and then the end of the stream (no reset that
+                    // could discard it); its reply is read here and thrown away, and the client
+                    // sees its connection close instead.
+                    server.flush().await?;
+                    server.shutdown().await?;
+                    counters.cuts.fetch_add(1, Ordering::SeqCst);
+                    let drain = async {
+                        while server.read(&mut down).await.is_ok_and(|n| n > 0) {}
+                    };
+                    let _ = tokio::time::timeout(std::time::Duration::from_secs(5), drain).await;
+                    return Ok(());
+                }
+            }
+            read = server.read(&mut down) => {
+                let n = read?;
+                if n == 0 {
+                    return Ok(());
+                }
+                client.write_all(&down[..n]).await?;
+            }
+        }
+    }
+}
