@@ -145,7 +145,7 @@ async fn forward(
                 let every = counters.every.load(Ordering::SeqCst);
                 let cut = every > 0
                     && cut_after.matches(chunk)
-                    && (counters.seen.fetch_add(1, Ordering::SeqCst) + 1) % every == 0;
+                    && (counters.seen.fetch_add(1, Ordering::SeqCst) + 1).is_multiple_of(every);
                 server.write_all(chunk).await?;
                 if cut && cut_after == CutAfter::Reload {
                     counters.cuts.fetch_add(1, Ordering::SeqCst);
