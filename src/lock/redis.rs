@@ -47,6 +47,28 @@ impl RedisLock {
     /// [`LockError::Backend`] when the URL is invalid or the server does not answer in 2 s.
     pub async fn connect(url: &str, fences: DatabaseConnection) -> Result<Self, LockError> {
         let client = redis::Client::open(url).map_err(fail)?;
+        // One plain connection and a PING first: a server that refuses (`maxclients`, a wrong
+        // password) says why here, where the connection manager would only retry until the
+        // timeout.
+        let probe = async {
+            let mut connection = client.get_multiplexed_async_connection().await?;
+            redis::cmd("PING")
+                .query_async::<String>(&mut connection)
+                .await
+        };
+        match timeout(CALL_TIMEOUT, probe).await {
+            Err(_) => return Err(unreachable_server()),
+            Ok(Err(e)) => {
+                return Err(match refusal(&client).await {
+                    Some(reason) => LockError::Backend {
+                        backend: KIND,
+                        source: format!("redis refused the connection: {reason}").into(),
+                    },
+                    None => fail(e),
+                });
+            }
+            Ok(Ok(_)) => {}
+        }
         let redis = timeout(CALL_TIMEOUT, ConnectionManager::new(client))
             .await
             .map_err(|_| unreachable_server())?
@@ -64,6 +86,28 @@ fn fail(e: redis::RedisError) -> LockError {
         backend: KIND,
         source: Box::new(e),
     }
+}
+
+/// What a server that closes new connections at once says first (`-ERR max number of clients
+/// reached`): a refusal the client library reports only as a broken pipe.
+async fn refusal(client: &redis::Client) -> Option<String> {
+    use tokio::io::AsyncReadExt;
+    let redis::ConnectionAddr::Tcp(host, port) = client.get_connection_info().addr() else {
+        return None;
+    };
+    let read = async {
+        let mut stream = tokio::net::TcpStream::connect((host.as_str(), *port))
+            .await
+            .ok()?;
+        let mut said = vec![0u8; 256];
+        let n = stream.read(&mut said).await.ok()?;
+        let said = String::from_utf8_lossy(&said[..n]).trim().to_owned();
+        said.strip_prefix('-').map(str::to_owned)
+    };
+    timeout(Duration::from_millis(500), read)
+        .await
+        .ok()
+        .flatten()
 }
 
 fn unreachable_server() -> LockError {
