@@ -7,7 +7,7 @@
 #[path = "common/servers.rs"]
 mod servers;
 
-use std::{sync::Arc, time::Duration};
+use std::time::Duration;
 
 use entity::node;
 use freshlock::{LockKind, LockPolicy, OnLockFailure, Session};
