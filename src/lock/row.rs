@@ -109,7 +109,19 @@ impl LockBackend for RowLock {
             // wait. No second connection of the pool is needed (a pool of 1 works), and a
             // transaction that rolls back — an update whose row turned out missing — leaves no
             // lock row behind.
-            let insert = insert_ignore(backend, ROW_LOCK_TABLE, "name", "?");
+            // MySQL/MariaDB: `ON DUPLICATE KEY UPDATE` takes the exclusive lock on a row a
+            // concurrent creator made (where `INSERT IGNORE` takes a shared one, and two shared
+            // holders upgrading to exclusive deadlock), so either way this statement takes the
+            // lock. PostgreSQL: `ON CONFLICT DO NOTHING` locks nothing on a conflict; the
+            // locking read below does.
+            let insert = if backend == DbBackend::MySql {
+                format!(
+                    "INSERT INTO {ROW_LOCK_TABLE} (name) VALUES (?) \
+                     ON DUPLICATE KEY UPDATE name = name"
+                )
+            } else {
+                insert_ignore(backend, ROW_LOCK_TABLE, "name", "?")
+            };
             let insert = statement(backend, &insert, vec![stored.clone().into()]);
             let inserted = with_lock_timeout(txn, wait, async {
                 txn.execute_raw(insert)
@@ -120,6 +132,7 @@ impl LockBackend for RowLock {
             .map_err(fail)?;
             match inserted {
                 None => return Ok(false),
+                Some(_) if backend == DbBackend::MySql => return Ok(true),
                 Some(1) => return Ok(true),
                 Some(_) => {} // Created meanwhile by another transaction: lock it below.
             }
