@@ -227,6 +227,7 @@ impl LockBackend for TableLock {
                     token,
                     fence,
                     released: false,
+                    lease_ends: tokio::time::Instant::now() + ttl,
                 })));
             }
             if !backoff.wait_until(deadline).await {
@@ -244,6 +245,9 @@ struct TableGuard {
     token: String,
     fence: i64,
     released: bool,
+    /// When the lease runs out by itself (this process's clock, only to bound the retries of a
+    /// failed release).
+    lease_ends: tokio::time::Instant,
 }
 
 impl TableGuard {
@@ -317,7 +321,44 @@ impl LockGuard for TableGuard {
 
     async fn release(mut self: Box<Self>) -> Result<(), LockError> {
         self.released = true;
-        Self::release_now(&self.db, &self.name, &self.token).await
+        let released = Self::release_now(&self.db, &self.name, &self.token).await;
+        if released.is_err() {
+            self.release_in_background();
+        }
+        released
+    }
+}
+
+impl TableGuard {
+    /// Releases the lease from a task of its own, trying again (20 ms doubling to 500 ms) while
+    /// the database is unreachable, until the lease would have run out anyway: when the database
+    /// comes back after a restart, the lease's key is free within a retry, not after its TTL.
+    fn release_in_background(&self) {
+        let (db, name, token) = (self.db.clone(), self.name.clone(), self.token.clone());
+        let lease_ends = self.lease_ends;
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            warn!(lock = %name, "lease dropped outside a runtime; it runs out by its TTL");
+            return;
+        };
+        runtime.spawn(async move {
+            let mut delay = Duration::from_millis(20);
+            loop {
+                match Self::release_now(&db, &name, &token).await {
+                    Ok(()) => {
+                        debug!(lock = %name, "lease released in the background");
+                        return;
+                    }
+                    Err(error) if tokio::time::Instant::now() + delay >= lease_ends => {
+                        warn!(lock = %name, %error, "background release failed; the lease runs out by its TTL");
+                        return;
+                    }
+                    Err(_) => {
+                        tokio::time::sleep(delay).await;
+                        delay = (delay * 2).min(Duration::from_millis(500));
+                    }
+                }
+            }
+        });
     }
 }
 
@@ -326,20 +367,8 @@ impl Drop for TableGuard {
         if self.released {
             return;
         }
-        // No async drop: release in the background when a runtime is there; otherwise (or if
-        // that fails) the lease runs out by its TTL.
-        let (db, name, token) = (self.db.clone(), self.name.clone(), self.token.clone());
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    if let Err(error) = Self::release_now(&db, &name, &token).await {
-                        warn!(lock = %name, %error, "background release failed; the lease runs out by its TTL");
-                    }
-                });
-            }
-            Err(_) => {
-                warn!(lock = %name, "lease dropped outside a runtime; it runs out by its TTL")
-            }
-        }
+        // No async drop: release in the background when a runtime is there (retrying while the
+        // database is unreachable); otherwise the lease runs out by its TTL.
+        self.release_in_background();
     }
 }

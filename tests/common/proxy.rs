@@ -47,8 +47,11 @@ impl CutAfter {
     }
 }
 
-#[derive(Debug, Default)]
+#[derive(Debug)]
 struct Counters {
+    /// While true, every connection is dropped and new ones are closed at once: the server is
+    /// "down" as far as the client can tell.
+    down: tokio::sync::watch::Sender<bool>,
     /// Cut every n-th matching message (0: never).
     every: AtomicU32,
     seen: AtomicU32,
@@ -75,10 +78,19 @@ impl Proxy {
     pub async fn start(target: SocketAddr, cut_after: CutAfter) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let port = listener.local_addr().expect("addr").port();
-        let counters = Arc::new(Counters::default());
+        let counters = Arc::new(Counters {
+            down: tokio::sync::watch::Sender::new(false),
+            every: AtomicU32::new(0),
+            seen: AtomicU32::new(0),
+            cuts: AtomicU32::new(0),
+        });
         let shared = Arc::clone(&counters);
         let task = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if *shared.down.borrow() {
+                    drop(client);
+                    continue;
+                }
                 let counters = Arc::clone(&shared);
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(target).await {
@@ -101,6 +113,11 @@ impl Proxy {
     /// Cuts the connection after every `n`-th matching message (0: never).
     pub fn cut_every(&self, n: u32) {
         self.counters.every.store(n, Ordering::SeqCst);
+    }
+
+    /// Takes the "server" down (every connection dropped, new ones closed at once) or back up.
+    pub fn set_down(&self, down: bool) {
+        self.counters.down.send_replace(down);
     }
 
     /// How many connections were cut.
@@ -134,8 +151,14 @@ async fn forward(
     counters: &Counters,
 ) -> std::io::Result<()> {
     let (mut up, mut down) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
+    let mut outage = counters.down.subscribe();
     loop {
         tokio::select! {
+            changed = outage.changed() => {
+                if changed.is_err() || *outage.borrow() {
+                    return Ok(()); // the outage drops every connection
+                }
+            }
             read = client.read(&mut up) => {
                 let n = read?;
                 if n == 0 {
