@@ -1,8 +1,8 @@
-//! A private PostgreSQL server (initdb on a port of its own — the shared server is never
-//! touched) is restarted (`pg_ctl restart -m fast`) or killed (`kill -9` of the postmaster) and
-//! started again while 4 tasks increment one row: nothing acknowledged is lost or applied twice,
-//! and the first call succeeds within 2 s of the server accepting connections again. Every
-//! backend that applies.
+//! A private server — PostgreSQL (initdb) or MariaDB (its own datadir), on a port of its own; the
+//! shared servers are never touched — is restarted (`pg_ctl restart -m fast` / `mariadb-admin
+//! shutdown` and start) or killed (`kill -9`) and started again while 4 tasks increment one row:
+//! nothing acknowledged is lost or applied twice, and the first call succeeds within 2 s of the
+//! server accepting connections again. Every backend that applies.
 
 #[path = "common/servers.rs"]
 mod servers;
@@ -125,6 +125,182 @@ impl Drop for PrivatePostgres {
     }
 }
 
+/// A MariaDB server of this test's own, killed and removed on drop.
+struct PrivateMariaDb {
+    dir: PathBuf,
+    port: u16,
+    child: Mutex<Option<std::process::Child>>,
+}
+
+impl PrivateMariaDb {
+    fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let dir = std::env::temp_dir().join(servers::unique("mariadb"));
+        let data = dir.join("data");
+        std::fs::create_dir_all(&data).unwrap();
+        // Once more if the first try fails (seen once with 16 installs at a time); its output
+        // is in the message if the second fails too.
+        let install = || {
+            let _ = std::fs::remove_dir_all(&data);
+            std::fs::create_dir_all(&data).unwrap();
+            Command::new("mariadb-install-db")
+                .args([
+                    "--user=mysql",
+                    &format!("--datadir={}", data.display()),
+                    "--auth-root-authentication-method=normal",
+                    "--skip-test-db",
+                ])
+                .output()
+                .unwrap()
+        };
+        let mut installed = install();
+        if !installed.status.success() {
+            installed = install();
+        }
+        assert!(
+            installed.status.success(),
+            "mariadb-install-db: {}{}",
+            String::from_utf8_lossy(&installed.stdout),
+            String::from_utf8_lossy(&installed.stderr)
+        );
+        let d = dir.display();
+        std::fs::write(
+            dir.join("my.cnf"),
+            format!(
+                "[mysqld]\nport = {port}\nsocket = {d}/sock\npid-file = {d}/pid\n\
+                 datadir = {d}/data\nbind-address = 127.0.0.1\nuser = mysql\n\
+                 innodb_flush_log_at_trx_commit = 2\nlog-error = {d}/log\n"
+            ),
+        )
+        .unwrap();
+        assert!(
+            Command::new("chown")
+                .args(["-R", "mysql:mysql", &d.to_string()])
+                .status()
+                .unwrap()
+                .success()
+        );
+        let server = Self {
+            dir,
+            port,
+            child: Mutex::new(None),
+        };
+        server.launch();
+        let created = Command::new("mariadb")
+            .args(["-h", "127.0.0.1", "-P", &port.to_string(), "-uroot", "-e"])
+            .arg("CREATE DATABASE test CHARACTER SET utf8mb4")
+            .status()
+            .unwrap();
+        assert!(created.success());
+        server
+    }
+
+    /// Starts `mariadbd` and waits (bounded) until it answers.
+    fn launch(&self) {
+        let child = Command::new("mariadbd")
+            .arg(format!("--defaults-file={}/my.cnf", self.dir.display()))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap();
+        *self.child.lock().unwrap() = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(60);
+        while !self.accepting() {
+            assert!(
+                Instant::now() < deadline,
+                "the private MariaDB did not start"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("mysql://root@127.0.0.1:{}/test", self.port)
+    }
+
+    fn accepting(&self) -> bool {
+        Command::new("mariadb-admin")
+            .args([
+                "-h",
+                "127.0.0.1",
+                "-P",
+                &self.port.to_string(),
+                "-uroot",
+                "ping",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|status| status.success())
+    }
+
+    fn crash(&self, crash: Crash) {
+        let mut child = self.child.lock().unwrap().take().expect("running");
+        match crash {
+            Crash::Kill9 => child.kill().unwrap(), // SIGKILL
+            Crash::FastRestart => {
+                let _ = Command::new("mariadb-admin")
+                    .args(["-h", "127.0.0.1", "-P", &self.port.to_string(), "-uroot"])
+                    .arg("shutdown")
+                    .status();
+            }
+        }
+        child.wait().unwrap();
+        self.launch();
+    }
+}
+
+impl Drop for PrivateMariaDb {
+    fn drop(&mut self) {
+        if let Some(mut child) = self.child.lock().unwrap().take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Either private server.
+enum Private {
+    Postgres(PrivatePostgres),
+    MariaDb(PrivateMariaDb),
+}
+
+impl Private {
+    fn url(&self) -> String {
+        match self {
+            Self::Postgres(server) => server.url(),
+            Self::MariaDb(server) => server.url(),
+        }
+    }
+
+    /// Crashes the server, starts it again and returns when it accepts connections.
+    fn crash(&self, crash: Crash) -> Instant {
+        match self {
+            Self::Postgres(server) => {
+                match crash {
+                    Crash::FastRestart => assert!(server.pg_ctl("-m fast -w restart")),
+                    Crash::Kill9 => {
+                        server.kill_postmaster();
+                        server.start_again();
+                    }
+                }
+                let deadline = Instant::now() + Duration::from_secs(30);
+                while !server.accepting() {
+                    assert!(Instant::now() < deadline);
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+            }
+            Self::MariaDb(server) => server.crash(crash),
+        }
+        Instant::now()
+    }
+}
+
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Crash {
     FastRestart,
@@ -141,14 +317,26 @@ async fn pool(url: &str) -> DatabaseConnection {
     Database::connect(options).await.unwrap()
 }
 
-async fn survives(crash: Crash, kind: LockKind) {
+async fn survives(mariadb: bool, crash: Crash, kind: LockKind) {
     // The private-server tier runs where the server tier runs.
-    if servers::url(servers::POSTGRES).is_none() {
+    if servers::url(if mariadb {
+        servers::MYSQL
+    } else {
+        servers::POSTGRES
+    })
+    .is_none()
+    {
         return;
     }
-    let server = tokio::task::spawn_blocking(PrivatePostgres::start)
-        .await
-        .unwrap();
+    let server = tokio::task::spawn_blocking(move || {
+        if mariadb {
+            Private::MariaDb(PrivateMariaDb::start())
+        } else {
+            Private::Postgres(PrivatePostgres::start())
+        }
+    })
+    .await
+    .unwrap();
     let db = pool(&server.url()).await;
     Migrator::up(&db, None).await.unwrap();
     node::Entity::insert(node::ActiveModel::fresh(1))
@@ -228,23 +416,9 @@ async fn survives(crash: Crash, kind: LockKind) {
     // The crash, and the moment the server accepts connections again.
     let server = Arc::new(server);
     let crashed = Arc::clone(&server);
-    let ready = tokio::task::spawn_blocking(move || {
-        match crash {
-            Crash::FastRestart => assert!(crashed.pg_ctl("-m fast -w restart")),
-            Crash::Kill9 => {
-                crashed.kill_postmaster();
-                crashed.start_again();
-            }
-        }
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !crashed.accepting() {
-            assert!(Instant::now() < deadline);
-            std::thread::sleep(Duration::from_millis(5));
-        }
-        Instant::now()
-    })
-    .await
-    .unwrap();
+    let ready = tokio::task::spawn_blocking(move || crashed.crash(crash))
+        .await
+        .unwrap();
     let before = acknowledged.load(Ordering::SeqCst);
     until(before + 50).await;
     stop.store(true, Ordering::SeqCst);
@@ -291,21 +465,29 @@ async fn survives(crash: Crash, kind: LockKind) {
 }
 
 macro_rules! crashes {
-    ($($test:ident: $crash:expr, $kind:expr;)*) => {$(
+    ($($test:ident: $mariadb:expr, $crash:expr, $kind:expr;)*) => {$(
         #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
         async fn $test() {
-            survives($crash, $kind).await;
+            survives($mariadb, $crash, $kind).await;
         }
     )*};
 }
 
 crashes! {
-    restart_local: Crash::FastRestart, LockKind::Local;
-    restart_table: Crash::FastRestart, LockKind::Table;
-    restart_row: Crash::FastRestart, LockKind::Row;
-    restart_pg_advisory: Crash::FastRestart, LockKind::PgAdvisory;
-    kill9_local: Crash::Kill9, LockKind::Local;
-    kill9_table: Crash::Kill9, LockKind::Table;
-    kill9_row: Crash::Kill9, LockKind::Row;
-    kill9_pg_advisory: Crash::Kill9, LockKind::PgAdvisory;
+    postgres_restart_local: false, Crash::FastRestart, LockKind::Local;
+    postgres_restart_table: false, Crash::FastRestart, LockKind::Table;
+    postgres_restart_row: false, Crash::FastRestart, LockKind::Row;
+    postgres_restart_pg_advisory: false, Crash::FastRestart, LockKind::PgAdvisory;
+    postgres_kill9_local: false, Crash::Kill9, LockKind::Local;
+    postgres_kill9_table: false, Crash::Kill9, LockKind::Table;
+    postgres_kill9_row: false, Crash::Kill9, LockKind::Row;
+    postgres_kill9_pg_advisory: false, Crash::Kill9, LockKind::PgAdvisory;
+    mariadb_restart_local: true, Crash::FastRestart, LockKind::Local;
+    mariadb_restart_table: true, Crash::FastRestart, LockKind::Table;
+    mariadb_restart_row: true, Crash::FastRestart, LockKind::Row;
+    mariadb_restart_mysql_named: true, Crash::FastRestart, LockKind::MySqlNamed;
+    mariadb_kill9_local: true, Crash::Kill9, LockKind::Local;
+    mariadb_kill9_table: true, Crash::Kill9, LockKind::Table;
+    mariadb_kill9_row: true, Crash::Kill9, LockKind::Row;
+    mariadb_kill9_mysql_named: true, Crash::Kill9, LockKind::MySqlNamed;
 }
