@@ -129,14 +129,18 @@ impl Marker {
                 }
                 Ok(Err(e)) if crate::write::is_unique_violation(&e) => {
                     match self.written_by_writer(db).await {
-                        Ok(true) => {
+                        Ok(Some(true)) => {
                             info!(target, token = %self.token, "lost commit reply: the write committed");
                             return Ok(Resolution::Committed);
                         }
-                        Ok(false) => {
+                        Ok(Some(false)) => {
                             info!(target, token = %self.token, "lost commit reply: the write did not commit (found our own resolution)");
                             return Ok(Resolution::Absent);
                         }
+                        // Gone since the insert failed: only our own resolution's row can be
+                        // swept that soon (a writer's is minutes younger than the sweep's
+                        // cutoff), so try again at once.
+                        Ok(None) => continue,
                         Err(e) => e,
                     }
                 }
@@ -166,8 +170,9 @@ pub(crate) fn write_error(operation: &'static str, target: &str, e: DbErr) -> Er
 }
 
 impl Marker {
-    /// Whether the marker row (which exists) is the writer's, not an earlier resolution's.
-    async fn written_by_writer(&self, db: &DatabaseConnection) -> Result<bool, DbErr> {
+    /// Whether the marker row is the writer's, not an earlier resolution's; `None` when there
+    /// is no row (any more).
+    async fn written_by_writer(&self, db: &DatabaseConnection) -> Result<Option<bool>, DbErr> {
         let select = Query::select()
             .column(sea_orm::sea_query::Alias::new("created_at"))
             .from(sea_orm::sea_query::Alias::new(COMMIT_TABLE))
@@ -176,13 +181,10 @@ impl Marker {
                 self.token.as_str(),
             ))
             .to_owned();
-        let row = db.query_one(&select).await?;
-        let created_at: i64 = match row {
-            Some(row) => row.try_get("", "created_at")?,
-            // Swept in between (it was old): only a writer's row is ever old enough.
-            None => return Ok(true),
+        let Some(row) = db.query_one(&select).await? else {
+            return Ok(None);
         };
-        Ok(created_at != 0)
+        Ok(Some(row.try_get::<i64>("", "created_at")? != 0))
     }
 }
 
@@ -227,7 +229,7 @@ pub(crate) async fn commit_write(
 /// - A transient [`Error::Database`] when the commit provably did not happen (run the write
 ///   again), or failed before it was sent.
 /// - [`Error::CommitUnknown`] when the outcome cannot be resolved.
-pub(crate) async fn commit(
+async fn commit(
     txn: DatabaseTransaction,
     marker: &Marker,
     db: &DatabaseConnection,

@@ -79,8 +79,6 @@ async fn race_get_or_insert(db: &TestDb, sessions: Vec<Session>, id: i32) {
     for (row, _) in &results {
         assert_eq!(**row, stored, "everyone gets the winner's row");
     }
-    let rows = node::Entity::find().count(&db.db).await.unwrap();
-    assert!(rows >= 1);
 }
 
 /// 16 sessions each `update_or_insert(id, score 0, +1)`: the row ends at 16, one call inserted,

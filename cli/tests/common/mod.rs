@@ -10,26 +10,11 @@ pub async fn connect(url: &str) -> DatabaseConnection {
     Database::connect(options).await.expect("connect")
 }
 
-pub fn unique(tag: &str) -> String {
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.subsec_nanos());
-    format!("fl_{tag}_{}_{nanos:x}", std::process::id())
-}
-
-pub fn server_url(var: &str) -> Option<String> {
-    match std::env::var(var) {
-        Ok(url) if !url.is_empty() => Some(url),
-        _ => {
-            assert!(
-                std::env::var_os("FRESHLOCK_REQUIRE_SERVERS").is_none(),
-                "{var} is not set, but FRESHLOCK_REQUIRE_SERVERS says this run needs it"
-            );
-            eprintln!("SKIPPED: {var} is not set; this test needs that server");
-            None
-        }
-    }
-}
+// The library's test helpers: one `unique` and one URL rule (skip, or fail under
+// `FRESHLOCK_REQUIRE_SERVERS`) for the whole workspace.
+#[path = "../../../tests/common/servers.rs"]
+mod servers;
+pub use servers::{unique, url as server_url};
 
 /// A fresh database on a server, dropped with [`Fresh::drop_database`].
 pub struct Fresh {
