@@ -12,14 +12,23 @@
 //! row, and the lease bookkeeping (owner token, fence, expiry, holder) stays out of your schema.
 //! Keep your own state column if you want one, and update it in the same transaction as the
 //! finish with [`Claims::finish_with`].
+//!
+//! A claim or finish whose `COMMIT` reply is lost is resolved like a locked write's (see
+//! [`crate::SessionBuilder::commit_markers`]): each commits with a commit marker, so the outcome
+//! is read back on another connection — `Claimed` / `Finished` when it committed, a transient
+//! error (nothing was written: call again) when it provably did not, and
+//! [`Error::CommitUnknown`] when the database did not answer in time. A claim is never left held
+//! by a token nobody knows, and a finish that happened is never reported as `Stale`.
 
 use std::{future::Future, pin::Pin, time::Duration};
 
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, TransactionTrait, Value,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, IsolationLevel,
+    TransactionTrait, Value,
 };
 
 use crate::{
+    commit::commit_write,
     error::{ApplyError, Error, Result},
     lock::{
         LockName, holder,
@@ -33,6 +42,7 @@ use crate::{
 pub struct Claims {
     db: DatabaseConnection,
     label: Option<String>,
+    markers: bool,
 }
 
 /// A claim this worker holds: pass it to [`Claims::finish`].
@@ -73,8 +83,23 @@ fn database(operation: &'static str, name: &str, e: sea_orm::DbErr) -> Error {
 
 impl Claims {
     /// Claims in `db` (needs [`crate::schema::ClaimMigration`], part of [`crate::schema::migrations`]).
+    ///
+    /// Commit markers (see the module docs) are on for PostgreSQL and MySQL/MariaDB and off for
+    /// SQLite, as for sessions; they need [`crate::schema::CommitMigration`] too.
     pub fn new(db: DatabaseConnection) -> Self {
-        Self { db, label: None }
+        let markers = db.get_database_backend() != DbBackend::Sqlite;
+        Self {
+            db,
+            label: None,
+            markers,
+        }
+    }
+
+    /// Whether claims and finishes commit with a commit marker, so that a lost `COMMIT` reply
+    /// is resolved (see the module docs). Without, a lost reply is [`Error::CommitUnknown`].
+    pub fn commit_markers(mut self, on: bool) -> Self {
+        self.markers = on;
+        self
     }
 
     /// Records `label` as the claimant's label.
@@ -84,130 +109,188 @@ impl Claims {
     }
 
     /// Claims `key` for `lease`, unless it is done or claimed by a live claim. One short
-    /// statement (two on MySQL); no transaction stays open.
+    /// transaction (one statement in it, two or three on MySQL, plus the commit marker); no
+    /// transaction stays open.
     ///
     /// # Errors
-    /// [`Error::InvalidLease`] when `lease` is shorter than a millisecond (the lease would have
-    /// run out when it was granted, and a second worker would claim the same work); nothing is
-    /// written. [`Error::Database`] when the database fails.
+    /// - [`Error::InvalidLease`] when `lease` is shorter than a millisecond (the lease would have
+    ///   run out when it was granted, and a second worker would claim the same work); nothing is
+    ///   written.
+    /// - [`Error::Database`] when the database fails; when
+    ///   [`is_transient`](Error::is_transient), nothing was claimed and the call can be made
+    ///   again.
+    /// - [`Error::CommitUnknown`] when the commit's reply was lost and could not be resolved.
     pub async fn claim(&self, key: &LockName, lease: Duration) -> Result<ClaimOutcome> {
         if millis(lease) < 1 {
             return Err(Error::InvalidLease { lease });
         }
         let name = key.bounded(MAX_STORED_NAME, false).into_owned();
         let token = holder::new_token();
-        let backend = self.db.get_database_backend();
-        let now = now_ms(backend);
-        let holder = vec![
-            Value::from(token.as_str()),
-            millis(lease).into(),
-            holder::host().into(),
-            i64::from(std::process::id()).into(),
-            self.label.clone().into(),
-        ];
-        let fence = if backend == DbBackend::MySql {
-            let take = format!(
-                "UPDATE {CLAIM_TABLE} SET state = 'processing', fence = fence + 1, owner = ?, \
-                 expires_at = {now} + ?, host = ?, pid = ?, label = ?, claimed_at = {now} \
-                 WHERE name = ? AND state <> 'done' AND expires_at <= {now}"
-            );
-            let mut values = holder.clone();
-            values.push(name.clone().into());
-            let taken = self
-                .db
-                .execute_raw(statement(backend, &take, values))
-                .await
-                .map_err(|e| database("claiming", &name, e))?;
-            if taken.rows_affected() == 1 {
-                self.read_fence(&name, &token).await?
-            } else {
-                let insert = insert_ignore(
-                    backend,
-                    CLAIM_TABLE,
-                    "name, state, owner, fence, expires_at, host, pid, label, claimed_at",
-                    &format!("?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}"),
-                );
-                let mut values = vec![Value::from(name.as_str())];
-                values.extend(holder);
-                let inserted = self
-                    .db
-                    .execute_raw(statement(backend, &insert, values))
-                    .await
-                    .map_err(|e| database("claiming", &name, e))?;
-                (inserted.rows_affected() == 1).then_some(1)
+        let fail = |e| database("claiming", &name, e);
+        let mut tries = 0;
+        let (txn, taken) = loop {
+            tries += 1;
+            let txn = self.begin().await.map_err(fail)?;
+            match self.take(&txn, &name, &token, lease).await {
+                Ok(taken) => break (txn, taken),
+                // Two claimants of one new key can still deadlock on InnoDB; nothing was
+                // written, so the claim is simply tried again.
+                Err(e) if tries < 5 && e.is_deadlock() => {
+                    let _ = txn.rollback().await;
+                }
+                Err(e) => {
+                    let _ = txn.rollback().await;
+                    return Err(e);
+                }
             }
-        } else {
-            let upsert = format!(
-                "INSERT INTO {CLAIM_TABLE} (name, state, owner, fence, expires_at, host, pid, label, claimed_at) \
-                 VALUES (?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}) \
-                 ON CONFLICT (name) DO UPDATE SET state = 'processing', owner = excluded.owner, \
-                 fence = {CLAIM_TABLE}.fence + 1, expires_at = excluded.expires_at, \
-                 host = excluded.host, pid = excluded.pid, label = excluded.label, \
-                 claimed_at = excluded.claimed_at \
-                 WHERE {CLAIM_TABLE}.state <> 'done' AND {CLAIM_TABLE}.expires_at <= {now} \
-                 RETURNING fence"
-            );
-            let mut values = vec![Value::from(name.as_str())];
-            values.extend(holder);
-            let row = self
-                .db
-                .query_one_raw(statement(backend, &upsert, values))
-                .await
-                .map_err(|e| database("claiming", &name, e))?;
-            row.map(|r| r.try_get::<i64>("", "fence"))
-                .transpose()
-                .map_err(|e| database("claiming", &name, e))?
         };
-        if let Some(fence) = fence {
+        if let Some(fence) = taken {
+            commit_write(txn, self.markers, &self.db, &name).await?;
             return Ok(ClaimOutcome::Claimed(Claim {
                 name,
                 token,
                 fence: u64::try_from(fence).unwrap_or(0),
             }));
         }
+        let backend = txn.get_database_backend();
         let read = format!("SELECT state FROM {CLAIM_TABLE} WHERE name = ?");
-        let row = self
-            .db
+        let row = txn
             .query_one_raw(statement(backend, &read, vec![name.clone().into()]))
-            .await
-            .map_err(|e| database("claiming", &name, e))?;
+            .await;
+        // Nothing was written: end the transaction either way.
+        let _ = txn.rollback().await;
         let state = row
-            .map(|r| r.try_get::<String>("", "state"))
-            .transpose()
-            .map_err(|e| database("claiming", &name, e))?;
+            .and_then(|row| row.map(|r| r.try_get::<String>("", "state")).transpose())
+            .map_err(fail)?;
         Ok(match state.as_deref() {
             Some("done") => ClaimOutcome::Done,
             _ => ClaimOutcome::Busy,
         })
     }
 
-    async fn read_fence(&self, name: &str, token: &str) -> Result<Option<i64>> {
-        let backend = self.db.get_database_backend();
-        let read = format!("SELECT fence FROM {CLAIM_TABLE} WHERE name = ? AND owner = ?");
-        let row = self
-            .db
-            .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
+    /// A claim's transaction: READ COMMITTED on MySQL/MariaDB, where REPEATABLE READ would
+    /// gap-lock a missing key on the first statement and deadlock two claimants inserting it.
+    async fn begin(&self) -> std::result::Result<DatabaseTransaction, sea_orm::DbErr> {
+        if self.db.get_database_backend() == DbBackend::MySql {
+            self.db
+                .begin_with_config(Some(IsolationLevel::ReadCommitted), None)
+                .await
+        } else {
+            self.db.begin().await
+        }
+    }
+
+    /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.
+    async fn take(
+        &self,
+        txn: &DatabaseTransaction,
+        name: &str,
+        token: &str,
+        lease: Duration,
+    ) -> Result<Option<i64>> {
+        let backend = txn.get_database_backend();
+        let now = now_ms(backend);
+        let fail = |e| database("claiming", name, e);
+        let holder = vec![
+            Value::from(token),
+            millis(lease).into(),
+            holder::host().into(),
+            i64::from(std::process::id()).into(),
+            self.label.clone().into(),
+        ];
+        if backend == DbBackend::MySql {
+            let take = format!(
+                "UPDATE {CLAIM_TABLE} SET state = 'processing', fence = fence + 1, owner = ?, \
+                 expires_at = {now} + ?, host = ?, pid = ?, label = ?, claimed_at = {now} \
+                 WHERE name = ? AND state <> 'done' AND expires_at <= {now}"
+            );
+            let mut values = holder.clone();
+            values.push(name.into());
+            let taken = txn
+                .execute_raw(statement(backend, &take, values))
+                .await
+                .map_err(fail)?;
+            if taken.rows_affected() == 1 {
+                let read = format!("SELECT fence FROM {CLAIM_TABLE} WHERE name = ? AND owner = ?");
+                let row = txn
+                    .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
+                    .await
+                    .map_err(fail)?;
+                return row
+                    .map(|r| r.try_get::<i64>("", "fence"))
+                    .transpose()
+                    .map_err(fail);
+            }
+            let insert = insert_ignore(
+                backend,
+                CLAIM_TABLE,
+                "name, state, owner, fence, expires_at, host, pid, label, claimed_at",
+                &format!("?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}"),
+            );
+            let mut values = vec![Value::from(name)];
+            values.extend(holder);
+            let inserted = txn
+                .execute_raw(statement(backend, &insert, values))
+                .await
+                .map_err(fail)?;
+            return Ok((inserted.rows_affected() == 1).then_some(1));
+        }
+        let upsert = format!(
+            "INSERT INTO {CLAIM_TABLE} (name, state, owner, fence, expires_at, host, pid, label, claimed_at) \
+             VALUES (?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}) \
+             ON CONFLICT (name) DO UPDATE SET state = 'processing', owner = excluded.owner, \
+             fence = {CLAIM_TABLE}.fence + 1, expires_at = excluded.expires_at, \
+             host = excluded.host, pid = excluded.pid, label = excluded.label, \
+             claimed_at = excluded.claimed_at \
+             WHERE {CLAIM_TABLE}.state <> 'done' AND {CLAIM_TABLE}.expires_at <= {now} \
+             RETURNING fence"
+        );
+        let mut values = vec![Value::from(name)];
+        values.extend(holder);
+        let row = txn
+            .query_one_raw(statement(backend, &upsert, values))
             .await
-            .map_err(|e| database("claiming", name, e))?;
+            .map_err(fail)?;
         row.map(|r| r.try_get::<i64>("", "fence"))
             .transpose()
-            .map_err(|e| database("claiming", name, e))
+            .map_err(fail)
     }
 
     /// Marks the claimed work done, only while the claim is still this worker's.
     ///
     /// # Errors
-    /// [`Error::Database`] when the database fails.
+    /// [`Error::Database`] when the database fails; when [`is_transient`](Error::is_transient),
+    /// nothing was written and the claim is still this worker's: call again.
+    /// [`Error::CommitUnknown`] when the commit's reply was lost and could not be resolved.
     pub async fn finish(&self, claim: &Claim) -> Result<FinishOutcome> {
         let txn = self
             .db
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;
-        let outcome = mark_done(&txn, claim).await?;
-        txn.commit()
-            .await
-            .map_err(|e| database("finishing", &claim.name, e))?;
+        let outcome = match mark_done(&txn, claim).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                let _ = txn.rollback().await;
+                return Err(e);
+            }
+        };
+        self.end(txn, outcome, &claim.name).await
+    }
+
+    /// Commits a finish that marked the claim done (with a marker), or rolls back one that
+    /// found it stale (nothing to commit).
+    async fn end(
+        &self,
+        txn: DatabaseTransaction,
+        outcome: FinishOutcome,
+        name: &str,
+    ) -> Result<FinishOutcome> {
+        if outcome == FinishOutcome::Stale {
+            let _ = txn.rollback().await;
+            return Ok(outcome);
+        }
+        commit_write(txn, self.markers, &self.db, name).await?;
         Ok(outcome)
     }
 
@@ -215,8 +298,8 @@ impl Claims {
     /// still ours (to set your own state column, store the result…): both commit, or neither.
     ///
     /// # Errors
-    /// [`Error::Database`] when the database fails; [`Error::Apply`] when `also` fails (nothing
-    /// is committed then).
+    /// As [`finish`](Self::finish) (`also`'s writes commit or not with the claim's); and
+    /// [`Error::Apply`] when `also` fails (nothing is committed then).
     pub async fn finish_with<F>(&self, claim: &Claim, also: F) -> Result<FinishOutcome>
     where
         F: for<'t> FnOnce(
@@ -229,7 +312,13 @@ impl Claims {
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;
-        let outcome = mark_done(&txn, claim).await?;
+        let outcome = match mark_done(&txn, claim).await {
+            Ok(outcome) => outcome,
+            Err(e) => {
+                let _ = txn.rollback().await;
+                return Err(e);
+            }
+        };
         if outcome == FinishOutcome::Finished
             && let Err(source) = also(&txn).await
         {
@@ -239,10 +328,7 @@ impl Claims {
                 source: source.into_inner(),
             });
         }
-        txn.commit()
-            .await
-            .map_err(|e| database("finishing", &claim.name, e))?;
-        Ok(outcome)
+        self.end(txn, outcome, &claim.name).await
     }
 }
 

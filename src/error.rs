@@ -153,6 +153,13 @@ impl Error {
             _ => false,
         }
     }
+
+    /// Whether the database broke a deadlock by failing this statement.
+    pub(crate) fn is_deadlock(&self) -> bool {
+        matches!(self, Self::Database { source, .. } if source
+            .downcast_ref::<sea_orm::DbErr>()
+            .is_some_and(|e| crate::db_error::classify(e) == crate::db_error::Failure::Deadlock))
+    }
 }
 
 /// What went wrong in a lock backend.

@@ -283,6 +283,129 @@ async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
     assert_eq!(acknowledged + unknown + failed, TASKS * ROUNDS);
 }
 
+const JOBS: u32 = 40;
+const CLAIM_WORKERS: u32 = 4;
+
+/// Four workers claim and finish 40 jobs through a proxy that loses every 7th `COMMIT` reply
+/// (claims and finishes alike). A lost claim commit that happened is resolved as `Claimed` (not
+/// left held by a token nobody knows until its lease runs out), a lost finish commit that
+/// happened as `Finished` (not `Stale`): every job ends done, finished exactly once, and every
+/// acknowledged finish is a done row.
+async fn lost_claim_commit_replies(db: Option<TestDb>, markers: bool) {
+    let Some(db) = db else { return };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let (proxied, _) = through(&proxy, &db, false).await;
+    proxy.cut_every(7);
+    let finished = Arc::new(AtomicU32::new(0));
+    let unknown = Arc::new(AtomicU32::new(0));
+    let start = Arc::new(Barrier::new(CLAIM_WORKERS as usize));
+    let workers: Vec<_> = (0..CLAIM_WORKERS)
+        .map(|w| {
+            let claims = freshlock::Claims::new(proxied.clone())
+                .commit_markers(markers)
+                .with_label(format!("worker {w}"));
+            let (finished, unknown, start) = (
+                Arc::clone(&finished),
+                Arc::clone(&unknown),
+                Arc::clone(&start),
+            );
+            tokio::spawn(async move {
+                start.wait().await;
+                // Jobs in a different order per worker, so claims collide.
+                let mut open: Vec<u32> = (0..JOBS).map(|j| (j + w * 10) % JOBS).collect();
+                // Without markers a lost claim reply strands its job for the 60 s lease: give up
+                // on it sooner.
+                let within = Duration::from_secs(if markers { 30 } else { 6 });
+                let deadline = tokio::time::Instant::now() + within;
+                while !open.is_empty() && tokio::time::Instant::now() < deadline {
+                    let job = open[0];
+                    let key = freshlock::LockName::new(format!("job:{job}")).unwrap();
+                    match claims.claim(&key, Duration::from_secs(60)).await {
+                        Ok(freshlock::ClaimOutcome::Claimed(claim)) => loop {
+                            match claims.finish(&claim).await {
+                                Ok(freshlock::FinishOutcome::Finished) => {
+                                    finished.fetch_add(1, Ordering::SeqCst);
+                                    open.remove(0);
+                                    break;
+                                }
+                                Ok(outcome) => panic!("job {job}: our own claim was {outcome:?}"),
+                                Err(Error::CommitUnknown { .. }) => {
+                                    unknown.fetch_add(1, Ordering::SeqCst);
+                                    open.remove(0);
+                                    break;
+                                }
+                                Err(e) if e.is_transient() => continue,
+                                Err(e) => panic!("job {job}: {e}"),
+                            }
+                        },
+                        Ok(freshlock::ClaimOutcome::Done) => {
+                            open.remove(0);
+                        }
+                        // Claimed by a live claim: look at it again after the others.
+                        Ok(_) => open.rotate_left(1),
+                        Err(Error::CommitUnknown { .. }) => {
+                            unknown.fetch_add(1, Ordering::SeqCst);
+                            open.rotate_left(1);
+                        }
+                        Err(e) if e.is_transient() => {}
+                        Err(e) => panic!("job {job}: {e}"),
+                    }
+                }
+                open.len()
+            })
+        })
+        .collect();
+    let mut stranded = 0;
+    for worker in workers {
+        stranded += worker.await.unwrap();
+    }
+    let done: i64 = db
+        .db
+        .query_one_raw(Statement::from_string(
+            db.db.get_database_backend(),
+            "SELECT COUNT(*) AS n FROM freshlock_claim WHERE state = 'done'",
+        ))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get("", "n")
+        .unwrap();
+    let (finished, unknown) = (
+        finished.load(Ordering::SeqCst),
+        unknown.load(Ordering::SeqCst),
+    );
+    eprintln!(
+        "claims (markers {markers}): {} commit replies cut; {finished} finished, {unknown} \
+         unknown, {done} done rows, {stranded} jobs left open by some worker",
+        proxy.cuts()
+    );
+    assert!(proxy.cuts() >= 5, "the proxy cut commit replies");
+    if markers {
+        assert_eq!(unknown, 0, "every lost reply was resolved");
+        assert_eq!(stranded, 0, "no job was left claimed by a lost token");
+        assert_eq!(
+            (done, finished),
+            (i64::from(JOBS), JOBS),
+            "each job finished exactly once"
+        );
+    } else {
+        assert!(
+            unknown > 0,
+            "without markers a lost reply is reported as unknown"
+        );
+        assert!(
+            i64::from(finished) <= done,
+            "every acknowledged finish is a done row"
+        );
+    }
+}
+
+servers::server_tests! {
+    claims_commit_cut_postgres: lost_claim_commit_replies, true, postgres;
+    claims_commit_cut_mysql: lost_claim_commit_replies, true, mysql;
+    claims_unmarked_commit_cut_postgres: lost_claim_commit_replies, false, postgres;
+}
+
 servers::server_tests! {
     commit_cut_local_postgres: lost_commit_replies, LockKind::Local, postgres;
     commit_cut_table_postgres: lost_commit_replies, LockKind::Table, postgres;
