@@ -297,8 +297,12 @@ where
             }
         };
 
-        // Only now, after commit or rollback.
-        let report = locking.release().await;
+        // Only now, after commit or rollback. A key that does not exist leaves no lock row.
+        let report = if matches!(result, Ok(Written::NotFound)) {
+            locking.retire().await
+        } else {
+            locking.release().await
+        };
         result.map(|outcome| Report {
             outcome,
             lock: report,

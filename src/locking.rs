@@ -156,41 +156,86 @@ impl Locking {
     /// it. A timed-out lock wait aborts a PostgreSQL transaction: it is ended either way, and a
     /// clean one begun if the policy says to go on without the lock.
     pub(crate) async fn begin(&mut self, db: &DatabaseConnection) -> Result<DatabaseTransaction> {
-        let began = |e| database("beginning the transaction for", &self.target, e);
-        let txn = begin(db).await.map_err(began)?;
-        if !self.in_transaction {
+        Self::begin_all(std::slice::from_mut(self), db).await
+    }
+
+    /// [`begin`](Self::begin) for several locks (in their order, which callers make canonical):
+    /// one transaction, every transaction-scoped lock taken in it. When one cannot be had and the
+    /// policy says to go on, the transaction is begun again without it (and the ones before it
+    /// taken again).
+    pub(crate) async fn begin_all(
+        lockings: &mut [Locking],
+        db: &DatabaseConnection,
+    ) -> Result<DatabaseTransaction> {
+        let mut skipped = vec![false; lockings.len()];
+        'again: loop {
+            let txn = begin(db).await.map_err(|e| {
+                let target = lockings.first().map(|l| l.target.to_string());
+                database(
+                    "beginning the transaction for",
+                    &target.unwrap_or_default(),
+                    e,
+                )
+            })?;
+            for (locking, skipped) in lockings.iter_mut().zip(skipped.iter_mut()) {
+                if !locking.in_transaction || *skipped {
+                    continue;
+                }
+                if let Err(failure) = locking.lock_in(&txn).await {
+                    let _ = txn.rollback().await;
+                    locking.unavailable(failure)?;
+                    *skipped = true;
+                    continue 'again;
+                }
+            }
             return Ok(txn);
         }
+    }
+
+    /// Takes this transaction-scoped lock in `txn`: `Err` with the backend's error, if any, when
+    /// it could not be had.
+    async fn lock_in(
+        &mut self,
+        txn: &DatabaseTransaction,
+    ) -> std::result::Result<(), Option<LockError>> {
         let started = tokio::time::Instant::now();
         let locked = self
             .backend
-            .lock_in_transaction(&txn, &self.report.name, self.wait)
+            .lock_in_transaction(txn, &self.report.name, self.wait)
             .await;
         self.report.tries = 1;
         self.report.waited += started.elapsed();
-        let failure = match locked {
+        match locked {
             Ok(true) => {
                 self.report.held = true;
-                return Ok(txn);
+                Ok(())
             }
-            Ok(false) => None,
-            Err(source) => Some(source),
-        };
-        let _ = txn.rollback().await;
-        self.unavailable(failure)?;
-        begin(db)
-            .await
-            .map_err(|e| database("beginning the transaction for", &self.target, e))
+            Ok(false) => Err(None),
+            Err(source) => Err(Some(source)),
+        }
     }
 
     /// Releases the lock — only call this after the transaction ended: releasing earlier would
     /// let the next holder reload data this transaction had not committed yet. A failed release
     /// does not undo a commit: it is reported, and the lease runs out by its TTL.
-    pub(crate) async fn release(mut self) -> LockReport {
+    pub(crate) async fn release(self) -> LockReport {
+        self.end(false).await
+    }
+
+    /// [`release`](Self::release) for a key that turned out not to exist: the lease's row is
+    /// dropped where it has no history (see [`crate::lock::LockGuard::retire`]).
+    pub(crate) async fn retire(self) -> LockReport {
+        self.end(true).await
+    }
+
+    async fn end(mut self, retire: bool) -> LockReport {
         crate::metrics::lock_wait(self.report.backend, self.report.held, self.report.waited);
-        if let Some(guard) = self.guard.take()
-            && let Err(error) = guard.release().await
-        {
+        let released = match self.guard.take() {
+            Some(guard) if retire => Some(guard.retire().await),
+            Some(guard) => Some(guard.release().await),
+            None => None,
+        };
+        if let Some(Err(error)) = released {
             warn!(lock = %self.report.name, %error, "lock release failed; the lease runs out by its TTL");
             self.report.release_error = Some(error.to_string());
         }

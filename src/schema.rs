@@ -1,9 +1,12 @@
 //! freshlock's own tables, as a sea-orm migration to add to your `Migrator`.
 //!
-//! - `freshlock_lock` — one row per lock name, never deleted: owner token, lease expiry (database
-//!   clock, milliseconds since the Unix epoch), fence counter, and who holds it (host, pid, label,
+//! - `freshlock_lock` — one row per lock name: owner token, lease expiry (database clock,
+//!   milliseconds since the Unix epoch), fence counter, and who holds it (host, pid, label,
 //!   acquired-at). The [`TableLock`](crate::lock::TableLock) backend leases these rows; the
-//!   other lease backends keep their fence counters here.
+//!   other lease backends keep their fence counters here. The row named `''` (no lock has an
+//!   empty name) is the **fence floor** ([`FloorMigration`]): a new row's first fence is one
+//!   above it, and [`crate::inspect::compact`] raises it to the highest fence of the rows it
+//!   deletes, so every name's fences keep growing across deletions.
 //! - `freshlock_claim` — claims with a lease ([`crate::claim::Claims`]).
 //! - `freshlock_row_lock` — one row per lock name, locked with `SELECT … FOR UPDATE` by the
 //!   [`RowLock`](crate::lock::RowLock) backend (the Django report's `HamLock`).
@@ -28,6 +31,8 @@ pub const ROW_LOCK_TABLE: &str = "freshlock_row_lock";
 pub const CLAIM_TABLE: &str = "freshlock_claim";
 /// The name of the commit-marker table (see [`CommitMigration`]).
 pub const COMMIT_TABLE: &str = "freshlock_commit";
+/// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
+pub(crate) const FLOOR_NAME: &str = "";
 /// The name of the migration that creates them, as it appears in `seaql_migrations`.
 pub const MIGRATION_NAME: &str = "m20261130_000100_create_freshlock_tables";
 /// Longest lock name stored as it is; longer ones are stored as prefix + hash.
@@ -269,12 +274,55 @@ async fn exact_names(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     Ok(())
 }
 
+/// The name of the migration that adds the fence floor.
+pub const FLOOR_MIGRATION_NAME: &str = "m20261130_000400_freshlock_lock_floor";
+
+/// The migration that adds the fence-floor row to `freshlock_lock` (see the module docs), so
+/// that lock rows nobody needs can be deleted without a name's fences ever going back. Without
+/// it the floor is taken as 0 (and created by the first [`crate::inspect::compact`]); on
+/// MySQL/MariaDB a present floor row also keeps new names' first grants from gap-locking.
+pub struct FloorMigration;
+
+impl MigrationName for FloorMigration {
+    fn name(&self) -> &str {
+        FLOOR_MIGRATION_NAME
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for FloorMigration {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        insert_floor(manager.get_connection()).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        // The floor stays: removing it could let a deleted name's fences start over.
+        let _ = manager;
+        Ok(())
+    }
+}
+
+/// Inserts the fence-floor row at 0 unless it is there.
+pub(crate) async fn insert_floor(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+    let backend = db.get_database_backend();
+    let insert = crate::lock::sql::insert_ignore(
+        backend,
+        LOCK_TABLE,
+        "name, fence, expires_at",
+        &format!("'{FLOOR_NAME}', 0, 0"),
+    );
+    db.execute_raw(sea_orm::Statement::from_string(backend, insert))
+        .await
+        .map(drop)
+}
+
 /// All of freshlock's migrations, oldest first: append them to your `Migrator`'s list.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
     vec![
         Box::new(Migration),
         Box::new(ClaimMigration),
         Box::new(CommitMigration),
+        Box::new(FloorMigration),
     ]
 }
 
@@ -288,5 +336,6 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&row_lock_table()).await?;
     db.execute(&claim_table()).await?;
     db.execute(&commit_table()).await?;
-    exact_names(db).await
+    exact_names(db).await?;
+    insert_floor(db).await
 }

@@ -203,7 +203,8 @@ async fn lease_expiry_follows_the_database_clock() {
     let row = db
         .query_one_raw(Statement::from_string(
             db.get_database_backend(),
-            "SELECT expires_at - acquired_at AS lease, label, pid FROM freshlock_lock",
+            "SELECT expires_at - acquired_at AS lease, label, pid FROM freshlock_lock \
+             WHERE name = 'clock:1'",
         ))
         .await
         .unwrap()

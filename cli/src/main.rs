@@ -3,12 +3,13 @@
 //! ```text
 //! freshlock demo [--database-url URL] [--lock KIND] [--nodes N] [--workers N] [--work-ms A-B] [--seed S] [--json]
 //! freshlock --database-url URL locks [--expired] [--json]
-//! freshlock --database-url URL release --stale [--json]
+//! freshlock --database-url URL release [--stale] [--compact [--idle-secs N]] [--json]
 //! ```
 //!
 //! It reads freshlock's `freshlock_lock` table (the `table` backend's leases). Expiry is judged by
 //! the database clock; `release --stale` re-checks it in the clearing statement, so a live lease
-//! is never cleared.
+//! is never cleared. `release --compact` deletes the lock rows nobody needs, keeping every
+//! name's fences growing (`freshlock::inspect::compact`).
 
 use std::{process::ExitCode, time::Duration};
 
@@ -66,11 +67,21 @@ enum Command {
         #[arg(long)]
         expired: bool,
     },
-    /// Clear leases.
+    /// Clear leases that have run out, and delete lock rows nobody needs (live leases are
+    /// never touched).
+    #[command(group = clap::ArgGroup::new("what").required(true).multiple(true).args(["stale", "compact"]))]
     Release {
-        /// Clear the leases that have run out (required: live leases are never cleared).
-        #[arg(long, required = true)]
+        /// Clear the leases that have run out.
+        #[arg(long)]
         stale: bool,
+        /// Delete the lock rows nobody holds that were last granted `--idle-secs` ago or
+        /// earlier, raising the fence floor so every name's fences keep growing; and the `row`
+        /// backend's lock rows no transaction holds. After `--stale` when both are given.
+        #[arg(long)]
+        compact: bool,
+        /// With `--compact`: how long a row must have been idle, in seconds.
+        #[arg(long, default_value_t = 600, requires = "compact")]
+        idle_secs: u64,
     },
 }
 
@@ -177,12 +188,33 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
             }
         }
         Command::Demo { .. } => {}
-        Command::Release { stale: _ } => {
-            let cleared = inspect::release_stale(&db).await?;
+        Command::Release {
+            stale,
+            compact,
+            idle_secs,
+        } => {
+            let mut report = serde_json::Map::new();
+            if stale {
+                let cleared = inspect::release_stale(&db).await?;
+                report.insert("released".into(), cleared.into());
+                if !cli.json {
+                    println!("released {cleared} expired lease(s)");
+                }
+            }
+            if compact {
+                let done = inspect::compact(&db, Duration::from_secs(idle_secs)).await?;
+                report.insert("deleted_lock_rows".into(), done.lock_rows.into());
+                report.insert("deleted_row_lock_rows".into(), done.row_lock_rows.into());
+                report.insert("fence_floor".into(), done.floor.into());
+                if !cli.json {
+                    println!(
+                        "deleted {} lock row(s) and {} row-lock row(s); fence floor {}",
+                        done.lock_rows, done.row_lock_rows, done.floor
+                    );
+                }
+            }
             if cli.json {
-                println!("{}", serde_json::json!({ "released": cleared }));
-            } else {
-                println!("released {cleared} expired lease(s)");
+                println!("{}", serde_json::Value::Object(report));
             }
         }
     }

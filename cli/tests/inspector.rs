@@ -1,5 +1,7 @@
-//! The inspector command against a SQLite file: a live lease is listed with its holder and never
-//! cleared; an expired one is listed with `--expired` and cleared by `release --stale`.
+//! The inspector command on SQLite, PostgreSQL and MariaDB: a live lease is listed with its
+//! holder and never cleared; an expired one is listed with `--expired` and cleared by `release
+//! --stale`; `release --compact` then deletes the rows nobody holds and the name's next fence is
+//! above every earlier one.
 
 mod common;
 
@@ -111,6 +113,41 @@ async fn lists_and_clears(url: &str) {
         "the live lease stays"
     );
     assert_eq!(freshlock(&url, &["release", "--stale"])["released"], 0);
+
+    // ham:2 was released by `--stale`; ham:3 is granted and released again and again. Rows
+    // granted less than an hour ago stay; with `--idle-secs 0` the free ones go, the held one
+    // (ham:1) stays, and the fence floor covers what was deleted.
+    let ham3 = LockName::new("ham:3").unwrap();
+    let mut last = 0;
+    for _ in 0..4 {
+        let guard = live
+            .acquire(&ham3, Duration::ZERO, Duration::from_secs(60))
+            .await
+            .unwrap()
+            .unwrap();
+        last = guard.fence().unwrap();
+        guard.release().await.unwrap();
+    }
+    let kept = freshlock(&url, &["release", "--compact", "--idle-secs", "3600"]);
+    assert_eq!(kept["deleted_lock_rows"], 0);
+    let both = freshlock(
+        &url,
+        &["release", "--stale", "--compact", "--idle-secs", "0"],
+    );
+    assert_eq!(both["released"], 0);
+    assert_eq!(both["deleted_lock_rows"], 2, "ham:2 and ham:3: {both}");
+    assert!(both["fence_floor"].as_i64().unwrap() >= last as i64);
+    assert_eq!(names(&freshlock(&url, &["locks"])), ["ham:1"]);
+    let again = live
+        .acquire(&ham3, Duration::ZERO, Duration::from_secs(60))
+        .await
+        .unwrap()
+        .unwrap();
+    assert!(
+        again.fence().unwrap() > last,
+        "fences of ham:3 keep growing"
+    );
+    again.release().await.unwrap();
     held.release().await.unwrap();
     db.close().await.unwrap();
 }

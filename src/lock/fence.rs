@@ -1,11 +1,14 @@
 //! Fence counters in `freshlock_lock` for lease backends whose server issues none (MySQL
-//! `GET_LOCK`, Redis): bumped on every grant, checked in the transaction of the write.
+//! `GET_LOCK`, Redis): bumped on every grant (a new row starts one above the fence floor, see
+//! [`super::floor`]), checked in the transaction of the write.
 
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
 #[cfg(feature = "redis")]
 use sea_orm::{DatabaseConnection, TransactionTrait};
 
 use super::sql::{lock_error, statement};
+#[cfg(feature = "redis")]
+use super::{floor, sql::now_ms};
 use crate::{error::LockError, schema::LOCK_TABLE};
 
 /// Issues the next fence of `name` (the bounded, stored name) on `db`.
@@ -18,10 +21,14 @@ pub(crate) async fn bump(
 ) -> Result<u64, LockError> {
     let fail = |e| lock_error(kind, LOCK_TABLE, e);
     let txn = db.begin().await.map_err(fail)?;
+    let now = now_ms(backend);
     let fence = if backend == DbBackend::MySql {
         let upsert = format!(
-            "INSERT INTO {LOCK_TABLE} (name, fence, expires_at) VALUES (?, 1, 0) \
-             ON DUPLICATE KEY UPDATE fence = fence + 1"
+            "INSERT INTO {LOCK_TABLE} (name, fence, expires_at, acquired_at) \
+             SELECT ?, {first}, 0, {now}{floor} \
+             ON DUPLICATE KEY UPDATE fence = {LOCK_TABLE}.fence + 1, acquired_at = {now}",
+            first = floor::MYSQL_FIRST_FENCE,
+            floor = floor::mysql_floor(),
         );
         txn.execute_raw(statement(backend, &upsert, vec![name.into()]))
             .await
@@ -32,8 +39,11 @@ pub(crate) async fn bump(
             .map_err(fail)?
     } else {
         let upsert = format!(
-            "INSERT INTO {LOCK_TABLE} (name, fence, expires_at) VALUES (?, 1, 0) \
-             ON CONFLICT (name) DO UPDATE SET fence = {LOCK_TABLE}.fence + 1 RETURNING fence"
+            "INSERT INTO {LOCK_TABLE} (name, fence, expires_at, acquired_at) \
+             VALUES (?, {first}, 0, {now}) \
+             ON CONFLICT (name) DO UPDATE SET fence = {LOCK_TABLE}.fence + 1, \
+             acquired_at = excluded.acquired_at RETURNING fence",
+            first = floor::first_fence(),
         );
         txn.query_one_raw(statement(backend, &upsert, vec![name.into()]))
             .await
@@ -46,6 +56,26 @@ pub(crate) async fn bump(
         .unwrap_or(0);
     txn.commit().await.map_err(fail)?;
     Ok(u64::try_from(fence).unwrap_or(0))
+}
+
+/// Deletes the fence row of `name` when it still holds `fence` and has no fence above the floor
+/// but that one (see [`LockGuard::retire`](super::LockGuard::retire)). Call it while the lock
+/// is still held, so no other grant bumps the row meanwhile. Returns whether it was deleted.
+#[cfg(feature = "redis")]
+pub(crate) async fn retire(
+    db: &DatabaseConnection,
+    kind: &'static str,
+    name: &str,
+    fence: u64,
+) -> Result<bool, LockError> {
+    let backend = db.get_database_backend();
+    let fence = i64::try_from(fence).unwrap_or(i64::MAX);
+    let delete = floor::retire_sql("fence = ?");
+    let done = db
+        .execute_raw(statement(backend, &delete, vec![name.into(), fence.into()]))
+        .await
+        .map_err(|e| lock_error(kind, LOCK_TABLE, e))?;
+    Ok(done.rows_affected() == 1)
 }
 
 /// Whether `fence` is still the newest grant of `name`. Locks the counter row until the

@@ -19,6 +19,7 @@ mod any;
 mod backoff;
 #[cfg(any(feature = "mysql", feature = "redis"))]
 mod fence;
+pub(crate) mod floor;
 pub(crate) mod holder;
 mod local;
 #[cfg(feature = "mysql")]
@@ -156,4 +157,16 @@ pub trait LockGuard: Send + Sync + fmt::Debug {
     /// # Errors
     /// [`LockError`] when the backend could not be told; the lease then runs out by its TTL.
     async fn release(self: Box<Self>) -> Result<(), LockError>;
+
+    /// Releases the lock of a key that turned out not to exist (`locked_update` found no row,
+    /// so this grant protected no write). Backends that keep a row per name in
+    /// `freshlock_lock` delete it when it has no fence above the floor but this grant's (see
+    /// [`crate::schema`]), so keys that never existed leave no rows; the unused fence may then
+    /// be issued again. The default releases.
+    ///
+    /// # Errors
+    /// As [`release`](Self::release).
+    async fn retire(self: Box<Self>) -> Result<(), LockError> {
+        self.release().await
+    }
 }

@@ -108,8 +108,13 @@ impl LockBackend for MySqlNamedLock {
 /// upsert wrote, on this connection only).
 async fn bump_on(conn: &mut PoolConnection<MySql>, name: &str) -> Result<u64, LockError> {
     // A literal (the table name is a constant): sqlx only takes audited SQL strings.
-    const UPSERT: &str = "INSERT INTO freshlock_lock (name, fence, expires_at) \
-        VALUES (?, LAST_INSERT_ID(1), 0) ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(fence + 1)";
+    // A new row starts one above the fence floor (read under a shared lock, see `floor.rs`).
+    const UPSERT: &str = "INSERT INTO freshlock_lock (name, fence, expires_at, acquired_at) \
+        SELECT ?, LAST_INSERT_ID(COALESCE(MAX(floor_row.fence), 0) + 1), 0, \
+        CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED) \
+        FROM freshlock_lock AS floor_row WHERE floor_row.name = '' LOCK IN SHARE MODE \
+        ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(freshlock_lock.fence + 1), \
+        acquired_at = CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
     sea_orm::sqlx::query(UPSERT)
         .bind(name)
         .execute(&mut **conn)
@@ -153,6 +158,24 @@ impl LockGuard for MySqlNamedGuard {
 
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
         fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    }
+
+    async fn retire(mut self: Box<Self>) -> Result<(), LockError> {
+        // While the named lock is held, on its own connection: no other grant bumps the row.
+        const RETIRE: &str = "DELETE FROM freshlock_lock WHERE name = ? AND fence = ? AND \
+            fence <= (SELECT bound FROM (SELECT COALESCE(MAX(fence), 0) + 1 AS bound \
+            FROM freshlock_lock WHERE name = '') AS floor_row)";
+        if let Some(conn) = self.conn.as_mut() {
+            let deleted = sea_orm::sqlx::query(RETIRE)
+                .bind(&self.fence_name)
+                .bind(i64::try_from(self.fence).unwrap_or(i64::MAX))
+                .execute(&mut **conn)
+                .await;
+            if let Err(error) = deleted {
+                warn!(lock = %self.server_name, %error, "deleting the fence row of a missing key failed");
+            }
+        }
+        self.release().await
     }
 
     async fn release(mut self: Box<Self>) -> Result<(), LockError> {

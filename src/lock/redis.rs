@@ -155,6 +155,7 @@ impl LockBackend for RedisLock {
             .await?;
             if set.is_some() {
                 let mut guard = RedisGuard {
+                    fences: self.fences.clone(),
                     redis: redis.clone(),
                     key,
                     token,
@@ -175,6 +176,7 @@ impl LockBackend for RedisLock {
 
 /// A Redis lease.
 struct RedisGuard {
+    fences: sea_orm::DatabaseConnection,
     redis: ConnectionManager,
     key: String,
     token: String,
@@ -231,6 +233,14 @@ impl LockGuard for RedisGuard {
 
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
         fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    }
+
+    async fn retire(self: Box<Self>) -> Result<(), LockError> {
+        // While the Redis lease is held: no other grant bumps the row meanwhile.
+        if let Err(error) = fence::retire(&self.fences, KIND, &self.fence_name, self.fence).await {
+            tracing::warn!(key = %self.key, %error, "deleting the fence row of a missing key failed");
+        }
+        self.release().await
     }
 
     async fn release(mut self: Box<Self>) -> Result<(), LockError> {

@@ -102,51 +102,64 @@ impl LockBackend for RowLock {
         {
             return Ok(true);
         }
-        if exists != Some(true) {
-            // Missing (or, on PostgreSQL, maybe held): create it in this transaction. A row we
-            // insert stays locked by us until we end, so inserting it *is* taking the lock; a
-            // concurrent creator's uncommitted insert makes ours wait, bounded like any lock
-            // wait. No second connection of the pool is needed (a pool of 1 works), and a
-            // transaction that rolls back — an update whose row turned out missing — leaves no
-            // lock row behind.
-            // MySQL/MariaDB: `ON DUPLICATE KEY UPDATE` takes the exclusive lock on a row a
-            // concurrent creator made (where `INSERT IGNORE` takes a shared one, and two shared
-            // holders upgrading to exclusive deadlock), so either way this statement takes the
-            // lock. PostgreSQL: `ON CONFLICT DO NOTHING` locks nothing on a conflict; the
-            // locking read below does.
-            let insert = if backend == DbBackend::MySql {
-                format!(
-                    "INSERT INTO {ROW_LOCK_TABLE} (name) VALUES (?) \
-                     ON DUPLICATE KEY UPDATE name = name"
-                )
-            } else {
-                insert_ignore(backend, ROW_LOCK_TABLE, "name", "?")
-            };
-            let insert = statement(backend, &insert, vec![stored.clone().into()]);
-            let inserted = with_lock_timeout(txn, wait, async {
-                txn.execute_raw(insert)
+        // A compaction (`inspect::compact`) may delete the row while we wait for it: then the
+        // locking read finds nothing, and the row is created again (bounded: a few rounds).
+        let mut create = exists != Some(true);
+        for _ in 0..3 {
+            if create {
+                // Missing (or, on PostgreSQL, maybe held): create it in this transaction. A row
+                // we insert stays locked by us until we end, so inserting it *is* taking the
+                // lock; a concurrent creator's uncommitted insert makes ours wait, bounded like
+                // any lock wait. No second connection of the pool is needed (a pool of 1
+                // works), and a transaction that rolls back — an update whose row turned out
+                // missing — leaves no lock row behind.
+                // MySQL/MariaDB: `ON DUPLICATE KEY UPDATE` takes the exclusive lock on a row a
+                // concurrent creator made (where `INSERT IGNORE` takes a shared one, and two
+                // shared holders upgrading to exclusive deadlock), so either way this statement
+                // takes the lock. PostgreSQL: `ON CONFLICT DO NOTHING` locks nothing on a
+                // conflict; the locking read below does.
+                let insert = if backend == DbBackend::MySql {
+                    format!(
+                        "INSERT INTO {ROW_LOCK_TABLE} (name) VALUES (?) \
+                         ON DUPLICATE KEY UPDATE name = name"
+                    )
+                } else {
+                    insert_ignore(backend, ROW_LOCK_TABLE, "name", "?")
+                };
+                let insert = statement(backend, &insert, vec![stored.clone().into()]);
+                let inserted = with_lock_timeout(txn, wait, async {
+                    txn.execute_raw(insert)
+                        .await
+                        .map(|done| done.rows_affected())
+                })
+                .await
+                .map_err(fail)?;
+                match inserted {
+                    None => return Ok(false),
+                    Some(_) if backend == DbBackend::MySql => return Ok(true),
+                    Some(1) => return Ok(true),
+                    Some(_) => {} // Created meanwhile by another transaction: lock it below.
+                }
+            }
+            if wait.is_zero() {
+                return Ok(txn.query_one_raw(skip).await.map_err(fail)?.is_some());
+            }
+            let blocking = format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock}");
+            let blocking = statement(backend, &blocking, vec![stored.clone().into()]);
+            let locked = with_lock_timeout(txn, wait, async {
+                txn.query_one_raw(blocking.clone())
                     .await
-                    .map(|done| done.rows_affected())
+                    .map(|row| row.is_some())
             })
             .await
             .map_err(fail)?;
-            match inserted {
+            match locked {
                 None => return Ok(false),
-                Some(_) if backend == DbBackend::MySql => return Ok(true),
-                Some(1) => return Ok(true),
-                Some(_) => {} // Created meanwhile by another transaction: lock it below.
+                Some(true) => return Ok(true),
+                // Deleted while we waited: create it again.
+                Some(false) => create = true,
             }
         }
-        if wait.is_zero() {
-            return Ok(txn.query_one_raw(skip).await.map_err(fail)?.is_some());
-        }
-        let blocking = format!("SELECT name FROM {ROW_LOCK_TABLE} WHERE name = ? {row_lock}");
-        let blocking = statement(backend, &blocking, vec![stored.into()]);
-        with_lock_timeout(txn, wait, async {
-            txn.query_one_raw(blocking.clone()).await.map(|_| ())
-        })
-        .await
-        .map(|locked| locked.is_some())
-        .map_err(fail)
+        Ok(false)
     }
 }

@@ -10,8 +10,8 @@ use tracing::{debug, warn};
 use super::{
     LockBackend, LockGuard, LockName,
     backoff::Backoff,
-    holder,
-    sql::{insert_ignore, lock_error, millis, now_ms, statement},
+    floor, holder,
+    sql::{lock_error, millis, now_ms, statement},
 };
 use crate::{
     db_error::{Failure, classify},
@@ -27,8 +27,11 @@ const KIND: &str = "table";
 /// Acquire is one atomic statement on SQLite and PostgreSQL when the name is free (insert the
 /// row or take the released one, returning the new fence); a held name costs a second statement
 /// that takes the row over only if its holder's lease has expired (logged as "stale lock taken
-/// over"). MySQL, without `RETURNING`, uses up to three single-row statements and a read. Expiry uses the **database clock** only. Rows are never deleted, so each name's fence
-/// keeps growing. A holder that dies keeps the lease until its TTL runs out; `locked_update`
+/// over"). MySQL, without `RETURNING`, uses up to three single-row statements and a read.
+/// Expiry uses the **database clock** only. Each name's fence keeps growing: a name's first row
+/// starts one above the fence floor, a grant whose key turned out not to exist deletes its row
+/// only when that row has no history above the floor, and [`crate::inspect::compact`] raises
+/// the floor past every row it deletes (see [`crate::schema`]). A holder that dies keeps the lease until its TTL runs out; `locked_update`
 /// checks, in the transaction of its write, that the lease is still its own and unexpired.
 ///
 /// Needs [`crate::schema::Migration`]. Cheap to clone.
@@ -65,9 +68,10 @@ impl TableLock {
         if backend == DbBackend::MySql {
             return self.try_once_mysql(name, token, ttl).await;
         }
+        let first = floor::first_fence();
         let upsert = format!(
             "INSERT INTO {LOCK_TABLE} (name, owner, fence, expires_at, host, pid, label, acquired_at) \
-             VALUES (?, ?, 1, {now} + ?, ?, ?, ?, {now}) \
+             VALUES (?, ?, {first}, {now} + ?, ?, ?, ?, {now}) \
              ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, \
              fence = {LOCK_TABLE}.fence + 1, expires_at = excluded.expires_at, \
              host = excluded.host, pid = excluded.pid, label = excluded.label, \
@@ -139,7 +143,8 @@ impl TableLock {
 
 impl TableLock {
     /// MySQL has no `RETURNING`: take a free row (one atomic UPDATE), else insert the row
-    /// already held, else take over an expired lease, then read the fence. Each is a single
+    /// already held (its first fence one above the floor), else take over an expired lease,
+    /// then read the fence. Each is a single
     /// autocommit statement on one row, so they cannot deadlock with each other; the rare
     /// deadlock InnoDB still reports is a busy try.
     async fn try_once_mysql(
@@ -166,21 +171,21 @@ impl TableLock {
         values.push(name.into());
         let mut taken_over = false;
         if !run(take_row(backend, false), values.clone()).await? {
-            let insert = insert_ignore(
-                backend,
-                LOCK_TABLE,
-                "name, owner, fence, expires_at, host, pid, label, acquired_at",
-                &format!("?, ?, 1, {now} + ?, ?, ?, ?, {now}"),
+            let insert = format!(
+                "INSERT IGNORE INTO {LOCK_TABLE} \
+                 (name, owner, fence, expires_at, host, pid, label, acquired_at) \
+                 SELECT ?, ?, {first}, {now} + ?, ?, ?, ?, {now}{floor}",
+                first = floor::MYSQL_FIRST_FENCE,
+                floor = floor::mysql_floor(),
             );
             let mut inserted = vec![Value::from(name)];
             inserted.extend(holder);
-            if run(insert, inserted).await? {
-                return Ok(Some((1, false)));
+            if !run(insert, inserted).await? {
+                if !run(take_row(backend, true), values).await? {
+                    return Ok(None);
+                }
+                taken_over = true;
             }
-            if !run(take_row(backend, true), values).await? {
-                return Ok(None);
-            }
-            taken_over = true;
         }
         let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ? AND owner = ?");
         let row = self
@@ -326,6 +331,26 @@ impl LockGuard for TableGuard {
             self.release_in_background();
         }
         released
+    }
+
+    async fn retire(self: Box<Self>) -> Result<(), LockError> {
+        let backend = self.db.get_database_backend();
+        let delete = floor::retire_sql("owner = ?");
+        let values = vec![self.name.clone().into(), self.token.clone().into()];
+        match self
+            .db
+            .execute_raw(statement(backend, &delete, values))
+            .await
+        {
+            Ok(done) if done.rows_affected() == 1 => {
+                let mut this = self;
+                this.released = true;
+                debug!(lock = %this.name, "lease row of a missing key deleted");
+                Ok(())
+            }
+            // The row has history above the floor (or the delete failed): keep it, release.
+            Ok(_) | Err(_) => self.release().await,
+        }
     }
 }
 
