@@ -170,13 +170,23 @@ impl Claims {
 
     /// A claim's transaction: READ COMMITTED on MySQL/MariaDB, where REPEATABLE READ would
     /// gap-lock a missing key on the first statement and deadlock two claimants inserting it.
+    /// In a task of its own (see `locking::begin_detached`): a caller dropped while `BEGIN` is
+    /// in flight must not leave a pooled connection inside a transaction.
     async fn begin(&self) -> std::result::Result<DatabaseTransaction, sea_orm::DbErr> {
-        if self.db.get_database_backend() == DbBackend::MySql {
-            self.db
-                .begin_with_config(Some(IsolationLevel::ReadCommitted), None)
-                .await
-        } else {
-            self.db.begin().await
+        let db = self.db.clone();
+        let began = tokio::spawn(async move {
+            if db.get_database_backend() == DbBackend::MySql {
+                db.begin_with_config(Some(IsolationLevel::ReadCommitted), None)
+                    .await
+            } else {
+                db.begin().await
+            }
+        });
+        match began.await {
+            Ok(began) => began,
+            Err(e) => Err(sea_orm::DbErr::Custom(format!(
+                "beginning a transaction: {e}"
+            ))),
         }
     }
 
@@ -264,7 +274,6 @@ impl Claims {
     /// [`Error::CommitUnknown`] when the commit's reply was lost and could not be resolved.
     pub async fn finish(&self, claim: &Claim) -> Result<FinishOutcome> {
         let txn = self
-            .db
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;
@@ -308,7 +317,6 @@ impl Claims {
             -> Pin<Box<dyn Future<Output = Result<(), ApplyError>> + Send + 't>>,
     {
         let txn = self
-            .db
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;

@@ -38,6 +38,17 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
+    /// The work of a locked section ([`crate::Session::locked`], [`crate::Section`]) returned an
+    /// error of its own; its transaction was rolled back. (Database errors and freshlock's own
+    /// errors inside the section are returned as they are, not wrapped in this.)
+    #[error("locked section {lock} aborted by its work")]
+    SectionAborted {
+        /// The section's lock (several joined with `+`).
+        lock: String,
+        /// The error the work returned.
+        #[source]
+        source: BoxError,
+    },
     /// `apply` changed a primary-key column, which would move the update to another row.
     #[error("apply changed the primary key of {target}")]
     PrimaryKeyChanged {

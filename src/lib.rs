@@ -41,6 +41,7 @@ pub mod inspect;
 pub mod lock;
 mod locked_update;
 mod locking;
+mod many;
 pub mod metrics;
 mod outcome;
 mod repository;
@@ -50,6 +51,7 @@ mod section;
 mod session;
 #[cfg(feature = "testing")]
 pub mod testing;
+pub mod tx;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
@@ -59,9 +61,11 @@ pub use lock::{
     LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockScope, OnLockFailure,
 };
 pub use outcome::{
-    DeleteOutcome, DeleteReport, LockReport, Report, SaveOutcome, UpdateOutcome, UpdateReport,
+    DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,
+    UpdateReport,
 };
 pub use repository::{PrimaryKeyOf, Repository};
 pub use row::lock_name;
-pub use section::{SectionOutcome, SectionReport, SectionWork};
+pub use section::{Section, SectionOutcome, SectionReport, SectionWork};
 pub use session::{Session, SessionBuilder};
+pub use tx::{ForUpdate, Tx, TxRepository};

@@ -464,13 +464,8 @@ where
             Ok(draft) => draft,
             Err(e) => return Err(self.rolled_back(txn, "running before_delete for", e).await),
         };
-        let expected: Vec<_> = self
-            .session
-            .version_column(TypeId::of::<E>())
-            .and_then(write::column_named::<E>)
-            .map(|column| (column, original.get(column)))
-            .into_iter()
-            .collect();
+        let version = self.session.version_column(TypeId::of::<E>());
+        let expected = write::version_guard::<E>(version, &original);
         match write::delete_holding::<E, _>(&txn, self.row.pk(), &expected).await {
             Ok(true) => {}
             Ok(false) => {

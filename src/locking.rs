@@ -156,20 +156,27 @@ impl Locking {
     /// it. A timed-out lock wait aborts a PostgreSQL transaction: it is ended either way, and a
     /// clean one begun if the policy says to go on without the lock.
     pub(crate) async fn begin(&mut self, db: &DatabaseConnection) -> Result<DatabaseTransaction> {
-        Self::begin_all(std::slice::from_mut(self), db).await
+        Self::begin_all(std::slice::from_mut(self), db, false).await
     }
 
     /// [`begin`](Self::begin) for several locks (in their order, which callers make canonical):
     /// one transaction, every transaction-scoped lock taken in it. When one cannot be had and the
     /// policy says to go on, the transaction is begun again without it (and the ones before it
-    /// taken again).
+    /// taken again). `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]),
+    /// for callers that may be dropped while it runs.
     pub(crate) async fn begin_all(
         lockings: &mut [Locking],
         db: &DatabaseConnection,
+        detached: bool,
     ) -> Result<DatabaseTransaction> {
         let mut skipped = vec![false; lockings.len()];
         'again: loop {
-            let txn = begin(db).await.map_err(|e| {
+            let began = if detached {
+                begin_detached(db).await
+            } else {
+                begin(db).await
+            };
+            let txn = began.map_err(|e| {
                 let target = lockings.first().map(|l| l.target.to_string());
                 database(
                     "beginning the transaction for",
@@ -249,6 +256,21 @@ impl fmt::Debug for Locking {
         f.debug_struct("Locking")
             .field("report", &self.report)
             .finish_non_exhaustive()
+    }
+}
+
+/// [`begin`] in a task of its own, awaited: a caller dropped while `BEGIN` is in flight must not
+/// cut it in half, because sqlx counts the transaction only once `BEGIN`'s reply is read — a
+/// connection whose `BEGIN` reply was never read goes back to the pool inside a transaction
+/// nobody ends (the next `SET TRANSACTION` on it fails with MySQL 1568). The task finishes the
+/// `BEGIN`, and if nobody takes the transaction, dropping it rolls it back.
+pub(crate) async fn begin_detached(
+    db: &DatabaseConnection,
+) -> std::result::Result<DatabaseTransaction, DbErr> {
+    let db = db.clone();
+    match tokio::spawn(async move { begin(&db).await }).await {
+        Ok(began) => began,
+        Err(e) => Err(DbErr::Custom(format!("beginning a transaction: {e}"))),
     }
 }
 

@@ -125,3 +125,31 @@ pub enum SaveOutcome<M> {
     /// [`locked_update`](crate::Repository::locked_update), which does exactly that under a lock.
     Conflict,
 }
+
+/// What [`locked_update_many`](crate::Repository::locked_update_many) and
+/// [`locked_update_pair`](crate::Repository::locked_update_pair) did.
+#[derive(Debug)]
+#[non_exhaustive]
+pub struct ManyReport<M> {
+    /// One outcome per row, in the order the ids were given. When a row is missing nothing is
+    /// written: it is [`UpdateOutcome::NotFound`] and the others are
+    /// [`UpdateOutcome::Unchanged`]. A lost lease makes them all [`UpdateOutcome::LeaseLost`].
+    pub outcomes: Vec<UpdateOutcome<M>>,
+    /// How each row's lock went, in the order they were taken (sorted by name).
+    pub locks: Vec<LockReport>,
+    /// How many times the section ran.
+    pub attempts: u32,
+    /// How many of those attempts a guard conflict ended.
+    pub conflicts: u32,
+}
+
+impl<M> ManyReport<M> {
+    /// Whether every row was found and the section committed.
+    pub fn committed(&self) -> bool {
+        !self.outcomes.is_empty()
+            && self
+                .outcomes
+                .iter()
+                .all(|o| matches!(o, UpdateOutcome::Updated(_) | UpdateOutcome::Unchanged(_)))
+    }
+}

@@ -181,20 +181,7 @@ where
     /// [`Error::Database`] when the insert or a hook fails (a unique-key violation included:
     /// use [`get_or_insert`](Self::get_or_insert) when another writer may create the row).
     pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
-        let entity = E::default();
-        let fail = |e| database("inserting into", &entity.table_name(), e);
-        let db = self.session.connection();
-        let model = write::before_save::<E, _>(model, db, true)
-            .await
-            .map_err(fail)?;
-        let stored = E::insert(model)
-            .exec_with_returning(db)
-            .await
-            .map_err(fail)?;
-        let row = Row::new::<E>(stored.get_primary_key_value())?;
-        let reported = write::after_save::<E, _>(stored.clone(), db, true)
-            .await
-            .map_err(fail)?;
+        let (row, stored, reported) = insert_on::<E, _>(self.session.connection(), model).await?;
         self.session.map().insert(row.key, Arc::new(stored));
         Ok(Arc::new(reported))
     }
@@ -228,25 +215,13 @@ where
     /// - [`Error::VersionColumn`] when the version is NULL.
     /// - [`Error::Database`] when a statement or a hook fails.
     pub async fn save(&self, model: E::ActiveModel) -> Result<SaveOutcome<E::Model>> {
-        let entity = E::default().table_name();
-        let Some(pk) = model.get_primary_key_value() else {
-            return Err(Error::InvalidKey {
-                entity,
-                reason: "the primary key of the active model is not set".into(),
-            });
-        };
-        reject_set_primary_key::<E>(&model)?;
-        let row = Row::new::<E>(pk)?;
+        let row = saved_row::<E>(&model)?;
         let Some(snapshot) = self.session.map().get::<E::Model>(&row.key) else {
             return Err(Error::NoSnapshot {
                 target: row.to_string(),
             });
         };
-        let built_from_snapshot = E::Column::iter().all(|column| match model.get(column) {
-            ActiveValue::Unchanged(value) => value == snapshot.get(column),
-            _ => true,
-        });
-        if !built_from_snapshot {
+        if !built_from::<E>(&model, &snapshot) {
             self.session.map().remove(&row.key);
             return Ok(SaveOutcome::Conflict);
         }
@@ -261,7 +236,7 @@ where
         let saved = if db.get_database_backend() == DbBackend::MySql {
             // No UPDATE … RETURNING: the read back must see this UPDATE's row, not a later one.
             let txn = begin(db).await.map_err(|e| database("saving", &row, e))?;
-            let saved = save_on::<E, _>(&txn, &row, &snapshot, model, version).await;
+            let saved = save_on::<E, _>(&txn, &row, &snapshot, model, version, false).await;
             match saved {
                 Ok(saved) => {
                     txn.commit()
@@ -275,7 +250,7 @@ where
                 }
             }
         } else {
-            save_on::<E, _>(db, &row, &snapshot, model, version).await
+            save_on::<E, _>(db, &row, &snapshot, model, version, true).await
         }?;
         Ok(match saved {
             Saved::Stored { stored, reported } => {
@@ -535,7 +510,7 @@ where
 }
 
 /// What a save found.
-enum Saved<M> {
+pub(crate) enum Saved<M> {
     /// Written; the row as stored, and what `after_save` made of it.
     Stored {
         stored: M,
@@ -547,13 +522,15 @@ enum Saved<M> {
     NotFound,
 }
 
-/// The statements of one save, on `db` (a transaction on MySQL/MariaDB).
-async fn save_on<E, C>(
+/// The statements of one save, on `db` (a transaction on MySQL/MariaDB, or a section's).
+/// `autocommit`: the UPDATE is its own commit, so a lost connection leaves it in doubt.
+pub(crate) async fn save_on<E, C>(
     db: &C,
     row: &Row,
     snapshot: &E::Model,
     model: E::ActiveModel,
     version: Option<E::Column>,
+    autocommit: bool,
 ) -> Result<Saved<E::Model>>
 where
     E: EntityTrait,
@@ -603,7 +580,13 @@ where
         write::update_returning::<E, _>(db, snapshot, &changes, &expected)
             .await
             // In autocommit the UPDATE is its own commit: a lost connection leaves it in doubt.
-            .map_err(|e| commit::write_error("saving", row.name.as_str(), e))?
+            .map_err(|e| {
+                if autocommit {
+                    commit::write_error("saving", row.name.as_str(), e)
+                } else {
+                    database("saving", row, e)
+                }
+            })?
     };
     match stored {
         Some(stored) if changes.is_empty() => Ok(Saved::Holds(stored)),
@@ -625,8 +608,56 @@ where
     }
 }
 
+/// `before_save`, `INSERT … RETURNING`, `after_save` on `db`: the row, as stored, and what
+/// `after_save` made of it.
+pub(crate) async fn insert_on<E, C>(
+    db: &C,
+    model: E::ActiveModel,
+) -> Result<(Row, E::Model, E::Model)>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    let entity = E::default();
+    let fail = |e| database("inserting into", &entity.table_name(), e);
+    let model = write::before_save::<E, _>(model, db, true)
+        .await
+        .map_err(fail)?;
+    let stored = E::insert(model)
+        .exec_with_returning(db)
+        .await
+        .map_err(fail)?;
+    let row = Row::new::<E>(stored.get_primary_key_value())?;
+    let reported = write::after_save::<E, _>(stored.clone(), db, true)
+        .await
+        .map_err(fail)?;
+    Ok((row, stored, reported))
+}
+
+/// The row a save of `model` writes: its key must be set, and not `Set`.
+pub(crate) fn saved_row<E: EntityTrait>(model: &E::ActiveModel) -> Result<Row> {
+    let Some(pk) = model.get_primary_key_value() else {
+        return Err(Error::InvalidKey {
+            entity: E::default().table_name(),
+            reason: "the primary key of the active model is not set".into(),
+        });
+    };
+    reject_set_primary_key::<E>(model)?;
+    Row::new::<E>(pk)
+}
+
+/// Whether `model`'s `Unchanged` columns agree with `snapshot` (it was built from that copy).
+pub(crate) fn built_from<E: EntityTrait>(model: &E::ActiveModel, snapshot: &E::Model) -> bool {
+    E::Column::iter().all(|column| match model.get(column) {
+        ActiveValue::Unchanged(value) => value == snapshot.get(column),
+        _ => true,
+    })
+}
+
 /// [`InvalidKey`](Error::InvalidKey) when `model` has a primary-key column `Set`.
-fn reject_set_primary_key<E>(model: &E::ActiveModel) -> Result<()>
+pub(crate) fn reject_set_primary_key<E>(model: &E::ActiveModel) -> Result<()>
 where
     E: EntityTrait,
 {
@@ -648,7 +679,10 @@ where
 
 /// `draft` with its primary key set to `pk` where it was left `NotSet`;
 /// [`InvalidKey`](Error::InvalidKey) when it holds another key.
-fn keyed<E: EntityTrait>(mut draft: E::ActiveModel, pk: &ValueTuple) -> Result<E::ActiveModel> {
+pub(crate) fn keyed<E: EntityTrait>(
+    mut draft: E::ActiveModel,
+    pk: &ValueTuple,
+) -> Result<E::ActiveModel> {
     for (key, value) in E::PrimaryKey::iter().zip(pk.iter()) {
         let column = key.into_column();
         match draft.get(column).into_value() {

@@ -1,19 +1,22 @@
-//! A short transactional section under a keyed lock, for work that is not one row's update.
+//! Short transactional sections under one or several keyed locks, for work that is not one
+//! row's update: [`Session::locked`] and [`Session::section`].
 
-use std::{future::Future, pin::Pin};
+use std::{future::Future, pin::Pin, time::Duration};
 
-use sea_orm::DatabaseTransaction;
-use tracing::{Instrument, info_span, warn};
+use backon::{BackoffBuilder, ExponentialBuilder};
+use sea_orm::DbErr;
+use tracing::{Instrument, debug, info_span, warn};
 
 use crate::{
-    error::{ApplyError, Error, Result},
+    error::{ApplyError, Error, Result, database},
     lock::LockName,
     locking::Locking,
     outcome::LockReport,
     session::Session,
+    tx::Tx,
 };
 
-/// What [`Session::locked`] did.
+/// What a locked section did.
 #[derive(Debug)]
 #[non_exhaustive]
 pub enum SectionOutcome<T> {
@@ -23,32 +26,53 @@ pub enum SectionOutcome<T> {
     LeaseLost,
 }
 
-/// The result of [`Session::locked`]: the outcome and how the lock went.
+/// The result of a locked section: the outcome and how the locks went.
 #[derive(Debug)]
 #[non_exhaustive]
 pub struct SectionReport<T> {
     /// What happened.
     pub outcome: SectionOutcome<T>,
-    /// How the lock went.
+    /// How the (first) lock went.
     pub lock: LockReport,
+    /// How every lock went, in the order they were taken.
+    pub locks: Vec<LockReport>,
+    /// How many times the work ran (more than 1 only in a retrying section).
+    pub attempts: u32,
+    /// How many of those attempts a guard conflict ended.
+    pub conflicts: u32,
 }
 
-/// The work of a locked section: given the transaction, a future of its result.
+/// The work of a locked section: given the section's transaction, a future of its result.
 pub type SectionWork<'t, T> = Pin<Box<dyn Future<Output = Result<T, ApplyError>> + Send + 't>>;
+
+/// A locked section over one or several locks, built by [`Session::section`].
+#[derive(Debug)]
+#[must_use = "a section does nothing until it is run"]
+pub struct Section<'s> {
+    session: &'s Session,
+    /// Sorted and without duplicates: the canonical order every section takes its locks in.
+    locks: Vec<LockName>,
+}
 
 impl Session {
     /// Runs `work` in one short transaction under the lock `lock` (for example
     /// [`crate::lock_name::<ham::Entity>(ham_id)`](crate::lock_name)): take the lock under the
     /// session's policy → begin (`BEGIN IMMEDIATE` / `READ COMMITTED`; transaction-scoped
-    /// backends lock in it) → `work(&txn)` → check the lease's fence → commit → release. For
-    /// work that is not a single-row update; keep heavy work outside.
+    /// backends lock in it) → `work(&tx)` → check the lease's fence → commit (with a commit
+    /// marker) → apply the section's writes to the cache → release. For work that is not a
+    /// single-row update; keep heavy work outside.
     ///
-    /// `work` is not retried (it may have side effects): a transient error is returned as it is
-    /// ([`Error::is_transient`] says whether to call again).
+    /// `work` gets the section's [`Tx`]: a sea-orm connection, and [`Tx::repository`] for
+    /// repositories bound to the transaction. It is not retried (see
+    /// [`Section::run_retrying`] for a section that is).
     ///
     /// # Errors
-    /// [`Error::Apply`] when `work` fails (rolled back); [`Error::LockNotAcquired`] /
-    /// [`Error::Lock`] when the policy fails without the lock; [`Error::Database`].
+    /// - What `work` returned: a freshlock [`Error`] or a `sea_orm::DbErr` it returned comes
+    ///   back as it is ([`Error::Database`] for the latter, so [`Error::is_transient`] tells a
+    ///   deadlock or lock timeout from a lasting failure); any other error as
+    ///   [`Error::SectionAborted`], naming the lock. The transaction was rolled back.
+    /// - [`Error::LockNotAcquired`] / [`Error::Lock`] when the policy fails without the lock;
+    ///   [`Error::Database`] / [`Error::CommitUnknown`] for the section's own statements.
     ///
     /// # Cancel safety
     /// Not the detached kind of `locked_update` (`work` may borrow from the caller): dropping
@@ -57,81 +81,256 @@ impl Session {
     pub async fn locked<T, F>(&self, lock: &LockName, work: F) -> Result<SectionReport<T>>
     where
         T: Send,
-        F: for<'t> FnOnce(&'t DatabaseTransaction) -> SectionWork<'t, T> + Send,
+        F: for<'t> FnOnce(&'t Tx) -> SectionWork<'t, T> + Send,
     {
-        let span = info_span!("locked", lock = %lock, backend = self.lock_backend().kind());
+        self.section([lock.clone()]).run(work).await
+    }
+
+    /// A section under all of `locks` (of rows of one entity or several): they are taken in one
+    /// canonical order (sorted by name, duplicates dropped), so two sections locking the same
+    /// keys in opposite orders never deadlock — across processes too, with a cross-process
+    /// backend. Run it with [`Section::run`] or [`Section::run_retrying`].
+    pub fn section(&self, locks: impl IntoIterator<Item = LockName>) -> Section<'_> {
+        let mut locks: Vec<_> = locks.into_iter().collect();
+        locks.sort();
+        locks.dedup();
+        Section {
+            session: self,
+            locks,
+        }
+    }
+}
+
+/// Coerces a closure to the higher-ranked work type (closures infer it only from a bound).
+/// `None`: the work cannot run again (a run-once section's work was used).
+fn work_fn<T, F>(f: F) -> F
+where
+    F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
+{
+    f
+}
+
+/// How one attempt of a section ended.
+enum Attempt<T> {
+    Committed(T),
+    LeaseLost,
+    /// The work failed; `conflicted` when a guarded write of the attempt had been refused.
+    Failed {
+        error: Error,
+        conflicted: bool,
+    },
+}
+
+impl Section<'_> {
+    /// Runs `work` once, as [`Session::locked`] describes, under every lock of the section.
+    ///
+    /// # Errors
+    /// As [`Session::locked`].
+    pub async fn run<T, F>(self, work: F) -> Result<SectionReport<T>>
+    where
+        T: Send,
+        F: for<'t> FnOnce(&'t Tx) -> SectionWork<'t, T> + Send,
+    {
+        let mut once = Some(work);
+        let work = work_fn(move |tx| once.take().map(|work| work(tx)));
+        self.attempts(false, work).await
+    }
+
+    /// Runs `work` as [`run`](Self::run) does, and runs it again (in a new transaction, the
+    /// locks still held) when it failed with a transient error ([`Error::is_transient`]: a
+    /// deadlock, a lock wait timeout, a serialization failure, a busy SQLite, a connection lost
+    /// before the commit) or a guard conflict (a guarded write of the attempt returned
+    /// `Conflict`, or the work returned [`Error::Conflict`]), up to the policy's `attempts`
+    /// with a short backoff. Keep `work` free of side effects outside the transaction.
+    ///
+    /// # Errors
+    /// As [`Session::locked`]; [`Error::Conflict`] when every attempt conflicted.
+    pub async fn run_retrying<T, F>(self, work: F) -> Result<SectionReport<T>>
+    where
+        T: Send,
+        F: for<'t> FnMut(&'t Tx) -> SectionWork<'t, T> + Send,
+    {
+        let mut work = work;
+        self.attempts(true, work_fn(move |tx| Some(work(tx)))).await
+    }
+
+    /// The locks' names, joined: the section's name in logs and errors.
+    fn label(&self) -> String {
+        self.locks
+            .iter()
+            .map(LockName::as_str)
+            .collect::<Vec<_>>()
+            .join("+")
+    }
+
+    async fn attempts<T, F>(self, retrying: bool, mut work: F) -> Result<SectionReport<T>>
+    where
+        T: Send,
+        F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
+    {
+        let session = self.session;
+        let label = self.label();
+        let span = info_span!("locked", lock = %label, backend = session.lock_backend().kind());
         async move {
-            let _in_flight = self.section_started();
-            let taken = Locking::take(
-                self.lock_backend(),
-                self.policy(),
-                lock,
-                lock.clone(),
-                std::future::pending(),
-                || false,
-            );
-            let Some(mut locking) = taken.await? else {
-                return Err(Error::Interrupted {
-                    target: lock.to_string(),
-                });
+            let _in_flight = session.section_started();
+            let mut lockings = Vec::with_capacity(self.locks.len());
+            for lock in &self.locks {
+                let taken = Locking::take(
+                    session.lock_backend(),
+                    session.policy(),
+                    lock,
+                    lock.clone(),
+                    std::future::pending(),
+                    || false,
+                )
+                .await;
+                match taken {
+                    Ok(Some(locking)) => lockings.push(locking),
+                    Ok(None) | Err(_) => {
+                        release_all(lockings).await;
+                        return Err(taken.err().unwrap_or_else(|| Error::Interrupted {
+                            target: label.clone(),
+                        }));
+                    }
+                }
+            }
+            let mut delays = ExponentialBuilder::default()
+                .with_min_delay(Duration::from_millis(2))
+                .with_max_delay(Duration::from_millis(200))
+                .with_jitter()
+                .with_max_times(session.policy().attempts.saturating_sub(1) as usize)
+                .build();
+            let (mut attempts, mut conflicts) = (0, 0);
+            let result = loop {
+                attempts += 1;
+                let (error, conflicted) = match attempt(session, &mut lockings, &label, &mut work)
+                    .await
+                {
+                    Ok(Attempt::Committed(value)) => break Ok(SectionOutcome::Committed(value)),
+                    Ok(Attempt::LeaseLost) => break Ok(SectionOutcome::LeaseLost),
+                    Ok(Attempt::Failed { error, conflicted }) => (error, conflicted),
+                    Err(error) => (error, false),
+                };
+                let conflict = conflicted || matches!(error, Error::Conflict { .. });
+                conflicts += u32::from(conflict);
+                let again = retrying && (conflict || error.is_transient());
+                match again.then(|| delays.next()).flatten() {
+                    Some(delay) => {
+                        warn!(lock = %label, attempts, %error, "running the locked section again");
+                        tokio::time::sleep(delay).await;
+                    }
+                    None if retrying && conflict => {
+                        break Err(Error::Conflict {
+                            target: label.clone(),
+                            attempts,
+                        });
+                    }
+                    None => break Err(error),
+                }
             };
-            let result = Self::run_section(&mut locking, self, lock, work).await;
-            let report = locking.release().await;
-            result.map(|outcome| SectionReport {
+            // Only now, after commit or rollback.
+            let locks = release_all(lockings).await;
+            let outcome = result?;
+            let lock = locks.first().cloned().ok_or_else(|| Error::Interrupted {
+                target: label.clone(),
+            })?;
+            Ok(SectionReport {
                 outcome,
-                lock: report,
+                lock,
+                locks,
+                attempts,
+                conflicts,
             })
         }
         .instrument(span)
         .await
     }
+}
 
-    async fn run_section<T, F>(
-        locking: &mut Locking,
-        session: &Session,
-        lock: &LockName,
-        work: F,
-    ) -> Result<SectionOutcome<T>>
-    where
-        T: Send,
-        F: for<'t> FnOnce(&'t DatabaseTransaction) -> SectionWork<'t, T> + Send,
-    {
-        let txn = locking.begin(session.connection()).await?;
-        let value = match work(&txn).await {
-            Ok(value) => value,
+/// One attempt: begin (locking in the transaction where the backend does), work, fences,
+/// commit, cache.
+async fn attempt<T, F>(
+    session: &Session,
+    lockings: &mut [Locking],
+    label: &str,
+    work: &mut F,
+) -> Result<Attempt<T>>
+where
+    T: Send,
+    F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
+{
+    let db = session.connection();
+    let txn = Locking::begin_all(lockings, db, true).await?;
+    let tx = Tx::new(txn, session.clone());
+    let worked = match work(&tx) {
+        Some(work) => work.await,
+        None => Err(ApplyError::from(Error::Interrupted {
+            target: label.to_owned(),
+        })),
+    };
+    let (txn, effects, conflicted) = tx.into_parts();
+    let value = match worked {
+        Ok(value) => value,
+        Err(source) => {
+            let _ = txn.rollback().await;
+            return Ok(Attempt::Failed {
+                error: section_error(label, source),
+                conflicted,
+            });
+        }
+    };
+    for locking in lockings.iter() {
+        let Some(guard) = &locking.guard else {
+            continue;
+        };
+        match guard.verify(&txn).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let _ = txn.rollback().await;
+                warn!(lock = %locking.report.name, "lease lost before the commit; rolled back");
+                crate::metrics::lease_lost(locking.report.backend);
+                return Ok(Attempt::LeaseLost);
+            }
             Err(source) => {
                 let _ = txn.rollback().await;
-                return Err(Error::Apply {
-                    target: lock.to_string(),
-                    source: source.into_inner(),
+                return Err(Error::Lock {
+                    target: label.to_owned(),
+                    source,
                 });
             }
-        };
-        if let Some(guard) = &locking.guard {
-            match guard.verify(&txn).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    let _ = txn.rollback().await;
-                    warn!(%lock, "lease lost before the commit; rolled back");
-                    crate::metrics::lease_lost(locking.report.backend);
-                    return Ok(SectionOutcome::LeaseLost);
-                }
-                Err(source) => {
-                    let _ = txn.rollback().await;
-                    return Err(Error::Lock {
-                        target: lock.to_string(),
-                        source,
-                    });
-                }
-            }
         }
-        crate::commit::commit_write(
-            txn,
-            session.commit_markers(),
-            session.connection(),
-            lock.as_str(),
-        )
-        .await?;
-        Ok(SectionOutcome::Committed(value))
+    }
+    crate::commit::commit_write(txn, session.commit_markers(), db, label).await?;
+    for effect in effects {
+        effect(session.map());
+    }
+    debug!(lock = %label, "section committed");
+    Ok(Attempt::Committed(value))
+}
+
+/// Releases every lock (last taken first); their reports in the order they were taken.
+async fn release_all(lockings: Vec<Locking>) -> Vec<LockReport> {
+    let mut reports = Vec::with_capacity(lockings.len());
+    for locking in lockings.into_iter().rev() {
+        reports.push(locking.release().await);
+    }
+    reports.reverse();
+    reports
+}
+
+/// The error a section's work returned, as the caller gets it: freshlock's own errors and
+/// database errors as they are, anything else as [`Error::SectionAborted`].
+pub(crate) fn section_error(label: &str, error: ApplyError) -> Error {
+    let source = error.into_inner();
+    let source = match source.downcast::<Error>() {
+        Ok(error) => return *error,
+        Err(source) => source,
+    };
+    match source.downcast::<DbErr>() {
+        Ok(e) => database("running the locked section", &label, *e),
+        Err(source) => Error::SectionAborted {
+            lock: label.to_owned(),
+            source,
+        },
     }
 }

@@ -175,6 +175,20 @@ where
     Ok(delete.exec(db).await?.rows_affected > 0)
 }
 
+/// What a guarded delete of `original` checks: its declared version column (`version`, the
+/// session's for `E`), if any.
+pub(crate) fn version_guard<E: EntityTrait>(
+    version: Option<&'static str>,
+    original: &E::Model,
+) -> Vec<ColumnValue<E>> {
+    use sea_orm::ModelTrait;
+    version
+        .and_then(column_named::<E>)
+        .map(|column| (column, original.get(column)))
+        .into_iter()
+        .collect()
+}
+
 /// Whether `err` is a unique-key violation (a concurrent creator won).
 pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
     matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))

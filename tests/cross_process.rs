@@ -150,6 +150,52 @@ async fn worker(mode: String) {
                 .unwrap();
             say(&format!("created={created};title={}", row.title));
         }
+        "transfer" => {
+            let session = Session::builder(db)
+                .lock(backend)
+                .policy(policy)
+                .build()
+                .unwrap();
+            let accounts = session.repository::<entity::account::Entity>();
+            let rounds: u32 = env("FRESHLOCK_WORKER_ROUNDS").parse().unwrap();
+            let mut seed = u64::from(std::process::id()) | 1;
+            let mut next = move |n: u64| {
+                seed = seed
+                    .wrapping_mul(6_364_136_223_846_793_005)
+                    .wrapping_add(1_442_695_040_888_963_407);
+                (seed >> 33) % n
+            };
+            let mut committed = 0;
+            for _ in 0..rounds {
+                let from = next(TRANSFER_ACCOUNTS as u64) as i32 + 1;
+                let mut to = next(TRANSFER_ACCOUNTS as u64 - 1) as i32 + 1;
+                if to >= from {
+                    to += 1;
+                }
+                let amount = next(40) as i64 + 1;
+                let call = accounts.locked_update_pair(from, to, move |a, b| {
+                    let balance = *a.balance.as_ref();
+                    if balance < amount {
+                        return Err(freshlock::ApplyError::msg("insufficient funds"));
+                    }
+                    a.balance = Set(balance - amount);
+                    b.balance = Set(*b.balance.as_ref() + amount);
+                    Ok(())
+                });
+                match tokio::time::timeout(Duration::from_secs(60), call)
+                    .await
+                    .expect("no transfer hangs")
+                {
+                    Ok(report) => {
+                        assert!(report.committed(), "{:?}", report.outcomes);
+                        committed += 1;
+                    }
+                    Err(freshlock::Error::Apply { .. }) => {}
+                    Err(error) => panic!("a transfer failed: {error} ({error:?})"),
+                }
+            }
+            say(&format!("done:{committed}"));
+        }
         other => panic!("unknown mode {other}"),
     }
 }
@@ -302,6 +348,52 @@ async fn four_processes_increment(db: Option<TestDb>, lock: LockKind) {
         worker.finish();
     }
     assert_eq!(db.score(1).await, Some(800), "{lock} lost increments");
+}
+
+const TRANSFER_ACCOUNTS: i32 = 20;
+
+/// 4 processes × 200 random transfers between 20 accounts of 100 (`locked_update_pair`, both
+/// directions): the sum is exact, no balance is negative, no deadlock reaches a caller (the
+/// worker fails on any error but "insufficient funds"), no call hangs.
+async fn four_processes_transfer(db: Option<TestDb>, lock: LockKind) {
+    use sea_orm::EntityTrait;
+    let Some(db) = db else { return };
+    if lock == LockKind::Redis && servers::url(servers::REDIS).is_none() {
+        return;
+    }
+    let rows = (1..=TRANSFER_ACCOUNTS).map(|id| entity::account::ActiveModel {
+        id: Set(id),
+        balance: Set(100),
+    });
+    entity::account::Entity::insert_many(rows)
+        .exec(&db.db)
+        .await
+        .unwrap();
+    let workers: Vec<Worker> = (0..4)
+        .map(|_| Worker::spawn("transfer", &db, lock, Duration::from_secs(30), 200))
+        .collect();
+    let mut committed = 0;
+    let mut finished = Vec::new();
+    for worker in workers {
+        let (worker, said) = line(worker).await;
+        let count = said.strip_prefix("done:").expect("done:N");
+        committed += count.parse::<u32>().unwrap();
+        finished.push(worker);
+    }
+    for worker in finished {
+        worker.finish();
+    }
+    let accounts = entity::account::Entity::find().all(&db.db).await.unwrap();
+    let sum: i64 = accounts.iter().map(|a| a.balance).sum();
+    let lowest = accounts.iter().map(|a| a.balance).min().unwrap_or(0);
+    eprintln!("{lock}: {committed} of 800 transfers committed; sum {sum}, lowest {lowest}");
+    assert_eq!(
+        sum,
+        100 * i64::from(TRANSFER_ACCOUNTS),
+        "{lock}: money made or lost"
+    );
+    assert!(lowest >= 0, "{lock}: a balance went negative");
+    assert!(committed > 0);
 }
 
 /// Four processes ask for the same missing row at once: exactly one creates it, and all four
@@ -508,6 +600,14 @@ servers::server_tests! {
     claimants_sqlite: dead_and_late_claimants, LockKind::Local, sqlite;
     claimants_postgres: dead_and_late_claimants, LockKind::Local, postgres;
     claimants_mysql: dead_and_late_claimants, LockKind::Local, mysql;
+    transfers_table_sqlite: four_processes_transfer, LockKind::Table, sqlite;
+    transfers_row_sqlite: four_processes_transfer, LockKind::Row, sqlite;
+    transfers_table_postgres: four_processes_transfer, LockKind::Table, postgres;
+    transfers_row_postgres: four_processes_transfer, LockKind::Row, postgres;
+    transfers_pg_advisory_postgres: four_processes_transfer, LockKind::PgAdvisory, postgres;
+    transfers_table_mysql: four_processes_transfer, LockKind::Table, mysql;
+    transfers_row_mysql: four_processes_transfer, LockKind::Row, mysql;
+    transfers_mysql_named_mysql: four_processes_transfer, LockKind::MySqlNamed, mysql;
 }
 
 #[cfg(feature = "redis")]
@@ -517,4 +617,6 @@ servers::server_tests! {
     increments_redis_mysql: four_processes_increment, LockKind::Redis, mysql;
     killed_redis_postgres: killed_holder_frees_the_lock, LockKind::Redis, postgres;
     stopped_redis_postgres: stopped_holder_is_fenced, LockKind::Redis, postgres;
+    transfers_redis_postgres: four_processes_transfer, LockKind::Redis, postgres;
+    transfers_redis_mysql: four_processes_transfer, LockKind::Redis, mysql;
 }

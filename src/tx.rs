@@ -1,0 +1,534 @@
+//! A locked section's transaction ([`Tx`]) and the repositories bound to it ([`TxRepository`]).
+//!
+//! Inside [`crate::Session::locked`], a [`crate::Section`] or
+//! [`crate::Repository::locked_update_with`], the work is given a `&Tx`: the section's one
+//! transaction. It is a sea-orm connection (`ConnectionTrait`), so plain sea-orm queries run
+//! through it, and [`Tx::repository`] gives repositories whose every read and write goes through
+//! it too — no second connection of the pool (a one-connection pool works), no read outside the
+//! transaction.
+//!
+//! What those repositories write reaches the session's cache only when the section commits: the
+//! stored rows replace the cached ones, deleted rows are evicted. A section that rolls back leaves
+//! the cache as it was.
+
+use std::{
+    any::{Any, TypeId},
+    collections::HashMap,
+    marker::PhantomData,
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicBool, Ordering},
+    },
+};
+
+use async_trait::async_trait;
+use sea_orm::{
+    ActiveModelTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
+    ExecResult, IntoActiveModel, ModelTrait, QueryResult, QuerySelect, Select, Statement,
+    TransactionTrait,
+    sea_query::{IntoValueTuple, LockBehavior, LockType},
+};
+
+use crate::{
+    error::{Error, Result, database},
+    identity_map::{IdentityMap, Key},
+    outcome::{DeleteOutcome, SaveOutcome},
+    repository::{PrimaryKeyOf, Saved, built_from, insert_on, keyed, save_on, saved_row},
+    row::{Row, select_by_key},
+    session::Session,
+    write,
+};
+
+/// How a locking read treats a row another transaction has locked.
+#[derive(Copy, Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ForUpdate {
+    /// Wait for it (`FOR UPDATE`), bounded by the database's lock wait timeout.
+    #[default]
+    Wait,
+    /// Fail at once (`FOR UPDATE NOWAIT`): a transient [`Error::Database`] (PostgreSQL 55P03,
+    /// MySQL 3572), so the caller can move on or try again later. The read runs in a savepoint,
+    /// so the failure does not abort the section's transaction.
+    NoWait,
+    /// Leave it out (`FOR UPDATE SKIP LOCKED`): a locked row reads as missing, so a worker takes
+    /// the next free row instead of queueing behind another worker's.
+    SkipLocked,
+}
+
+/// One change the commit makes to the session's cache.
+type Effect = Box<dyn FnOnce(&IdentityMap) + Send>;
+
+/// A locked section's transaction. See the [module docs](self).
+///
+/// On SQLite the section's transaction is `BEGIN IMMEDIATE`: it is the only writer of the whole
+/// database while it runs, so rows need no locking and the [`ForUpdate`] modes read as plain
+/// reads (nothing is ever locked by another transaction there).
+pub struct Tx {
+    txn: DatabaseTransaction,
+    session: Session,
+    /// Rows this transaction read or wrote, by cache key: the snapshots of its guarded saves.
+    seen: Mutex<HashMap<Key, Arc<dyn Any + Send + Sync>>>,
+    /// What the commit does to the session's cache, in order.
+    effects: Mutex<Vec<Effect>>,
+    /// Whether a guarded write of this attempt was refused (a retrying section runs again).
+    conflicted: AtomicBool,
+}
+
+impl std::fmt::Debug for Tx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tx")
+            .field("backend", &self.txn.get_database_backend())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tx {
+    pub(crate) fn new(txn: DatabaseTransaction, session: Session) -> Self {
+        Self {
+            txn,
+            session,
+            seen: Mutex::default(),
+            effects: Mutex::default(),
+            conflicted: AtomicBool::new(false),
+        }
+    }
+
+    /// A repository of `E` bound to this transaction.
+    pub fn repository<E: EntityTrait>(&self) -> TxRepository<'_, E> {
+        TxRepository {
+            tx: self,
+            entity: PhantomData,
+        }
+    }
+
+    /// The sea-orm transaction itself (for APIs that want a `DatabaseTransaction`, such as
+    /// savepoints with `begin`).
+    pub fn transaction(&self) -> &DatabaseTransaction {
+        &self.txn
+    }
+
+    /// The session the section belongs to.
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// The transaction, the cache changes to make if it commits, and whether a guarded write
+    /// was refused.
+    pub(crate) fn into_parts(self) -> (DatabaseTransaction, Vec<Effect>, bool) {
+        let effects = self
+            .effects
+            .into_inner()
+            .unwrap_or_else(PoisonError::into_inner);
+        (self.txn, effects, self.conflicted.into_inner())
+    }
+
+    /// Records that a guarded write was refused in this attempt.
+    pub(crate) fn note_conflict(&self) {
+        self.conflicted.store(true, Ordering::SeqCst);
+    }
+
+    /// `model` is what the row holds now in this transaction; with `cache`, the commit caches it.
+    fn seen<M: Any + Send + Sync>(&self, key: &Key, model: &Arc<M>, cache: bool) {
+        self.seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .insert(key.clone(), Arc::clone(model) as Arc<dyn Any + Send + Sync>);
+        if cache {
+            let (key, model) = (key.clone(), Arc::clone(model));
+            self.effect(Box::new(move |map| map.insert(key, model)));
+        }
+    }
+
+    /// The row is gone (or unknown) in this transaction; the commit evicts it.
+    fn gone(&self, key: &Key) {
+        self.seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .remove(key);
+        let key = key.clone();
+        self.effect(Box::new(move |map| {
+            map.remove(&key);
+        }));
+    }
+
+    fn effect(&self, effect: Effect) {
+        self.effects
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push(effect);
+    }
+
+    /// The snapshot of a row for a guarded save: as this transaction last saw it, else as the
+    /// session has it cached.
+    fn snapshot<M: Any + Send + Sync>(&self, key: &Key) -> Option<Arc<M>> {
+        let seen = self
+            .seen
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(key)
+            .cloned();
+        match seen {
+            Some(model) => model.downcast::<M>().ok(),
+            None => self.session.map().get::<M>(key),
+        }
+    }
+}
+
+#[async_trait]
+impl ConnectionTrait for Tx {
+    fn get_database_backend(&self) -> DbBackend {
+        self.txn.get_database_backend()
+    }
+
+    async fn execute_raw(&self, stmt: Statement) -> std::result::Result<ExecResult, DbErr> {
+        self.txn.execute_raw(stmt).await
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> std::result::Result<ExecResult, DbErr> {
+        self.txn.execute_unprepared(sql).await
+    }
+
+    async fn query_one_raw(
+        &self,
+        stmt: Statement,
+    ) -> std::result::Result<Option<QueryResult>, DbErr> {
+        self.txn.query_one_raw(stmt).await
+    }
+
+    async fn query_all_raw(&self, stmt: Statement) -> std::result::Result<Vec<QueryResult>, DbErr> {
+        self.txn.query_all_raw(stmt).await
+    }
+
+    fn support_returning(&self) -> bool {
+        self.txn.support_returning()
+    }
+
+    fn is_mock_connection(&self) -> bool {
+        self.txn.is_mock_connection()
+    }
+}
+
+/// Reads and writes of entity `E` in a section's transaction ([`Tx::repository`]): the
+/// repository calls that make sense inside one transaction, all through it. See the
+/// [module docs](self) for how they reach the cache.
+pub struct TxRepository<'t, E> {
+    tx: &'t Tx,
+    entity: PhantomData<fn() -> E>,
+}
+
+impl<E> std::fmt::Debug for TxRepository<'_, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TxRepository").finish_non_exhaustive()
+    }
+}
+
+impl<E> TxRepository<'_, E>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+{
+    /// The row with primary key `id`, read through the transaction (never from the cache, which
+    /// it does not change either). It is the snapshot a later [`save`](Self::save) of this
+    /// section is checked against.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the query fails; [`Error::InvalidKey`] for a malformed key.
+    pub async fn load(&self, id: PrimaryKeyOf<E>) -> Result<Option<Arc<E::Model>>> {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        let found = select_by_key::<E>(row.pk())
+            .one(&self.tx.txn)
+            .await
+            .map_err(|e| database("loading", &row, e))?;
+        Ok(found.map(|model| {
+            let model = Arc::new(model);
+            self.tx.seen(&row.key, &model, false);
+            model
+        }))
+    }
+
+    /// The row with primary key `id`, read and locked until the section ends (`FOR UPDATE`, with
+    /// `mode`'s behaviour toward a row another transaction has locked). The commit caches it.
+    ///
+    /// # Errors
+    /// As [`load`](Self::load); with [`ForUpdate::NoWait`], a transient [`Error::Database`] when
+    /// the row is locked.
+    pub async fn load_locked(
+        &self,
+        id: PrimaryKeyOf<E>,
+        mode: ForUpdate,
+    ) -> Result<Option<Arc<E::Model>>> {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        self.load_row_locked(&row, mode).await
+    }
+
+    pub(crate) async fn load_row_locked(
+        &self,
+        row: &Row,
+        mode: ForUpdate,
+    ) -> Result<Option<Arc<E::Model>>> {
+        let backend = self.tx.get_database_backend();
+        let select = locking(select_by_key::<E>(row.pk()), backend, mode);
+        let fail = |e| database("loading", row, e);
+        let found = if savepointed(backend, mode) {
+            let savepoint = self.tx.txn.begin().await.map_err(fail)?;
+            match select.one(&savepoint).await {
+                Ok(found) => {
+                    savepoint.commit().await.map_err(fail)?;
+                    found
+                }
+                Err(e) => {
+                    let _ = savepoint.rollback().await;
+                    return Err(fail(e));
+                }
+            }
+        } else {
+            select.one(&self.tx.txn).await.map_err(fail)?
+        };
+        Ok(match found {
+            Some(model) => {
+                let model = Arc::new(model);
+                self.tx.seen(&row.key, &model, true);
+                Some(model)
+            }
+            None => {
+                // With SKIP LOCKED, a locked row reads as missing: forget nothing then.
+                if mode != ForUpdate::SkipLocked {
+                    self.tx.gone(&row.key);
+                }
+                None
+            }
+        })
+    }
+
+    /// The rows `select` finds, read and locked until the section ends, as [`load_locked`]
+    /// does: with [`ForUpdate::SkipLocked`] and a `limit`, "the next free rows" of a work queue.
+    /// The commit caches them.
+    ///
+    /// [`load_locked`]: Self::load_locked
+    ///
+    /// # Errors
+    /// As [`load_locked`](Self::load_locked).
+    pub async fn find_locked(
+        &self,
+        select: Select<E>,
+        mode: ForUpdate,
+    ) -> Result<Vec<Arc<E::Model>>> {
+        let table = E::default().table_name();
+        let fail = |e| database("loading rows of", &table, e);
+        let backend = self.tx.get_database_backend();
+        let select = locking(select, backend, mode);
+        let models = if savepointed(backend, mode) {
+            let savepoint = self.tx.txn.begin().await.map_err(fail)?;
+            match select.all(&savepoint).await {
+                Ok(models) => {
+                    savepoint.commit().await.map_err(fail)?;
+                    models
+                }
+                Err(e) => {
+                    let _ = savepoint.rollback().await;
+                    return Err(fail(e));
+                }
+            }
+        } else {
+            select.all(&self.tx.txn).await.map_err(fail)?
+        };
+        models
+            .into_iter()
+            .map(|model| {
+                let row = Row::new::<E>(model.get_primary_key_value())?;
+                let model = Arc::new(model);
+                self.tx.seen(&row.key, &model, true);
+                Ok(model)
+            })
+            .collect()
+    }
+
+    /// Inserts a row in the transaction (with the `before_save` / `after_save` hooks, `insert =
+    /// true`), returning what `after_save` returned; the commit caches the row as stored.
+    ///
+    /// # Errors
+    /// [`Error::Database`] when the insert or a hook fails. A unique-key violation aborts the
+    /// transaction on PostgreSQL: use [`get_or_insert`](Self::get_or_insert) when the row may
+    /// exist.
+    pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
+        let (row, stored, reported) = insert_on::<E, _>(&self.tx.txn, model).await?;
+        self.tx.seen(&row.key, &Arc::new(stored), true);
+        Ok(Arc::new(reported))
+    }
+
+    /// The guarded save of [`crate::Repository::save`], in the transaction. Its snapshot is the
+    /// row as this section last read or wrote it, else as the session has it cached. A
+    /// [`SaveOutcome::Conflict`] makes a [retrying section](crate::Section::run_retrying) run
+    /// again when it then returns an error.
+    ///
+    /// # Errors
+    /// As [`crate::Repository::save`].
+    pub async fn save(&self, model: E::ActiveModel) -> Result<SaveOutcome<E::Model>> {
+        let row = saved_row::<E>(&model)?;
+        let Some(snapshot) = self.tx.snapshot::<E::Model>(&row.key) else {
+            return Err(Error::NoSnapshot {
+                target: row.to_string(),
+            });
+        };
+        if !built_from::<E>(&model, &snapshot) {
+            self.tx.note_conflict();
+            self.tx.gone(&row.key);
+            return Ok(SaveOutcome::Conflict);
+        }
+        if !model.is_changed() {
+            return Ok(SaveOutcome::Unchanged);
+        }
+        self.save_row(&row, &snapshot, model).await
+    }
+
+    /// The guarded save of `model` against `snapshot`, in the transaction.
+    pub(crate) async fn save_row(
+        &self,
+        row: &Row,
+        snapshot: &E::Model,
+        model: E::ActiveModel,
+    ) -> Result<SaveOutcome<E::Model>> {
+        let version = self
+            .tx
+            .session
+            .version_column(TypeId::of::<E>())
+            .and_then(write::column_named::<E>);
+        let saved = save_on::<E, _>(&self.tx.txn, row, snapshot, model, version, false).await?;
+        Ok(match saved {
+            Saved::Stored { stored, reported } => {
+                self.tx.seen(&row.key, &Arc::new(stored), true);
+                SaveOutcome::Updated(Arc::new(reported))
+            }
+            Saved::Holds(stored) => {
+                self.tx.seen(&row.key, &Arc::new(stored), true);
+                SaveOutcome::Unchanged
+            }
+            Saved::Conflict => {
+                self.tx.note_conflict();
+                self.tx.gone(&row.key);
+                SaveOutcome::Conflict
+            }
+            Saved::NotFound => {
+                self.tx.gone(&row.key);
+                SaveOutcome::NotFound
+            }
+        })
+    }
+
+    /// Deletes the row with primary key `id` in the transaction: reads it locked, runs
+    /// `before_delete`, deletes it (checking the version column when the entity has one), runs
+    /// `after_delete`. The commit evicts it. The section's lock is what serializes it with other
+    /// writers; [`DeleteOutcome::LeaseLost`] is never returned here (the section reports a lost
+    /// lease for the whole transaction).
+    ///
+    /// # Errors
+    /// [`Error::Database`] when a statement or a hook fails.
+    pub async fn locked_delete(&self, id: PrimaryKeyOf<E>) -> Result<DeleteOutcome<E::Model>> {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        let Some(original) = self.load_row_locked(&row, ForUpdate::Wait).await? else {
+            return Ok(DeleteOutcome::NotFound);
+        };
+        let target = &row;
+        let fail = |operation| move |e| database(operation, target, e);
+        let draft = (*original).clone().into_active_model();
+        let draft = write::before_delete::<E, _>(draft, &self.tx.txn)
+            .await
+            .map_err(fail("running before_delete for"))?;
+        let version = self.tx.session.version_column(TypeId::of::<E>());
+        let expected = write::version_guard::<E>(version, &original);
+        let deleted = write::delete_holding::<E, _>(&self.tx.txn, row.pk(), &expected)
+            .await
+            .map_err(fail("deleting"))?;
+        if !deleted {
+            // Locked by us since the read: only a write outside every lock can get here.
+            self.tx.note_conflict();
+            self.tx.gone(&row.key);
+            return Err(Error::Conflict {
+                target: row.to_string(),
+                attempts: 1,
+            });
+        }
+        write::after_delete::<E, _>(draft, &self.tx.txn)
+            .await
+            .map_err(fail("running after_delete for"))?;
+        self.tx.gone(&row.key);
+        Ok(DeleteOutcome::Deleted(original))
+    }
+
+    /// The row with primary key `id`, read locked, or created from `init` (with the insert
+    /// hooks) when there is none; the `bool` says whether this call created it. A concurrent
+    /// creator that wins the race (one outside the section's lock) is not an error: the insert
+    /// runs in a savepoint, and the winner's row is returned.
+    ///
+    /// # Errors
+    /// [`Error::InvalidKey`] when `init`'s primary key differs from `id`; [`Error::Database`].
+    pub async fn get_or_insert(
+        &self,
+        id: PrimaryKeyOf<E>,
+        init: impl FnOnce() -> E::ActiveModel + Send,
+    ) -> Result<(Arc<E::Model>, bool)> {
+        let row = Row::new::<E>(id.into_value_tuple())?;
+        if let Some(found) = self.load_row_locked(&row, ForUpdate::Wait).await? {
+            return Ok((found, false));
+        }
+        let draft = keyed::<E>(init(), row.pk())?;
+        let target = &row;
+        let fail = |operation| move |e| database(operation, target, e);
+        let savepoint = self
+            .tx
+            .txn
+            .begin()
+            .await
+            .map_err(fail("beginning a savepoint for"))?;
+        let draft = write::before_save::<E, _>(draft, &savepoint, true)
+            .await
+            .map_err(fail("running before_save for"))?;
+        let stored = match E::insert(draft).exec_with_returning(&savepoint).await {
+            Ok(stored) => stored,
+            Err(e) if write::is_unique_violation(&e) => {
+                savepoint
+                    .rollback()
+                    .await
+                    .map_err(fail("rolling back a savepoint for"))?;
+                let found = self.load_row_locked(&row, ForUpdate::Wait).await?;
+                return found
+                    .map(|found| (found, false))
+                    .ok_or_else(|| Error::Conflict {
+                        target: row.to_string(),
+                        attempts: 1,
+                    });
+            }
+            Err(e) => return Err(database("inserting", &row, e)),
+        };
+        let reported = write::after_save::<E, _>(stored.clone(), &savepoint, true)
+            .await
+            .map_err(fail("running after_save for"))?;
+        savepoint
+            .commit()
+            .await
+            .map_err(fail("releasing a savepoint for"))?;
+        self.tx.seen(&row.key, &Arc::new(stored), true);
+        Ok((Arc::new(reported), true))
+    }
+}
+
+/// Whether a locking read runs in a savepoint: `NOWAIT` off SQLite, so that its failure on a
+/// locked row does not abort the section's transaction (PostgreSQL would refuse every later
+/// statement): the section can move on to another row.
+fn savepointed(backend: DbBackend, mode: ForUpdate) -> bool {
+    mode == ForUpdate::NoWait && backend != DbBackend::Sqlite
+}
+
+/// `select` with `FOR UPDATE` in `mode` — nothing on SQLite, where the section's `BEGIN
+/// IMMEDIATE` already keeps every other writer out.
+fn locking<E: EntityTrait>(select: Select<E>, backend: DbBackend, mode: ForUpdate) -> Select<E> {
+    match (backend, mode) {
+        (DbBackend::Sqlite, _) => select,
+        (_, ForUpdate::Wait) => select.lock_exclusive(),
+        (_, ForUpdate::NoWait) => select.lock_with_behavior(LockType::Update, LockBehavior::Nowait),
+        (_, ForUpdate::SkipLocked) => {
+            select.lock_with_behavior(LockType::Update, LockBehavior::SkipLocked)
+        }
+    }
+}
