@@ -174,6 +174,28 @@ async fn single_task(label: &str, url: &str, kinds: &[LockKind], redis: Option<&
             goal,
         );
     }
+    // The one-statement optimistic write (issue 14's lever 2): the row is cached and current,
+    // so each call is one guarded UPDATE … RETURNING.
+    let optimistic = Session::builder(db.clone())
+        .lock(Arc::new(LocalLock::new()))
+        .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+        .version_column::<node::Entity>(node::Column::Changed)
+        .optimistic_first(true)
+        .build()
+        .expect("session");
+    let (ours, theirs) = interleaved(
+        rounds,
+        batch,
+        || increment(&optimistic, 1),
+        || hand_written(&db, 2),
+    )
+    .await;
+    row(
+        &format!("`locked_update` optimistic-first (local) vs hand-written txn ({label})"),
+        ours,
+        theirs,
+        "",
+    );
 }
 
 // ---------------------------------------------------------------- 3. hot key, 4. spread

@@ -351,6 +351,11 @@ where
     where
         F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
     {
+        if self.session.optimistic_first()
+            && let Some(report) = self.optimistic(&row, &mut apply).await?
+        {
+            return Ok(report);
+        }
         let target = row.to_string();
         let report = locked_update::run::<E, _>(&self.session, row, |found| match found {
             None => Ok(Decision::Keep(None)),
@@ -365,6 +370,57 @@ where
         })
         .await?;
         Ok(report.map(update_outcome))
+    }
+
+    /// The one-statement optimistic write of [`crate::SessionBuilder::optimistic_first`]:
+    /// `None` when the locked path must run (no version column, no cached row, nothing
+    /// changed, or the row changed since it was cached).
+    async fn optimistic<F>(
+        &self,
+        row: &Row,
+        apply: &mut F,
+    ) -> Result<Option<UpdateReport<E::Model>>>
+    where
+        F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
+    {
+        if self.session.version_column(TypeId::of::<E>()).is_none() {
+            return Ok(None);
+        }
+        let Some(snapshot) = self.session.map().get::<E::Model>(&row.key) else {
+            return Ok(None);
+        };
+        let mut draft = (*snapshot).clone().into_active_model();
+        apply(&mut draft).map_err(|source| Error::Apply {
+            target: row.to_string(),
+            source: source.into_inner(),
+        })?;
+        if draft.get_primary_key_value().as_ref() != Some(row.pk()) {
+            return Err(Error::PrimaryKeyChanged {
+                target: row.to_string(),
+            });
+        }
+        if !draft.is_changed() {
+            return Ok(None);
+        }
+        match self.save(draft).await? {
+            SaveOutcome::Updated(model) => Ok(Some(UpdateReport {
+                outcome: UpdateOutcome::Updated(model),
+                lock: crate::outcome::LockReport {
+                    backend: self.session.lock_backend().kind(),
+                    name: row.lock.clone(),
+                    held: false,
+                    tries: 0,
+                    waited: std::time::Duration::ZERO,
+                    fence: None,
+                    release_error: None,
+                },
+                attempts: 1,
+                conflicts: 0,
+            })),
+            // Changed since it was cached (the save evicted it), gone, or holding what was
+            // set: the locked path decides, on the row as it is now.
+            _ => Ok(None),
+        }
     }
 
     /// Deletes the row under its lock: takes the lock under the session's policy → begins →

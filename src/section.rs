@@ -89,7 +89,8 @@ impl Session {
     /// A section under all of `locks` (of rows of one entity or several): they are taken in one
     /// canonical order (sorted by name, duplicates dropped), so two sections locking the same
     /// keys in opposite orders never deadlock — across processes too, with a cross-process
-    /// backend. Run it with [`Section::run`] or [`Section::run_retrying`].
+    /// backend. Run it with [`Section::run`] or [`Section::run_retrying`]; a section without any
+    /// lock is refused when run ([`Error::Lock`] with [`crate::LockError::EmptyName`]).
     pub fn section(&self, locks: impl IntoIterator<Item = LockName>) -> Section<'_> {
         let mut locks: Vec<_> = locks.into_iter().collect();
         locks.sort();
@@ -170,6 +171,13 @@ impl Section<'_> {
     {
         let session = self.session;
         let label = self.label();
+        if self.locks.is_empty() {
+            // A section under no lock would be an unlocked transaction: refuse it.
+            return Err(Error::Lock {
+                target: "a section without locks".into(),
+                source: crate::error::LockError::EmptyName,
+            });
+        }
         let span = info_span!("locked", lock = %label, backend = session.lock_backend().kind());
         async move {
             let _in_flight = session.section_started();

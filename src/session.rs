@@ -38,6 +38,7 @@ struct Inner {
     policy: LockPolicy,
     versions: HashMap<TypeId, &'static str>,
     commit_markers: bool,
+    optimistic_first: bool,
     in_flight: AtomicUsize,
 }
 
@@ -67,6 +68,7 @@ impl Session {
             versions: HashMap::new(),
             invalid_version: None,
             commit_markers: None,
+            optimistic_first: false,
         }
     }
 
@@ -117,6 +119,12 @@ impl Session {
         self.inner.versions.get(&entity).copied()
     }
 
+    /// Whether `locked_update` tries the one-statement write first (see
+    /// [`SessionBuilder::optimistic_first`]).
+    pub(crate) fn optimistic_first(&self) -> bool {
+        self.inner.optimistic_first
+    }
+
     /// Whether locked writes write a commit marker (see [`SessionBuilder::commit_markers`]).
     pub(crate) fn commit_markers(&self) -> bool {
         self.inner.commit_markers
@@ -143,6 +151,7 @@ pub struct SessionBuilder {
     /// The first declared version column that is not an integer column.
     invalid_version: Option<(&'static str, &'static str)>,
     commit_markers: Option<bool>,
+    optimistic_first: bool,
 }
 
 impl SessionBuilder {
@@ -189,6 +198,28 @@ impl SessionBuilder {
         self
     }
 
+    /// Makes `locked_update` / `locked_update_under` try a **one-statement optimistic write**
+    /// first, for entities with a [version column](Self::version_column) whose row this session
+    /// has cached: `apply` runs on the cached row, and one `UPDATE … SET <changed columns>,
+    /// version = version + 1 WHERE pk AND version = <cached version> RETURNING *` (autocommit;
+    /// on MySQL/MariaDB the UPDATE and a read back in one transaction) writes it — the guarded
+    /// [`crate::Repository::save`], with no lock, no `BEGIN`, no reload. If the row changed
+    /// since it was cached (the version moved), nothing is written and the call goes on as an
+    /// ordinary `locked_update` (lock, reload, `apply` again on the fresh row).
+    ///
+    /// What it covers: every write that bumps the version column — every freshlock write of an
+    /// entity with a declared version does — so `apply` may read any column of the cached row,
+    /// not only those it sets. A writer outside freshlock that changes the row without bumping
+    /// the version is not seen by the guard: do not turn this on if such writers exist.
+    /// Without a version column, or without a cached row, or when `apply` changes nothing, the
+    /// ordinary locked path runs at once. An optimistic write reports `lock.held == false` and
+    /// `lock.tries == 0` (no lock was needed), and, like `save`, a lost reply of its autocommit
+    /// UPDATE is [`crate::Error::CommitUnknown`]. Default: off.
+    pub fn optimistic_first(mut self, on: bool) -> Self {
+        self.optimistic_first = on;
+        self
+    }
+
     /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
     /// new row evicts an arbitrary other one; 0 disables caching.
     pub fn cache_capacity(mut self, capacity: usize) -> Self {
@@ -222,6 +253,7 @@ impl SessionBuilder {
                     .unwrap_or_else(|| Arc::new(LocalLock::shared()) as Arc<dyn LockBackend>),
                 policy: self.policy,
                 commit_markers,
+                optimistic_first: self.optimistic_first,
                 versions: self.versions,
                 in_flight: AtomicUsize::new(0),
             }),
