@@ -14,7 +14,9 @@
 use std::{
     any::{Any, TypeId},
     collections::HashMap,
+    future::Future,
     marker::PhantomData,
+    pin::Pin,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
@@ -270,21 +272,10 @@ where
         let backend = self.tx.get_database_backend();
         let select = locking(select_by_key::<E>(row.pk()), backend, mode);
         let fail = |e| database("loading", row, e);
-        let found = if savepointed(backend, mode) {
-            let savepoint = self.tx.txn.begin().await.map_err(fail)?;
-            match select.one(&savepoint).await {
-                Ok(found) => {
-                    savepoint.commit().await.map_err(fail)?;
-                    found
-                }
-                Err(e) => {
-                    let _ = savepoint.rollback().await;
-                    return Err(fail(e));
-                }
-            }
-        } else {
-            select.one(&self.tx.txn).await.map_err(fail)?
-        };
+        let wrap = savepointed(backend, mode);
+        let found = in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.one(c)))
+            .await
+            .map_err(fail)?;
         Ok(match found {
             Some(model) => {
                 let model = Arc::new(model);
@@ -318,21 +309,10 @@ where
         let fail = |e| database("loading rows of", &table, e);
         let backend = self.tx.get_database_backend();
         let select = locking(select, backend, mode);
-        let models = if savepointed(backend, mode) {
-            let savepoint = self.tx.txn.begin().await.map_err(fail)?;
-            match select.all(&savepoint).await {
-                Ok(models) => {
-                    savepoint.commit().await.map_err(fail)?;
-                    models
-                }
-                Err(e) => {
-                    let _ = savepoint.rollback().await;
-                    return Err(fail(e));
-                }
-            }
-        } else {
-            select.all(&self.tx.txn).await.map_err(fail)?
-        };
+        let wrap = savepointed(backend, mode);
+        let models = in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.all(c)))
+            .await
+            .map_err(fail)?;
         models
             .into_iter()
             .map(|model| {
@@ -518,6 +498,32 @@ where
 /// statement): the section can move on to another row.
 fn savepointed(backend: DbBackend, mode: ForUpdate) -> bool {
     mode == ForUpdate::NoWait && backend != DbBackend::Sqlite
+}
+
+/// A read future on a connection of the transaction.
+type Read<'c, T> = Pin<Box<dyn Future<Output = std::result::Result<T, DbErr>> + Send + 'c>>;
+
+/// Runs `read` on `txn`, or with `wrap` in a savepoint of it that is rolled back if the read
+/// fails (so the failure leaves the transaction usable).
+async fn in_savepoint<T>(
+    txn: &DatabaseTransaction,
+    wrap: bool,
+    read: impl for<'c> FnOnce(&'c DatabaseTransaction) -> Read<'c, T>,
+) -> std::result::Result<T, DbErr> {
+    if !wrap {
+        return read(txn).await;
+    }
+    let savepoint = txn.begin().await?;
+    match read(&savepoint).await {
+        Ok(value) => {
+            savepoint.commit().await?;
+            Ok(value)
+        }
+        Err(e) => {
+            let _ = savepoint.rollback().await;
+            Err(e)
+        }
+    }
 }
 
 /// `select` with `FOR UPDATE` in `mode` — nothing on SQLite, where the section's `BEGIN
