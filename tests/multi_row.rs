@@ -144,6 +144,54 @@ async fn transfers_in_memory_sqlite() {
     }
 }
 
+/// Transfers whose callers give up after a random 0.1–20 ms: the section goes on in its own task,
+/// so no statement is cut in half (on in-memory SQLite that would destroy the database), and
+/// once every section has finished the sum is exact and no balance is negative.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfers_whose_callers_give_up() {
+    let db = common::memory_db().await;
+    seed_accounts(&db).await;
+    let session = common::session(&db, &LocalLock::new());
+    let gave_up = Arc::new(AtomicU32::new(0));
+    let tasks: Vec<_> = (0..4)
+        .map(|t| {
+            let (session, gave_up) = (session.clone(), Arc::clone(&gave_up));
+            tokio::spawn(async move {
+                let mut rng = Lcg(50 + t);
+                for _ in 0..100 {
+                    let budget = Duration::from_micros(rng.below(20_000) + 100);
+                    if tokio::time::timeout(budget, transfer(&session, &mut rng))
+                        .await
+                        .is_err()
+                    {
+                        gave_up.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    // The abandoned sections finish by themselves: wait for them (bounded).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while session.in_flight() > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "sections never finished"
+        );
+        tokio::task::yield_now().await;
+    }
+    let (sum, lowest) = balances(&db).await;
+    eprintln!("{} of 400 callers gave up", gave_up.load(Ordering::SeqCst));
+    assert!(
+        gave_up.load(Ordering::SeqCst) > 0,
+        "some callers gave up mid-section"
+    );
+    assert_eq!(sum, i64::from(ACCOUNTS) * START);
+    assert!(lowest >= 0);
+}
+
 /// Reserve `quantity` of stock 1 and insert order `order`, in one section.
 async fn reserve(session: &Session, order: i64, quantity: i32) -> freshlock::Result<bool> {
     let report = session
