@@ -557,8 +557,9 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    // FRESHLOCK_BENCH_ONLY=seed|single|contention runs only that part (seed: the seed's
-    // workload; single: sections 1, 2 and 6; contention: hot key and spread).
+    // FRESHLOCK_BENCH_ONLY=seed|single|contention|floor runs only that part (seed: the seed's
+    // workload; single: sections 1, 2 and 6; contention: hot key and spread; floor: section 7,
+    // pgbench's four-statement transaction next to `locked_update`, PostgreSQL only).
     let only = std::env::var("FRESHLOCK_BENCH_ONLY").ok();
     let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let postgres = std::env::var("DATABASE_URL_POSTGRES")
@@ -580,6 +581,165 @@ async fn main() {
     if wants("seed") {
         seed_table().await;
     }
+    if wants("floor") {
+        match postgres.as_deref() {
+            Some(url) => pgbench_floor(url, redis.as_deref()).await,
+            None => println!("\n(pgbench floor: skipped, DATABASE_URL_POSTGRES is not set)"),
+        }
+    }
+}
+
+// ---------------------------------------------------------------- 7. the pgbench floor
+
+/// The four statements of the floor, as pgbench runs them (`-M prepared`, one client or 16).
+const FLOOR_SCRIPT: &str = "\\set id 2\n\
+BEGIN;\n\
+SELECT * FROM node WHERE id = :id FOR UPDATE;\n\
+UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = :id;\n\
+COMMIT;\n";
+
+/// Transactions per second of pgbench running [`FLOOR_SCRIPT`] against `url` with `clients`
+/// clients for `seconds`; `None` when pgbench is missing or fails.
+async fn pgbench(url: &str, clients: u32, seconds: u32) -> Option<f64> {
+    let script = std::env::temp_dir().join(format!("freshlock_floor_{}.sql", std::process::id()));
+    std::fs::write(&script, FLOOR_SCRIPT).ok()?;
+    let url = url.to_owned();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new("pgbench")
+            .args(["-n", "-M", "prepared", "-c", &clients.to_string()])
+            .args([
+                "-j",
+                &clients.min(2).to_string(),
+                "-T",
+                &seconds.to_string(),
+                "-f",
+            ])
+            .arg(&script)
+            .arg(&url)
+            .output()
+    })
+    .await
+    .ok()?
+    .ok()?;
+    if !output.status.success() {
+        println!(
+            "(pgbench failed: {})",
+            String::from_utf8_lossy(&output.stderr).trim()
+        );
+        return None;
+    }
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .find_map(|line| line.strip_prefix("tps = "))
+        .and_then(|rest| rest.split_whitespace().next())
+        .and_then(|tps| tps.parse().ok())
+}
+
+/// Updates per second of `tasks` tasks running `op` on row `id` for `seconds`.
+async fn rate<F, Fut>(tasks: usize, seconds: f64, op: F) -> f64
+where
+    F: Fn() -> Fut + Clone + Send + 'static,
+    Fut: Future<Output = ()> + Send,
+{
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|_| {
+            let op = op.clone();
+            tokio::spawn(async move {
+                let mut done = 0_u64;
+                while Instant::now() < deadline {
+                    op().await;
+                    done += 1;
+                }
+                done
+            })
+        })
+        .collect();
+    let mut total = 0;
+    for handle in handles {
+        total += handle.await.expect("task");
+    }
+    total as f64 / started.elapsed().as_secs_f64()
+}
+
+/// Issue 14's goals against the floor, in one run: pgbench's four-statement transaction with
+/// one client and with 16 on one row, next to `locked_update` on the same table.
+async fn pgbench_floor(url: &str, redis: Option<&str>) {
+    let seconds = if quick() { 1 } else { 5 };
+    let db = database(url, 2, 20).await;
+    println!("\n| on PostgreSQL, one row | updates/s | pgbench floor | ratio | goal |");
+    println!("|---|---|---|---|---|");
+    let Some(floor) = pgbench(url, 1, seconds).await else {
+        println!("| (pgbench not available: no floor) | | | | |");
+        return;
+    };
+    for kind in [
+        LockKind::Local,
+        LockKind::Row,
+        LockKind::PgAdvisory,
+        LockKind::Table,
+    ] {
+        let lock: Arc<dyn LockBackend> = if kind == LockKind::Local {
+            Arc::new(LocalLock::new())
+        } else {
+            kind.connect(&db, url, redis).await.expect("backend")
+        };
+        let session = session(&db, lock);
+        let ours = rate(1, f64::from(seconds), move || {
+            let session = session.clone();
+            async move { increment(&session, 1).await }
+        })
+        .await;
+        let goal = if kind == LockKind::Table {
+            ""
+        } else {
+            "≥ 1.0×"
+        };
+        println!(
+            "| `locked_update` ({kind}), 1 task | {ours:.0} | {floor:.0} | {:.2}× | {goal} |",
+            ours / floor
+        );
+    }
+    let optimistic = Session::builder(db.clone())
+        .lock(Arc::new(LocalLock::new()))
+        .version_column::<node::Entity>(node::Column::Changed)
+        .optimistic_first(true)
+        .build()
+        .expect("session");
+    let ours = rate(1, f64::from(seconds), move || {
+        let session = optimistic.clone();
+        async move { increment(&session, 1).await }
+    })
+    .await;
+    println!(
+        "| `locked_update` optimistic-first (local), 1 task | {ours:.0} | {floor:.0} | {:.2}× | |",
+        ours / floor
+    );
+    // The hot key: 16 writers of one row.
+    let floor16 = pgbench(url, 16, seconds).await.unwrap_or(f64::NAN);
+    let hot = session(&db, Arc::new(LocalLock::new()));
+    let single = {
+        let hot = hot.clone();
+        rate(1, f64::from(seconds), move || {
+            let session = hot.clone();
+            async move { increment(&session, 1).await }
+        })
+        .await
+    };
+    let sixteen = rate(16, f64::from(seconds), move || {
+        let session = hot.clone();
+        async move { increment(&session, 1).await }
+    })
+    .await;
+    println!(
+        "| `locked_update` (local), 16 tasks on one row | {sixteen:.0} | {floor16:.0} (16 clients) | {:.2}× | ≥ 3× |",
+        sixteen / floor16
+    );
+    println!(
+        "| 16 tasks vs 1 task on one row (local) | {sixteen:.0} | {single:.0} (1 task) | {:.2}× | ≥ 5× |",
+        sixteen / single
+    );
 }
 
 /// Every backend each database can use.
