@@ -31,8 +31,9 @@ const KIND: &str = "table";
 /// Expiry uses the **database clock** only. Each name's fence keeps growing: a name's first row
 /// starts one above the fence floor, a grant whose key turned out not to exist deletes its row
 /// only when that row has no history above the floor, and [`crate::inspect::compact`] raises
-/// the floor past every row it deletes (see [`crate::schema`]). A holder that dies keeps the lease until its TTL runs out; `locked_update`
-/// checks, in the transaction of its write, that the lease is still its own and unexpired.
+/// the floor past every row it deletes (see [`crate::schema`]). A holder that dies keeps the
+/// lease until its TTL runs out; `locked_update` checks, in the transaction of its write, that the
+/// lease is still its own and unexpired.
 ///
 /// Needs [`crate::schema::Migration`]. Cheap to clone.
 #[derive(Clone, Debug)]
@@ -144,9 +145,8 @@ impl TableLock {
 impl TableLock {
     /// MySQL has no `RETURNING`: take a free row (one atomic UPDATE), else insert the row
     /// already held (its first fence one above the floor), else take over an expired lease,
-    /// then read the fence. Each is a single
-    /// autocommit statement on one row, so they cannot deadlock with each other; the rare
-    /// deadlock InnoDB still reports is a busy try.
+    /// then read the fence. Each is a single autocommit statement on one row, so they cannot
+    /// deadlock with each other; the rare deadlock InnoDB still reports is a busy try.
     async fn try_once_mysql(
         &self,
         name: &str,
