@@ -241,9 +241,12 @@ async fn hot_key(db: Option<TestDb>, kind: LockKind) {
         latencies[latencies.len() / 2]
     );
     // The pool is not drained by the 999 waiters: they wait in-process and hold no connection;
-    // only the holder's transaction (and, for a lease, its acquire or release) uses one.
+    // only the holder's transaction (and, for a lease, its acquire or release) uses one. A
+    // connection sqlx is still handing back to the pool counts as in use for a moment, so a
+    // sample can catch the previous holder's release, its returning transaction connection and
+    // the next holder's acquire at once: 3 — drained would be 5.
     assert!(
-        (1..=2).contains(&most_in_use),
+        (1..=3).contains(&most_in_use),
         "{most_in_use} connections in use"
     );
     let score = db.score(1).await;
