@@ -584,7 +584,10 @@ async fn main() {
     if wants("floor") {
         match postgres.as_deref() {
             Some(url) => pgbench_floor(url, redis.as_deref()).await,
-            None => println!("\n(pgbench floor: skipped, DATABASE_URL_POSTGRES is not set)"),
+            None => println!(
+                "\n(pgbench floor: skipped: DATABASE_URL_POSTGRES is not set, or the bench was \
+                 built without the postgres feature)"
+            ),
         }
     }
 }
