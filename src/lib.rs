@@ -33,6 +33,7 @@
 )]
 
 pub mod claim;
+mod combine;
 mod commit;
 mod db_error;
 mod error;

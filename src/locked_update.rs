@@ -25,13 +25,14 @@ use sea_orm::{
     ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IdenStatic,
     IntoActiveModel, ModelTrait, QuerySelect,
 };
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 use tracing::{Instrument, debug, error, field, info_span, warn};
 
 use crate::{
+    combine::{self, Call, MAX_BATCH, RoomKey, Seat, Served},
     error::{Error, Result, database},
     locking::Locking,
-    outcome::Report,
+    outcome::{LockReport, Report},
     row::{Row, select_by_key},
     session::Session,
     write,
@@ -78,10 +79,13 @@ impl<M> Written<M> {
 
 /// Runs one locked write of `row`: `decide` is called in the caller with the row as reloaded
 /// under the lock, and says what to write. It is `FnMut` because a conflict or a transient error
-/// runs the section again.
+/// runs the section again. `combinable`: `decide` only ever updates or keeps an existing row, so
+/// the write may share a commit with other writers of the row (when the session combines
+/// commits; see [`crate::combine`]).
 pub(crate) async fn run<E, D>(
     session: &Session,
     row: Row,
+    combinable: bool,
     mut decide: D,
 ) -> Result<Report<Written<E::Model>>>
 where
@@ -106,11 +110,27 @@ where
         conflicts = field::Empty,
         outcome = field::Empty,
     );
+    let room = (combinable && session.combine_commits())
+        .then(|| {
+            RoomKey::new(
+                TypeId::of::<E>(),
+                session.connection(),
+                session.lock_backend(),
+                &row.lock,
+                &row.name,
+                session.version_column(TypeId::of::<E>()),
+                session.commit_markers(),
+            )
+        })
+        .flatten();
     let driver = Driver::<E> {
         session: session.clone(),
         row,
         reloaded: reloaded_tx,
         decisions: decisions_rx,
+        room,
+        batch: None,
+        committed: 1,
     };
     let mut driver = Detachable::new(driver.run().instrument(span));
 
@@ -203,6 +223,9 @@ enum Step<M> {
     Done(Written<M>),
     /// The optimistic guard refused the write (or a concurrent creator won): run it again.
     Conflict,
+    /// A combined waiter's hook failed after it may have written in the transaction: that waiter
+    /// got its error, and the attempt runs again without it (not counted as a conflict).
+    Again,
 }
 
 /// The task that owns the lock and the transaction of one locked write.
@@ -211,6 +234,60 @@ struct Driver<E: EntityTrait> {
     row: Row,
     reloaded: mpsc::Sender<Option<E::Model>>,
     decisions: mpsc::Receiver<Decision<E>>,
+    /// The row's room when this write may share a commit (see [`crate::combine`]).
+    room: Option<RoomKey>,
+    /// The waiters this holder serves (taken on its first attempt that writes), when combining.
+    batch: Option<Vec<Member<E>>>,
+    /// How many writes the committed transaction carried (1 unless combined).
+    committed: u32,
+}
+
+/// A waiter served by this holder, and where its turn stands in the current attempt.
+struct Member<E: EntityTrait> {
+    calls: mpsc::UnboundedSender<Call<E>>,
+    state: Turn,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Turn {
+    /// Not (yet) served in this attempt.
+    Waiting,
+    /// Its change is in this attempt's write (`changed`: it changed something).
+    Merged { changed: bool },
+    /// It has its answer (a result, or its own error), or is gone.
+    Out,
+}
+
+impl<E: EntityTrait> Member<E> {
+    fn finish(&mut self, result: Result<Served<E::Model>>) {
+        self.state = Turn::Out;
+        let _ = self.calls.send(Call::Done(result));
+    }
+}
+
+impl<E: EntityTrait> Drop for Member<E> {
+    /// A member the batch did not finish was not written: it takes the lock itself.
+    fn drop(&mut self) {
+        if self.state != Turn::Out {
+            let _ = self.calls.send(Call::Again);
+        }
+    }
+}
+
+/// What woke a seated waiter first.
+enum Woke<E: EntityTrait> {
+    /// The holder that took its seat.
+    Called(Option<Call<E>>),
+    /// The lock (or the policy's refusal).
+    Taken(Result<Option<Locking>>),
+}
+
+/// How following a holder ended, for a seated waiter.
+enum Followed<M> {
+    /// With this write's result.
+    Finished(Result<Report<Written<M>>>),
+    /// Not served: take the lock.
+    Again,
 }
 
 impl<E> Driver<E>
@@ -243,19 +320,57 @@ where
     }
 
     async fn run_locked(mut self) -> Result<Report<Written<E::Model>>> {
-        let _in_flight = self.session.section_started();
         let policy = self.session.policy().clone();
-        let taken = Locking::take(
-            self.session.lock_backend(),
-            &policy,
-            &self.row.lock,
-            self.row.name.clone(),
-            self.reloaded.closed(),
-            || self.reloaded.is_closed(),
-        )
-        .await?;
-        let Some(mut locking) = taken else {
-            return Err(self.interrupted()); // The caller gave up while we waited.
+        let started = tokio::time::Instant::now();
+        // A combining write waits for the lock and, at the same time, for a holder to serve it.
+        // Seated before it counts as in flight: a section counted is a seat taken.
+        let mut seat = self.room.clone().map(Seat::<E>::sit);
+        let _in_flight = self.session.section_started();
+        let mut locking = loop {
+            let woke = match seat.as_mut() {
+                None => Woke::Taken(self.take(&policy).await),
+                Some(seated) => tokio::select! {
+                    biased;
+                    call = seated.calls.recv() => Woke::Called(call),
+                    taken = self.take(&policy) => Woke::Taken(taken),
+                },
+            };
+            let taken = match (woke, seat.as_mut()) {
+                (Woke::Called(call), Some(seated)) => {
+                    match self.follow(Some(call), &mut seated.calls, started).await {
+                        Followed::Finished(result) => return result,
+                        Followed::Again => {
+                            seat = None;
+                            continue;
+                        }
+                    }
+                }
+                (Woke::Called(_), None) => unreachable!("a call comes only through a seat"),
+                (Woke::Taken(taken), None) => taken,
+                (Woke::Taken(taken), Some(seated)) => {
+                    if !seated.leave() {
+                        // A holder took the seat while this task took the lock without it (a
+                        // policy that proceeds): follow the holder; if it does not serve this
+                        // write, take the lock again.
+                        if let Ok(Some(locking)) = taken {
+                            locking.release().await;
+                        }
+                        match self.follow(None, &mut seated.calls, started).await {
+                            Followed::Finished(result) => return result,
+                            Followed::Again => {
+                                seat = None;
+                                continue;
+                            }
+                        }
+                    }
+                    taken
+                }
+            };
+            drop(seat.take());
+            match taken? {
+                Some(locking) => break locking,
+                None => return Err(self.interrupted()), // The caller gave up while we waited.
+            }
         };
         let (mut attempts, mut conflicts) = (0, 0);
         let mut delays = ExponentialBuilder::default()
@@ -269,6 +384,11 @@ where
             let step = self.section(&mut locking).await;
             let retry = match &step {
                 Ok(Step::Done(_)) => false,
+                Ok(Step::Again) => {
+                    // Not an attempt of this write: its own change was not refused.
+                    attempts -= 1;
+                    continue;
+                }
                 Ok(Step::Conflict) => {
                     conflicts += 1;
                     crate::metrics::conflict(E::default().table_name());
@@ -283,6 +403,7 @@ where
             };
             match (step, retry.then(|| delays.next()).flatten()) {
                 (Ok(Step::Done(outcome)), _) => break Ok(outcome),
+                (Ok(Step::Again), _) => unreachable!("handled above"),
                 (Ok(Step::Conflict), None) => {
                     break Err(Error::Conflict {
                         target: self.row.to_string(),
@@ -297,6 +418,10 @@ where
             }
         };
 
+        // Waiters of the batch that were not finished were not written: they take the lock
+        // themselves, after us (before the release, so none of them can take it first).
+        drop(self.batch.take());
+        let batch = self.committed;
         // Only now, after commit or rollback. A key that does not exist leaves no lock row.
         let report = if matches!(result, Ok(Written::NotFound)) {
             locking.retire().await
@@ -308,7 +433,78 @@ where
             lock: report,
             attempts,
             conflicts,
+            batch,
         })
+    }
+
+    /// Takes the lock (the in-process queue, then the backend's), as the policy says.
+    async fn take(&self, policy: &crate::lock::LockPolicy) -> Result<Option<Locking>> {
+        Locking::take(
+            self.session.lock_backend(),
+            policy,
+            &self.row.lock,
+            self.row.name.clone(),
+            self.reloaded.closed(),
+            || self.reloaded.is_closed(),
+        )
+        .await
+    }
+
+    /// A seated waiter follows the holder that took its seat: it relays each offered row to its
+    /// caller's `apply` and the decision back, until the holder says how the batch ended.
+    async fn follow(
+        &mut self,
+        first: Option<Option<Call<E>>>,
+        calls: &mut mpsc::UnboundedReceiver<Call<E>>,
+        started: tokio::time::Instant,
+    ) -> Followed<E::Model> {
+        let mut next = first;
+        loop {
+            let call = match next.take() {
+                Some(call) => call,
+                None => calls.recv().await,
+            };
+            match call {
+                // A holder that vanished without a word wrote nothing of ours (it panicked
+                // before its commit; its transaction rolled back).
+                None | Some(Call::Again) => return Followed::Again,
+                Some(Call::Done(result)) => {
+                    return Followed::Finished(result.map(|served| self.served(served, started)));
+                }
+                Some(Call::Offer { row, reply }) => {
+                    self.session.map().remove(&self.row.key);
+                    if self.reloaded.send(Some(row)).await.is_err() {
+                        return Followed::Finished(Err(self.interrupted()));
+                    }
+                    // `None`: our caller's `apply` failed or panicked, or it is gone. Dropping
+                    // `reply` tells the holder; the caller returns its own error.
+                    let Some(decision) = self.decisions.recv().await else {
+                        return Followed::Finished(Err(self.interrupted()));
+                    };
+                    let _ = reply.send(decision);
+                }
+            }
+        }
+    }
+
+    /// A served waiter's report; its session caches the committed row.
+    fn served(
+        &self,
+        served: Served<E::Model>,
+        started: tokio::time::Instant,
+    ) -> Report<Written<E::Model>> {
+        if let Some(stored) = served.stored {
+            self.session.map().insert(self.row.key.clone(), stored);
+        }
+        let mut lock = served.lock;
+        lock.waited = started.elapsed();
+        Report {
+            outcome: served.outcome,
+            lock,
+            attempts: 1,
+            conflicts: 0,
+            batch: served.batch,
+        }
     }
 
     /// Evict, begin, reload, hand over to the caller, write what it decided, commit, cache.
@@ -345,9 +541,10 @@ where
         }
     }
 
-    /// `before_save`, the guarded UPDATE (fence checked first), `after_save`, commit.
+    /// `before_save`, the waiters of the batch served (when combining), the guarded UPDATE
+    /// (fence checked first), `after_save`, commit, and every served waiter told.
     async fn update(
-        &self,
+        &mut self,
         txn: DatabaseTransaction,
         locking: &Locking,
         original: E::Model,
@@ -367,9 +564,22 @@ where
                 target: self.row.to_string(),
             });
         }
+        // Only a holder that excludes the process's other writers of the row may serve them.
+        if self.room.is_some() && locking.excludes_process() {
+            match self.serve(&txn, &original, &mut changes).await {
+                Ok(true) => {}
+                Ok(false) => {
+                    let _ = txn.rollback().await;
+                    return Ok(Step::Again);
+                }
+                Err(e) => return Err(self.rolled_back(txn, "combining writes of", e).await),
+            }
+        }
         if changes.is_empty() {
             finish(txn, true, &self.row).await?;
-            return Ok(Step::Done(Written::Unchanged(self.cache(original))));
+            let row = self.cache(original);
+            self.tell_committed(locking, &row, Vec::new());
+            return Ok(Step::Done(Written::Unchanged(row)));
         }
         if let Some(step) = self.fence(&txn, locking).await? {
             let _ = txn.rollback().await;
@@ -411,12 +621,177 @@ where
             Ok(reported) => reported,
             Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
         };
-        self.commit(txn).await?;
-        self.cache(stored);
-        debug!(row = %self.row.name, "updated");
+        // Each served waiter that changed something gets its own `after_save`.
+        let mut theirs = Vec::new();
+        for (index, member) in self.batch.iter_mut().flatten().enumerate() {
+            if member.state != (Turn::Merged { changed: true }) {
+                continue;
+            }
+            match write::after_save::<E, _>(stored.clone(), &txn, false).await {
+                Ok(reported) => theirs.push((index, reported)),
+                Err(e) => {
+                    member.finish(Err(database("running after_save for", &self.row, e)));
+                    let _ = txn.rollback().await;
+                    return Ok(Step::Again);
+                }
+            }
+        }
+        if let Err(error) = self.commit(txn).await {
+            if let Error::CommitUnknown { source, .. } = &error {
+                // Every write of the batch is in doubt alike; none may run again blindly.
+                let why = source.to_string();
+                for member in self.batch.iter_mut().flatten() {
+                    if let Turn::Merged { .. } = member.state {
+                        member.finish(Err(Error::CommitUnknown {
+                            target: self.row.to_string(),
+                            source: why.clone().into(),
+                        }));
+                    }
+                }
+            }
+            return Err(error);
+        }
+        let stored = self.cache(stored);
+        self.tell_committed(locking, &stored, theirs);
+        debug!(row = %self.row.name, batch = self.committed, "updated");
         Ok(Step::Done(Written::Updated(Arc::new(reported))))
     }
 
+    /// Serves the batch (taken from the room on the first attempt that gets here): each waiter
+    /// runs its `apply` on the row as the ones before it left it, and its change is merged into
+    /// `changes`. `Ok(false)`: a waiter's `before_save` failed, or changed the primary key, after
+    /// it may have written in the transaction; that waiter got its error, and the attempt must
+    /// run again without it.
+    async fn serve(
+        &mut self,
+        txn: &DatabaseTransaction,
+        original: &E::Model,
+        changes: &mut Vec<write::ColumnValue<E>>,
+    ) -> std::result::Result<bool, DbErr> {
+        let Some(room) = &self.room else {
+            return Ok(true);
+        };
+        let members = self.batch.get_or_insert_with(|| {
+            combine::take_seats::<E>(room, MAX_BATCH - 1)
+                .into_iter()
+                .map(|calls| Member {
+                    calls,
+                    state: Turn::Waiting,
+                })
+                .collect()
+        });
+        let mut current = original.clone();
+        for (column, value) in changes.iter() {
+            current.try_set(*column, value.clone())?;
+        }
+        for member in members.iter_mut() {
+            if member.state == Turn::Out {
+                continue;
+            }
+            member.state = Turn::Waiting;
+            let (reply, answer) = oneshot::channel();
+            let offer = Call::Offer {
+                row: current.clone(),
+                reply,
+            };
+            // A closed channel or a dropped reply: the waiter is gone, or its `apply` failed or
+            // panicked. It contributes nothing and returns its own error.
+            if member.calls.send(offer).is_err() {
+                member.state = Turn::Out;
+                continue;
+            }
+            let Ok(decision) = answer.await else {
+                member.state = Turn::Out;
+                continue;
+            };
+            match decision {
+                Decision::Update {
+                    original: seen,
+                    draft,
+                } => {
+                    let mut draft = match write::before_save::<E, _>(draft, txn, false).await {
+                        Ok(draft) => draft,
+                        Err(e) => {
+                            member.finish(Err(database("running before_save for", &self.row, e)));
+                            return Ok(false);
+                        }
+                    };
+                    let theirs = write::changed_columns::<E>(&seen, &mut draft);
+                    if theirs
+                        .iter()
+                        .any(|(column, _)| write::is_primary_key::<E>(column))
+                    {
+                        member.finish(Err(Error::PrimaryKeyChanged {
+                            target: self.row.to_string(),
+                        }));
+                        return Ok(false);
+                    }
+                    member.state = Turn::Merged {
+                        changed: !theirs.is_empty(),
+                    };
+                    for (column, value) in theirs {
+                        current.try_set(column, value.clone())?;
+                        match changes
+                            .iter_mut()
+                            .find(|(changed, _)| changed.as_str() == column.as_str())
+                        {
+                            Some(slot) => slot.1 = value,
+                            None => changes.push((column, value)),
+                        }
+                    }
+                }
+                Decision::Keep(Some(_)) => member.state = Turn::Merged { changed: false },
+                // Not an update of this row: it runs alone, after this batch.
+                Decision::Keep(None) | Decision::Insert(_) | Decision::Delete(_) => {
+                    member.state = Turn::Out;
+                    let _ = member.calls.send(Call::Again);
+                }
+            }
+        }
+        Ok(true)
+    }
+
+    /// After the commit: every waiter merged into it gets its report, with the committed row
+    /// (`theirs`: the rows their own `after_save` returned, by member index).
+    fn tell_committed(
+        &mut self,
+        locking: &Locking,
+        stored: &Arc<E::Model>,
+        theirs: Vec<(usize, E::Model)>,
+    ) {
+        let Some(members) = self.batch.as_mut() else {
+            return;
+        };
+        let merged = members
+            .iter()
+            .filter(|member| matches!(member.state, Turn::Merged { .. }))
+            .count();
+        let batch = u32::try_from(merged + 1).unwrap_or(u32::MAX);
+        self.committed = batch;
+        let mut theirs = theirs.into_iter().peekable();
+        for (index, member) in members.iter_mut().enumerate() {
+            let Turn::Merged { changed } = member.state else {
+                continue;
+            };
+            let outcome = match theirs.next_if(|(at, _)| *at == index) {
+                Some((_, reported)) => Written::Updated(Arc::new(reported)),
+                None if changed => Written::Updated(Arc::clone(stored)),
+                None => Written::Unchanged(Arc::clone(stored)),
+            };
+            let lock = LockReport {
+                tries: 0,
+                waited: Duration::ZERO,
+                release_error: None,
+                ..locking.report.clone()
+            };
+            member.finish(Ok(Served {
+                outcome,
+                stored: Some(Arc::clone(stored)),
+                lock,
+                batch,
+            }));
+        }
+    }
     /// `before_save`, INSERT … RETURNING, `after_save`, commit. No fence check: an insert cannot
     /// overwrite anything, and a concurrent creator makes it fail on the key (a conflict: the
     /// next attempt finds the winner's row).

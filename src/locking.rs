@@ -119,6 +119,13 @@ impl Locking {
         Ok(Some(locking))
     }
 
+    /// Whether this section excludes every other section of this process on the same lock (the
+    /// in-process queue, or the `local` lock itself, is held): only then may it serve the
+    /// process's other writers of the row (commit combining).
+    pub(crate) fn excludes_process(&self) -> bool {
+        self.queue.is_some() || (self.backend.kind() == LocalLock::KIND && self.report.held)
+    }
+
     /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
     fn unavailable(&self, failure: Option<LockError>) -> Result<()> {
         let report = &self.report;

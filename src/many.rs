@@ -330,6 +330,7 @@ where
         })
         .await?;
     Ok(Report {
+        batch: 1,
         outcome: match report.outcome {
             SectionOutcome::Committed(outcome) => outcome,
             _ => UpdateOutcome::LeaseLost,

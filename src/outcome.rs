@@ -86,6 +86,10 @@ pub struct Report<O> {
     pub attempts: u32,
     /// How many of those attempts the optimistic guard refused (the row had changed).
     pub conflicts: u32,
+    /// How many writes the committing transaction carried: 1, unless the session combines
+    /// commits ([`crate::SessionBuilder::combine_commits`]) and this write shared its commit
+    /// with other writers of the row.
+    pub batch: u32,
 }
 
 impl<O> Report<O> {
@@ -96,6 +100,7 @@ impl<O> Report<O> {
             lock: self.lock,
             attempts: self.attempts,
             conflicts: self.conflicts,
+            batch: self.batch,
         }
     }
 }

@@ -357,7 +357,7 @@ where
             return Ok(report);
         }
         let target = row.to_string();
-        let report = locked_update::run::<E, _>(&self.session, row, |found| match found {
+        let report = locked_update::run::<E, _>(&self.session, row, true, |found| match found {
             None => Ok(Decision::Keep(None)),
             Some(original) => {
                 let mut draft = original.clone().into_active_model();
@@ -416,6 +416,7 @@ where
                 },
                 attempts: 1,
                 conflicts: 0,
+                batch: 1,
             })),
             // Changed since it was cached (the save evicted it), gone, or holding what was
             // set: the locked path decides, on the row as it is now.
@@ -440,7 +441,7 @@ where
     /// commits when the caller is dropped.
     pub async fn locked_delete(&self, id: PrimaryKeyOf<E>) -> Result<DeleteReport<E::Model>> {
         let row = Row::new::<E>(id.into_value_tuple())?;
-        let report = locked_update::run::<E, _>(&self.session, row, |found| {
+        let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             Ok(match found {
                 None => Decision::Keep(None),
                 Some(original) => Decision::Delete(original),
@@ -493,7 +494,7 @@ where
         }
         let target = row.to_string();
         let pk = row.pk().clone();
-        let report = locked_update::run::<E, _>(&self.session, row, |found| {
+        let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             Ok(match found {
                 Some(existing) => Decision::Keep(Some(existing)),
                 None => Decision::Insert(keyed::<E>(init(), &pk)?),
@@ -537,7 +538,7 @@ where
         let row = Row::new::<E>(id.into_value_tuple())?;
         let target = row.to_string();
         let pk = row.pk().clone();
-        let report = locked_update::run::<E, _>(&self.session, row, |found| {
+        let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             let aborted = |source: ApplyError| Error::Apply {
                 target: target.clone(),
                 source: source.into_inner(),

@@ -39,6 +39,7 @@ struct Inner {
     versions: HashMap<TypeId, &'static str>,
     commit_markers: bool,
     optimistic_first: bool,
+    combine_commits: bool,
     in_flight: AtomicUsize,
 }
 
@@ -69,6 +70,7 @@ impl Session {
             invalid_version: None,
             commit_markers: None,
             optimistic_first: false,
+            combine_commits: false,
         }
     }
 
@@ -126,6 +128,10 @@ impl Session {
     }
 
     /// Whether locked writes write a commit marker (see [`SessionBuilder::commit_markers`]).
+    pub(crate) fn combine_commits(&self) -> bool {
+        self.inner.combine_commits
+    }
+
     pub(crate) fn commit_markers(&self) -> bool {
         self.inner.commit_markers
     }
@@ -152,6 +158,7 @@ pub struct SessionBuilder {
     invalid_version: Option<(&'static str, &'static str)>,
     commit_markers: Option<bool>,
     optimistic_first: bool,
+    combine_commits: bool,
 }
 
 impl SessionBuilder {
@@ -220,6 +227,33 @@ impl SessionBuilder {
         self
     }
 
+    /// Makes `locked_update` / `locked_update_under` **combine commits** on hot rows: the tasks
+    /// of this process waiting for the lock of the same row (through sessions on the same
+    /// connection pool and lock backend, with this setting on) are served by the holder's
+    /// transaction instead of each running their own. The holder reloads the row and runs its
+    /// `apply`; then each waiter, in arrival order and up to 31 of them, runs *its own* `apply`
+    /// (in its own task: closures need not be `'static`) on the row as the ones before it left
+    /// it; one guarded UPDATE writes the merged change and one commit makes them all durable.
+    /// Every waiter gets its own report, with the committed row and
+    /// [`batch`](crate::Report::batch) set to the number of writes the commit carried.
+    ///
+    /// What is kept: each `apply` still sees every earlier change (nothing is lost), and each
+    /// write is reported once. A waiter whose `apply` fails or panics, or that is dropped before
+    /// its turn, contributes nothing and gets its own error (the others still commit). A waiter
+    /// whose `before_save` / `after_save` hook fails gets its error, and the batch runs again
+    /// without it. If the batch is not committed (the holder's own write failed or conflicted for
+    /// good), the waiters run on their own, since nothing of theirs was written; if the commit's
+    /// outcome is unknown, every member gets [`crate::Error::CommitUnknown`].
+    ///
+    /// What changes: hooks of the batch run in one transaction, each on its own draft; the
+    /// version column (if declared) moves by one per commit, not per write; a batch shares its
+    /// fate on a database error. `locked_delete`, `get_or_insert` and `update_or_insert` never
+    /// combine. Default: off.
+    pub fn combine_commits(mut self, on: bool) -> Self {
+        self.combine_commits = on;
+        self
+    }
+
     /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
     /// new row evicts an arbitrary other one; 0 disables caching.
     pub fn cache_capacity(mut self, capacity: usize) -> Self {
@@ -254,6 +288,7 @@ impl SessionBuilder {
                 policy: self.policy,
                 commit_markers,
                 optimistic_first: self.optimistic_first,
+                combine_commits: self.combine_commits,
                 versions: self.versions,
                 in_flight: AtomicUsize::new(0),
             }),

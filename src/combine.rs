@@ -1,0 +1,246 @@
+//! Commit combining for hot rows ([`crate::SessionBuilder::combine_commits`]).
+//!
+//! The tasks of one process waiting for the lock of the same row each take a *seat* in the row's
+//! *room* while they wait. The task that gets the lock (the *holder*) reloads the row, runs its
+//! own `apply`, then serves up to [`MAX_BATCH`]` - 1` seated waiters in the order they sat down:
+//! each is handed the row as the ones before it changed it, runs its own `apply` in its own
+//! caller (closures need not be `'static`: they never leave their task), and answers with its
+//! draft. The holder writes the merged change with one guarded UPDATE and commits once; every
+//! served waiter then gets its own report with the committed row, before the lock is released.
+//!
+//! A waiter whose `apply` fails or panics, or whose caller was dropped before its turn,
+//! contributes nothing and returns its own error; the others still commit. A waiter the holder
+//! could not serve (the holder's own write failed or was refused before its commit was sent) is
+//! told to take the lock itself: nothing of it was written, so running it again cannot apply it
+//! twice. A commit whose outcome is unknown is reported as [`crate::Error::CommitUnknown`] to
+//! every member of the batch, never run again.
+//!
+//! Rooms are keyed by the database pool, the lock backend instance, the lock and the row, the
+//! entity type and the session's write settings (version column, commit markers), so only writes
+//! that would have run the same statements one after the other are merged.
+
+use std::{
+    any::{Any, TypeId},
+    collections::VecDeque,
+    sync::{Arc, Mutex, OnceLock},
+};
+
+use dashmap::DashMap;
+use sea_orm::{DatabaseConnection, EntityTrait};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::{
+    error::Result,
+    lock::LockName,
+    locked_update::{Decision, Written},
+    outcome::LockReport,
+};
+
+/// The most writes one commit carries (the holder's and `MAX_BATCH - 1` waiters'). Waiters
+/// beyond it stay seated, in order, for the next holder, so none starves behind newcomers.
+pub(crate) const MAX_BATCH: usize = 32;
+
+/// What the holder says to a seated waiter.
+pub(crate) enum Call<E: EntityTrait> {
+    /// Run your `apply` on this row and answer with your decision.
+    Offer {
+        row: E::Model,
+        reply: oneshot::Sender<Decision<E>>,
+    },
+    /// The batch ended, and this is how for you.
+    Done(Result<Served<E::Model>>),
+    /// You were not served (nothing of yours was written): take the lock yourself.
+    Again,
+}
+
+/// A served waiter's result: its outcome, the row as committed (for its session's cache) and
+/// the lock it rode on.
+pub(crate) struct Served<M> {
+    pub(crate) outcome: Written<M>,
+    pub(crate) stored: Option<Arc<M>>,
+    pub(crate) lock: LockReport,
+    pub(crate) batch: u32,
+}
+
+/// Which writes may share a commit.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct RoomKey {
+    entity: TypeId,
+    db: usize,
+    backend: usize,
+    lock: LockName,
+    row: LockName,
+    version: Option<&'static str>,
+    markers: bool,
+}
+
+impl RoomKey {
+    /// The room of a write, or `None` when the connection has no identity to key it by (a mock
+    /// connection): such writes are never combined.
+    pub(crate) fn new(
+        entity: TypeId,
+        db: &DatabaseConnection,
+        backend: &Arc<dyn crate::LockBackend>,
+        lock: &LockName,
+        row: &LockName,
+        version: Option<&'static str>,
+        markers: bool,
+    ) -> Option<Self> {
+        Some(Self {
+            entity,
+            db: pool_identity(db)?,
+            backend: Arc::as_ptr(backend).cast::<()>() as usize,
+            lock: lock.clone(),
+            row: row.clone(),
+            version,
+            markers,
+        })
+    }
+}
+
+/// The address of the connection pool's options, shared by every clone of one pool and by no
+/// other pool.
+fn pool_identity(db: &DatabaseConnection) -> Option<usize> {
+    use sea_orm::DatabaseConnectionType as Type;
+    match &db.inner {
+        #[cfg(feature = "sqlite")]
+        Type::SqlxSqlitePoolConnection(_) => Some(
+            Arc::as_ptr(&db.get_sqlite_connection_pool().connect_options()).cast::<()>() as usize,
+        ),
+        #[cfg(feature = "postgres")]
+        Type::SqlxPostgresPoolConnection(_) => Some(
+            Arc::as_ptr(&db.get_postgres_connection_pool().connect_options()).cast::<()>() as usize,
+        ),
+        #[cfg(feature = "mysql")]
+        Type::SqlxMySqlPoolConnection(_) => Some(
+            Arc::as_ptr(&db.get_mysql_connection_pool().connect_options()).cast::<()>() as usize,
+        ),
+        _ => None,
+    }
+}
+
+type Rooms = DashMap<RoomKey, Arc<dyn Any + Send + Sync>>;
+
+fn rooms() -> &'static Rooms {
+    static ROOMS: OnceLock<Rooms> = OnceLock::new();
+    ROOMS.get_or_init(DashMap::new)
+}
+
+/// The waiters of one row, in the order they sat down.
+struct Room<E: EntityTrait> {
+    seats: Mutex<Seats<E>>,
+}
+
+struct Seats<E: EntityTrait> {
+    next: u64,
+    queue: VecDeque<(u64, mpsc::UnboundedSender<Call<E>>)>,
+}
+
+impl<E: EntityTrait> Room<E> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Seats<E>> {
+        // A panic while holding this mutex cannot leave the queue half-changed.
+        self.seats
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+}
+
+/// A waiter's place in a room; leaving (or dropping) it takes it out if no holder took it.
+pub(crate) struct Seat<E: EntityTrait> {
+    key: RoomKey,
+    room: Arc<Room<E>>,
+    id: u64,
+    seated: bool,
+    /// What the holder says, once it took this seat.
+    pub(crate) calls: mpsc::UnboundedReceiver<Call<E>>,
+}
+
+impl<E: EntityTrait> Seat<E>
+where
+    E::Model: Sync,
+    E::ActiveModel: Send,
+{
+    /// Sits down in `key`'s room (made on demand).
+    pub(crate) fn sit(key: RoomKey) -> Self {
+        let room = {
+            let entry = rooms().entry(key.clone()).or_insert_with(|| {
+                Arc::new(Room::<E> {
+                    seats: Mutex::new(Seats {
+                        next: 0,
+                        queue: VecDeque::new(),
+                    }),
+                })
+            });
+            match Arc::clone(entry.value()).downcast::<Room<E>>() {
+                Ok(room) => room,
+                // The key holds the entity's `TypeId`: another type cannot be found here.
+                Err(_) => unreachable!("a room keyed by one entity type holds another"),
+            }
+        };
+        let (sender, calls) = mpsc::unbounded_channel();
+        let id = {
+            let mut seats = room.lock();
+            let id = seats.next;
+            seats.next += 1;
+            seats.queue.push_back((id, sender));
+            id
+        };
+        Self {
+            key,
+            room,
+            id,
+            seated: true,
+            calls,
+        }
+    }
+}
+
+impl<E: EntityTrait> Seat<E> {
+    /// Leaves the room: `true` when the seat was still there, `false` when a holder took it (then
+    /// its calls must be followed).
+    pub(crate) fn leave(&mut self) -> bool {
+        if !self.seated {
+            return false;
+        }
+        self.seated = false;
+        let mut seats = self.room.lock();
+        let before = seats.queue.len();
+        seats.queue.retain(|(id, _)| *id != self.id);
+        seats.queue.len() != before
+    }
+}
+
+impl<E: EntityTrait> Drop for Seat<E> {
+    fn drop(&mut self) {
+        self.leave();
+        // The room goes when nobody refers to it but the map (no seat left, no holder in it).
+        // Checked under the shard's lock, under which new references are made too.
+        rooms().remove_if(&self.key, |_, room| Arc::strong_count(room) == 2);
+    }
+}
+
+/// Takes up to `max` seats of `key`'s room, the longest seated first.
+pub(crate) fn take_seats<E: EntityTrait>(
+    key: &RoomKey,
+    max: usize,
+) -> Vec<mpsc::UnboundedSender<Call<E>>>
+where
+    E::Model: Sync,
+    E::ActiveModel: Send,
+{
+    let Some(room) = rooms().get(key).map(|entry| Arc::clone(entry.value())) else {
+        return Vec::new();
+    };
+    let Ok(room) = room.downcast::<Room<E>>() else {
+        return Vec::new();
+    };
+    let taken: Vec<_> = {
+        let mut seats = room.lock();
+        let n = seats.queue.len().min(max);
+        seats.queue.drain(..n).map(|(_, sender)| sender).collect()
+    };
+    drop(room);
+    // As in `Seat::drop`: a seat that left while we held the room could not remove it.
+    rooms().remove_if(key, |_, room| Arc::strong_count(room) == 1);
+    taken
+}

@@ -1,0 +1,439 @@
+//! Commit combining ([`freshlock::SessionBuilder::combine_commits`]): the waiters of one hot row
+//! are served by the holder's transaction.
+//!
+//! Every scenario parks 16 `locked_update`s of one account behind a locked section that holds
+//! the row's lock, waits until all 16 are seated (`Session::in_flight`, counted after a seat is
+//! taken), then lets go: the first of them becomes the holder and serves the 15 others in one
+//! commit. Task `i` adds `2^i` to the balance, so the balance says exactly which changes were
+//! committed, whatever the order they were served in.
+//!
+//! - 16 writers, waiters 3 and 9 fail in `apply`: exactly the other 14 changes are committed, in
+//!   one commit of 14 (every report says `batch == 14`), on SQLite, PostgreSQL and MariaDB, with
+//!   the `local` backend and with a cross-process one (`row`, `table`).
+//! - A panicking `apply` and a writer dropped before its turn contribute nothing; the others
+//!   commit and are reported once.
+//! - Acknowledged writes are counted against the row, and each session's cache holds the
+//!   committed row.
+//! - A failing `before_save` of one waiter: it gets its error, the batch runs again without it.
+//! - A waiter whose `before_save` wrote in the transaction and then failed gets its error, and
+//!   the batch runs again without it: its audit row is not committed, every other writer's is,
+//!   once.
+//! - Without `combine_commits`, the same 16 writers commit one by one (`batch == 1`).
+
+mod common;
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{sync::Arc, time::Duration};
+
+use entity::account;
+use freshlock::{
+    ApplyError, Error, LocalLock, LockBackend, LockKind, SectionOutcome, Session, UpdateOutcome,
+    lock_name,
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set, Statement};
+use servers::{TestDb, databases};
+use tokio::{sync::oneshot, task::JoinHandle};
+
+const WRITERS: usize = 16;
+
+/// A user's entity whose `before_save` writes an audit row through the transaction, then refuses
+/// the draft whose note is `writer-4`.
+mod tally {
+    use sea_orm::{ActiveValue, entity::prelude::*};
+
+    #[derive(Clone, Debug, PartialEq, Eq, DeriveEntityModel)]
+    #[sea_orm(table_name = "tally")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i32,
+        pub total: i64,
+        pub note: String,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    #[async_trait::async_trait]
+    impl ActiveModelBehavior for ActiveModel {
+        async fn before_save<C: ConnectionTrait>(
+            self,
+            db: &C,
+            _insert: bool,
+        ) -> Result<Self, DbErr> {
+            let note = match &self.note {
+                ActiveValue::Set(note) | ActiveValue::Unchanged(note) => note.clone(),
+                ActiveValue::NotSet => String::new(),
+            };
+            db.execute_unprepared(&format!("INSERT INTO tally_audit (note) VALUES ('{note}')"))
+                .await?;
+            if note == "writer-4" {
+                return Err(DbErr::Custom("writer 4 is refused by before_save".into()));
+            }
+            Ok(self)
+        }
+    }
+}
+
+/// Polls `condition` until it holds; fails the test after 20 s instead of hanging.
+async fn eventually(what: &str, mut condition: impl FnMut() -> bool) {
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(20);
+    while !condition() {
+        assert!(tokio::time::Instant::now() < deadline, "timed out: {what}");
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+async fn seed(db: &DatabaseConnection) {
+    account::Entity::insert(account::ActiveModel {
+        id: Set(1),
+        balance: Set(0),
+    })
+    .exec(db)
+    .await
+    .expect("seed");
+}
+
+async fn balance(db: &DatabaseConnection) -> i64 {
+    account::Entity::find_by_id(1)
+        .one(db)
+        .await
+        .expect("query")
+        .expect("row")
+        .balance
+}
+
+/// The backend of `kind`; `local` gets a lock space of its own (tests run in parallel).
+async fn backend(kind: LockKind, test: &TestDb) -> Arc<dyn LockBackend> {
+    if kind == LockKind::Local {
+        return Arc::new(LocalLock::new());
+    }
+    kind.connect(&test.db, &test.url, None)
+        .await
+        .expect("lock backend")
+}
+
+fn combining(db: &DatabaseConnection, lock: &Arc<dyn LockBackend>, on: bool) -> Session {
+    Session::builder(db.clone())
+        .lock(Arc::clone(lock))
+        .combine_commits(on)
+        .build()
+        .expect("session")
+}
+
+/// What a writer does in `apply`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Writer {
+    Adds,
+    Fails,
+}
+
+/// Holds the row's lock in a section until the returned sender fires (or is dropped).
+async fn hold(session: &Session) -> (oneshot::Sender<()>, JoinHandle<()>) {
+    let (release, released) = oneshot::channel::<()>();
+    let (held, is_held) = oneshot::channel::<()>();
+    let session = session.clone();
+    let holder = tokio::spawn(async move {
+        let key = lock_name::<account::Entity>(1).expect("key");
+        let report = session
+            .locked(&key, move |_tx| {
+                Box::pin(async move {
+                    let _ = held.send(());
+                    let _ = released.await;
+                    Ok(())
+                })
+            })
+            .await
+            .expect("blocking section");
+        assert!(matches!(report.outcome, SectionOutcome::Committed(())));
+    });
+    is_held.await.expect("the blocking section runs");
+    (release, holder)
+}
+
+/// Parks `writers` behind a held lock, lets go, and returns each writer's result, in task order.
+async fn park_and_release(
+    db: &DatabaseConnection,
+    lock: &Arc<dyn LockBackend>,
+    combine: bool,
+    writers: &[Writer],
+) -> (
+    Session,
+    Vec<std::thread::Result<freshlock::Result<freshlock::UpdateReport<account::Model>>>>,
+) {
+    let blocker = combining(db, lock, false);
+    let (release, holder) = hold(&blocker).await;
+    let session = combining(db, lock, combine);
+    let tasks: Vec<_> = writers
+        .iter()
+        .enumerate()
+        .map(|(i, writer)| {
+            let (session, writer) = (session.clone(), *writer);
+            tokio::spawn(async move {
+                session
+                    .repository::<account::Entity>()
+                    .locked_update(1, move |row| {
+                        if writer == Writer::Fails {
+                            return Err(ApplyError::msg("refused"));
+                        }
+                        let balance = *row.balance.as_ref();
+                        row.balance = Set(balance + (1 << i));
+                        Ok(())
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("every writer is seated", || {
+        session.in_flight() == writers.len()
+    })
+    .await;
+    release.send(()).expect("blocker waits");
+    holder.await.expect("blocker");
+    let mut results = Vec::new();
+    for task in tasks {
+        results.push(match task.await {
+            Ok(result) => Ok(result),
+            Err(e) => Err(e.into_panic()),
+        });
+    }
+    (session, results)
+}
+
+/// 16 writers, 3 and 9 fail: the other 14 commit together, each acknowledged once.
+async fn fourteen_of_sixteen(db: Option<TestDb>, kind: LockKind) {
+    let Some(test) = db else { return };
+    let db = &test.db;
+    seed(db).await;
+    let lock = backend(kind, &test).await;
+    let writers: Vec<_> = (0..WRITERS)
+        .map(|i| {
+            if i == 3 || i == 9 {
+                Writer::Fails
+            } else {
+                Writer::Adds
+            }
+        })
+        .collect();
+    let (session, results) = park_and_release(db, &lock, true, &writers).await;
+
+    let mut acknowledged = 0;
+    let mut expected = 0_i64;
+    for (i, result) in results.into_iter().enumerate() {
+        let result = result.expect("no writer panics");
+        if i == 3 || i == 9 {
+            assert!(
+                matches!(result, Err(Error::Apply { .. })),
+                "writer {i}: {result:?}"
+            );
+            continue;
+        }
+        let report = result.unwrap_or_else(|e| panic!("writer {i}: {e}"));
+        assert!(
+            matches!(report.outcome, UpdateOutcome::Updated(_)),
+            "writer {i}: {:?}",
+            report.outcome
+        );
+        assert_eq!(report.batch, 14, "writer {i} shared one commit of 14");
+        assert!(report.lock.held);
+        acknowledged += 1;
+        expected += 1 << i;
+    }
+    assert_eq!(acknowledged, 14);
+    let stored = balance(db).await;
+    assert_eq!(
+        stored, expected,
+        "exactly the 14 acknowledged changes, once each"
+    );
+    // The session caches the committed row.
+    let cached = session
+        .repository::<account::Entity>()
+        .load(1)
+        .await
+        .expect("load")
+        .expect("row");
+    assert_eq!(cached.balance, stored);
+}
+
+/// A panicking `apply` and a writer dropped before its turn contribute nothing.
+async fn panic_and_cancel(db: Option<TestDb>, kind: LockKind) {
+    let Some(test) = db else { return };
+    let db = &test.db;
+    seed(db).await;
+    let lock = backend(kind, &test).await;
+    let blocker = combining(db, &lock, false);
+    let (release, holder) = hold(&blocker).await;
+    let session = combining(db, &lock, true);
+    let mut tasks = Vec::new();
+    for i in 0..8 {
+        let session = session.clone();
+        tasks.push(tokio::spawn(async move {
+            session
+                .repository::<account::Entity>()
+                .locked_update(1, move |row| {
+                    assert!(i != 5, "writer 5 panics");
+                    let balance = *row.balance.as_ref();
+                    row.balance = Set(balance + (1 << i));
+                    Ok(())
+                })
+                .await
+        }));
+    }
+    eventually("every writer is seated", || session.in_flight() == 8).await;
+    // Writer 2 is dropped while seated (its section goes on in a task of its own, which finds
+    // its caller gone whether it is served or gets the lock).
+    tasks[2].abort();
+    let dropped = (&mut tasks[2]).await;
+    assert!(dropped.is_err_and(|e| e.is_cancelled()));
+    release.send(()).expect("blocker waits");
+    holder.await.expect("blocker");
+    let mut expected = 0_i64;
+    let mut panics = 0;
+    let mut batches = Vec::new();
+    for (i, task) in tasks.into_iter().enumerate() {
+        if i == 2 {
+            continue; // Awaited above.
+        }
+        match (i, task.await) {
+            (5, Err(e)) => {
+                assert!(e.is_panic());
+                panics += 1;
+            }
+            (_, Ok(Ok(report))) => {
+                assert!(report.outcome.is_updated());
+                batches.push(report.batch);
+                expected += 1 << i;
+            }
+            (i, other) => panic!("writer {i}: {other:?}"),
+        }
+    }
+    assert_eq!(panics, 1, "the panic happened and reached its caller");
+    assert_eq!(batches, vec![6; 6], "one commit of the 6 writers left");
+    assert_eq!(balance(db).await, expected);
+    eventually("every section ended", || session.in_flight() == 0).await;
+}
+
+/// Without combining, each writer commits alone.
+async fn one_by_one(db: Option<TestDb>, kind: LockKind) {
+    let Some(test) = db else { return };
+    let db = &test.db;
+    seed(db).await;
+    let lock = backend(kind, &test).await;
+    let (_, results) = park_and_release(db, &lock, false, &[Writer::Adds; WRITERS]).await;
+    for result in results {
+        assert_eq!(result.expect("no panic").expect("written").batch, 1);
+    }
+    assert_eq!(balance(db).await, (1 << WRITERS) - 1);
+}
+
+/// Writer 4's `before_save` writes its audit row, then fails: it alone gets the error, and the
+/// audit holds exactly the 15 committed writers' rows.
+async fn failing_hook(db: Option<TestDb>, kind: LockKind) {
+    let Some(test) = db else { return };
+    let db = &test.db;
+    for ddl in [
+        "CREATE TABLE tally (id integer PRIMARY KEY, total bigint NOT NULL, note varchar(32) NOT NULL)",
+        "CREATE TABLE tally_audit (note varchar(32) NOT NULL)",
+    ] {
+        db.execute_unprepared(ddl).await.expect("create table");
+    }
+    tally::Entity::insert(tally::ActiveModel {
+        id: Set(1),
+        total: Set(0),
+        note: Set(String::new()),
+    })
+    .exec(db)
+    .await
+    .expect("seed");
+    let lock = backend(kind, &test).await;
+    let blocker = combining(db, &lock, false);
+    let key = lock_name::<tally::Entity>(1).expect("key");
+    let (release, released) = oneshot::channel::<()>();
+    let (held, is_held) = oneshot::channel::<()>();
+    let holder = tokio::spawn(async move {
+        blocker
+            .locked(&key, move |_tx| {
+                Box::pin(async move {
+                    let _ = held.send(());
+                    let _ = released.await;
+                    Ok(())
+                })
+            })
+            .await
+            .expect("blocking section");
+    });
+    is_held.await.expect("blocking section runs");
+    let session = combining(db, &lock, true);
+    let tasks: Vec<_> = (0..WRITERS)
+        .map(|i| {
+            let session = session.clone();
+            tokio::spawn(async move {
+                session
+                    .repository::<tally::Entity>()
+                    .locked_update(1, move |row| {
+                        let total = *row.total.as_ref();
+                        row.total = Set(total + (1 << i));
+                        row.note = Set(format!("writer-{i}"));
+                        Ok(())
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("every writer is seated", || session.in_flight() == WRITERS).await;
+    release.send(()).expect("blocker waits");
+    holder.await.expect("blocker");
+    let mut expected = 0_i64;
+    for (i, task) in tasks.into_iter().enumerate() {
+        match (i, task.await.expect("no panic")) {
+            (4, Err(Error::Database { .. })) => {}
+            (_, Ok(report)) if i != 4 => {
+                assert!(report.outcome.is_updated());
+                expected += 1 << i;
+            }
+            (i, other) => panic!("writer {i}: {other:?}"),
+        }
+    }
+    let row = tally::Entity::find_by_id(1)
+        .one(db)
+        .await
+        .expect("query")
+        .expect("row");
+    assert_eq!(row.total, expected);
+    let audit: Vec<String> = db
+        .query_all_raw(Statement::from_string(
+            db.get_database_backend(),
+            "SELECT note FROM tally_audit ORDER BY note",
+        ))
+        .await
+        .expect("audit")
+        .iter()
+        .map(|row| row.try_get::<String>("", "note").expect("note"))
+        .collect();
+    let mut committed: Vec<String> = (0..WRITERS)
+        .filter(|i| *i != 4)
+        .map(|i| format!("writer-{i}"))
+        .collect();
+    committed.sort();
+    assert_eq!(
+        audit, committed,
+        "each committed writer's hook ran once in the committed batch"
+    );
+}
+
+servers::server_tests! {
+    hook_sqlite: failing_hook, LockKind::Local, sqlite;
+    hook_postgres: failing_hook, LockKind::Row, postgres;
+    hook_mysql: failing_hook, LockKind::Local, mysql;
+    fourteen_sqlite_local: fourteen_of_sixteen, LockKind::Local, sqlite;
+    fourteen_sqlite_table: fourteen_of_sixteen, LockKind::Table, sqlite;
+    fourteen_postgres_local: fourteen_of_sixteen, LockKind::Local, postgres;
+    fourteen_postgres_row: fourteen_of_sixteen, LockKind::Row, postgres;
+    fourteen_postgres_advisory: fourteen_of_sixteen, LockKind::PgAdvisory, postgres;
+    fourteen_mysql_local: fourteen_of_sixteen, LockKind::Local, mysql;
+    fourteen_mysql_named: fourteen_of_sixteen, LockKind::MySqlNamed, mysql;
+    panic_cancel_sqlite: panic_and_cancel, LockKind::Local, sqlite;
+    panic_cancel_postgres: panic_and_cancel, LockKind::Row, postgres;
+    panic_cancel_mysql: panic_and_cancel, LockKind::Local, mysql;
+    alone_sqlite: one_by_one, LockKind::Local, sqlite;
+}
