@@ -20,7 +20,9 @@ use freshlock::{
     LocalLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, LockScope,
     OnLockFailure, Session,
 };
-use sea_orm::{ActiveModelTrait, DatabaseConnection, EntityTrait, IntoActiveModel, Set};
+use sea_orm::{
+    ActiveModelTrait, ConnectionTrait, DatabaseConnection, EntityTrait, IntoActiveModel, Set,
+};
 
 // ---------------------------------------------------------------- counting allocator
 // The only unsafe code in the workspace (the library forbids it): a global allocator that counts
@@ -557,9 +559,10 @@ async fn main() {
     if std::env::args().any(|a| a == "--list") {
         return;
     }
-    // FRESHLOCK_BENCH_ONLY=seed|single|contention|floor runs only that part (seed: the seed's
-    // workload; single: sections 1, 2 and 6; contention: hot key and spread; floor: section 7,
-    // pgbench's four-statement transaction next to `locked_update`, PostgreSQL only).
+    // FRESHLOCK_BENCH_ONLY=seed|single|contention|hot|floor runs only that part (seed: the
+    // seed's workload; single: sections 1, 2 and 6; contention: hot key and spread; hot: commit
+    // combining, section 8; floor: section 7, pgbench's four-statement transaction next to
+    // `locked_update`, PostgreSQL only).
     let only = std::env::var("FRESHLOCK_BENCH_ONLY").ok();
     let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let postgres = std::env::var("DATABASE_URL_POSTGRES")
@@ -580,6 +583,9 @@ async fn main() {
     }
     if wants("seed") {
         seed_table().await;
+    }
+    if wants("hot") {
+        hot_keys(postgres.as_deref(), mysql.as_deref()).await;
     }
     if wants("floor") {
         match postgres.as_deref() {
@@ -743,6 +749,139 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         "| 16 tasks vs 1 task on one row (local) | {sixteen:.0} | {single:.0} (1 task) | {:.2}× | ≥ 5× |",
         sixteen / single
     );
+}
+
+// ---------------------------------------------------------------- 8. commit combining
+
+/// Issue 14's hot-key goals: 16 tasks of one process on one row vs 1 task, with and without
+/// `combine_commits`, on a SQLite file in WAL mode, PostgreSQL and MariaDB (and, on PostgreSQL,
+/// vs pgbench with 16 clients on one row). Every run checks that the row holds exactly the
+/// acknowledged increments.
+async fn hot_keys(postgres: Option<&str>, mysql: Option<&str>) {
+    let seconds = if quick() { 1.0 } else { 5.0 };
+    println!(
+        "\n| database | backend | 1 task | 16 tasks | 16 tasks, combined | combined vs 1 task | mean batch | goal |\n|---|---|---|---|---|---|---|---|"
+    );
+    let file = std::env::temp_dir().join(format!("freshlock_hot_{}.db", std::process::id()));
+    let _ = std::fs::remove_file(&file);
+    let sqlite = format!("sqlite://{}?mode=rwc", file.display());
+    let mut targets = vec![("SQLite file, WAL", sqlite.as_str(), "≥ 2×")];
+    if let Some(url) = postgres {
+        targets.push(("PostgreSQL", url, "≥ 5×"));
+    }
+    if let Some(url) = mysql {
+        targets.push(("MariaDB", url, "≥ 5×"));
+    }
+    for (name, url, goal) in targets {
+        let db = database(url, 2, 8).await;
+        if db.get_database_backend() == sea_orm::DbBackend::Sqlite {
+            db.execute_unprepared("PRAGMA journal_mode=WAL")
+                .await
+                .expect("WAL");
+        }
+        let kinds: &[LockKind] = match db.get_database_backend() {
+            sea_orm::DbBackend::Postgres => &[LockKind::Local, LockKind::Row, LockKind::PgAdvisory],
+            sea_orm::DbBackend::MySql => &[LockKind::Local, LockKind::Row],
+            _ => &[LockKind::Local],
+        };
+        for &kind in kinds {
+            let lock: Arc<dyn LockBackend> = if kind == LockKind::Local {
+                Arc::new(LocalLock::new())
+            } else {
+                kind.connect(&db, url, None).await.expect("backend")
+            };
+            let plain = session(&db, Arc::clone(&lock));
+            let combined = Session::builder(db.clone())
+                .lock(lock)
+                .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+                .combine_commits(true)
+                .build()
+                .expect("session");
+            let one = counted(&db, 1, seconds, &plain).await.0;
+            let sixteen = counted(&db, 16, seconds, &plain).await.0;
+            let (together, batch) = counted(&db, 16, seconds, &combined).await;
+            println!(
+                "| {name} | {kind} | {one:.0} | {sixteen:.0} | {together:.0} | {:.2}× | {batch:.1} | {goal} |",
+                together / one
+            );
+        }
+        if db.get_database_backend() == sea_orm::DbBackend::Postgres {
+            let floor16 = pgbench(url, 16, seconds as u32).await.unwrap_or(f64::NAN);
+            let lock: Arc<dyn LockBackend> = Arc::new(LocalLock::new());
+            let combined = Session::builder(db.clone())
+                .lock(lock)
+                .combine_commits(true)
+                .build()
+                .expect("session");
+            let (together, _) = counted(&db, 16, seconds, &combined).await;
+            println!(
+                "| PostgreSQL | local, combined vs pgbench 16 clients on one row | {floor16:.0} (pgbench) | | {together:.0} | {:.2}× | | ≥ 3× |",
+                together / floor16
+            );
+        }
+    }
+    let _ = std::fs::remove_file(&file);
+}
+
+/// Updates per second of `tasks` tasks incrementing node 2 through `session` for `seconds`, and
+/// the mean batch their commits carried; asserts the row gained exactly the acknowledged
+/// increments.
+async fn counted(
+    db: &DatabaseConnection,
+    tasks: usize,
+    seconds: f64,
+    session: &Session,
+) -> (f64, f64) {
+    let before = node::Entity::find_by_id(2)
+        .one(db)
+        .await
+        .expect("read")
+        .and_then(|n| n.score)
+        .unwrap_or(0);
+    let deadline = Instant::now() + Duration::from_secs_f64(seconds);
+    let started = Instant::now();
+    let handles: Vec<_> = (0..tasks)
+        .map(|_| {
+            let session = session.clone();
+            tokio::spawn(async move {
+                let (mut done, mut batches) = (0_u64, 0_u64);
+                while Instant::now() < deadline {
+                    let report = session
+                        .repository::<node::Entity>()
+                        .locked_update(2, |n| {
+                            let score = n.score.as_ref().unwrap_or(0);
+                            n.score = Set(Some(score + 1));
+                            Ok(())
+                        })
+                        .await
+                        .expect("locked_update");
+                    assert!(report.outcome.is_updated());
+                    done += 1;
+                    batches += u64::from(report.batch);
+                }
+                (done, batches)
+            })
+        })
+        .collect();
+    let (mut total, mut batches) = (0, 0);
+    for handle in handles {
+        let (done, batch) = handle.await.expect("task");
+        total += done;
+        batches += batch;
+    }
+    let elapsed = started.elapsed().as_secs_f64();
+    let after = node::Entity::find_by_id(2)
+        .one(db)
+        .await
+        .expect("read")
+        .and_then(|n| n.score)
+        .unwrap_or(0);
+    assert_eq!(
+        i64::from(after - before),
+        total as i64,
+        "every acknowledged increment is in the row, once"
+    );
+    (total as f64 / elapsed, batches as f64 / total.max(1) as f64)
 }
 
 /// Every backend each database can use.
