@@ -1,6 +1,9 @@
 //! Property: under random interleavings of writers on random columns, with random lock failures
 //! and random conflicting changes, the final row is exactly the merge of the writes reported as
-//! committed — none missing, none extra.
+//! committed — none missing, none extra. Each case runs in one of four modes: one commit per
+//! write, commits combined (`combine_commits`: waiters served by the holder's transaction), and
+//! either of them with the one-statement optimistic write tried first (`optimistic_first`, with
+//! a version column).
 
 mod common;
 
@@ -24,6 +27,7 @@ mod counters {
         pub c1: i32,
         pub c2: i32,
         pub c3: i32,
+        pub version: i32,
     }
 
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
@@ -47,19 +51,30 @@ fn op() -> impl Strategy<Value = Op> {
     })
 }
 
-async fn run(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
+async fn run(
+    ops: Vec<Op>,
+    writers: usize,
+    combine: bool,
+    optimistic: bool,
+) -> Result<(), TestCaseError> {
     let db = TestDatabase::new().await.unwrap().connection().clone();
     let schema = Schema::new(db.get_database_backend());
     db.execute(&schema.create_table_from_entity(counters::Entity))
         .await
         .unwrap();
-    db.execute_unprepared("INSERT INTO counters VALUES (1, 0, 0, 0, 0)")
+    db.execute_unprepared("INSERT INTO counters VALUES (1, 0, 0, 0, 0, 0)")
         .await
         .unwrap();
 
     let fake = FakeLock::new();
-    let session = Session::builder(db.clone())
+    let mut builder = Session::builder(db.clone())
         .lock(Arc::new(fake.clone()))
+        .combine_commits(combine)
+        .optimistic_first(optimistic);
+    if optimistic {
+        builder = builder.version_column::<counters::Entity>(counters::Column::Version);
+    }
+    let session = builder
         .policy(
             LockPolicy::default()
                 .with_tries(1)
@@ -82,7 +97,8 @@ async fn run(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
                     if op.conflicts > 0 {
                         // A concurrent writer touching every column right before the write.
                         fake.interfere(
-                            "UPDATE counters SET c0 = c0 + 1000, c1 = c1 + 1000, c2 = c2 + 1000, c3 = c3 + 1000",
+                            "UPDATE counters SET c0 = c0 + 1000, c1 = c1 + 1000, c2 = c2 + 1000, \
+                             c3 = c3 + 1000, version = version + 1",
                             op.conflicts,
                         );
                     }
@@ -127,18 +143,20 @@ async fn run(ops: Vec<Op>, writers: usize) -> Result<(), TestCaseError> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
 
     #[test]
     fn the_final_row_is_the_merge_of_the_reported_commits(
         ops in proptest::collection::vec(op(), 1..40),
         writers in 1..5usize,
+        combine in any::<bool>(),
+        optimistic in any::<bool>(),
     ) {
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
             .enable_all()
             .build()
             .unwrap();
-        runtime.block_on(run(ops, writers))?;
+        runtime.block_on(run(ops, writers, combine, optimistic))?;
     }
 }
