@@ -88,34 +88,13 @@ impl RoomKey {
     ) -> Option<Self> {
         Some(Self {
             entity,
-            db: pool_identity(db)?,
+            db: crate::pool::identity(db)?,
             backend: Arc::as_ptr(backend).cast::<()>() as usize,
             lock: lock.clone(),
             row: row.clone(),
             version,
             markers,
         })
-    }
-}
-
-/// The address of the connection pool's options, shared by every clone of one pool and by no
-/// other pool.
-fn pool_identity(db: &DatabaseConnection) -> Option<usize> {
-    use sea_orm::DatabaseConnectionType as Type;
-    match &db.inner {
-        #[cfg(feature = "sqlite")]
-        Type::SqlxSqlitePoolConnection(_) => Some(
-            Arc::as_ptr(&db.get_sqlite_connection_pool().connect_options()).cast::<()>() as usize,
-        ),
-        #[cfg(feature = "postgres")]
-        Type::SqlxPostgresPoolConnection(_) => Some(
-            Arc::as_ptr(&db.get_postgres_connection_pool().connect_options()).cast::<()>() as usize,
-        ),
-        #[cfg(feature = "mysql")]
-        Type::SqlxMySqlPoolConnection(_) => Some(
-            Arc::as_ptr(&db.get_mysql_connection_pool().connect_options()).cast::<()>() as usize,
-        ),
-        _ => None,
     }
 }
 

@@ -45,6 +45,7 @@ mod locking;
 mod many;
 pub mod metrics;
 mod outcome;
+mod pool;
 mod repository;
 mod row;
 pub mod schema;

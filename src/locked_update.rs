@@ -30,6 +30,7 @@ use tracing::{Instrument, debug, error, field, info_span, warn};
 
 use crate::{
     combine::{self, Call, MAX_BATCH, RoomKey, Seat, Served},
+    commit::{self, Marker},
     error::{Error, Result, database},
     locking::Locking,
     outcome::{LockReport, Report},
@@ -608,15 +609,33 @@ where
                 .map(|(column, _)| (*column, original.get(*column)))
                 .collect(),
         };
-        let stored =
-            match write::update_returning::<E, _>(&txn, &original, &changes, &expected).await {
-                Ok(Some(stored)) => stored,
-                Ok(None) => {
-                    finish(txn, false, &self.row).await?;
-                    return Ok(Step::Conflict);
-                }
-                Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
-            };
+        // The evidence a lost commit reply is resolved with: on PostgreSQL the transaction's id,
+        // read by the UPDATE itself; elsewhere a marker row written first.
+        let markers = self.session.commit_markers();
+        let by_xid = markers && txn.get_database_backend() == DbBackend::Postgres;
+        let marker = (markers && !by_xid).then(Marker::new);
+        if let Some(marker) = &marker
+            && let Err(e) = marker.write(&txn).await
+        {
+            return Err(self.rolled_back(txn, "marking the commit of", e).await);
+        }
+        let written = if by_xid {
+            write::update_returning_xid::<E, _>(&txn, &original, &changes, &expected)
+                .await
+                .map(|row| row.map(|(stored, xid)| (stored, Some(xid))))
+        } else {
+            write::update_returning::<E, _>(&txn, &original, &changes, &expected)
+                .await
+                .map(|row| row.map(|stored| (stored, None)))
+        };
+        let (stored, xid) = match written {
+            Ok(Some(written)) => written,
+            Ok(None) => {
+                finish(txn, false, &self.row).await?;
+                return Ok(Step::Conflict);
+            }
+            Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
+        };
         let reported = match write::after_save::<E, _>(stored.clone(), &txn, false).await {
             Ok(reported) => reported,
             Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
@@ -636,7 +655,13 @@ where
                 }
             }
         }
-        if let Err(error) = self.commit(txn).await {
+        let (db, target) = (self.session.connection(), self.row.name.as_str());
+        let committed = match (&marker, xid) {
+            (Some(marker), _) => commit::commit(txn, marker, db, target).await,
+            (None, Some(xid)) => commit::commit_xid(txn, xid, db, target).await,
+            (None, None) => commit::commit_write(txn, false, db, target).await,
+        };
+        if let Err(error) = committed {
             if let Error::CommitUnknown { source, .. } = &error {
                 // Every write of the batch is in doubt alike; none may run again blindly.
                 let why = source.to_string();

@@ -283,7 +283,8 @@ pub(crate) async fn begin_detached(
 
 /// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
 /// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
-/// snapshot could predate the lock and the reload be stale).
+/// snapshot could predate the lock and the reload be stale) — set by `SET TRANSACTION` unless it
+/// is the pool's default already (PostgreSQL's; see [`crate::pool::read_committed_by_default`]).
 pub(crate) async fn begin(
     db: &DatabaseConnection,
 ) -> std::result::Result<DatabaseTransaction, DbErr> {
@@ -292,6 +293,8 @@ pub(crate) async fn begin(
             sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
             ..TransactionOptions::default()
         },
+        // Already the pool's default: a plain `BEGIN` (one round trip instead of two).
+        _ if crate::pool::read_committed_by_default(db).await => TransactionOptions::default(),
         _ => TransactionOptions {
             isolation_level: Some(IsolationLevel::ReadCommitted),
             ..TransactionOptions::default()

@@ -225,6 +225,16 @@ where
             self.session.map().remove(&row.key);
             return Ok(SaveOutcome::Conflict);
         }
+        self.save_against(row, &snapshot, model).await
+    }
+
+    /// [`save`](Self::save) of `model`, built from `snapshot` (the row as this session read it).
+    async fn save_against(
+        &self,
+        row: Row,
+        snapshot: &E::Model,
+        model: E::ActiveModel,
+    ) -> Result<SaveOutcome<E::Model>> {
         if !model.is_changed() {
             return Ok(SaveOutcome::Unchanged);
         }
@@ -236,7 +246,7 @@ where
         let saved = if db.get_database_backend() == DbBackend::MySql {
             // No UPDATE … RETURNING: the read back must see this UPDATE's row, not a later one.
             let txn = begin(db).await.map_err(|e| database("saving", &row, e))?;
-            let saved = save_on::<E, _>(&txn, &row, &snapshot, model, version, false).await;
+            let saved = save_on::<E, _>(&txn, &row, snapshot, model, version, false).await;
             match saved {
                 Ok(saved) => {
                     txn.commit()
@@ -250,7 +260,7 @@ where
                 }
             }
         } else {
-            save_on::<E, _>(db, &row, &snapshot, model, version, true).await
+            save_on::<E, _>(db, &row, snapshot, model, version, true).await
         }?;
         Ok(match saved {
             Saved::Stored { stored, reported } => {
@@ -402,7 +412,8 @@ where
         if !draft.is_changed() {
             return Ok(None);
         }
-        match self.save(draft).await? {
+        // Against the snapshot `apply` ran on: a concurrent section may have evicted it since.
+        match self.save_against(row.clone(), &snapshot, draft).await? {
             SaveOutcome::Updated(model) => Ok(Some(UpdateReport {
                 outcome: UpdateOutcome::Updated(model),
                 lock: crate::outcome::LockReport {

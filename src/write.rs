@@ -6,8 +6,9 @@
 
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
-    DbErr, EntityTrait, IdenStatic, IntoActiveModel, Iterable, ModelTrait, QueryFilter, SqlErr,
-    Value, sea_query::ValueTuple,
+    DbErr, EntityTrait, FromQueryResult, IdenStatic, IntoActiveModel, Iterable, ModelTrait,
+    QueryFilter, QueryTrait, SqlErr, Value,
+    sea_query::{Expr, Query, ValueTuple},
 };
 
 use crate::row::select_by_key;
@@ -121,6 +122,56 @@ where
     E::Model: IntoActiveModel<E::ActiveModel>,
     C: ConnectionTrait,
 {
+    match guarded_update::<E>(original, changes, expected)?
+        .exec(db)
+        .await
+    {
+        Ok(model) => Ok(Some(model)),
+        Err(DbErr::RecordNotUpdated) => Ok(None),
+        Err(e) => Err(e),
+    }
+}
+
+/// [`update_returning`] on PostgreSQL that also returns its transaction's id
+/// (`txid_current()`, in the same statement): the evidence a lost commit reply is resolved
+/// with (see [`crate::commit::commit_xid`]).
+pub(crate) async fn update_returning_xid<E, C>(
+    db: &C,
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+) -> Result<Option<(E::Model, i64)>, DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    C: ConnectionTrait,
+{
+    let backend = db.get_database_backend();
+    let mut query = guarded_update::<E>(original, changes, expected)?.into_query();
+    // As sea-orm's own `exec` returns the row (each column as it selects it), plus the id.
+    let columns = E::Column::iter().map(|c| c.select_as(c.into_returning_expr(backend)));
+    let xid = Expr::cust(format!("txid_current() AS \"{XID}\""));
+    query.returning(Query::returning().exprs(columns.chain([xid])));
+    let Some(row) = db.query_one(&query).await? else {
+        return Ok(None);
+    };
+    let model = E::Model::from_query_result(&row, "")?;
+    Ok(Some((model, row.try_get::<i64>("", XID)?)))
+}
+
+/// The column [`update_returning_xid`] returns the transaction id in.
+const XID: &str = "freshlock_xid";
+
+/// The guarded UPDATE of `original`'s row, as sea-orm builds it.
+fn guarded_update<E>(
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+) -> Result<sea_orm::ValidatedUpdateOne<E::ActiveModel>, DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
     let mut update = original.clone().into_active_model();
     for (column, value) in changes {
         update.set(*column, value.clone());
@@ -129,11 +180,7 @@ where
     for (column, value) in expected {
         update = update.filter(holds::<E>(*column, value));
     }
-    match update.exec(db).await {
-        Ok(model) => Ok(Some(model)),
-        Err(DbErr::RecordNotUpdated) => Ok(None),
-        Err(e) => Err(e),
-    }
+    Ok(update)
 }
 
 /// The row with primary key `pk`, if it still holds every expected value: the check of a write

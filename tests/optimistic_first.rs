@@ -61,6 +61,29 @@ async fn one_statement_when_the_cached_row_is_current() {
     );
 }
 
+/// A concurrent section of the same session evicts the cached row while `apply` runs on it (here
+/// `apply` clears the cache itself, deterministically): the one-statement write still goes out,
+/// checked against the row `apply` saw — not an error for want of a snapshot.
+#[tokio::test]
+async fn the_snapshot_evicted_while_apply_runs_is_still_the_guard() {
+    let db = common::memory_db().await;
+    common::seed_nodes(&db, 1).await;
+    let session = optimistic(&db, &LocalLock::new());
+    let nodes = session.repository::<node::Entity>();
+    nodes.load(1).await.unwrap();
+    let evicting = session.clone();
+    let report = nodes
+        .locked_update(1, move |n| {
+            evicting.clear_cache();
+            bump(n)
+        })
+        .await
+        .expect("written, not NoSnapshot");
+    assert!(report.outcome.is_updated());
+    assert!(!report.lock.held, "the one-statement path wrote it");
+    assert_eq!(common::node_in_db(&db, 1).await.score, Some(1));
+}
+
 #[tokio::test]
 async fn a_stale_cached_row_takes_the_locked_path() {
     let db = common::memory_db().await;

@@ -11,8 +11,15 @@ use sea_orm::{
 };
 
 pub async fn connect(url: &str, max: u32) -> DatabaseConnection {
+    connect_with(url, max, true).await
+}
+
+/// [`connect`], saying whether the pool pings a connection when it is checked out (sqlx's
+/// `test_before_acquire`, on by default: one round trip per transaction).
+pub async fn connect_with(url: &str, max: u32, ping: bool) -> DatabaseConnection {
     let mut options = ConnectOptions::new(url);
     options
+        .test_before_acquire(ping)
         .max_connections(max)
         .min_connections(1)
         .idle_timeout(None)
