@@ -547,7 +547,7 @@ where
     async fn update(
         &mut self,
         txn: DatabaseTransaction,
-        locking: &Locking,
+        locking: &mut Locking,
         original: E::Model,
         draft: E::ActiveModel,
     ) -> Result<Step<E::Model>> {
@@ -582,7 +582,8 @@ where
             self.tell_committed(locking, &row, Vec::new());
             return Ok(Step::Done(Written::Unchanged(row)));
         }
-        if let Some(step) = self.fence(&txn, locking).await? {
+        // The lease (table backend) is released in this transaction: the commit ends it.
+        if let Some(step) = self.fence(&txn, locking, true).await? {
             let _ = txn.rollback().await;
             return Ok(step);
         }
@@ -661,6 +662,9 @@ where
             (None, Some(xid)) => commit::commit_xid(txn, xid, db, target).await,
             (None, None) => commit::commit_write(txn, false, db, target).await,
         };
+        if committed.is_ok() {
+            locking.committed();
+        }
         if let Err(error) = committed {
             if let Error::CommitUnknown { source, .. } = &error {
                 // Every write of the batch is in doubt alike; none may run again blindly.
@@ -852,10 +856,10 @@ where
     async fn delete(
         &self,
         txn: DatabaseTransaction,
-        locking: &Locking,
+        locking: &mut Locking,
         original: E::Model,
     ) -> Result<Step<E::Model>> {
-        if let Some(step) = self.fence(&txn, locking).await? {
+        if let Some(step) = self.fence(&txn, locking, false).await? {
             let _ = txn.rollback().await;
             return Ok(step);
         }
@@ -888,12 +892,10 @@ where
     async fn fence(
         &self,
         txn: &DatabaseTransaction,
-        locking: &Locking,
+        locking: &mut Locking,
+        releasing: bool,
     ) -> Result<Option<Step<E::Model>>> {
-        let Some(guard) = &locking.guard else {
-            return Ok(None);
-        };
-        match guard.verify(txn).await {
+        match locking.verify(txn, releasing).await {
             Ok(true) => Ok(None),
             Ok(false) => {
                 warn!(row = %self.row.name, fence = locking.report.fence, "lease lost before the write; nothing written");

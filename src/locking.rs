@@ -28,6 +28,10 @@ pub(crate) struct Locking {
     pub(crate) guard: Option<Box<dyn LockGuard>>,
     /// Whether to take a transaction-scoped lock in each transaction.
     in_transaction: bool,
+    /// The current transaction also releases the lease (see [`Self::verify`]).
+    release_rides: bool,
+    /// A committed transaction released the lease: nothing to send at the end.
+    released_by_commit: bool,
     pub(crate) report: LockReport,
 }
 
@@ -51,6 +55,8 @@ impl Locking {
             queue: None,
             guard: None,
             in_transaction: false,
+            release_rides: false,
+            released_by_commit: false,
             report: LockReport {
                 backend: backend.kind(),
                 name: lock.clone(),
@@ -229,6 +235,31 @@ impl Locking {
         }
     }
 
+    /// The fence check in the write's transaction: whether the lease (if any) is still this
+    /// section's. With `releasing`, a backend that can also releases the lease in `txn`, so the
+    /// commit ends it (call [`committed`](Self::committed) once `txn` committed).
+    pub(crate) async fn verify(
+        &mut self,
+        txn: &DatabaseTransaction,
+        releasing: bool,
+    ) -> std::result::Result<bool, LockError> {
+        self.release_rides = false;
+        let Some(guard) = &self.guard else {
+            return Ok(true);
+        };
+        if !releasing {
+            return guard.verify(txn).await;
+        }
+        let (held, released) = guard.verify_and_release_in(txn).await?;
+        self.release_rides = released;
+        Ok(held)
+    }
+
+    /// The section's transaction committed: a lease it released is over.
+    pub(crate) fn committed(&mut self) {
+        self.released_by_commit |= self.release_rides;
+    }
+
     /// Releases the lock — only call this after the transaction ended: releasing earlier would
     /// let the next holder reload data this transaction had not committed yet. A failed release
     /// does not undo a commit: it is reported, and the lease runs out by its TTL.
@@ -245,6 +276,10 @@ impl Locking {
     async fn end(mut self, retire: bool) -> LockReport {
         crate::metrics::lock_wait(self.report.backend, self.report.held, self.report.waited);
         let released = match self.guard.take() {
+            Some(guard) if self.released_by_commit => {
+                guard.released_by_commit();
+                None
+            }
             Some(guard) if retire => Some(guard.retire().await),
             Some(guard) => Some(guard.release().await),
             None => None,

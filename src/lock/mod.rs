@@ -152,6 +152,27 @@ pub trait LockGuard: Send + Sync + fmt::Debug {
         Ok(true)
     }
 
+    /// [`verify`](Self::verify), and also release the lease inside `txn`, so that it ends
+    /// exactly when `txn` commits: one statement and one commit fewer than verifying, committing
+    /// and then releasing. Returns `(held, released_in_txn)`. When `released_in_txn` is `true`
+    /// and `txn` commits, end the guard with [`released_by_commit`](Self::released_by_commit)
+    /// (nothing is sent); if `txn` rolls back, the lease is still held and must be released as
+    /// usual. The default only verifies (`released_in_txn == false`).
+    ///
+    /// # Errors
+    /// As [`verify`](Self::verify).
+    async fn verify_and_release_in(
+        &self,
+        txn: &DatabaseTransaction,
+    ) -> Result<(bool, bool), LockError> {
+        Ok((self.verify(txn).await?, false))
+    }
+
+    /// Ends a guard whose lease a committed transaction released (see
+    /// [`verify_and_release_in`](Self::verify_and_release_in)): nothing is sent. Only called
+    /// after that method said it released; the default drops the guard.
+    fn released_by_commit(self: Box<Self>) {}
+
     /// Releases the lock.
     ///
     /// # Errors

@@ -324,6 +324,36 @@ impl LockGuard for TableGuard {
         Ok(row.is_some())
     }
 
+    /// One UPDATE that checks the grant (as [`verify`](LockGuard::verify)) and frees the row; it
+    /// keeps the row locked until `txn` ends, so a takeover waits for the commit and then finds
+    /// the name free (or, after a rollback, still ours).
+    async fn verify_and_release_in(
+        &self,
+        txn: &DatabaseTransaction,
+    ) -> Result<(bool, bool), LockError> {
+        let backend = txn.get_database_backend();
+        let now = now_ms(backend);
+        let sql = format!(
+            "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
+             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}"
+        );
+        let values = vec![
+            self.name.clone().into(),
+            self.token.clone().into(),
+            self.fence.into(),
+        ];
+        let updated = txn
+            .execute_raw(statement(backend, &sql, values))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        let held = updated.rows_affected() == 1;
+        Ok((held, held))
+    }
+
+    fn released_by_commit(mut self: Box<Self>) {
+        self.released = true;
+    }
+
     async fn release(mut self: Box<Self>) -> Result<(), LockError> {
         self.released = true;
         let released = Self::release_now(&self.db, &self.name, &self.token).await;

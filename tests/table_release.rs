@@ -1,0 +1,62 @@
+//! The `table` backend's lease ends with the write's own commit: the fence check in the write's
+//! transaction also frees the lease row, so no release statement (and no commit of its own)
+//! follows the write, and the name is free the moment the write is visible.
+
+mod common;
+
+use std::sync::Arc;
+
+use entity::node;
+use freshlock::{Session, lock::TableLock};
+use sea_orm::{ConnectionTrait, Set, Statement};
+
+#[tokio::test]
+async fn the_write_commits_the_release() {
+    let (db, recorder) = common::memory_db_recorded().await;
+    common::seed_nodes(&db, 1).await;
+    let session = Session::builder(db.clone())
+        .lock(Arc::new(TableLock::new(db.clone())))
+        .build()
+        .expect("session");
+    let nodes = session.repository::<node::Entity>();
+    for round in 1..=3 {
+        recorder.clear();
+        let report = nodes
+            .locked_update(1, |n| {
+                n.score = Set(Some(round));
+                Ok(())
+            })
+            .await
+            .expect("written");
+        assert!(report.outcome.is_updated());
+        assert!(report.lock.held && report.lock.release_error.is_none());
+        let lease_statements: Vec<String> = recorder
+            .statements()
+            .into_iter()
+            .filter(|sql| sql.contains("freshlock_lock"))
+            .collect();
+        assert_eq!(
+            lease_statements.len(),
+            2,
+            "take the lease, then check and free it in the write: {lease_statements:?}"
+        );
+        assert!(
+            lease_statements[1].starts_with("UPDATE")
+                && lease_statements[1].contains("AND fence = "),
+            "{lease_statements:?}"
+        );
+        // Free once the write is visible: the next taker gets it at once.
+        let owner = db
+            .query_one_raw(Statement::from_string(
+                db.get_database_backend(),
+                "SELECT owner FROM freshlock_lock WHERE name = 'node:1'",
+            ))
+            .await
+            .expect("read")
+            .expect("lease row")
+            .try_get::<Option<String>>("", "owner")
+            .expect("owner");
+        assert_eq!(owner, None, "round {round}: released by the commit");
+    }
+    assert_eq!(common::node_in_db(&db, 1).await.score, Some(3));
+}
