@@ -676,129 +676,155 @@ where
     total as f64 / started.elapsed().as_secs_f64()
 }
 
-/// Issue 14's goals against the floor, in one run: pgbench's four-statement transaction with
-/// one client and with 16 on one row, next to `locked_update` on the same table.
-async fn pgbench_floor(url: &str, redis: Option<&str>) {
-    let seconds = if quick() { 1 } else { 5 };
-    let db = database(url, 2, 20).await;
-    // sqlx pings a connection when the pool hands it out (`test_before_acquire`, on by
-    // default): one round trip per transaction that pgbench does not make. Both are measured.
-    let quiet = common::connect_with(url, 20, false).await;
-    println!(
-        "\n| on PostgreSQL, one row | updates/s (pool pings on checkout) | updates/s (no ping) | pgbench floor | ratio (no ping) | goal |"
-    );
-    println!("|---|---|---|---|---|---|");
-    let Some(floor) = pgbench(url, 1, seconds).await else {
-        println!("| (pgbench not available: no floor) | | | | | |");
-        return;
-    };
-    let one_task = |session: Session| {
-        rate(1, f64::from(seconds), move || {
+/// What the floor table measures, besides pgbench.
+#[derive(Clone, Copy)]
+enum Floored {
+    /// `locked_update` with this backend, 1 task.
+    Backend(LockKind),
+    /// `locked_update` (local) without commit markers.
+    Unmarked,
+    /// The four statements by hand in sea-orm.
+    ByHand,
+    /// `locked_update` optimistic-first (local).
+    Optimistic,
+    /// 16 tasks on one row, commits combined (local).
+    Combined16,
+}
+
+impl Floored {
+    const ALL: [Floored; 8] = [
+        Floored::Backend(LockKind::Local),
+        Floored::Backend(LockKind::Row),
+        Floored::Backend(LockKind::PgAdvisory),
+        Floored::Backend(LockKind::Table),
+        Floored::Unmarked,
+        Floored::ByHand,
+        Floored::Optimistic,
+        Floored::Combined16,
+    ];
+
+    fn label(self) -> String {
+        match self {
+            Self::Backend(kind) => format!("`locked_update` ({kind}), 1 task"),
+            Self::Unmarked => "`locked_update` (local), commit markers off, 1 task".into(),
+            Self::ByHand => "the four statements by hand in sea-orm, 1 task".into(),
+            Self::Optimistic => "`locked_update` optimistic-first (local), 1 task".into(),
+            Self::Combined16 => "`locked_update` (local, combined), 16 tasks on one row".into(),
+        }
+    }
+
+    fn goal(self) -> &'static str {
+        match self {
+            Self::Backend(LockKind::Table) => "≤ 1.3× local's time",
+            Self::Backend(_) => "≥ 1.0×",
+            Self::ByHand => "(sea-orm's own cost)",
+            Self::Combined16 => "≥ 3× pgbench, 16 clients",
+            _ => "",
+        }
+    }
+
+    /// Updates per second on `db` for `seconds`.
+    async fn rate(
+        self,
+        db: &DatabaseConnection,
+        url: &str,
+        redis: Option<&str>,
+        seconds: f64,
+    ) -> f64 {
+        let plain = |lock: Arc<dyn LockBackend>| {
+            Session::builder(db.clone())
+                .lock(lock)
+                .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+        };
+        let local = || Arc::new(LocalLock::new()) as Arc<dyn LockBackend>;
+        let (session, tasks) = match self {
+            Self::ByHand => {
+                let db = db.clone();
+                return rate(1, seconds, move || {
+                    let db = db.clone();
+                    async move { four_statements(&db, 1).await }
+                })
+                .await;
+            }
+            Self::Backend(LockKind::Local) => (plain(local()), 1),
+            Self::Backend(kind) => (
+                plain(kind.connect(db, url, redis).await.expect("backend")),
+                1,
+            ),
+            Self::Unmarked => (plain(local()).commit_markers(false), 1),
+            Self::Optimistic => (
+                plain(local())
+                    .version_column::<node::Entity>(node::Column::Changed)
+                    .optimistic_first(true),
+                1,
+            ),
+            Self::Combined16 => (plain(local()).combine_commits(true), 16),
+        };
+        let session = session.build().expect("session");
+        rate(tasks, seconds, move || {
             let session = session.clone();
             async move { increment(&session, 1).await }
         })
-    };
-    for kind in [
-        LockKind::Local,
-        LockKind::Row,
-        LockKind::PgAdvisory,
-        LockKind::Table,
-    ] {
-        let mut rates = Vec::new();
-        for pool in [&db, &quiet] {
-            let lock: Arc<dyn LockBackend> = if kind == LockKind::Local {
-                Arc::new(LocalLock::new())
-            } else {
-                kind.connect(pool, url, redis).await.expect("backend")
-            };
-            rates.push(one_task(session(pool, lock)).await);
+        .await
+    }
+}
+
+/// Issue 14's goals against the floor: pgbench's four-statement transaction with one client and
+/// with 16 on one row, next to `locked_update` on the same table, in interleaved rounds (3, or 1
+/// with `FRESHLOCK_BENCH_QUICK`), medians reported. Each of ours runs on a pool that pings a
+/// connection when it hands it out (sqlx's `test_before_acquire`, on by default: one round trip
+/// per transaction that pgbench does not make) and on one that does not.
+async fn pgbench_floor(url: &str, redis: Option<&str>) {
+    let (rounds, seconds) = if quick() { (1, 1) } else { (3, 3) };
+    let db = database(url, 2, 20).await;
+    let quiet = common::connect_with(url, 20, false).await;
+    let (mut floor, mut floor16) = (Vec::new(), Vec::new());
+    let mut samples = vec![(Vec::new(), Vec::new()); Floored::ALL.len()];
+    for _ in 0..rounds {
+        let Some(one) = pgbench(url, 1, seconds).await else {
+            println!("\n(pgbench not available: no floor)");
+            return;
+        };
+        floor.push(one);
+        floor16.push(pgbench(url, 16, seconds).await.unwrap_or(f64::NAN));
+        for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
+            pinged.push(what.rate(&db, url, redis, f64::from(seconds)).await);
+            unpinged.push(what.rate(&quiet, url, redis, f64::from(seconds)).await);
         }
-        let goal = if kind == LockKind::Table {
-            ""
+    }
+    let (floor, floor16) = (median(&mut floor), median(&mut floor16));
+    println!(
+        "\n| on PostgreSQL, one row (medians of {rounds}) | updates/s (pool pings on checkout) | updates/s (no ping) | pgbench floor | ratio (no ping) | goal |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let mut local = f64::NAN;
+    for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
+        let (pinged, unpinged) = (median(pinged), median(unpinged));
+        let base = if matches!(what, Floored::Combined16) {
+            floor16
         } else {
-            "≥ 1.0×"
+            floor
+        };
+        if matches!(what, Floored::Backend(LockKind::Local)) {
+            local = unpinged;
+        }
+        let extra = if matches!(what, Floored::Backend(LockKind::Table)) {
+            format!(" ({:.2}× local's time)", local / unpinged)
+        } else {
+            String::new()
         };
         println!(
-            "| `locked_update` ({kind}), 1 task | {:.0} | {:.0} | {floor:.0} | {:.2}× | {goal} |",
-            rates[0],
-            rates[1],
-            rates[1] / floor
+            "| {} | {pinged:.0} | {unpinged:.0} | {base:.0}{} | {:.2}×{extra} | {} |",
+            what.label(),
+            if matches!(what, Floored::Combined16) {
+                " (16 clients)"
+            } else {
+                ""
+            },
+            unpinged / base,
+            what.goal()
         );
     }
-    // What the commit marker costs (a second row written in the transaction; issue 15).
-    let mut rates = Vec::new();
-    for pool in [&db, &quiet] {
-        let unmarked = Session::builder(pool.clone())
-            .lock(Arc::new(LocalLock::new()))
-            .commit_markers(false)
-            .build()
-            .expect("session");
-        rates.push(one_task(unmarked).await);
-    }
-    println!(
-        "| `locked_update` (local), commit markers off, 1 task | {:.0} | {:.0} | {floor:.0} | {:.2}× | |",
-        rates[0],
-        rates[1],
-        rates[1] / floor
-    );
-    // The same four statements written by hand in sea-orm (plain BEGIN, as ours on PostgreSQL):
-    // what sea-orm itself costs per statement, which freshlock, built on it, cannot go below.
-    let mut rates = Vec::new();
-    for pool in [&db, &quiet] {
-        let pool = pool.clone();
-        rates.push(
-            rate(1, f64::from(seconds), move || {
-                let pool = pool.clone();
-                async move { four_statements(&pool, 1).await }
-            })
-            .await,
-        );
-    }
-    println!(
-        "| the four statements by hand in sea-orm, 1 task | {:.0} | {:.0} | {floor:.0} | {:.2}× | (sea-orm's own cost) |",
-        rates[0],
-        rates[1],
-        rates[1] / floor
-    );
-    let mut rates = Vec::new();
-    for pool in [&db, &quiet] {
-        let optimistic = Session::builder(pool.clone())
-            .lock(Arc::new(LocalLock::new()))
-            .version_column::<node::Entity>(node::Column::Changed)
-            .optimistic_first(true)
-            .build()
-            .expect("session");
-        rates.push(one_task(optimistic).await);
-    }
-    println!(
-        "| `locked_update` optimistic-first (local), 1 task | {:.0} | {:.0} | {floor:.0} | {:.2}× | |",
-        rates[0],
-        rates[1],
-        rates[1] / floor
-    );
-    // The hot key: 16 writers of one row, commits combined.
-    let floor16 = pgbench(url, 16, seconds).await.unwrap_or(f64::NAN);
-    let mut rates = Vec::new();
-    for pool in [&db, &quiet] {
-        let hot = Session::builder(pool.clone())
-            .lock(Arc::new(LocalLock::new()))
-            .combine_commits(true)
-            .build()
-            .expect("session");
-        rates.push(
-            rate(16, f64::from(seconds), move || {
-                let session = hot.clone();
-                async move { increment(&session, 1).await }
-            })
-            .await,
-        );
-    }
-    println!(
-        "| `locked_update` (local, combined), 16 tasks on one row | {:.0} | {:.0} | {floor16:.0} (16 clients) | {:.2}× | ≥ 3× |",
-        rates[0],
-        rates[1],
-        rates[1] / floor16
-    );
 }
 
 /// pgbench's four statements in sea-orm: plain `BEGIN`, `SELECT … FOR UPDATE`, the UPDATE of one
@@ -827,68 +853,65 @@ async fn four_statements(db: &DatabaseConnection, id: i32) {
 #[cfg(feature = "mysql")]
 async fn mariadb_floor(url: &str, redis: Option<&str>) {
     use sea_orm::sqlx;
-    let seconds = if quick() { 1.0 } else { 5.0 };
+    let (rounds, seconds) = if quick() { (1, 1.0) } else { (3, 3.0) };
     let _ = database(url, 2, 2).await;
     let quiet = common::connect_with(url, 20, false).await;
     let pool = quiet.get_mysql_connection_pool().clone();
-    let floor = rate(1, seconds, move || {
+    let floor_rate = || {
         let pool = pool.clone();
-        async move {
-            let mut tx = pool.begin().await.expect("begin");
-            sqlx::query("SELECT * FROM node WHERE id = ? FOR UPDATE")
-                .bind(1)
-                .fetch_one(&mut *tx)
-                .await
-                .expect("select");
-            sqlx::query("UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?")
-                .bind(1)
-                .execute(&mut *tx)
-                .await
-                .expect("update");
-            tx.commit().await.expect("commit");
-        }
-    })
-    .await;
-    println!(
-        "\n| on MariaDB, one row, no ping on checkout | updates/s | floor: minimal sqlx loop | ratio | goal |\n|---|---|---|---|---|"
-    );
-    for kind in [
+        rate(1, seconds, move || {
+            let pool = pool.clone();
+            async move {
+                let mut tx = pool.begin().await.expect("begin");
+                sqlx::query("SELECT * FROM node WHERE id = ? FOR UPDATE")
+                    .bind(1)
+                    .fetch_one(&mut *tx)
+                    .await
+                    .expect("select");
+                sqlx::query("UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?")
+                    .bind(1)
+                    .execute(&mut *tx)
+                    .await
+                    .expect("update");
+                tx.commit().await.expect("commit");
+            }
+        })
+    };
+    let kinds = [
         LockKind::Local,
         LockKind::Row,
         LockKind::MySqlNamed,
         LockKind::Table,
-    ] {
-        let lock: Arc<dyn LockBackend> = if kind == LockKind::Local {
-            Arc::new(LocalLock::new())
-        } else {
-            kind.connect(&quiet, url, redis).await.expect("backend")
-        };
-        let session = session(&quiet, lock);
-        let ours = rate(1, seconds, move || {
-            let session = session.clone();
-            async move { increment(&session, 1).await }
-        })
-        .await;
-        let goal = if kind == LockKind::Table {
-            ""
-        } else {
-            "≥ 1.0×"
-        };
+    ];
+    let mut floor = Vec::new();
+    let mut ours = vec![Vec::new(); kinds.len() + 1];
+    for _ in 0..rounds {
+        floor.push(floor_rate().await);
+        for (kind, samples) in kinds.iter().zip(ours.iter_mut()) {
+            samples.push(
+                Floored::Backend(*kind)
+                    .rate(&quiet, url, redis, seconds)
+                    .await,
+            );
+        }
+        ours[kinds.len()].push(Floored::ByHand.rate(&quiet, url, redis, seconds).await);
+    }
+    let floor = median(&mut floor);
+    println!(
+        "\n| on MariaDB, one row, no ping on checkout (medians of {rounds}) | updates/s | floor: minimal sqlx loop | ratio | goal |\n|---|---|---|---|---|"
+    );
+    for (i, samples) in ours.iter_mut().enumerate() {
+        let what = kinds
+            .get(i)
+            .map_or(Floored::ByHand, |kind| Floored::Backend(*kind));
+        let rate = median(samples);
         println!(
-            "| `locked_update` ({kind}), 1 task | {ours:.0} | {floor:.0} | {:.2}× | {goal} |",
-            ours / floor
+            "| {} | {rate:.0} | {floor:.0} | {:.2}× | {} |",
+            what.label(),
+            rate / floor,
+            what.goal()
         );
     }
-    let pool = quiet.clone();
-    let by_hand = rate(1, seconds, move || {
-        let pool = pool.clone();
-        async move { four_statements(&pool, 1).await }
-    })
-    .await;
-    println!(
-        "| the four statements by hand in sea-orm | {by_hand:.0} | {floor:.0} | {:.2}× | (sea-orm's own cost) |",
-        by_hand / floor
-    );
 }
 
 // ---------------------------------------------------------------- 8. commit combining

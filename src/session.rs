@@ -195,7 +195,10 @@ impl SessionBuilder {
     /// in their transaction, so that a commit whose reply was lost (the connection broke while
     /// `COMMIT` was in flight) is resolved on another connection: reported as done if it
     /// committed, run again only if it provably did not. Without markers such a write returns
-    /// [`crate::Error::CommitUnknown`] and is never run again.
+    /// [`crate::Error::CommitUnknown`] and is never run again. On PostgreSQL an update by
+    /// `locked_update` / `update_or_insert` needs no marker row: its UPDATE returns the
+    /// transaction's id, and a lost reply is resolved with `txid_status` — the same guarantee,
+    /// with nothing more written.
     ///
     /// Default: on for PostgreSQL and MySQL/MariaDB (needs
     /// [`crate::schema::CommitMigration`], part of [`crate::schema::migrations`]), off for
