@@ -1009,18 +1009,8 @@ async fn counted(
             tokio::spawn(async move {
                 let (mut done, mut batches) = (0_u64, 0_u64);
                 while Instant::now() < deadline {
-                    let report = session
-                        .repository::<node::Entity>()
-                        .locked_update(2, |n| {
-                            let score = n.score.as_ref().unwrap_or(0);
-                            n.score = Set(Some(score + 1));
-                            Ok(())
-                        })
-                        .await
-                        .expect("locked_update");
-                    assert!(report.outcome.is_updated());
+                    batches += u64::from(common::increment_reported(&session, 2).await);
                     done += 1;
-                    batches += u64::from(report.batch);
                 }
                 (done, batches)
             })

@@ -28,8 +28,8 @@ use std::{sync::Arc, time::Duration};
 
 use entity::account;
 use freshlock::{
-    ApplyError, Error, LocalLock, LockBackend, LockKind, SectionOutcome, Session, UpdateOutcome,
-    lock_name,
+    ApplyError, Error, LocalLock, LockBackend, LockKind, LockName, SectionOutcome, Session,
+    UpdateOutcome, lock_name,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set, Statement};
 use servers::{TestDb, databases};
@@ -129,12 +129,11 @@ enum Writer {
 }
 
 /// Holds the row's lock in a section until the returned sender fires (or is dropped).
-async fn hold(session: &Session) -> (oneshot::Sender<()>, JoinHandle<()>) {
+async fn hold(session: &Session, key: LockName) -> (oneshot::Sender<()>, JoinHandle<()>) {
     let (release, released) = oneshot::channel::<()>();
     let (held, is_held) = oneshot::channel::<()>();
     let session = session.clone();
     let holder = tokio::spawn(async move {
-        let key = lock_name::<account::Entity>(1).expect("key");
         let report = session
             .locked(&key, move |_tx| {
                 Box::pin(async move {
@@ -162,7 +161,7 @@ async fn park_and_release(
     Vec<std::thread::Result<freshlock::Result<freshlock::UpdateReport<account::Model>>>>,
 ) {
     let blocker = combining(db, lock, false);
-    let (release, holder) = hold(&blocker).await;
+    let (release, holder) = hold(&blocker, lock_name::<account::Entity>(1).expect("key")).await;
     let session = combining(db, lock, combine);
     let tasks: Vec<_> = writers
         .iter()
@@ -262,7 +261,7 @@ async fn panic_and_cancel(db: Option<TestDb>, kind: LockKind) {
     seed(db).await;
     let lock = backend(kind, &test).await;
     let blocker = combining(db, &lock, false);
-    let (release, holder) = hold(&blocker).await;
+    let (release, holder) = hold(&blocker, lock_name::<account::Entity>(1).expect("key")).await;
     let session = combining(db, &lock, true);
     let mut tasks = Vec::new();
     for i in 0..8 {
@@ -347,22 +346,7 @@ async fn failing_hook(db: Option<TestDb>, kind: LockKind) {
     .expect("seed");
     let lock = backend(kind, &test).await;
     let blocker = combining(db, &lock, false);
-    let key = lock_name::<tally::Entity>(1).expect("key");
-    let (release, released) = oneshot::channel::<()>();
-    let (held, is_held) = oneshot::channel::<()>();
-    let holder = tokio::spawn(async move {
-        blocker
-            .locked(&key, move |_tx| {
-                Box::pin(async move {
-                    let _ = held.send(());
-                    let _ = released.await;
-                    Ok(())
-                })
-            })
-            .await
-            .expect("blocking section");
-    });
-    is_held.await.expect("blocking section runs");
+    let (release, holder) = hold(&blocker, lock_name::<tally::Entity>(1).expect("key")).await;
     let session = combining(db, &lock, true);
     let tasks: Vec<_> = (0..WRITERS)
         .map(|i| {

@@ -47,6 +47,11 @@ pub async fn database(url: &str, n: i32, pool: u32) -> DatabaseConnection {
 }
 
 pub async fn increment(session: &Session, id: i32) {
+    increment_reported(session, id).await;
+}
+
+/// [`increment`], returning how many writes its commit carried (`Report::batch`).
+pub async fn increment_reported(session: &Session, id: i32) -> u32 {
     let report = session
         .repository::<node::Entity>()
         .locked_update(id, |n| {
@@ -57,6 +62,7 @@ pub async fn increment(session: &Session, id: i32) {
         .await
         .expect("locked_update");
     assert!(report.outcome.is_updated());
+    report.batch
 }
 
 /// The minimal hand-written transaction: BEGIN (IMMEDIATE on SQLite), SELECT (FOR UPDATE
