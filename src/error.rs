@@ -135,6 +135,15 @@ pub enum Error {
         /// Why the policy was rejected.
         reason: &'static str,
     },
+    /// The read replica given to [`crate::SessionBuilder::read_from`] is another kind of
+    /// database than the primary.
+    #[error("the read replica is a {replica} database, the primary a {primary} one")]
+    InvalidReplica {
+        /// The primary's backend.
+        primary: String,
+        /// The replica's backend.
+        replica: String,
+    },
     /// The task running the locked section ended without an answer (the runtime is shutting
     /// down, or freshlock has a bug). Its transaction was rolled back and its lock released.
     #[error("the locked section for {target} ended without an answer")]

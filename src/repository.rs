@@ -66,7 +66,8 @@ where
     E::ActiveModel: Send,
 {
     /// The row with primary key `id`, from the identity map when it is there; otherwise read
-    /// from the database and cached. A second load of the same id sends no SQL.
+    /// from the database (the session's [read replica](crate::SessionBuilder::read_from), if it
+    /// has one) and cached. A second load of the same id sends no SQL.
     ///
     /// The cached model is a snapshot: it does not see what others wrote since. Never base a
     /// write on it — [`locked_update`](Self::locked_update) reloads under the lock.
@@ -78,22 +79,30 @@ where
         if let Some(model) = self.session.map().get::<E::Model>(&key) {
             return Ok(Some(model));
         }
-        self.fetch(Row::new::<E>(key.1.to_tuple())?).await
+        self.fetch(Row::new::<E>(key.1.to_tuple())?, false).await
     }
 
-    /// The row with primary key `id`, always read from the database (the cache is refreshed with
-    /// what was read, or forgets the row when it is gone).
+    /// The row with primary key `id`, always read from the database — the primary, also in a
+    /// session that [reads from a replica](crate::SessionBuilder::read_from) — and the cache is
+    /// refreshed with what was read, or forgets the row when it is gone.
     ///
     /// # Errors
     /// As [`load`](Self::load).
     pub async fn load_fresh(&self, id: PrimaryKeyOf<E>) -> Result<Option<Arc<E::Model>>> {
         let row = Row::new::<E>(id.into_value_tuple())?;
-        self.fetch(row).await
+        self.fetch(row, true).await
     }
 
-    async fn fetch(&self, row: Row) -> Result<Option<Arc<E::Model>>> {
+    /// Reads `row` — from the primary when `fresh`, else from the session's reader (its read
+    /// replica, if any) — and caches what was read.
+    async fn fetch(&self, row: Row, fresh: bool) -> Result<Option<Arc<E::Model>>> {
+        let db = if fresh {
+            self.session.connection()
+        } else {
+            self.session.reader()
+        };
         let found = select_by_key::<E>(row.pk())
-            .one(self.session.connection())
+            .one(db)
             .await
             .map_err(|e| database("loading", &row, e))?;
         Ok(match found {
@@ -136,7 +145,7 @@ where
                 .filter(any_of_keys::<E>(
                     chunk.iter().map(|(_, key)| key.1.to_tuple()),
                 ))
-                .all(self.session.connection())
+                .all(self.session.reader())
                 .await
                 .map_err(|e| database("loading many rows of", &table, e))?;
             let by_key: HashMap<PkKey, Arc<E::Model>> = models
@@ -500,7 +509,7 @@ where
         if let Some(cached) = self.session.map().get::<E::Model>(&row.key) {
             return Ok((cached, false));
         }
-        if let Some(found) = self.fetch(row.clone()).await? {
+        if let Some(found) = self.fetch(row.clone(), false).await? {
             return Ok((found, false));
         }
         let target = row.to_string();

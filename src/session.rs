@@ -33,6 +33,7 @@ pub struct Session {
 #[derive(Debug)]
 struct Inner {
     db: DatabaseConnection,
+    replica: Option<DatabaseConnection>,
     map: IdentityMap,
     lock: Arc<dyn LockBackend>,
     policy: LockPolicy,
@@ -71,6 +72,7 @@ impl Session {
             commit_markers: None,
             optimistic_first: false,
             combine_commits: false,
+            replica: None,
         }
     }
 
@@ -82,6 +84,13 @@ impl Session {
     /// The database connection.
     pub fn connection(&self) -> &DatabaseConnection {
         &self.inner.db
+    }
+
+    /// Where [`Repository::load`](crate::Repository::load) and
+    /// [`load_many`](crate::Repository::load_many) read rows the cache does not have: the read
+    /// replica given to [`SessionBuilder::read_from`], else [`connection`](Self::connection).
+    pub fn reader(&self) -> &DatabaseConnection {
+        self.inner.replica.as_ref().unwrap_or(&self.inner.db)
     }
 
     /// The lock backend.
@@ -159,6 +168,7 @@ pub struct SessionBuilder {
     commit_markers: Option<bool>,
     optimistic_first: bool,
     combine_commits: bool,
+    replica: Option<DatabaseConnection>,
 }
 
 impl SessionBuilder {
@@ -257,6 +267,24 @@ impl SessionBuilder {
         self
     }
 
+    /// Reads rows the cache does not have from `replica` (a read replica of the same database:
+    /// a PostgreSQL streaming replica, a MariaDB replica): [`Repository::load`](crate::Repository::load),
+    /// [`load_many`](crate::Repository::load_many) and the existence check of
+    /// [`get_or_insert`](crate::Repository::get_or_insert). What they return is a snapshot, as
+    /// every load is — possibly older on a replica that lags.
+    ///
+    /// Everything that must be current uses the primary (the session's connection):
+    /// [`load_fresh`](crate::Repository::load_fresh), the reload under the lock of every locked
+    /// write, the guard of [`save`](crate::Repository::save) (checked by the UPDATE on the primary,
+    /// so a save based on a stale replica read is [`crate::SaveOutcome::Conflict`], never an
+    /// overwrite), every write, lock, claim and section.
+    ///
+    /// [`build`](Self::build) refuses a replica of another kind of database than the primary.
+    pub fn read_from(mut self, replica: DatabaseConnection) -> Self {
+        self.replica = Some(replica);
+        self
+    }
+
     /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
     /// new row evicts an arbitrary other one; 0 disables caching.
     pub fn cache_capacity(mut self, capacity: usize) -> Self {
@@ -271,6 +299,18 @@ impl SessionBuilder {
     /// [`crate::Error::VersionColumn`] when a declared version column is not an integer column.
     pub fn build(self) -> Result<Session> {
         self.policy.validate()?;
+        if let Some(replica) = &self.replica {
+            let (primary, replica) = (
+                self.db.get_database_backend(),
+                replica.get_database_backend(),
+            );
+            if primary != replica {
+                return Err(crate::Error::InvalidReplica {
+                    primary: format!("{primary:?}"),
+                    replica: format!("{replica:?}"),
+                });
+            }
+        }
         if let Some((entity, column)) = self.invalid_version {
             return Err(crate::Error::VersionColumn { entity, column });
         }
@@ -284,6 +324,7 @@ impl SessionBuilder {
         Session {
             inner: Arc::new(Inner {
                 db: self.db,
+                replica: self.replica,
                 map: IdentityMap::new(self.capacity),
                 lock: self
                     .lock

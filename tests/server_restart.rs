@@ -4,6 +4,8 @@
 //! nothing acknowledged is lost or applied twice, and the first call succeeds within 2 s of the
 //! server accepting connections again. Every backend that applies.
 
+#[path = "common/private_pg.rs"]
+mod private_pg;
 #[path = "common/servers.rs"]
 mod servers;
 
@@ -20,110 +22,8 @@ use std::{
 use entity::node;
 use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
 use migration::{Migrator, MigratorTrait};
+use private_pg::PrivatePostgres;
 use sea_orm::{ConnectOptions, Database, DatabaseConnection, EntityTrait, Set};
-
-const BIN: &str = "/usr/lib/postgresql/15/bin";
-
-fn as_postgres(command: &str) -> bool {
-    Command::new("su")
-        .args(["postgres", "-c", command])
-        .status()
-        .is_ok_and(|status| status.success())
-}
-
-/// A PostgreSQL cluster of this test's own, stopped and removed on drop.
-struct PrivatePostgres {
-    dir: PathBuf,
-    port: u16,
-}
-
-impl PrivatePostgres {
-    fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let dir = std::env::temp_dir().join(servers::unique("pgdata"));
-        std::fs::create_dir_all(&dir).unwrap();
-        assert!(
-            Command::new("chown")
-                .args(["postgres:postgres", dir.to_str().unwrap()])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let d = dir.display();
-        assert!(as_postgres(&format!(
-            "{BIN}/initdb -D {d} -U postgres --auth=trust >/dev/null"
-        )));
-        let conf = format!(
-            "\nport = {port}\nlisten_addresses = '127.0.0.1'\nunix_socket_directories = '{d}'\n\
-             fsync = off\n"
-        );
-        std::fs::write(
-            dir.join("postgresql.conf"),
-            std::fs::read_to_string(dir.join("postgresql.conf")).unwrap() + &conf,
-        )
-        .unwrap();
-        let server = Self { dir, port };
-        assert!(
-            server.pg_ctl("-l {d}/log -w start"),
-            "the private server starts"
-        );
-        server
-    }
-
-    fn pg_ctl(&self, args: &str) -> bool {
-        let d = self.dir.display().to_string();
-        as_postgres(&format!(
-            "{BIN}/pg_ctl -D {d} {} >/dev/null",
-            args.replace("{d}", &d)
-        ))
-    }
-
-    fn url(&self) -> String {
-        format!("postgres://postgres@127.0.0.1:{}/postgres", self.port)
-    }
-
-    fn kill_postmaster(&self) {
-        let pid = std::fs::read_to_string(self.dir.join("postmaster.pid")).unwrap();
-        let pid = pid.lines().next().unwrap().trim().to_owned();
-        assert!(
-            Command::new("kill")
-                .args(["-9", &pid])
-                .status()
-                .unwrap()
-                .success()
-        );
-    }
-
-    /// Starts the server again after a kill (its orphaned backends may take a moment to go).
-    fn start_again(&self) {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while !self.pg_ctl("-l {d}/log -w start") {
-            assert!(
-                Instant::now() < deadline,
-                "the private server did not start again"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    fn accepting(&self) -> bool {
-        Command::new("pg_isready")
-            .args(["-q", "-h", "127.0.0.1", "-p", &self.port.to_string()])
-            .status()
-            .is_ok_and(|status| status.success())
-    }
-}
-
-impl Drop for PrivatePostgres {
-    fn drop(&mut self) {
-        let _ = self.pg_ctl("-m immediate stop");
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// A MariaDB server of this test's own, killed and removed on drop.
 struct PrivateMariaDb {
