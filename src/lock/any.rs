@@ -2,7 +2,7 @@
 
 use std::{fmt, str::FromStr, sync::Arc};
 
-use sea_orm::DatabaseConnection;
+use sea_orm::{ConnectionTrait, DatabaseConnection};
 
 use super::{LocalLock, LockBackend, PgAdvisoryLock, RowLock, TableLock};
 use crate::error::LockError;
@@ -98,6 +98,23 @@ impl LockKind {
                             backend: "mysql_named",
                             source: Box::new(e),
                         })?;
+                // On a Galera cluster GET_LOCK is local to the node that ran it: two nodes
+                // would both grant one name. Refused rather than silently not excluding.
+                let galera = locks
+                    .query_one_raw(sea_orm::Statement::from_string(
+                        sea_orm::DbBackend::MySql,
+                        "SHOW VARIABLES LIKE 'wsrep_on'",
+                    ))
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|row| row.try_get_by_index::<String>(1).ok())
+                    .is_some_and(|on| on.eq_ignore_ascii_case("ON"));
+                if galera {
+                    return Err(unsupported(
+                        "a MariaDB Galera cluster (GET_LOCK is local to one node)",
+                    ));
+                }
                 Arc::new(super::MySqlNamedLock::new(locks)?)
             }
             #[cfg(feature = "redis")]

@@ -31,6 +31,10 @@ const MAX_NAME: usize = 64;
 /// write's transaction.
 ///
 /// `locks` must reach the same database as the data. Needs [`crate::schema::Migration`].
+///
+/// Not a cluster lock: on a MariaDB Galera cluster `GET_LOCK` is local to the node that ran
+/// it, so writers on two nodes would both hold one name. [`crate::LockKind::connect`] refuses
+/// such a cluster; use `local`, `row` or `table` there (see the README's "Topologies").
 #[derive(Clone, Debug)]
 pub struct MySqlNamedLock {
     locks: DatabaseConnection,
