@@ -32,9 +32,9 @@ use crate::{
     error::{ApplyError, Error, Result},
     lock::{
         LockName, holder,
-        sql::{insert_ignore, millis, now_ms, statement},
+        sql::{millis, now_ms, statement},
     },
-    schema::{CLAIM_TABLE, MAX_STORED_NAME},
+    schema::{CLAIM_TABLE, MAX_STORED_NAME, insert_ignore},
 };
 
 /// Claims on keys (`"spam:17"`), in `db`'s `freshlock_claim` table. Cheap to clone.

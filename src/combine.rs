@@ -30,9 +30,9 @@ use sea_orm::{DatabaseConnection, EntityTrait};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
+    decision::{Decision, Written},
     error::Result,
     lock::LockName,
-    locked_update::{Decision, Written},
     outcome::LockReport,
 };
 

@@ -36,6 +36,7 @@ pub mod claim;
 mod combine;
 mod commit;
 mod db_error;
+mod decision;
 mod error;
 mod identity_map;
 pub mod inspect;

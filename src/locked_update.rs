@@ -28,6 +28,7 @@ use sea_orm::{
 use tokio::sync::{mpsc, oneshot};
 use tracing::{Instrument, debug, error, field, info_span, warn};
 
+pub(crate) use crate::decision::{Decision, Written};
 use crate::{
     combine::{self, Call, MAX_BATCH, RoomKey, Seat, Served},
     commit::{self, Marker},
@@ -38,45 +39,6 @@ use crate::{
     session::Session,
     write,
 };
-
-/// What the caller decided, given the row as reloaded under the lock (`None`: no such row).
-pub(crate) enum Decision<E: EntityTrait> {
-    /// Write nothing: report the row as read ([`Written::Unchanged`]), or [`Written::NotFound`].
-    Keep(Option<E::Model>),
-    /// Write the columns `draft` changed relative to `original` (after `before_save`).
-    Update {
-        original: E::Model,
-        draft: E::ActiveModel,
-    },
-    /// Insert `draft` (the row was missing).
-    Insert(E::ActiveModel),
-    /// Delete `original`.
-    Delete(E::Model),
-}
-
-/// How a locked write ended (the front ends turn it into their public outcome).
-#[derive(Debug)]
-pub(crate) enum Written<M> {
-    Updated(Arc<M>),
-    Unchanged(Arc<M>),
-    Inserted(Arc<M>),
-    Deleted(Arc<M>),
-    NotFound,
-    LeaseLost,
-}
-
-impl<M> Written<M> {
-    fn name(&self) -> &'static str {
-        match self {
-            Self::Updated(_) => "updated",
-            Self::Unchanged(_) => "unchanged",
-            Self::Inserted(_) => "inserted",
-            Self::Deleted(_) => "deleted",
-            Self::NotFound => "not_found",
-            Self::LeaseLost => "lease_lost",
-        }
-    }
-}
 
 /// Runs one locked write of `row`: `decide` is called in the caller with the row as reloaded
 /// under the lock, and says what to write. It is `FnMut` because a conflict or a transient error

@@ -11,9 +11,10 @@ use sea_orm::{
 
 use crate::{
     LockName, commit,
+    decision::{Decision, Written},
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
-    locked_update::{self, Decision, Written},
+    locked_update,
     locking::begin,
     outcome::{DeleteOutcome, DeleteReport, SaveOutcome, UpdateOutcome, UpdateReport},
     row::{Row, cache_key, select_by_key},
@@ -42,6 +43,15 @@ pub struct Repository<E> {
 impl<E> Clone for Repository<E> {
     fn clone(&self) -> Self {
         Self::new(self.session.clone())
+    }
+}
+
+// Defined here, not in `session.rs`: the session sits below its repositories and does not
+// import them.
+impl Session {
+    /// The repository of entity `E`. Any sea-orm entity works; nothing needs to be implemented.
+    pub fn repository<E: EntityTrait>(&self) -> Repository<E> {
+        Repository::new(self.clone())
     }
 }
 

@@ -305,7 +305,7 @@ impl MigrationTrait for FloorMigration {
 /// Inserts the fence-floor row at 0 unless it is there.
 pub(crate) async fn insert_floor(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     let backend = db.get_database_backend();
-    let insert = crate::lock::sql::insert_ignore(
+    let insert = insert_ignore(
         backend,
         LOCK_TABLE,
         "name, fence, expires_at",
@@ -338,4 +338,19 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&commit_table()).await?;
     exact_names(db).await?;
     insert_floor(db).await
+}
+
+/// `INSERT … ` that does nothing when the key exists.
+pub(crate) fn insert_ignore(
+    backend: sea_orm::DbBackend,
+    table: &str,
+    columns: &str,
+    values: &str,
+) -> String {
+    match backend {
+        sea_orm::DbBackend::MySql => {
+            format!("INSERT IGNORE INTO {table} ({columns}) VALUES ({values})")
+        }
+        _ => format!("INSERT INTO {table} ({columns}) VALUES ({values}) ON CONFLICT DO NOTHING"),
+    }
 }

@@ -15,7 +15,6 @@ use crate::{
     error::Result,
     identity_map::{CacheStats, IdentityMap},
     lock::{LocalLock, LockBackend, LockPolicy},
-    repository::Repository,
 };
 
 /// One unit of work (a job, a worker, a request): the database connection, an identity map, a
@@ -74,11 +73,6 @@ impl Session {
             combine_commits: false,
             replica: None,
         }
-    }
-
-    /// The repository of entity `E`. Any sea-orm entity works; nothing needs to be implemented.
-    pub fn repository<E: EntityTrait>(&self) -> Repository<E> {
-        Repository::new(self.clone())
     }
 
     /// The database connection.

@@ -7,12 +7,12 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBacken
 
 use super::{
     LockBackend, LockGuard, LockName, LockScope,
-    sql::{insert_ignore, lock_error, statement},
+    sql::{lock_error, statement},
     wait::with_lock_timeout,
 };
 use crate::{
     error::LockError,
-    schema::{MAX_STORED_NAME, ROW_LOCK_TABLE},
+    schema::{MAX_STORED_NAME, ROW_LOCK_TABLE, insert_ignore},
 };
 
 const KIND: &str = "row";

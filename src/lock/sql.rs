@@ -39,19 +39,6 @@ pub(crate) fn statement(backend: DbBackend, sql: &str, values: Vec<Value>) -> St
     Statement::from_sql_and_values(backend, sql, values)
 }
 
-/// `INSERT … ` that does nothing when the key exists.
-pub(crate) fn insert_ignore(
-    backend: DbBackend,
-    table: &str,
-    columns: &str,
-    values: &str,
-) -> String {
-    match backend {
-        DbBackend::MySql => format!("INSERT IGNORE INTO {table} ({columns}) VALUES ({values})"),
-        _ => format!("INSERT INTO {table} ({columns}) VALUES ({values}) ON CONFLICT DO NOTHING"),
-    }
-}
-
 /// A backend's database error, naming the migration when freshlock's table is missing.
 pub(crate) fn lock_error(backend: &'static str, table: &'static str, err: DbErr) -> LockError {
     if classify(&err) == Failure::MissingTable {
