@@ -18,6 +18,8 @@
 //! - A waiter whose `before_save` wrote in the transaction and then failed gets its error, and
 //!   the batch runs again without it: its audit row is not committed, every other writer's is,
 //!   once.
+//! - 40 writers: the batch is bounded — one commit of 32 (the holder and the 31 longest
+//!   seated), then one of the 8 left; all 40 committed once.
 //! - Without `combine_commits`, the same 16 writers commit one by one (`batch == 1`).
 
 mod common;
@@ -405,7 +407,28 @@ async fn failing_hook(db: Option<TestDb>, kind: LockKind) {
     );
 }
 
+/// 40 writers: batches of at most 32, the rest served by the next holder; nothing lost.
+async fn bounded_batches(db: Option<TestDb>, kind: LockKind) {
+    let Some(test) = db else { return };
+    let db = &test.db;
+    seed(db).await;
+    let lock = backend(kind, &test).await;
+    let (_, results) = park_and_release(db, &lock, true, &[Writer::Adds; 40]).await;
+    let mut batches: Vec<u32> = results
+        .into_iter()
+        .map(|result| result.expect("no panic").expect("written").batch)
+        .collect();
+    batches.sort_unstable();
+    let expected: Vec<u32> = [vec![8; 8], vec![32; 32]].concat();
+    assert_eq!(
+        batches, expected,
+        "one commit of 32, then one of the 8 left"
+    );
+    assert_eq!(balance(db).await, (1_i64 << 40) - 1, "all 40, once each");
+}
+
 servers::server_tests! {
+    bounded_sqlite: bounded_batches, LockKind::Local, sqlite;
     hook_sqlite: failing_hook, LockKind::Local, sqlite;
     hook_postgres: failing_hook, LockKind::Row, postgres;
     hook_mysql: failing_hook, LockKind::Local, mysql;
