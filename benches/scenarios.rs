@@ -58,7 +58,7 @@ static ALLOCATOR: Counting = Counting;
 
 mod common;
 
-use common::{database, hand_written, increment};
+use common::{database, four_statements, hand_written, increment};
 
 fn quick() -> bool {
     std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
@@ -825,27 +825,6 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
             what.goal()
         );
     }
-}
-
-/// pgbench's four statements in sea-orm: plain `BEGIN`, `SELECT … FOR UPDATE`, the UPDATE of one
-/// column, `COMMIT`.
-async fn four_statements(db: &DatabaseConnection, id: i32) {
-    use sea_orm::{QuerySelect, TransactionTrait};
-    let txn = db.begin().await.expect("begin");
-    let model = node::Entity::find_by_id(id)
-        .lock_exclusive()
-        .one(&txn)
-        .await
-        .expect("select")
-        .expect("row");
-    let score = model.score.unwrap_or(0);
-    let mut am = model.into_active_model();
-    am.score = Set(Some(score + 1));
-    node::Entity::update(am)
-        .exec_without_returning(&txn)
-        .await
-        .expect("update");
-    txn.commit().await.expect("commit");
 }
 
 /// The MariaDB floor: the same four statements in a minimal sqlx loop (prepared statements,

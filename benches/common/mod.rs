@@ -79,6 +79,17 @@ pub async fn hand_written(db: &DatabaseConnection, id: i32) {
             ..Default::default()
         }
     };
+    statements_in(db, id, options).await;
+}
+
+/// pgbench's four statements in sea-orm: a plain `BEGIN` (no `SET TRANSACTION`), `SELECT … FOR
+/// UPDATE`, the UPDATE of one column, `COMMIT`.
+pub async fn four_statements(db: &DatabaseConnection, id: i32) {
+    statements_in(db, id, TransactionOptions::default()).await;
+}
+
+/// The hand-written transaction's statements, begun with `options`.
+async fn statements_in(db: &DatabaseConnection, id: i32, options: TransactionOptions) {
     let txn = db.begin_with_options(options).await.expect("begin");
     let mut select = node::Entity::find_by_id(id);
     if db.get_database_backend() != DbBackend::Sqlite {
