@@ -64,8 +64,9 @@ pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
         Ok(Some(row)) => row.try_get_by_index::<String>(0).ok(),
         Ok(None) => None,
         Err(error) => {
+            // Not remembered: a database that is down now is asked again on the next BEGIN.
             debug!(%error, "reading the default isolation level failed; BEGIN sets it");
-            None
+            return false;
         }
     };
     let answer = level.is_some_and(|level| {

@@ -19,6 +19,12 @@
 //! - `GET_LOCK` is node-local on Galera (two nodes both get it), so `mysql_named` is refused
 //!   there at connect with `LockError::Unsupported`.
 //!
+//! The nodes run with `wsrep_sync_wait = 1` (causal reads): a read on one node waits until that
+//! node has applied what the cluster committed before it, so the checks here (and freshlock's
+//! reloads) never see a write another node already acknowledged as missing. Without it, a
+//! check read on another node right after the writers finish can see the sum off by an
+//! in-flight transfer (seen here: an earlier version of this test failed that way).
+//!
 //! Needs root (mariadbd runs as `mysql`) and galera-4; runs where `DATABASE_URL_MYSQL` is set
 //! (the server suites), skips elsewhere with a message.
 #![cfg(feature = "mysql")]
@@ -48,14 +54,6 @@ use sea_orm::{
 };
 
 const PROVIDER: &str = "/usr/lib/galera/libgalera_smm.so";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 /// One node: its directory, client port and process.
 struct Node {
@@ -124,7 +122,7 @@ struct Cluster {
 
 impl Cluster {
     fn start() -> Self {
-        let galera: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let galera: Vec<u16> = (0..3).map(|_| servers::free_port()).collect();
         let address = galera
             .iter()
             .map(|p| format!("127.0.0.1:{p}"))
@@ -133,7 +131,11 @@ impl Cluster {
         let nodes: Vec<Node> = galera
             .iter()
             .map(|&g| {
-                let (port, ist, sst) = (free_port(), free_port(), free_port());
+                let (port, ist, sst) = (
+                    servers::free_port(),
+                    servers::free_port(),
+                    servers::free_port(),
+                );
                 let dir = std::env::temp_dir().join(servers::unique("galera"));
                 let data = dir.join("data");
                 std::fs::create_dir_all(&data).unwrap();
@@ -161,7 +163,8 @@ impl Cluster {
                          wsrep_node_address = 127.0.0.1:{g}\n\
                          wsrep_node_incoming_address = 127.0.0.1:{port}\n\
                          wsrep_provider_options = \"base_port={g};ist.recv_addr=127.0.0.1:{ist}\"\n\
-                         wsrep_sst_method = rsync\nwsrep_sst_receive_address = 127.0.0.1:{sst}\n"
+                         wsrep_sst_method = rsync\nwsrep_sst_receive_address = 127.0.0.1:{sst}\n\
+                         wsrep_sync_wait = 1\n"
                     ),
                 )
                 .unwrap();

@@ -34,11 +34,7 @@ struct PrivateMariaDb {
 
 impl PrivateMariaDb {
     fn start() -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = servers::free_port();
         let dir = std::env::temp_dir().join(servers::unique("mariadb"));
         let data = dir.join("data");
         std::fs::create_dir_all(&data).unwrap();

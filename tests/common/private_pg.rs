@@ -26,7 +26,7 @@ pub struct PrivatePostgres {
 
 impl PrivatePostgres {
     pub fn start() -> Self {
-        let (dir, port) = (owned_dir(), free_port());
+        let (dir, port) = (owned_dir(), crate::servers::free_port());
         assert!(as_postgres(&format!(
             "{BIN}/initdb -D {} -U postgres --auth=trust >/dev/null",
             dir.display()
@@ -43,7 +43,7 @@ impl PrivatePostgres {
     /// A streaming replica of this server (`pg_basebackup -R`: it follows the primary's WAL and
     /// serves reads), on a port and directory of its own.
     pub fn replica(&self) -> Self {
-        let (dir, port) = (owned_dir(), free_port());
+        let (dir, port) = (owned_dir(), crate::servers::free_port());
         assert!(
             as_postgres(&format!(
                 "{BIN}/pg_basebackup -h 127.0.0.1 -p {} -U postgres -D {} -R >/dev/null",
@@ -113,15 +113,6 @@ impl PrivatePostgres {
             .status()
             .is_ok_and(|status| status.success())
     }
-}
-
-/// A free TCP port on 127.0.0.1.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// A new empty directory owned by `postgres` (initdb and pg_basebackup refuse to run as root).

@@ -32,6 +32,15 @@ pub fn url(var: &str) -> Option<String> {
     }
 }
 
+/// A free TCP port on 127.0.0.1, for a private server.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind a free port")
+        .local_addr()
+        .expect("its address")
+        .port()
+}
+
 /// A name no other test (of this or a concurrent process) uses.
 pub fn unique(tag: &str) -> String {
     static SEQUENCE: AtomicU32 = AtomicU32::new(0);
