@@ -562,7 +562,7 @@ async fn main() {
     // FRESHLOCK_BENCH_ONLY=seed|single|contention|hot|floor runs only that part (seed: the
     // seed's workload; single: sections 1, 2 and 6; contention: hot key and spread; hot: commit
     // combining, section 8; floor: section 7, pgbench's four-statement transaction next to
-    // `locked_update`, PostgreSQL only).
+    // `locked_update`, PostgreSQL only; pooler: section 9, the same through PgBouncer).
     let only = std::env::var("FRESHLOCK_BENCH_ONLY").ok();
     let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let postgres = std::env::var("DATABASE_URL_POSTGRES")
@@ -586,6 +586,17 @@ async fn main() {
     }
     if wants("hot") {
         hot_keys(postgres.as_deref(), mysql.as_deref()).await;
+    }
+    #[cfg(feature = "postgres")]
+    if wants("pooler") {
+        let pooler = std::env::var("DATABASE_URL_POSTGRES_POOLER").ok();
+        match (postgres.as_deref(), pooler.as_deref()) {
+            (Some(direct), Some(pooler)) => pooler_floor(direct, pooler, redis.as_deref()).await,
+            _ => println!(
+                "\n(PgBouncer: skipped: needs DATABASE_URL_POSTGRES and \
+                 DATABASE_URL_POSTGRES_POOLER, see .ci/pgbouncer)"
+            ),
+        }
     }
     if wants("floor") {
         match postgres.as_deref() {
@@ -614,12 +625,18 @@ COMMIT;\n";
 /// Transactions per second of pgbench running [`FLOOR_SCRIPT`] against `url` with `clients`
 /// clients for `seconds`; `None` when pgbench is missing or fails.
 async fn pgbench(url: &str, clients: u32, seconds: u32) -> Option<f64> {
+    pgbench_in("prepared", url, clients, seconds).await
+}
+
+/// [`pgbench`] with protocol `mode` (`prepared`, `extended`, `simple`).
+async fn pgbench_in(mode: &str, url: &str, clients: u32, seconds: u32) -> Option<f64> {
+    let mode = mode.to_owned();
     let script = std::env::temp_dir().join(format!("freshlock_floor_{}.sql", std::process::id()));
     std::fs::write(&script, FLOOR_SCRIPT).ok()?;
     let url = url.to_owned();
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new("pgbench")
-            .args(["-n", "-M", "prepared", "-c", &clients.to_string()])
+            .args(["-n", "-M", &mode, "-c", &clients.to_string()])
             .args([
                 "-j",
                 &clients.min(2).to_string(),
@@ -891,6 +908,87 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
             what.goal()
         );
     }
+}
+
+// ---------------------------------------------------------------- 9. through PgBouncer
+
+/// What a transaction pooler costs: PgBouncer (transaction mode, `DISCARD ALL` after each
+/// transaction) in front of the same server, with a pool adopted by
+/// `freshlock::transaction_pooler` (no statement cache, single statements in a transaction of
+/// their own). pgbench through the pooler (`-M extended`: unnamed statements, one round trip per
+/// statement; `-M prepared` does not work there) is the floor; direct numbers beside it.
+#[cfg(feature = "postgres")]
+async fn pooler_floor(direct: &str, pooler: &str, redis: Option<&str>) {
+    let seconds = if quick() { 1.0 } else { 3.0 };
+    let _ = database(direct, 2, 2).await;
+    let name = direct
+        .rsplit('/')
+        .next()
+        .and_then(|n| n.split('?').next())
+        .unwrap_or("test");
+    let url = format!("{}/{name}", pooler.trim_end_matches('/'));
+    let mut options = sea_orm::ConnectOptions::new(&url);
+    options
+        .test_before_acquire(false)
+        .max_connections(20)
+        .sqlx_logging(false);
+    let pooled = freshlock::transaction_pooler::connect(options)
+        .await
+        .expect("adopted pool");
+    let plain = common::connect_with(direct, 20, false).await;
+    let Some(floor) = pgbench_in("extended", &url, 1, seconds as u32).await else {
+        println!("\n(pgbench through the pooler failed: no pooler floor)");
+        return;
+    };
+    let floor_direct = pgbench_in("extended", direct, 1, seconds as u32)
+        .await
+        .unwrap_or(f64::NAN);
+    println!(
+        "\n| one row, 1 task | through PgBouncer (updates/s) | direct (updates/s) | vs pgbench through PgBouncer ({floor:.0}/s) | vs the four statements in sea-orm through PgBouncer |\n|---|---|---|---|---|"
+    );
+    let by_hand = Floored::ByHand.rate(&pooled, &url, redis, seconds).await;
+    let by_hand_direct = Floored::ByHand.rate(&plain, direct, redis, seconds).await;
+    println!(
+        "| the four statements by hand in sea-orm | {by_hand:.0} | {by_hand_direct:.0} | {:.2}× | 1.00× |",
+        by_hand / floor
+    );
+    println!(
+        "| pgbench -M extended, 1 client | {floor:.0} | {floor_direct:.0} | 1.00× | {:.2}× |",
+        floor / by_hand
+    );
+    for kind in [
+        LockKind::Local,
+        LockKind::Row,
+        LockKind::PgAdvisory,
+        LockKind::Table,
+    ] {
+        let through = Floored::Backend(kind)
+            .rate(&pooled, &url, redis, seconds)
+            .await;
+        let direct_rate = Floored::Backend(kind)
+            .rate(&plain, direct, redis, seconds)
+            .await;
+        println!(
+            "| `locked_update`, {kind} | {through:.0} | {direct_rate:.0} | {:.2}× | {:.2}× |",
+            through / floor,
+            through / by_hand
+        );
+    }
+    let loads = |db: DatabaseConnection| {
+        let session = Session::new(db);
+        rate(1, seconds, move || {
+            let session = session.clone();
+            async move {
+                session
+                    .repository::<node::Entity>()
+                    .load_fresh(1)
+                    .await
+                    .expect("load");
+            }
+        })
+    };
+    let (through, direct_rate) = (loads(pooled.clone()).await, loads(plain.clone()).await);
+    println!("| `load_fresh` (a read) | {through:.0} | {direct_rate:.0} | | |");
 }
 
 // ---------------------------------------------------------------- 8. commit combining

@@ -45,6 +45,7 @@ use crate::{
     db_error::{classify, in_doubt},
     error::{Error, database},
     lock::holder,
+    pool::autocommit,
     schema::COMMIT_TABLE,
 };
 
@@ -124,6 +125,8 @@ impl Marker {
     ) -> Result<Resolution, Error> {
         let backend = db.get_database_backend();
         let insert = self.insert(backend, false);
+        let pool = db;
+        let db = &autocommit(db);
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let mut delay = Duration::from_millis(20);
         loop {
@@ -134,7 +137,7 @@ impl Marker {
                     return Ok(Resolution::Absent);
                 }
                 Ok(Err(e)) if crate::write::is_unique_violation(&e) => {
-                    match self.written_by_writer(db).await {
+                    match self.written_by_writer(pool).await {
                         Ok(Some(true)) => {
                             info!(target, token = %self.token, "lost commit reply: the write committed");
                             return Ok(Resolution::Committed);
@@ -187,7 +190,7 @@ impl Marker {
                 self.token.as_str(),
             ))
             .to_owned();
-        let Some(row) = db.query_one(&select).await? else {
+        let Some(row) = autocommit(db).query_one(&select).await? else {
             return Ok(None);
         };
         Ok(Some(row.try_get::<i64>("", "created_at")? != 0))
@@ -291,7 +294,8 @@ async fn resolve_xid(db: &DatabaseConnection, xid: i64, target: &str) -> Result<
     let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
     let mut delay = Duration::from_millis(20);
     loop {
-        let asked = tokio::time::timeout_at(deadline, db.query_one_raw(ask.clone())).await;
+        let asked =
+            tokio::time::timeout_at(deadline, autocommit(db).query_one_raw(ask.clone())).await;
         let why: crate::BoxError = match asked {
             Ok(Ok(row)) => {
                 let status = row
@@ -354,7 +358,7 @@ async fn sweep(db: &DatabaseConnection, marker: &Marker) {
             "created_at < {cutoff}"
         )))
         .to_owned();
-    if let Err(error) = db.execute(&delete).await {
+    if let Err(error) = autocommit(db).execute(&delete).await {
         warn!(%error, token = %marker.token, "deleting old commit markers failed");
     }
 }

@@ -24,6 +24,11 @@ pub(crate) enum Failure {
     NoConnection,
     /// A table does not exist (SQLite "no such table", PostgreSQL 42P01, MySQL 1146).
     MissingTable,
+    /// A statement met a prepared statement of another client, or missed its own: a pool
+    /// behind a transaction pooler without freshlock's settings (PostgreSQL 42P05 duplicate
+    /// prepared statement, 26000 no such prepared statement, 08P01 with a parameter count that
+    /// does not match the statement). See `transaction_pooler.rs`.
+    PoolerClash,
     /// Anything else.
     Other,
 }
@@ -80,6 +85,8 @@ pub(crate) fn classify(err: &DbErr) -> Failure {
         Some("42P01") => Failure::MissingTable,
         Some("57P01" | "57P02") => Failure::ConnectionLost,
         Some("57P03") => Failure::NoConnection,
+        Some("42P05" | "26000") => Failure::PoolerClash,
+        Some("08P01") if db.message().contains("prepared statement") => Failure::PoolerClash,
         // SQLite: SQLITE_BUSY (5) and SQLITE_LOCKED (6), with their extended codes.
         Some(c) if c.parse::<u32>().is_ok_and(|n| matches!(n & 0xff, 5 | 6)) => Failure::Busy,
         _ if db.message().contains("no such table") => Failure::MissingTable,

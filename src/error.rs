@@ -144,6 +144,19 @@ pub enum Error {
         /// The replica's backend.
         replica: String,
     },
+    /// The pool cannot run behind a transaction pooler (PgBouncer in transaction mode) as it is
+    /// set up — refused by [`crate::transaction_pooler::adopt`] — or a statement met another
+    /// client's prepared statement on a server connection the pooler shares (a pool that reaches
+    /// a pooler without being adopted). Never taken for a busy lock: no call goes on without
+    /// its lock because of it.
+    #[error("transaction pooler: {reason}")]
+    TransactionPooler {
+        /// What is missing, or what clashed.
+        reason: String,
+        /// The driver's error, when a statement failed.
+        #[source]
+        source: Option<BoxError>,
+    },
     /// The task running the locked section ended without an answer (the runtime is shutting
     /// down, or freshlock has a bug). Its transaction was rolled back and its lock released.
     #[error("the locked section for {target} ended without an answer")]
@@ -264,9 +277,40 @@ pub(crate) fn database(
     target: &impl ToString,
     source: sea_orm::DbErr,
 ) -> Error {
+    if crate::db_error::classify(&source) == crate::db_error::Failure::PoolerClash {
+        return pooler_clash(operation, &target.to_string(), Box::new(source));
+    }
     Error::Database {
         operation,
         target: target.to_string(),
         source: Box::new(source),
+    }
+}
+
+/// The error of a statement that met another client's prepared statement behind a transaction
+/// pooler.
+pub(crate) fn pooler_clash(operation: &str, target: &str, source: BoxError) -> Error {
+    Error::TransactionPooler {
+        reason: format!(
+            "{operation} {target}: a prepared statement clashed on a server connection the pooler \
+             shares between clients; connect with freshlock::transaction_pooler::connect (or \
+             adopt the pool) and set server_reset_query_always = 1"
+        ),
+        source: Some(source),
+    }
+}
+
+impl LockError {
+    /// Whether the backend failed because a statement met another client's prepared statement
+    /// behind a transaction pooler: a misconfiguration, never a busy lock.
+    pub(crate) fn is_pooler_clash(&self) -> bool {
+        match self {
+            LockError::Backend { source, .. } => {
+                source.downcast_ref::<sea_orm::DbErr>().is_some_and(|e| {
+                    crate::db_error::classify(e) == crate::db_error::Failure::PoolerClash
+                })
+            }
+            _ => false,
+        }
     }
 }

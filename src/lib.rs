@@ -21,6 +21,10 @@
 //! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
 //! - `inspect.rs` — the lock inspector's functions (held and expired leases, clearing stale ones).
 //! - `schema.rs` — freshlock's tables, as a migration.
+//! - `pool.rs` — what freshlock knows of a pool (identity, default isolation, whether it runs
+//!   behind a transaction pooler) and `Autocommit`, its single statements.
+//! - `transaction_pooler.rs` — [`transaction_pooler`] (feature `postgres`): PgBouncer in
+//!   transaction mode.
 //! - `commit.rs` — commit markers: a commit whose reply was lost is resolved, never run twice.
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
@@ -54,6 +58,8 @@ mod section;
 mod session;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "postgres")]
+pub mod transaction_pooler;
 pub mod tx;
 mod write;
 

@@ -141,6 +141,17 @@ impl Locking {
             // No release follows a refusal: the wait is recorded here.
             crate::metrics::lock_wait(report.backend, false, report.waited);
         }
+        let failure = match failure {
+            // A misconfigured pool, not a busy lock: proceeding would run every call unlocked.
+            Some(failure) if failure.is_pooler_clash() => {
+                return Err(crate::error::pooler_clash(
+                    "taking the lock for",
+                    &self.target.to_string(),
+                    Box::new(failure),
+                ));
+            }
+            other => other,
+        };
         match (self.on_failure, failure) {
             (OnLockFailure::Fail, None) => Err(Error::LockNotAcquired {
                 target: self.target.to_string(),

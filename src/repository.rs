@@ -17,6 +17,7 @@ use crate::{
     locked_update,
     locking::begin,
     outcome::{DeleteOutcome, DeleteReport, SaveOutcome, UpdateOutcome, UpdateReport},
+    pool::{autocommit, transaction_pooled},
     row::{Row, cache_key, select_by_key},
     session::Session,
     write,
@@ -112,7 +113,7 @@ where
             self.session.reader()
         };
         let found = select_by_key::<E>(row.pk())
-            .one(db)
+            .one(&autocommit(db))
             .await
             .map_err(|e| database("loading", &row, e))?;
         Ok(match found {
@@ -155,7 +156,7 @@ where
                 .filter(any_of_keys::<E>(
                     chunk.iter().map(|(_, key)| key.1.to_tuple()),
                 ))
-                .all(self.session.reader())
+                .all(&autocommit(self.session.reader()))
                 .await
                 .map_err(|e| database("loading many rows of", &table, e))?;
             let by_key: HashMap<PkKey, Arc<E::Model>> = models
@@ -200,7 +201,8 @@ where
     /// [`Error::Database`] when the insert or a hook fails (a unique-key violation included:
     /// use [`get_or_insert`](Self::get_or_insert) when another writer may create the row).
     pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
-        let (row, stored, reported) = insert_on::<E, _>(self.session.connection(), model).await?;
+        let (row, stored, reported) =
+            insert_on::<E, _>(&autocommit(self.session.connection()), model).await?;
         self.session.map().insert(row.key, Arc::new(stored));
         Ok(Arc::new(reported))
     }
@@ -262,8 +264,10 @@ where
             .version_column(TypeId::of::<E>())
             .and_then(write::column_named::<E>);
         let db = self.session.connection();
-        let saved = if db.get_database_backend() == DbBackend::MySql {
-            // No UPDATE … RETURNING: the read back must see this UPDATE's row, not a later one.
+        let saved = if db.get_database_backend() == DbBackend::MySql || transaction_pooled(db) {
+            // MySQL: no UPDATE … RETURNING, and the read back must see this UPDATE's row, not a
+            // later one. Behind a transaction pooler: the UPDATE and a conflict's check read
+            // must not run outside a transaction (see `transaction_pooler.rs`).
             let txn = begin(db).await.map_err(|e| database("saving", &row, e))?;
             let saved = save_on::<E, _>(&txn, &row, snapshot, model, version, false).await;
             match saved {

@@ -89,7 +89,7 @@ async fn storm(
                             tally.unknown.fetch_add(1, Ordering::SeqCst);
                         }
                         Err(error) => {
-                            eprintln!("reported failure: {error}");
+                            eprintln!("reported failure: {error:?}");
                             tally.failed.fetch_add(1, Ordering::SeqCst);
                         }
                     }
@@ -132,6 +132,13 @@ async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> (DatabaseConnect
         options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0));
         #[cfg(feature = "mysql")]
         options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
+    }
+    #[cfg(feature = "postgres")]
+    if freshlock::transaction_pooler::is_adopted(&db.db) {
+        let pool = freshlock::transaction_pooler::connect(options)
+            .await
+            .expect("connect through the proxy and the pooler");
+        return (pool, url);
     }
     let pool = sea_orm::Database::connect(options).await.expect("connect");
     (pool, url)
@@ -220,7 +227,14 @@ async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
     }
     db.seed_nodes(1).await;
     let backend = db.db.get_database_backend();
+    let direct = db.direct_url();
     let killing = match backend {
+        // Behind the pooler: the pooler's server connections to the test's own database, killed
+        // under it (a backend crash seen from the pooler).
+        DbBackend::Postgres if direct.is_some() => "SELECT pg_terminate_backend(pid) AS killed \
+             FROM pg_stat_activity \
+             WHERE datname = current_database() AND pid <> pg_backend_pid()"
+            .to_owned(),
         // The test's connections carry its schema as their application name.
         DbBackend::Postgres => format!(
             "SELECT pg_terminate_backend(pid) AS killed FROM pg_stat_activity \
@@ -236,7 +250,7 @@ async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
         }
     };
     // The killer's own connection, outside the test's pool.
-    let killer_db = servers::connect(&db.url, None, 1).await;
+    let killer_db = servers::connect(direct.as_deref().unwrap_or(&db.url), None, 1).await;
     let (stop, kills) = (
         Arc::new(AtomicBool::new(false)),
         Arc::new(AtomicU32::new(0)),
@@ -360,14 +374,8 @@ async fn lost_claim_commit_replies(db: Option<TestDb>, markers: bool) {
         stranded += worker.await.unwrap();
     }
     let done: i64 = db
-        .db
-        .query_one_raw(Statement::from_string(
-            db.db.get_database_backend(),
-            "SELECT COUNT(*) AS n FROM freshlock_claim WHERE state = 'done'",
-        ))
+        .query_one("SELECT COUNT(*) AS n FROM freshlock_claim WHERE state = 'done'")
         .await
-        .unwrap()
-        .unwrap()
         .try_get("", "n")
         .unwrap();
     let (finished, unknown) = (

@@ -18,7 +18,7 @@ use freshlock::{
     Error, LockBackend, LockError, LockGuard, LockName, LockPolicy, OnLockFailure, Session,
     UpdateOutcome, lock::TableLock,
 };
-use sea_orm::{EntityTrait, Set};
+use sea_orm::{EntityTrait, Set, TransactionTrait};
 use servers::{TestDb, databases};
 use tokio::sync::Barrier;
 
@@ -132,7 +132,7 @@ async fn field_writers_without_any_lock(db: Option<TestDb>) {
     for task in tasks {
         task.await.unwrap();
     }
-    let rows = node::Entity::find().all(&db.db).await.unwrap();
+    let rows = db.all_nodes().await;
     let lost: usize = rows
         .iter()
         .map(|r| {
@@ -229,13 +229,7 @@ async fn row_deleted_under_the_lock(db: Option<TestDb>) {
         .unwrap();
     assert!(matches!(report.outcome, UpdateOutcome::NotFound));
     assert_eq!(applied.load(Ordering::SeqCst), 0);
-    assert!(
-        node::Entity::find_by_id(1)
-            .one(&db.db)
-            .await
-            .unwrap()
-            .is_none()
-    );
+    assert!(db.all_nodes().await.is_empty());
 }
 
 #[derive(Debug)]
@@ -254,7 +248,10 @@ impl LockBackend for DeletesAfterAcquire {
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let guard = freshlock::LocalLock::new().acquire(name, wait, ttl).await?;
-        node::Entity::delete_by_id(1).exec(&self.0).await.unwrap();
+        // In a transaction: behind a transaction pooler no statement may run outside one.
+        let txn = self.0.begin().await.unwrap();
+        node::Entity::delete_by_id(1).exec(&txn).await.unwrap();
+        txn.commit().await.unwrap();
         Ok(guard)
     }
 }

@@ -2,7 +2,7 @@
 
 use std::{fmt, str::FromStr, sync::Arc};
 
-use sea_orm::{ConnectionTrait, DatabaseConnection};
+use sea_orm::DatabaseConnection;
 
 use super::{LocalLock, LockBackend, PgAdvisoryLock, RowLock, TableLock};
 use crate::error::LockError;
@@ -89,6 +89,7 @@ impl LockKind {
             }
             #[cfg(feature = "mysql")]
             Self::MySqlNamed => {
+                use sea_orm::ConnectionTrait as _;
                 let mut options = sea_orm::ConnectOptions::new(database_url);
                 options.max_connections(16).sqlx_logging(false);
                 let locks =

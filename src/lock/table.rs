@@ -16,6 +16,7 @@ use super::{
 use crate::{
     db_error::{Failure, classify},
     error::LockError,
+    pool::autocommit,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
 
@@ -82,8 +83,7 @@ impl TableLock {
         );
         let mut values = vec![Value::from(name)];
         values.extend(holder());
-        let row = self
-            .db
+        let row = autocommit(&self.db)
             .query_one_raw(statement(backend, &upsert, values))
             .await
             .map_err(fail)?;
@@ -96,8 +96,7 @@ impl TableLock {
         // Held: take it over only if the holder's lease has expired.
         let mut values = holder();
         values.push(name.into());
-        let row = self
-            .db
+        let row = autocommit(&self.db)
             .query_one_raw(statement(backend, &take_row(backend, true), values))
             .await
             .map_err(fail)?;
@@ -160,7 +159,10 @@ impl TableLock {
         let run = |sql: String, values: Vec<Value>| {
             let db = &self.db;
             async move {
-                match db.execute_raw(statement(backend, &sql, values)).await {
+                match autocommit(db)
+                    .execute_raw(statement(backend, &sql, values))
+                    .await
+                {
                     Ok(done) => Ok(done.rows_affected() == 1),
                     Err(e) if classify(&e) == Failure::Deadlock => Ok(false),
                     Err(e) => Err(fail(e)),
@@ -188,8 +190,7 @@ impl TableLock {
             }
         }
         let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ? AND owner = ?");
-        let row = self
-            .db
+        let row = autocommit(&self.db)
             .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
             .await
             .map_err(fail)?;
@@ -265,7 +266,8 @@ impl TableGuard {
         let sql = format!(
             "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE name = ? AND owner = ?"
         );
-        db.execute_raw(statement(backend, &sql, vec![name.into(), token.into()]))
+        autocommit(db)
+            .execute_raw(statement(backend, &sql, vec![name.into(), token.into()]))
             .await
             .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
         Ok(())
@@ -290,8 +292,7 @@ impl LockGuard for TableGuard {
             self.name.clone().into(),
             self.token.clone().into(),
         ];
-        let updated = self
-            .db
+        let updated = autocommit(&self.db)
             .execute_raw(statement(backend, &sql, values))
             .await
             .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
@@ -367,8 +368,7 @@ impl LockGuard for TableGuard {
         let backend = self.db.get_database_backend();
         let delete = floor::retire_sql("owner = ?");
         let values = vec![self.name.clone().into(), self.token.clone().into()];
-        match self
-            .db
+        match autocommit(&self.db)
             .execute_raw(statement(backend, &delete, values))
             .await
         {

@@ -16,6 +16,33 @@ use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection};
 pub const POSTGRES: &str = "DATABASE_URL_POSTGRES";
 pub const MYSQL: &str = "DATABASE_URL_MYSQL";
 pub const REDIS: &str = "REDIS_URL";
+/// PgBouncer in transaction mode in front of the `POSTGRES` server (its root URL, no database):
+/// when set, every PostgreSQL test database is reached through it (see `.ci/pgbouncer`).
+pub const POSTGRES_POOLER: &str = "DATABASE_URL_POSTGRES_POOLER";
+
+/// The pooler's root URL, when PostgreSQL tests run through PgBouncer.
+pub fn pooler() -> Option<String> {
+    std::env::var(POSTGRES_POOLER)
+        .ok()
+        .filter(|url| !url.is_empty())
+        .map(|url| url.trim_end_matches('/').to_owned())
+}
+
+/// `url` with its database name replaced by `name`.
+pub fn with_database(url: &str, name: &str) -> String {
+    let (base, query) = url
+        .split_once('?')
+        .map_or((url, None), |(b, q)| (b, Some(q)));
+    let rest = base.split_once("://").map_or(base, |(_, rest)| rest);
+    let root = match rest.split_once('/') {
+        Some((host, _)) => &base[..base.len() - rest.len() + host.len()],
+        None => base,
+    };
+    match query {
+        Some(query) => format!("{root}/{name}?{query}"),
+        None => format!("{root}/{name}"),
+    }
+}
 
 /// The URL in `var`, or `None` (after saying why) when the test should skip.
 pub fn url(var: &str) -> Option<String> {
@@ -67,6 +94,19 @@ pub struct TestDb {
 
 /// Connects to `url` (with `schema` on the search path) with the example schema migrated.
 pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConnection {
+    #[cfg(feature = "postgres")]
+    if let Some(pooler) = pooler()
+        && url.starts_with(&pooler)
+    {
+        let mut options = ConnectOptions::new(url);
+        options
+            .max_connections(max)
+            .acquire_timeout(Duration::from_secs(30))
+            .sqlx_logging(false);
+        return freshlock::transaction_pooler::connect(options)
+            .await
+            .expect("connect through the transaction pooler");
+    }
     let mut options = ConnectOptions::new(url);
     options
         .max_connections(max)
@@ -109,6 +149,9 @@ pub async fn sqlite_file(tag: &str) -> TestDb {
 /// A fresh PostgreSQL schema with the example tables, or `None` without a server.
 pub async fn postgres(tag: &str) -> Option<TestDb> {
     let url = url(POSTGRES)?;
+    if let Some(pooler) = pooler() {
+        return Some(through_pooler(&url, &pooler, tag).await);
+    }
     let schema = unique(tag);
     let admin = connect(&url, None, 1).await;
     admin
@@ -123,6 +166,29 @@ pub async fn postgres(tag: &str) -> Option<TestDb> {
         url,
         schema: Some(schema),
     })
+}
+
+/// A fresh PostgreSQL database with the example tables, made and migrated on the server
+/// directly, then reached through the transaction pooler (a schema on the search path would be
+/// lost there: the pooler does not keep a client's `SET`).
+async fn through_pooler(direct: &str, pooler: &str, tag: &str) -> TestDb {
+    let name = unique(tag);
+    let admin = connect(direct, None, 1).await;
+    admin
+        .execute_unprepared(&format!("CREATE DATABASE \"{name}\""))
+        .await
+        .expect("create database");
+    admin.close().await.ok();
+    let migrator = connect(&with_database(direct, &name), None, 1).await;
+    Migrator::up(&migrator, None).await.expect("migrate");
+    migrator.close().await.ok();
+    let url = with_database(pooler, &name);
+    let db = connect(&url, None, 8).await;
+    TestDb {
+        db,
+        url,
+        schema: None,
+    }
 }
 
 /// A fresh MariaDB/MySQL database with the example tables, or `None` without a server.
@@ -174,25 +240,69 @@ pub fn connections_in_use(db: &DatabaseConnection) -> usize {
 impl TestDb {
     /// The score of node `id` as the database has it now.
     pub async fn score(&self, id: i32) -> Option<i32> {
-        use sea_orm::EntityTrait;
-        entity::node::Entity::find_by_id(id)
-            .one(&self.db)
+        use sea_orm::{EntityTrait, TransactionTrait};
+        // In a transaction: behind a transaction pooler no statement may run outside one.
+        let txn = self.db.begin().await.expect("begin");
+        let score = entity::node::Entity::find_by_id(id)
+            .one(&txn)
             .await
             .expect("query")
             .expect("row exists")
-            .score
+            .score;
+        txn.commit().await.expect("commit");
+        score
+    }
+
+    /// Every node, as the database has it now (read in a transaction, so also through a
+    /// transaction pooler).
+    pub async fn all_nodes(&self) -> Vec<entity::node::Model> {
+        use sea_orm::{EntityTrait, TransactionTrait};
+        let txn = self.db.begin().await.expect("begin");
+        let rows = entity::node::Entity::find()
+            .all(&txn)
+            .await
+            .expect("read nodes");
+        txn.commit().await.expect("commit");
+        rows
+    }
+
+    /// The first row of `sql`, read in a transaction (so also through a transaction pooler).
+    pub async fn query_one(&self, sql: &str) -> sea_orm::QueryResult {
+        use sea_orm::{ConnectionTrait, TransactionTrait};
+        let txn = self.db.begin().await.expect("begin");
+        let row = txn
+            .query_one_raw(sea_orm::Statement::from_string(
+                self.db.get_database_backend(),
+                sql.to_owned(),
+            ))
+            .await
+            .expect("query")
+            .expect("a row");
+        txn.commit().await.expect("commit");
+        row
+    }
+
+    /// The database's name, for a test that reaches it through a pooler but must talk to the
+    /// server directly (`None` for a schema on the search path or SQLite).
+    pub fn direct_url(&self) -> Option<String> {
+        let direct = std::env::var(POSTGRES).ok()?;
+        pooler().filter(|p| self.url.starts_with(p.as_str()))?;
+        let name = self.url.rsplit('/').next()?;
+        Some(with_database(&direct, name))
     }
 
     /// Inserts nodes 1..=n with empty worker columns.
     pub async fn seed_nodes(&self, n: i32) {
-        use sea_orm::EntityTrait;
+        use sea_orm::{EntityTrait, TransactionTrait};
         let rows: Vec<_> = (1..=n).map(entity::node::ActiveModel::fresh).collect();
+        let txn = self.db.begin().await.expect("begin");
         for chunk in rows.chunks(500) {
             entity::node::Entity::insert_many(chunk.to_vec())
-                .exec(&self.db)
+                .exec(&txn)
                 .await
                 .expect("seed nodes");
         }
+        txn.commit().await.expect("commit");
     }
 }
 
