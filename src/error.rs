@@ -14,7 +14,9 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 
 /// What went wrong in a session or repository call.
 ///
-/// `target` fields name the row as `"{table} {key}"` (for example `node 1`).
+/// `target` fields name the row as `"{table}:{key}"` (for example `node:1`; a composite key as
+/// `order_line:7,2`, a string key as `tag:'x'`, a schema first as `app.node:1`), or name the
+/// table or lock concerned.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -145,7 +147,7 @@ pub enum Error {
         replica: String,
     },
     /// The pool cannot run behind a transaction pooler (PgBouncer in transaction mode) as it is
-    /// set up — refused by [`crate::transaction_pooler::adopt`] — or a statement met another
+    /// set up — refused by `transaction_pooler::adopt` — or a statement met another
     /// client's prepared statement on a server connection the pooler shares (a pool that reaches
     /// a pooler without being adopted). Never taken for a busy lock: no call goes on without
     /// its lock because of it.

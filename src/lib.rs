@@ -23,7 +23,7 @@
 //! - `schema.rs` — freshlock's tables, as a migration.
 //! - `pool.rs` — what freshlock knows of a pool (identity, default isolation, whether it runs
 //!   behind a transaction pooler) and `Autocommit`, its single statements.
-//! - `transaction_pooler.rs` — [`transaction_pooler`] (feature `postgres`): PgBouncer in
+//! - `transaction_pooler.rs` — `transaction_pooler` (feature `postgres`): PgBouncer in
 //!   transaction mode.
 //! - `commit.rs` — commit markers: a commit whose reply was lost is resolved, never run twice.
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).

@@ -10,7 +10,7 @@
 //! | [`CONFLICTS`] | counter | `entity` | writes refused by the optimistic guard (run again) |
 //! | [`LEASES_LOST`] | counter | `backend` | writes refused because the lease expired and was taken over |
 //! | [`STALE_TAKEOVERS`] | counter | `backend` | expired leases taken over from a dead or slow holder |
-//! | [`UPDATES`] | counter | `entity`, `outcome` | `locked_update` calls by outcome (`updated`, `unchanged`, `not_found`, `lease_lost`, `error`) |
+//! | [`UPDATES`] | counter | `entity`, `outcome` | calls of the locked driver (`locked_update`, `locked_delete`, `get_or_insert`, `update_or_insert`) by outcome: `updated`, `unchanged`, `inserted`, `deleted`, `not_found`, `lease_lost`, or the error — `conflict`, `lock_not_acquired`, `interrupted`, `error` |
 //! | [`CACHE_HITS`] / [`CACHE_MISSES`] / [`CACHE_EVICTIONS`] | counter | — | identity-map lookups answered from memory / from the database, entries dropped |
 //!
 //! Call [`describe`] once after installing the recorder to give exporters units and help texts.
@@ -29,7 +29,8 @@ pub const CONFLICTS: &str = "freshlock_conflicts_total";
 pub const LEASES_LOST: &str = "freshlock_leases_lost_total";
 /// Counter: expired leases taken over from their holder.
 pub const STALE_TAKEOVERS: &str = "freshlock_stale_locks_taken_over_total";
-/// Counter: `locked_update` calls by outcome.
+/// Counter: calls of the locked driver by outcome (the ten values are listed in the module's
+/// table).
 pub const UPDATES: &str = "freshlock_locked_updates_total";
 /// Counter: identity-map lookups answered from memory.
 pub const CACHE_HITS: &str = "freshlock_cache_hits_total";
