@@ -175,10 +175,64 @@ async fn a_span_per_locked_update_with_entity_key_backend_wait_attempts_and_outc
     assert_eq!(first["attempts"], "1");
     assert_eq!(first["conflicts"], "0");
     assert_eq!(first["outcome"], "updated");
-    assert!(first["lock_wait_ms"].parse::<f64>().unwrap() >= 0.0);
+    assert!(first.contains_key("lock_wait_ms"), "{first:?}");
     assert_eq!(spans[1]["outcome"], "unchanged");
     assert_eq!(spans[2]["outcome"], "not_found");
     assert_eq!(spans[2]["key"], "99");
+}
+
+/// The span's `lock_wait_ms` is the time spent waiting for a held lock: a writer queued behind a
+/// holder that keeps the lock 40 ms longer waited at least that long (a lower bound: never
+/// flaky), and its report says the same.
+#[tokio::test]
+async fn the_span_records_the_time_waited_for_a_held_lock() {
+    use freshlock::{LocalLock, LockBackend, lock_name};
+    use std::time::Duration;
+
+    let seen = Seen::default();
+    let _guard = seen.install();
+    let db = test_db().await;
+    seed_nodes(&db, 2).await;
+    let lock = LocalLock::new();
+    let session = db
+        .session_builder()
+        .lock(Arc::new(lock.clone()))
+        .build()
+        .unwrap();
+    let name = lock_name::<node::Entity>(2).unwrap();
+    let held = lock
+        .acquire(&name, Duration::from_secs(1), Duration::from_secs(60))
+        .await
+        .unwrap()
+        .expect("free");
+    let writer = tokio::spawn(async move {
+        session
+            .repository::<node::Entity>()
+            .locked_update(2, score(7))
+            .await
+            .unwrap()
+    });
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while lock.queue_len(&name) < 2 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the writer never queued"
+        );
+        tokio::task::yield_now().await;
+    }
+    tokio::time::sleep(Duration::from_millis(40)).await;
+    held.release().await.unwrap();
+    let report = writer.await.unwrap();
+    assert!(
+        report.lock.waited >= Duration::from_millis(40),
+        "{report:?}"
+    );
+
+    let spans = seen.updates();
+    assert_eq!(spans.len(), 1, "{spans:#?}");
+    let waited: f64 = spans[0]["lock_wait_ms"].parse().unwrap();
+    assert!(waited >= 40.0, "lock_wait_ms = {waited}");
+    assert_eq!(spans[0]["outcome"], "updated");
 }
 
 #[tokio::test]

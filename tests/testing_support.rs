@@ -2,6 +2,9 @@
 //! against an entity and a `Migrator` of the user's own (declared here, not in `entity/` or
 //! `migration/`).
 
+#[path = "common/eventually.rs"]
+mod eventually;
+
 use std::{sync::Arc, time::Duration};
 
 use freshlock::{
@@ -203,9 +206,12 @@ async fn random_request_timeouts_lose_nothing_and_leave_no_trace() {
                 cancelled += 1;
                 // Cancelled: it may still commit in the background (see the README); wait
                 // until it is done, then the database is the truth and the cache agrees.
-                while session.in_flight() > 0 {
-                    tokio::task::yield_now().await;
-                }
+                eventually::eventually(
+                    "the cancelled call finishes",
+                    Duration::from_secs(30),
+                    || session.in_flight() == 0,
+                )
+                .await;
                 let row = ticket_in_db(&db, id).await;
                 committed[(id - 1) as usize] = row.comments;
             }

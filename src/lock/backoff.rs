@@ -1,50 +1,39 @@
-//! Short, jittered waits between tries of a lock held in another process.
+//! Short, jittered waits between tries of a lock held in another process (backon's exponential
+//! backoff with jitter).
 
-use std::{
-    sync::atomic::{AtomicU64, Ordering},
-    time::{Duration, SystemTime, UNIX_EPOCH},
-};
+use std::time::Duration;
 
+use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
 use tokio::time::Instant;
 
-/// Delays of 1–4 ms at first (a released lock is noticed fast, unlike Drupal's 25 ms → 500 ms),
-/// doubling up to 50 ms, each with random jitter so that waiters do not retry in step.
+/// Delays of 2–4 ms at first (a released lock is noticed fast, unlike Drupal's 25 ms → 500 ms),
+/// doubling up to 25–50 ms, each with random jitter so that waiters do not retry in step.
 #[derive(Debug)]
 pub(crate) struct Backoff {
-    ceiling: Duration,
-    rng: u64,
+    delays: ExponentialBackoff,
 }
 
-const FIRST: Duration = Duration::from_millis(4);
+/// The first delay's base (jitter adds up to as much again).
+const FIRST: Duration = Duration::from_millis(2);
+/// The longest delay, jitter included.
 const MAX: Duration = Duration::from_millis(50);
 
 impl Backoff {
     pub(crate) fn new() -> Self {
-        static SEQUENCE: AtomicU64 = AtomicU64::new(0);
-        let nanos = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .map_or(0, |d| d.subsec_nanos() as u64);
-        let seed = nanos
-            ^ (SEQUENCE.fetch_add(0x9e37_79b9_7f4a_7c15, Ordering::Relaxed))
-            ^ u64::from(std::process::id()).rotate_left(32);
         Self {
-            ceiling: FIRST,
-            rng: seed | 1,
+            delays: ExponentialBuilder::default()
+                .with_min_delay(FIRST)
+                .with_max_delay(MAX / 2)
+                .with_factor(2.0)
+                .with_jitter()
+                .without_max_times()
+                .build(),
         }
     }
 
-    /// The next delay: uniform in [ceiling/4, ceiling], then the ceiling doubles.
+    /// The next delay: uniform in [base, 2 × base), then the base doubles (up to half of MAX).
     pub(crate) fn next_delay(&mut self) -> Duration {
-        // xorshift64*: plenty for jitter.
-        self.rng ^= self.rng >> 12;
-        self.rng ^= self.rng << 25;
-        self.rng ^= self.rng >> 27;
-        let random = self.rng.wrapping_mul(0x2545_f491_4f6c_dd1d);
-        let ceiling = self.ceiling.as_micros() as u64;
-        let floor = ceiling / 4;
-        let delay = floor + random % (ceiling - floor + 1);
-        self.ceiling = (self.ceiling * 2).min(MAX);
-        Duration::from_micros(delay)
+        self.delays.next().unwrap_or(MAX)
     }
 
     /// Sleeps for the next delay, but not past `deadline`. Returns `false` when the deadline
@@ -73,5 +62,16 @@ mod tests {
                 assert!(backoff.next_delay() <= MAX);
             }
         }
+    }
+
+    #[test]
+    fn waiters_do_not_retry_in_step() {
+        let firsts: std::collections::HashSet<Duration> =
+            (0..100).map(|_| Backoff::new().next_delay()).collect();
+        assert!(
+            firsts.len() > 10,
+            "jittered: {} distinct first delays",
+            firsts.len()
+        );
     }
 }

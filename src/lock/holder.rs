@@ -8,16 +8,19 @@ use std::{
     time::{SystemTime, UNIX_EPOCH},
 };
 
-/// This process's host name (from `HOSTNAME` or `/etc/hostname`, else `"unknown"`).
+/// This process's host name (the system's, else `"unknown"`).
 pub(crate) fn host() -> &'static str {
     static HOST: OnceLock<String> = OnceLock::new();
     HOST.get_or_init(|| {
-        std::env::var("HOSTNAME")
-            .ok()
-            .or_else(|| std::fs::read_to_string("/etc/hostname").ok())
-            .map(|h| h.trim().to_owned())
-            .filter(|h| !h.is_empty())
-            .unwrap_or_else(|| "unknown".to_owned())
+        let host = gethostname::gethostname()
+            .to_string_lossy()
+            .trim()
+            .to_owned();
+        if host.is_empty() {
+            "unknown".to_owned()
+        } else {
+            host
+        }
     })
 }
 

@@ -3,6 +3,9 @@
 
 use std::sync::Arc;
 
+mod eventually;
+pub use eventually::eventually;
+
 use entity::node;
 pub use freshlock::testing::{FakeLock, Recorder, TestDatabase, count};
 use freshlock::{LocalLock, LockPolicy, Session};
