@@ -38,6 +38,26 @@ use crate::{
 };
 
 /// Claims on keys (`"spam:17"`), in `db`'s `freshlock_claim` table. Cheap to clone.
+///
+/// Claim / finish with a lease: the Django report's new → processing → done, without its
+/// stranded rows. The report marks a row "processing" in a short transaction, does the heavy work with no
+/// transaction open, then marks it "done". If the worker dies after "processing", the retry sees
+/// "processing" and returns: the row is stranded forever. Here a claim is a lease (database
+/// clock): once it has expired, the work can be claimed again, and the dead worker's late
+/// `finish` is refused because the claim is no longer its own.
+///
+/// Claims live in freshlock's own table, `freshlock_claim` (one row per claimed key), rather than
+/// in columns of your entity: any entity works unchanged, a claim can cover work that is not one
+/// row, and the lease bookkeeping (owner token, fence, expiry, holder) stays out of your schema.
+/// Keep your own state column if you want one, and update it in the same transaction as the
+/// finish with [`Claims::finish_with`].
+///
+/// A claim or finish whose `COMMIT` reply is lost is resolved like a locked write's (see
+/// [`crate::SessionBuilder::commit_markers`]): each commits with a commit marker, so the outcome
+/// is read back on another connection — `Claimed` / `Finished` when it committed, a transient
+/// error (nothing was written: call again) when it provably did not, and
+/// [`Error::CommitUnknown`] when the database did not answer in time. A claim is never left held
+/// by a token nobody knows, and a finish that happened is never reported as `Stale`.
 #[derive(Clone, Debug)]
 pub struct Claims {
     db: DatabaseConnection,

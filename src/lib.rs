@@ -31,12 +31,14 @@
 //! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
 //! - `testing/` — `testing` (feature `testing`): `TestDatabase`, `Recorder`, `FakeLock`.
 
+// docs.rs: every item gated on a feature shows the feature it needs.
+#![cfg_attr(docsrs, feature(doc_cfg))]
 #![cfg_attr(
     not(test),
     warn(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)
 )]
 
-pub mod claim;
+mod claim;
 mod combine;
 mod commit;
 mod db_error;
@@ -44,7 +46,7 @@ mod decision;
 mod error;
 mod identity_map;
 pub mod inspect;
-pub mod lock;
+mod lock;
 mod locked_update;
 mod locking;
 mod many;
@@ -60,14 +62,19 @@ mod session;
 pub mod testing;
 #[cfg(feature = "postgres")]
 pub mod transaction_pooler;
-pub mod tx;
+mod tx;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
 pub use error::{ApplyError, BoxError, Error, LockError, Result};
 pub use identity_map::CacheStats;
+#[cfg(feature = "mysql")]
+pub use lock::MySqlNamedLock;
+#[cfg(feature = "redis")]
+pub use lock::RedisLock;
 pub use lock::{
     LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockScope, OnLockFailure,
+    PgAdvisoryLock, RowLock, TableLock,
 };
 pub use outcome::{
     DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,

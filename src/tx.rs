@@ -60,7 +60,14 @@ pub enum ForUpdate {
 /// One change the commit makes to the session's cache.
 type Effect = Box<dyn FnOnce(&IdentityMap) + Send>;
 
-/// A locked section's transaction. See the [module docs](self).
+/// A locked section's transaction.
+///
+/// Inside [`crate::Session::locked`], a [`crate::Section`] or
+/// [`crate::Repository::locked_update_with`], the work is given a `&Tx`: the section's one
+/// transaction. It is a sea-orm connection (`ConnectionTrait`), so plain sea-orm queries run
+/// through it, and [`Tx::repository`] gives repositories whose every read and write goes through
+/// it too — no second connection of the pool (a one-connection pool works), no read outside the
+/// transaction.
 ///
 /// On SQLite the section's transaction is `BEGIN IMMEDIATE`: it is the only writer of the whole
 /// database while it runs, so rows need no locking and the [`ForUpdate`] modes read as plain
@@ -211,8 +218,11 @@ impl ConnectionTrait for Tx {
 }
 
 /// Reads and writes of entity `E` in a section's transaction ([`Tx::repository`]): the
-/// repository calls that make sense inside one transaction, all through it. See the
-/// [module docs](self) for how they reach the cache.
+/// repository calls that make sense inside one transaction, all through it.
+///
+/// What they write reaches the session's cache only when the section commits: the stored rows
+/// replace the cached ones, deleted rows are evicted. A section that rolls back leaves the cache
+/// as it was.
 pub struct TxRepository<'t, E> {
     tx: &'t Tx,
     entity: PhantomData<fn() -> E>,

@@ -7,9 +7,7 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use common::memory_db;
-use freshlock::{
-    ClaimOutcome, Claims, FinishOutcome, LockBackend, LockName, inspect, lock::TableLock,
-};
+use freshlock::{ClaimOutcome, Claims, FinishOutcome, LockBackend, LockName, TableLock, inspect};
 use sea_orm::ConnectionTrait;
 
 fn key(s: &str) -> LockName {

@@ -19,7 +19,7 @@ use async_trait::async_trait;
 use entity::{ham, spam};
 use freshlock::{
     ApplyError, ClaimOutcome, Claims, FinishOutcome, LockBackend, LockError, LockGuard, LockName,
-    LockPolicy, OnLockFailure, Session, lock::TableLock, lock_name,
+    LockPolicy, OnLockFailure, Session, TableLock, lock_name,
 };
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, EntityTrait, PaginatorTrait, QueryFilter,

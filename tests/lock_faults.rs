@@ -9,8 +9,8 @@ use common::{FakeLock, memory_db, node_in_db, seed_nodes};
 use entity::node;
 use freshlock::testing::TestDatabase;
 use freshlock::{
-    Error, LockBackend, LockError, LockName, LockPolicy, OnLockFailure, Session, UpdateOutcome,
-    lock::TableLock,
+    Error, LockBackend, LockError, LockName, LockPolicy, OnLockFailure, Session, TableLock,
+    UpdateOutcome,
 };
 use sea_orm::{ConnectionTrait, Set, Statement};
 
@@ -225,7 +225,7 @@ async fn an_unreachable_redis_is_a_typed_error_not_a_hang() {
     // A hang guard, not a speed target: the backend's own call timeout is 2 s.
     let result = tokio::time::timeout(
         Duration::from_secs(10),
-        freshlock::lock::RedisLock::connect("redis://127.0.0.1:1", db),
+        freshlock::RedisLock::connect("redis://127.0.0.1:1", db),
     )
     .await
     .expect("an unreachable Redis is reported, never waited on forever");

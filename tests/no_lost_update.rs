@@ -16,7 +16,7 @@ use common::FakeLock;
 use entity::node;
 use freshlock::{
     Error, LockBackend, LockError, LockGuard, LockName, LockPolicy, OnLockFailure, Session,
-    UpdateOutcome, lock::TableLock,
+    TableLock, UpdateOutcome,
 };
 use sea_orm::{EntityTrait, Set, TransactionTrait};
 use servers::{TestDb, databases};

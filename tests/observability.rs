@@ -10,7 +10,7 @@ use std::{
 
 use common::{FakeLock, TestDatabase, node_in_db, seed_nodes, test_db};
 use entity::node;
-use freshlock::{LockPolicy, OnLockFailure, Session, UpdateOutcome, lock::TableLock};
+use freshlock::{LockPolicy, OnLockFailure, Session, TableLock, UpdateOutcome};
 use sea_orm::{ConnectionTrait, Set};
 use tracing::{
     Subscriber,

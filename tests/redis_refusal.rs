@@ -9,7 +9,7 @@ mod servers;
 
 use std::{process::Command, time::Duration};
 
-use freshlock::lock::RedisLock;
+use freshlock::RedisLock;
 
 struct PrivateRedis {
     port: u16,

@@ -7,7 +7,7 @@ mod common;
 use std::sync::Arc;
 
 use entity::node;
-use freshlock::{Session, lock::TableLock};
+use freshlock::{Session, TableLock};
 use sea_orm::{ConnectionTrait, Set, Statement};
 
 #[tokio::test]

@@ -97,17 +97,18 @@ async fn the_users_migrator_and_freshlocks_tables_are_applied_and_statements_cou
     assert_eq!(db.recorder().statements().len(), 2, "statements() copies…");
     let sent = db.recorder().take();
     assert_eq!(db.recorder().count("SELECT"), 0, "take() started over");
-    assert_eq!(freshlock::testing::count(&sent, "SELECT"), 1, "{sent:#?}");
-    assert_eq!(freshlock::testing::count(&sent, "UPDATE"), 1, "{sent:#?}");
+    let verbs: Vec<&str> = sent
+        .iter()
+        .filter_map(|s| s.split_whitespace().next())
+        .collect();
+    assert_eq!(verbs, ["SELECT", "UPDATE"], "{sent:#?}");
     assert_eq!(sent.len(), 2, "{sent:#?}");
     assert!(sent[1].contains("\"status\"") && !sent[1].contains("\"assignee\" ="));
 
     // freshlock's own tables exist too: the table-lease backend works on this database.
     let leases = db
         .session_builder()
-        .lock(Arc::new(freshlock::lock::TableLock::new(
-            db.connection().clone(),
-        )))
+        .lock(Arc::new(freshlock::TableLock::new(db.connection().clone())))
         .build()
         .unwrap();
     let report = leases

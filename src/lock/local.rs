@@ -30,7 +30,7 @@ pub struct LocalLock {
 
 impl LocalLock {
     /// This backend's [`kind`](LockBackend::kind).
-    pub const KIND: &'static str = "local";
+    pub(crate) const KIND: &'static str = "local";
 
     /// A new lock space, independent of every other.
     pub fn new() -> Self {

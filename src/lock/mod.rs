@@ -68,6 +68,20 @@ pub enum LockScope {
 ///
 /// Implementations are shared (`Arc<dyn LockBackend>`) by every session that should exclude the
 /// others, so they must be cheap to call concurrently.
+///
+/// Used through `Arc<dyn LockBackend>`, so a session can be given any backend chosen at run
+/// time. Backends come in two scopes ([`LockScope`]):
+///
+/// - **lease** locks are taken *before* the transaction opens and released *after* it commits
+///   (the in-process [`LocalLock`]; a lock table, Redis or MySQL `GET_LOCK` fit here too). Their
+///   [`LockGuard`] is released explicitly with [`LockGuard::release`].
+/// - **transaction** locks are taken *inside* the transaction and end with it
+///   (`SELECT … FOR UPDATE` on a lock row, `pg_advisory_xact_lock`): such a backend implements
+///   [`LockBackend::lock_in_transaction`] and has nothing to release.
+///
+/// How often to try, how long to wait and what to do when the lock cannot be had is the caller's
+/// [`LockPolicy`], applied by the session — backends only try once, waiting at most the time they
+/// are given.
 #[async_trait]
 pub trait LockBackend: Send + Sync + fmt::Debug {
     /// A short name for logs and reports (`"local"`, `"table"`, …).

@@ -47,7 +47,7 @@ impl LockName {
     /// The name as it fits a store that takes at most `max` bytes of ASCII (`ascii_only`) or of
     /// UTF-8: unchanged when it fits, otherwise a prefix, `#` and the 16-hex-digit
     /// [`stable_hash`](Self::stable_hash) — stable, and distinct for names that share the prefix.
-    pub fn bounded(&self, max: usize, ascii_only: bool) -> std::borrow::Cow<'_, str> {
+    pub(crate) fn bounded(&self, max: usize, ascii_only: bool) -> std::borrow::Cow<'_, str> {
         let fits = self.0.len() <= max && (!ascii_only || self.0.is_ascii());
         if fits {
             return std::borrow::Cow::Borrowed(&self.0);

@@ -106,7 +106,7 @@ impl fmt::Debug for Recorder {
 }
 
 /// How many of `statements` begin with `verb` (case-insensitive, leading blanks ignored).
-pub fn count(statements: &[String], verb: &str) -> usize {
+fn count(statements: &[String], verb: &str) -> usize {
     statements
         .iter()
         .filter(|s| {

@@ -7,7 +7,7 @@ mod eventually;
 pub use eventually::eventually;
 
 use entity::node;
-pub use freshlock::testing::{FakeLock, Recorder, TestDatabase, count};
+pub use freshlock::testing::{FakeLock, Recorder, TestDatabase};
 use freshlock::{LocalLock, LockPolicy, Session};
 use migration::Migrator;
 use sea_orm::{DatabaseConnection, EntityTrait, Set};
@@ -37,6 +37,18 @@ pub fn session(db: &DatabaseConnection, lock: &LocalLock) -> Session {
         .lock(Arc::new(lock.clone()))
         .build()
         .expect("valid session")
+}
+
+/// How many of `statements` begin with `verb` (case-insensitive, leading blanks ignored).
+pub fn count(statements: &[String], verb: &str) -> usize {
+    statements
+        .iter()
+        .filter(|s| {
+            s.trim_start()
+                .get(..verb.len())
+                .is_some_and(|head| head.eq_ignore_ascii_case(verb))
+        })
+        .count()
 }
 
 /// A policy that fails at once when the lock is busy: proves a lock is free.
