@@ -3,6 +3,8 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
+use dashmap::DashMap;
+
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
     SqliteTransactionMode, TransactionOptions, TransactionTrait,
@@ -73,12 +75,9 @@ impl Locking {
         // task per key and process waits on (and polls, or holds a connection for) the shared
         // lock, so many waiters on one hot key cannot drain the connection pool. One queue per
         // backend instance: sessions sharing a backend share it, other databases' do not.
-        if locking.backend.kind() != LocalLock::KIND {
-            let queue_name = LockName::trusted(format!(
-                "{:p}|{lock}",
-                Arc::as_ptr(&locking.backend).cast::<()>()
-            ));
-            let local = LocalLock::shared();
+        if !locking.backend.in_process() {
+            let local = queue_of(&locking.backend);
+            let queue_name = lock.clone();
             let acquisition = tokio::select! {
                 () = cancelled => return Ok(None),
                 acquisition = policy.acquire(&local, &queue_name) => acquisition,
@@ -129,7 +128,7 @@ impl Locking {
     /// in-process queue, or the `local` lock itself, is held): only then may it serve the
     /// process's other writers of the row (commit combining).
     pub(crate) fn excludes_process(&self) -> bool {
-        self.queue.is_some() || (self.backend.kind() == LocalLock::KIND && self.report.held)
+        self.queue.is_some() || (self.backend.in_process() && self.report.held)
     }
 
     /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
@@ -347,4 +346,27 @@ pub(crate) async fn begin(
         },
     };
     db.begin_with_options(options).await
+}
+
+/// The in-process queue in front of `backend`: one per backend instance, shared by every session
+/// given that instance (a clone of the same `Arc`), none shared with another backend. Keyed by
+/// the instance's address with a weak handle, so a later backend at the same address gets a
+/// queue of its own.
+fn queue_of(backend: &Arc<dyn LockBackend>) -> LocalLock {
+    type Queues = DashMap<usize, (std::sync::Weak<dyn LockBackend>, LocalLock)>;
+    static QUEUES: std::sync::OnceLock<Queues> = std::sync::OnceLock::new();
+    let queues = QUEUES.get_or_init(DashMap::new);
+    let id = Arc::as_ptr(backend).cast::<()>() as usize;
+    let mut entry = queues
+        .entry(id)
+        .or_insert_with(|| (Arc::downgrade(backend), LocalLock::new()));
+    let (owner, queue) = &mut *entry;
+    if !owner
+        .upgrade()
+        .is_some_and(|live| Arc::ptr_eq(&live, backend))
+    {
+        *owner = Arc::downgrade(backend);
+        *queue = LocalLock::new();
+    }
+    queue.clone()
 }

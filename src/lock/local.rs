@@ -30,7 +30,7 @@ pub struct LocalLock {
 
 impl LocalLock {
     /// This backend's [`kind`](LockBackend::kind).
-    pub(crate) const KIND: &'static str = "local";
+    const KIND: &'static str = "local";
 
     /// A new lock space, independent of every other.
     pub fn new() -> Self {
@@ -73,6 +73,10 @@ impl LocalLock {
 impl LockBackend for LocalLock {
     fn kind(&self) -> &'static str {
         Self::KIND
+    }
+
+    fn in_process(&self) -> bool {
+        true
     }
 
     async fn acquire(

@@ -87,6 +87,15 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
     /// A short name for logs and reports (`"local"`, `"table"`, …).
     fn kind(&self) -> &'static str;
 
+    /// Whether this backend's lock already excludes the tasks of this process from each other
+    /// by itself, in-process (the [`LocalLock`]): then sessions do not queue its waiters
+    /// in-process first. Every backend that reaches outside the process keeps the default,
+    /// `false`, and gets that queue, so at most one task per key and process waits on (and holds
+    /// a connection for) the shared lock.
+    fn in_process(&self) -> bool {
+        false
+    }
+
     /// Whether this backend's lock is a lease around the transaction or lives inside it.
     fn scope(&self) -> LockScope {
         LockScope::Lease

@@ -11,7 +11,7 @@ use std::{
 use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
-use crate::{LockBackend, LockError, LockGuard, LockName, lock::LocalLock};
+use crate::{LockBackend, LockError, LockGuard, LockName};
 
 const KIND: &str = "fake";
 
@@ -37,7 +37,8 @@ const KIND: &str = "fake";
 #[derive(Clone, Debug, Default)]
 pub struct FakeLock {
     state: Arc<State>,
-    kind: Option<&'static str>,
+    /// Says it is in-process (see `LockBackend::in_process`): no in-process queue either.
+    in_process: bool,
 }
 
 #[derive(Debug, Default)]
@@ -59,14 +60,14 @@ impl FakeLock {
         Self::default()
     }
 
-    /// A double that fails every acquisition and says it is the in-process backend, so
-    /// sessions skip their in-process queue as well: writers then run with no lock at all,
+    /// A double that fails every acquisition and says it excludes in-process by itself
+    /// ([`LockBackend::in_process`]), so sessions skip their in-process queue as well: writers then run with no lock at all,
     /// which leaves freshlock's optimistic guard as the only protection (what a write sees when
     /// every lock server is down and the policy says to proceed).
     pub fn without_lock() -> Self {
         let fake = Self {
             state: Arc::default(),
-            kind: Some(LocalLock::KIND),
+            in_process: true,
         };
         fake.fail_after(0);
         fake
@@ -151,7 +152,11 @@ fn failure(what: &str) -> LockError {
 #[async_trait]
 impl LockBackend for FakeLock {
     fn kind(&self) -> &'static str {
-        self.kind.unwrap_or(KIND)
+        KIND
+    }
+
+    fn in_process(&self) -> bool {
+        self.in_process
     }
 
     async fn acquire(
