@@ -1,4 +1,4 @@
-//! Claim / finish with a lease, and the lock inspector.
+//! Claim / finish with a lease (the lock inspector's tests are in `inspector.rs`).
 
 mod common;
 #[path = "common/servers.rs"]
@@ -7,7 +7,7 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use common::memory_db;
-use freshlock::{ClaimOutcome, Claims, FinishOutcome, LockBackend, LockName, TableLock, inspect};
+use freshlock::{ClaimOutcome, Claims, FinishOutcome, LockName};
 use sea_orm::ConnectionTrait;
 
 fn key(s: &str) -> LockName {
@@ -182,75 +182,4 @@ async fn finish_with_commits_the_users_change_with_the_claim() {
         common::node_in_db(&db, 1).await.summary.as_deref(),
         Some("done")
     );
-}
-
-#[tokio::test]
-async fn the_inspector_lists_and_clears_only_expired_leases() {
-    inspector_lists_and_clears_only_expired_leases(memory_db().await).await;
-}
-
-async fn inspector_on(db: Option<servers::TestDb>, _: ()) {
-    if let Some(db) = db {
-        inspector_lists_and_clears_only_expired_leases(db.db).await;
-    }
-}
-
-use servers::databases;
-
-servers::server_tests! {
-    inspector_sqlite_file: inspector_on, (), sqlite;
-    inspector_postgres: inspector_on, (), postgres;
-    inspector_mysql: inspector_on, (), mysql;
-}
-
-/// A live and an expired lease (the holder died): both listed, only the expired one listed by
-/// `expired_only` and cleared, the live one still its holder's.
-async fn inspector_lists_and_clears_only_expired_leases(db: sea_orm::DatabaseConnection) {
-    let live_lock = TableLock::new(db.clone()).with_label("live worker");
-    let live = live_lock
-        .acquire(&key("ham:1"), Duration::ZERO, Duration::from_secs(3600))
-        .await
-        .unwrap()
-        .unwrap();
-    let dead = TableLock::new(db.clone()).with_label("dead worker");
-    let stale = dead
-        .acquire(&key("ham:2"), Duration::ZERO, Duration::from_millis(1))
-        .await
-        .unwrap()
-        .unwrap();
-    std::mem::forget(stale); // the holder died: no release, not even the background one
-    // Wait (database clock) until the short lease has run out.
-    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while inspect::held_locks(&db, true).await.unwrap().is_empty() {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the 1 ms lease never expired"
-        );
-        tokio::time::sleep(Duration::from_millis(1)).await;
-    }
-
-    let all = inspect::held_locks(&db, false).await.unwrap();
-    assert_eq!(all.len(), 2);
-    let live_row = all.iter().find(|l| l.name == "ham:1").unwrap();
-    assert_eq!(live_row.label.as_deref(), Some("live worker"));
-    assert_eq!(live_row.pid, Some(i64::from(std::process::id())));
-    assert!(live_row.host.is_some() && !live_row.expired);
-
-    let expired = inspect::held_locks(&db, true).await.unwrap();
-    assert_eq!(
-        expired.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
-        ["ham:2"]
-    );
-    assert_eq!(inspect::release_stale(&db).await.unwrap(), 1);
-    let left = inspect::held_locks(&db, false).await.unwrap();
-    assert_eq!(
-        left.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
-        ["ham:1"],
-        "a live lease is never cleared"
-    );
-    assert!(
-        live.extend(Duration::from_secs(60)).await.unwrap(),
-        "still the live holder's"
-    );
-    live.release().await.unwrap();
 }

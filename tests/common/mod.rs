@@ -78,3 +78,31 @@ pub async fn node_in_db(db: &DatabaseConnection, id: i32) -> node::Model {
         .expect("query")
         .expect("row exists")
 }
+
+/// A session whose policy tries a lock twice, 10 ms each, then does what `on_failure` says.
+pub fn session_trying_twice(
+    db: &sea_orm::DatabaseConnection,
+    lock: Arc<dyn freshlock::LockBackend>,
+    on_failure: freshlock::OnLockFailure,
+) -> Session {
+    Session::builder(db.clone())
+        .lock(lock)
+        .policy(
+            freshlock::LockPolicy::default()
+                .with_tries(2)
+                .with_wait_per_try(std::time::Duration::from_millis(10))
+                .with_on_failure(on_failure),
+        )
+        .build()
+        .unwrap()
+}
+
+/// An `apply` that sets node's score to `score`.
+pub fn set_score(
+    score: i32,
+) -> impl FnMut(&mut node::ActiveModel) -> Result<(), freshlock::ApplyError> {
+    move |n| {
+        n.score = sea_orm::Set(Some(score));
+        Ok(())
+    }
+}
