@@ -17,8 +17,8 @@ use std::{
 use async_trait::async_trait;
 use entity::node;
 use freshlock::{
-    LocalLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, LockScope,
-    OnLockFailure, Session,
+    LeaseLock, LocalLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy,
+    LockRole, OnLockFailure, Session,
 };
 use sea_orm::{
     ActiveModelTrait, ConnectionTrait, DatabaseConnection, EntityTrait, IntoActiveModel, Set,
@@ -209,14 +209,22 @@ struct Timed {
     events: Arc<Mutex<Vec<(Instant, Instant)>>>,
 }
 
-#[async_trait]
 impl LockBackend for Timed {
     fn kind(&self) -> &'static str {
         self.inner.kind()
     }
-    fn scope(&self) -> LockScope {
-        self.inner.scope()
+
+    fn role(&self) -> LockRole<'_> {
+        match self.inner.role() {
+            // Nothing to time: the lock lives in the transaction.
+            LockRole::Transaction(lock) => LockRole::Transaction(lock),
+            LockRole::Lease(_) => LockRole::Lease(self),
+        }
     }
+}
+
+#[async_trait]
+impl LeaseLock for Timed {
     async fn acquire(
         &self,
         name: &LockName,
@@ -231,14 +239,6 @@ impl LockBackend for Timed {
                 events: Arc::clone(&self.events),
             }) as Box<dyn LockGuard>
         }))
-    }
-    async fn lock_in_transaction(
-        &self,
-        txn: &sea_orm::DatabaseTransaction,
-        name: &LockName,
-        wait: Duration,
-    ) -> Result<bool, LockError> {
-        self.inner.lock_in_transaction(txn, name, wait).await
     }
 }
 

@@ -13,7 +13,7 @@ use tracing::warn;
 
 use crate::{
     error::{Error, LockError, Result, database},
-    lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockScope, OnLockFailure},
+    lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockRole, OnLockFailure},
     outcome::LockReport,
 };
 
@@ -80,7 +80,7 @@ impl Locking {
             let queue_name = lock.clone();
             let acquisition = tokio::select! {
                 () = cancelled => return Ok(None),
-                acquisition = policy.acquire(&local, &queue_name) => acquisition,
+                acquisition = policy.acquire(local.kind(), &local, &queue_name) => acquisition,
             };
             locking.report.waited = acquisition.waited;
             match acquisition.result {
@@ -93,13 +93,14 @@ impl Locking {
             }
         }
 
-        match locking.backend.scope() {
-            LockScope::Transaction => locking.in_transaction = true,
-            _ => {
+        let backend = Arc::clone(&locking.backend);
+        match backend.role() {
+            LockRole::Transaction(_) => locking.in_transaction = true,
+            LockRole::Lease(lease) => {
                 // Not raced against cancellation: dropping a backend's acquire mid-statement could
                 // leave a lease taken that nobody releases (until its TTL). The queue above bounds
                 // this wait to one task per key; if the caller has gone, release at once.
-                let acquisition = policy.acquire(locking.backend.as_ref(), lock).await;
+                let acquisition = policy.acquire(backend.kind(), lease, lock).await;
                 if is_cancelled() {
                     if let Ok(Some(held)) = acquisition.result
                         && let Err(error) = held.release().await
@@ -229,10 +230,13 @@ impl Locking {
         txn: &DatabaseTransaction,
     ) -> std::result::Result<(), Option<LockError>> {
         let started = tokio::time::Instant::now();
-        let locked = self
-            .backend
-            .lock_in_transaction(txn, &self.report.name, self.wait)
-            .await;
+        let locked = match self.backend.role() {
+            LockRole::Transaction(lock) => {
+                lock.lock_in_transaction(txn, &self.report.name, self.wait)
+                    .await
+            }
+            LockRole::Lease(_) => Ok(false),
+        };
         self.report.tries = 1;
         self.report.waited += started.elapsed();
         match locked {

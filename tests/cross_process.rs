@@ -20,8 +20,8 @@ use std::{
 use async_trait::async_trait;
 use entity::node;
 use freshlock::{
-    LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, OnLockFailure, Session,
-    UpdateOutcome,
+    LeaseLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, LockRole,
+    OnLockFailure, Session, UpdateOutcome,
 };
 use sea_orm::{ConnectionTrait, Set};
 use servers::TestDb;
@@ -221,12 +221,18 @@ fn say(what: &str) {
 #[derive(Debug)]
 struct PauseAfterAcquire(Arc<dyn LockBackend>);
 
-#[async_trait]
 impl LockBackend for PauseAfterAcquire {
     fn kind(&self) -> &'static str {
         self.0.kind()
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for PauseAfterAcquire {
     async fn acquire(
         &self,
         name: &LockName,

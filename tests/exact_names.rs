@@ -7,7 +7,7 @@ mod servers;
 
 use std::time::Duration;
 
-use freshlock::{ClaimOutcome, Claims, LockBackend, LockKind, LockName, TableLock};
+use freshlock::{ClaimOutcome, Claims, LeaseLock, LockKind, LockName, TableLock};
 use sea_orm::TransactionTrait;
 use servers::{TestDb, databases};
 

@@ -8,7 +8,7 @@ mod servers;
 use std::time::Duration;
 
 use common::memory_db;
-use freshlock::{LockBackend, LockName, TableLock, inspect};
+use freshlock::{LeaseLock, LockName, TableLock, inspect};
 use servers::databases;
 
 fn key(s: &str) -> LockName {

@@ -18,8 +18,8 @@ use std::{
 use async_trait::async_trait;
 use entity::{ham, spam};
 use freshlock::{
-    ApplyError, ClaimOutcome, Claims, FinishOutcome, LockBackend, LockError, LockGuard, LockName,
-    LockPolicy, OnLockFailure, Session, TableLock, lock_name,
+    ApplyError, ClaimOutcome, Claims, FinishOutcome, LeaseLock, LockBackend, LockError, LockGuard,
+    LockName, LockPolicy, LockRole, OnLockFailure, Session, TableLock, lock_name,
 };
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, EntityTrait, PaginatorTrait, QueryFilter,
@@ -40,11 +40,18 @@ struct Occupancy {
     inside: Arc<Mutex<HashMap<String, bool>>>,
 }
 
-#[async_trait]
 impl LockBackend for Occupancy {
     fn kind(&self) -> &'static str {
         "table"
     }
+
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for Occupancy {
     async fn acquire(
         &self,
         name: &LockName,

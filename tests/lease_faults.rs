@@ -9,7 +9,7 @@ use common::{
     FakeLock, memory_db, node_in_db, seed_nodes, session_trying_twice as session_with, set_score,
 };
 use entity::node;
-use freshlock::{LockBackend, LockName, OnLockFailure, TableLock, UpdateOutcome};
+use freshlock::{LeaseLock, LockName, OnLockFailure, TableLock, UpdateOutcome};
 use sea_orm::{ConnectionTrait, Statement};
 
 #[tokio::test]

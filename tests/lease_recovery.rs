@@ -11,7 +11,7 @@ mod servers;
 
 use std::time::Duration;
 
-use freshlock::{LockBackend, LockKind, LockName, TableLock};
+use freshlock::{LeaseLock, LockKind, LockName, TableLock};
 use proxy::{CutAfter, Proxy};
 use servers::{TestDb, databases};
 

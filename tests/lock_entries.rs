@@ -6,7 +6,7 @@ use std::{sync::Arc, time::Duration};
 
 use common::{memory_db, seed_nodes};
 use entity::node;
-use freshlock::{LocalLock, LockBackend, LockName, Session};
+use freshlock::{LeaseLock, LocalLock, LockName, Session};
 use sea_orm::Set;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -15,8 +15,8 @@ use std::{
 use common::FakeLock;
 use entity::node;
 use freshlock::{
-    Error, LockBackend, LockError, LockGuard, LockName, LockPolicy, OnLockFailure, Session,
-    TableLock, UpdateOutcome,
+    Error, LeaseLock, LockBackend, LockError, LockGuard, LockName, LockPolicy, LockRole,
+    OnLockFailure, Session, TableLock, UpdateOutcome,
 };
 use sea_orm::{EntityTrait, Set, TransactionTrait};
 use servers::{TestDb, databases};
@@ -188,12 +188,18 @@ async fn lease_shorter_than_the_section(db: Option<TestDb>) {
 #[derive(Debug)]
 struct ExpiresBeforeUse(TableLock);
 
-#[async_trait::async_trait]
 impl LockBackend for ExpiresBeforeUse {
     fn kind(&self) -> &'static str {
         "table"
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait::async_trait]
+impl LeaseLock for ExpiresBeforeUse {
     async fn acquire(
         &self,
         name: &LockName,
@@ -235,12 +241,18 @@ async fn row_deleted_under_the_lock(db: Option<TestDb>) {
 #[derive(Debug)]
 struct DeletesAfterAcquire(sea_orm::DatabaseConnection);
 
-#[async_trait::async_trait]
 impl LockBackend for DeletesAfterAcquire {
     fn kind(&self) -> &'static str {
         "deleting"
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait::async_trait]
+impl LeaseLock for DeletesAfterAcquire {
     async fn acquire(
         &self,
         name: &LockName,

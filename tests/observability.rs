@@ -186,7 +186,7 @@ async fn a_span_per_locked_update_with_entity_key_backend_wait_attempts_and_outc
 /// flaky), and its report says the same.
 #[tokio::test]
 async fn the_span_records_the_time_waited_for_a_held_lock() {
-    use freshlock::{LocalLock, LockBackend, lock_name};
+    use freshlock::{LeaseLock, LocalLock, lock_name};
     use std::time::Duration;
 
     let seen = Seen::default();

@@ -8,7 +8,7 @@ mod servers;
 use std::time::Duration;
 
 use entity::ham;
-use freshlock::{LockBackend, LockName, RowLock};
+use freshlock::{LockName, RowLock, TransactionLock};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, EntityTrait, QuerySelect, Set, TransactionTrait,
 };

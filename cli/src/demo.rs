@@ -11,8 +11,8 @@ use std::{
 
 use entity::{ham, node, spam};
 use freshlock::{
-    ClaimOutcome, Claims, FinishOutcome, LocalLock, LockBackend, LockKind, LockName, RowLock,
-    Session, lock_name,
+    ClaimOutcome, Claims, FinishOutcome, LeaseLock, LocalLock, LockBackend, LockKind, LockName,
+    RowLock, Session, lock_name,
 };
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use migration::{Migrator, MigratorTrait};

@@ -7,7 +7,7 @@ mod common;
 
 use std::{process::Command, time::Duration};
 
-use freshlock::{LockBackend, LockName, TableLock};
+use freshlock::{LeaseLock, LockName, TableLock};
 use migration::{Migrator, MigratorTrait};
 
 fn freshlock(url: &str, args: &[&str]) -> serde_json::Value {

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use dashmap::DashMap;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::{LockBackend, LockGuard, LockName};
+use super::{LeaseLock, LockBackend, LockGuard, LockName, LockRole};
 use crate::error::LockError;
 
 type Entries = DashMap<LockName, Arc<Mutex<()>>>;
@@ -69,7 +69,6 @@ impl LocalLock {
     }
 }
 
-#[async_trait]
 impl LockBackend for LocalLock {
     fn kind(&self) -> &'static str {
         Self::KIND
@@ -79,6 +78,13 @@ impl LockBackend for LocalLock {
         true
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for LocalLock {
     async fn acquire(
         &self,
         name: &LockName,

@@ -9,7 +9,7 @@
 //!   [`LockGuard`] is released explicitly with [`LockGuard::release`].
 //! - **transaction** locks are taken *inside* the transaction and end with it
 //!   (`SELECT … FOR UPDATE` on a lock row, `pg_advisory_xact_lock`): such a backend implements
-//!   [`LockBackend::lock_in_transaction`] and has nothing to release.
+//!   [`TransactionLock::lock_in_transaction`] and has nothing to release.
 //!
 //! How often to try, how long to wait and what to do when the lock cannot be had is the caller's
 //! [`LockPolicy`], applied by the session — backends only try once, waiting at most the time they
@@ -57,10 +57,10 @@ use crate::error::LockError;
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LockScope {
-    /// Taken before the transaction begins, released after it ends ([`LockBackend::acquire`]).
+    /// Taken before the transaction begins, released after it ends ([`LeaseLock::acquire`]).
     Lease,
     /// Taken inside the transaction and released by its commit or rollback
-    /// ([`LockBackend::lock_in_transaction`]).
+    /// ([`TransactionLock::lock_in_transaction`]).
     Transaction,
 }
 
@@ -73,16 +73,19 @@ pub enum LockScope {
 /// time. Backends come in two scopes ([`LockScope`]):
 ///
 /// - **lease** locks are taken *before* the transaction opens and released *after* it commits
-///   (the in-process [`LocalLock`]; a lock table, Redis or MySQL `GET_LOCK` fit here too). Their
-///   [`LockGuard`] is released explicitly with [`LockGuard::release`].
+///   (the in-process [`LocalLock`]; a lock table, Redis or MySQL `GET_LOCK` fit here too): such a
+///   backend implements [`LeaseLock`] and answers [`LockRole::Lease`]. Their [`LockGuard`] is
+///   released explicitly with [`LockGuard::release`].
 /// - **transaction** locks are taken *inside* the transaction and end with it
 ///   (`SELECT … FOR UPDATE` on a lock row, `pg_advisory_xact_lock`): such a backend implements
-///   [`LockBackend::lock_in_transaction`] and has nothing to release.
+///   [`TransactionLock`], answers [`LockRole::Transaction`] and has nothing to release.
+///
+/// A backend implements exactly the half it has: [`role`](LockBackend::role) hands the session
+/// that half, so there is no stub of the other one to get wrong.
 ///
 /// How often to try, how long to wait and what to do when the lock cannot be had is the caller's
 /// [`LockPolicy`], applied by the session — backends only try once, waiting at most the time they
 /// are given.
-#[async_trait]
 pub trait LockBackend: Send + Sync + fmt::Debug {
     /// A short name for logs and reports (`"local"`, `"table"`, …).
     fn kind(&self) -> &'static str;
@@ -96,18 +99,82 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
         false
     }
 
+    /// The lock this backend takes: a lease around the transaction or a lock inside it.
+    fn role(&self) -> LockRole<'_>;
+}
+
+impl dyn LockBackend + '_ {
     /// Whether this backend's lock is a lease around the transaction or lives inside it.
-    fn scope(&self) -> LockScope {
-        LockScope::Lease
+    pub fn scope(&self) -> LockScope {
+        match self.role() {
+            LockRole::Lease(_) => LockScope::Lease,
+            LockRole::Transaction(_) => LockScope::Transaction,
+        }
     }
 
+    /// For callers holding any backend: [`LeaseLock::acquire`] of a lease backend; a
+    /// transaction backend has no lease to give (`Ok(None)`, at once).
+    ///
+    /// # Errors
+    /// As [`LeaseLock::acquire`].
+    pub async fn acquire(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        match self.role() {
+            LockRole::Lease(lease) => lease.acquire(name, wait, ttl).await,
+            LockRole::Transaction(_) => Ok(None),
+        }
+    }
+
+    /// For callers holding any backend: [`TransactionLock::lock_in_transaction`] of a
+    /// transaction backend; a lease backend takes nothing inside the transaction (`Ok(false)`).
+    ///
+    /// # Errors
+    /// As [`TransactionLock::lock_in_transaction`].
+    pub async fn lock_in_transaction(
+        &self,
+        txn: &DatabaseTransaction,
+        name: &LockName,
+        wait: Duration,
+    ) -> Result<bool, LockError> {
+        match self.role() {
+            LockRole::Transaction(lock) => lock.lock_in_transaction(txn, name, wait).await,
+            LockRole::Lease(_) => Ok(false),
+        }
+    }
+}
+
+/// The half of the locking a [`LockBackend`] implements (see [`LockBackend::role`]).
+#[derive(Clone, Copy)]
+pub enum LockRole<'a> {
+    /// A lease taken before the transaction and released after it.
+    Lease(&'a dyn LeaseLock),
+    /// A lock taken inside the transaction, ended by it.
+    Transaction(&'a dyn TransactionLock),
+}
+
+impl fmt::Debug for LockRole<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Self::Lease(_) => "Lease",
+            Self::Transaction(_) => "Transaction",
+        })
+    }
+}
+
+/// A lease lock: taken before the transaction opens, released after it ends.
+#[async_trait]
+pub trait LeaseLock: Send + Sync {
     /// Takes the lease lock `name`, waiting at most `wait` (zero: try once, don't wait).
     ///
     /// `ttl` is how long the lease may live if its holder disappears; backends whose locks cannot
     /// outlive their holder (the in-process lock) ignore it.
     ///
     /// Returns `Ok(None)` when the lock is held by someone else for the whole wait: that is an
-    /// expected outcome, not an error. Transaction-scoped backends return `Ok(None)` without waiting.
+    /// expected outcome, not an error.
     ///
     /// # Errors
     /// [`LockError`] when the backend itself fails (server unreachable, bad name).
@@ -120,11 +187,13 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
         wait: Duration,
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError>;
+}
 
+/// A lock taken inside the write's transaction, ended by its commit or rollback.
+#[async_trait]
+pub trait TransactionLock: Send + Sync {
     /// Takes the lock `name` inside `txn`, waiting at most `wait`; it ends with the transaction.
-    ///
-    /// Returns whether the lock was taken. Lease backends keep the default, which does nothing and
-    /// returns `Ok(false)`.
+    /// Returns whether the lock was taken.
     ///
     /// # Errors
     /// [`LockError`] when the backend fails.
@@ -133,10 +202,7 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
         txn: &DatabaseTransaction,
         name: &LockName,
         wait: Duration,
-    ) -> Result<bool, LockError> {
-        let _ = (txn, name, wait);
-        Ok(false)
-    }
+    ) -> Result<bool, LockError>;
 }
 
 /// A held lease lock.

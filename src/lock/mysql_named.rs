@@ -9,7 +9,7 @@ use sea_orm::{
 };
 use tracing::warn;
 
-use super::{LockBackend, LockGuard, LockName, fence};
+use super::{LeaseLock, LockBackend, LockGuard, LockName, LockRole, fence};
 use crate::{
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
@@ -64,12 +64,18 @@ impl MySqlNamedLock {
     }
 }
 
-#[async_trait]
 impl LockBackend for MySqlNamedLock {
     fn kind(&self) -> &'static str {
         KIND
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for MySqlNamedLock {
     async fn acquire(
         &self,
         name: &LockName,

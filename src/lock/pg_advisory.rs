@@ -5,7 +5,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Value};
 
-use super::{LockBackend, LockGuard, LockName, LockScope, sql::statement, wait::with_lock_timeout};
+use super::{
+    LockBackend, LockName, LockRole, TransactionLock, sql::statement, wait::with_lock_timeout,
+};
 use crate::error::LockError;
 
 const KIND: &str = "pg_advisory";
@@ -32,25 +34,18 @@ impl PgAdvisoryLock {
     }
 }
 
-#[async_trait]
 impl LockBackend for PgAdvisoryLock {
     fn kind(&self) -> &'static str {
         KIND
     }
 
-    fn scope(&self) -> LockScope {
-        LockScope::Transaction
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Transaction(self)
     }
+}
 
-    async fn acquire(
-        &self,
-        _name: &LockName,
-        _wait: Duration,
-        _ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
-        Ok(None)
-    }
-
+#[async_trait]
+impl TransactionLock for PgAdvisoryLock {
     async fn lock_in_transaction(
         &self,
         txn: &DatabaseTransaction,

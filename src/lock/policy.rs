@@ -5,7 +5,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use super::{LockBackend, LockGuard, LockName};
+use super::{LeaseLock, LockGuard, LockName};
 use crate::error::{Error, LockError};
 
 /// What `locked_update` does when the lock could not be taken within the policy's tries.
@@ -109,20 +109,25 @@ impl LockPolicy {
         Ok(())
     }
 
-    /// Tries for the lease lock `name` on `backend` as this policy says.
-    pub(crate) async fn acquire(&self, backend: &dyn LockBackend, name: &LockName) -> Acquisition {
+    /// Tries for the lease lock `name` on `lease` (of the backend `kind`) as this policy says.
+    pub(crate) async fn acquire(
+        &self,
+        kind: &'static str,
+        lease: &dyn LeaseLock,
+        name: &LockName,
+    ) -> Acquisition {
         let started = Instant::now();
         let mut tries = 0;
         let mut result = Ok(None);
         while tries < self.tries.max(1) {
             tries += 1;
-            result = backend.acquire(name, self.wait_per_try, self.ttl).await;
+            result = lease.acquire(name, self.wait_per_try, self.ttl).await;
             match &result {
                 Ok(Some(_)) => break,
                 Ok(None) => debug!(lock = %name, tries, "lock busy"),
                 // A failing backend is not asked again: its failure is reported as it is.
                 Err(error) => {
-                    warn!(lock = %name, backend = backend.kind(), %error, "lock backend failed");
+                    warn!(lock = %name, backend = kind, %error, "lock backend failed");
                     break;
                 }
             }

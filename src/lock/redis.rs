@@ -7,7 +7,9 @@ use redis::{Script, aio::ConnectionManager};
 use sea_orm::{DatabaseConnection, DatabaseTransaction};
 use tokio::time::{Instant, timeout};
 
-use super::{LockBackend, LockGuard, LockName, backoff::Backoff, fence, holder};
+use super::{
+    LeaseLock, LockBackend, LockGuard, LockName, LockRole, backoff::Backoff, fence, holder,
+};
 use crate::{error::LockError, schema::MAX_STORED_NAME};
 
 const KIND: &str = "redis";
@@ -124,12 +126,18 @@ async fn call<T>(future: impl Future<Output = redis::RedisResult<T>>) -> Result<
         .map_err(fail)
 }
 
-#[async_trait]
 impl LockBackend for RedisLock {
     fn kind(&self) -> &'static str {
         KIND
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for RedisLock {
     async fn acquire(
         &self,
         name: &LockName,

@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
 
 use super::{
-    LockBackend, LockGuard, LockName, LockScope,
+    LockBackend, LockName, LockRole, TransactionLock,
     sql::{lock_error, statement},
     wait::with_lock_timeout,
 };
@@ -43,25 +43,18 @@ impl RowLock {
     }
 }
 
-#[async_trait]
 impl LockBackend for RowLock {
     fn kind(&self) -> &'static str {
         KIND
     }
 
-    fn scope(&self) -> LockScope {
-        LockScope::Transaction
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Transaction(self)
     }
+}
 
-    async fn acquire(
-        &self,
-        _name: &LockName,
-        _wait: Duration,
-        _ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
-        Ok(None)
-    }
-
+#[async_trait]
+impl TransactionLock for RowLock {
     async fn lock_in_transaction(
         &self,
         txn: &DatabaseTransaction,

@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{
-    LockBackend, LockGuard, LockName,
+    LeaseLock, LockBackend, LockGuard, LockName, LockRole,
     backoff::Backoff,
     floor, holder,
     sql::{lock_error, millis, now_ms, statement},
@@ -203,12 +203,18 @@ impl TableLock {
     }
 }
 
-#[async_trait]
 impl LockBackend for TableLock {
     fn kind(&self) -> &'static str {
         KIND
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for TableLock {
     async fn acquire(
         &self,
         name: &LockName,

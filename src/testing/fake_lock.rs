@@ -11,7 +11,7 @@ use std::{
 use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
-use crate::{LockBackend, LockError, LockGuard, LockName};
+use crate::{LeaseLock, LockBackend, LockError, LockGuard, LockName, LockRole};
 
 const KIND: &str = "fake";
 
@@ -149,7 +149,6 @@ fn failure(what: &str) -> LockError {
     }
 }
 
-#[async_trait]
 impl LockBackend for FakeLock {
     fn kind(&self) -> &'static str {
         KIND
@@ -159,6 +158,13 @@ impl LockBackend for FakeLock {
         self.in_process
     }
 
+    fn role(&self) -> LockRole<'_> {
+        LockRole::Lease(self)
+    }
+}
+
+#[async_trait]
+impl LeaseLock for FakeLock {
     async fn acquire(
         &self,
         _name: &LockName,
