@@ -328,7 +328,8 @@ impl Claims {
     ///
     /// # Errors
     /// As [`finish`](Self::finish) (`also`'s writes commit or not with the claim's); and
-    /// [`Error::Apply`] when `also` fails (nothing is committed then).
+    /// [`Error::FinishAborted`] when `also` fails (nothing is committed then; the claim stays
+    /// held).
     pub async fn finish_with<F>(&self, claim: &Claim, also: F) -> Result<FinishOutcome>
     where
         F: for<'t> FnOnce(
@@ -351,8 +352,8 @@ impl Claims {
             && let Err(source) = also(&txn).await
         {
             let _ = txn.rollback().await;
-            return Err(Error::Apply {
-                target: claim.name.clone(),
+            return Err(Error::FinishAborted {
+                claim: claim.name.clone(),
                 source: source.into_inner(),
             });
         }

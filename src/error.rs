@@ -40,7 +40,17 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
-    /// The work of a locked section ([`crate::Session::locked`], [`crate::Section`]) returned an
+    /// The work given to [`crate::Claims::finish_with`] returned an error: the claim was not
+    /// finished and nothing the work wrote was committed (the claim is still held, as before).
+    #[error("finish of claim {claim} aborted by its work")]
+    FinishAborted {
+        /// The claim's key.
+        claim: String,
+        /// The error the work returned.
+        #[source]
+        source: BoxError,
+    },
+    /// The work of a locked section ([`crate::Session::with_lock`], [`crate::Section`]) returned an
     /// error of its own; its transaction was rolled back. (Database errors and freshlock's own
     /// errors inside the section are returned as they are, not wrapped in this.)
     #[error("locked section {lock} aborted by its work")]
@@ -171,7 +181,7 @@ pub enum Error {
 impl Error {
     /// Whether the failure is transient: running the same transaction again may succeed
     /// (deadlock, serialization failure, lock timeout, busy SQLite, lost connection).
-    /// `locked_update` already retries these within its policy's `attempts`.
+    /// `locked_update` already retries these within its policy's `write_attempts`.
     pub fn is_transient(&self) -> bool {
         let transient = |source: &BoxError| {
             source

@@ -12,7 +12,7 @@
 //!   UPDATE that returns the stored row, sea-orm's hooks.
 //! - `locking.rs` — taking and releasing a section's lock under the policy (in-process queue,
 //!   lease, transaction-scoped lock).
-//! - `section.rs` — [`Session::locked`]: a short transaction under a keyed lock.
+//! - `section.rs` — [`Session::with_lock`]: a short transaction under a keyed lock.
 //! - `row.rs` — how a row of any entity is named (cache key, lock name, error text).
 //! - `outcome.rs` — [`UpdateOutcome`], [`DeleteOutcome`], [`Report`], [`LockReport`],
 //!   [`SaveOutcome`].

@@ -340,7 +340,7 @@ where
             .with_min_delay(Duration::from_millis(2))
             .with_max_delay(Duration::from_millis(200))
             .with_jitter()
-            .with_max_times(policy.attempts.saturating_sub(1) as usize)
+            .with_max_times(policy.write_attempts.saturating_sub(1) as usize)
             .build();
         let result = loop {
             attempts += 1;

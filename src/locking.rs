@@ -1,5 +1,5 @@
 //! Taking and releasing the lock of one locked section, as the session's policy says: shared by
-//! `locked_update` and `Session::locked`.
+//! `locked_update` and `Session::with_lock`.
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
@@ -52,7 +52,7 @@ impl Locking {
         let backend = Arc::clone(backend);
         let mut locking = Self {
             on_failure: policy.on_failure,
-            wait: policy.wait_per_try.saturating_mul(policy.tries),
+            wait: policy.wait_per_try.saturating_mul(policy.lock_tries),
             target,
             queue: None,
             guard: None,

@@ -39,7 +39,7 @@ where
     /// commit marker) → caches the stored rows → releases every lock.
     ///
     /// A guard conflict or a transient error (deadlock, lock timeout, busy SQLite, a connection
-    /// lost before the commit) runs the whole set again, up to the policy's `attempts`. If a
+    /// lost before the commit) runs the whole set again, up to the policy's `write_attempts`. If a
     /// row is missing, `apply` is not called and nothing is written: see
     /// [`ManyReport::outcomes`].
     ///
@@ -125,7 +125,7 @@ where
     ///
     /// # Errors
     /// As [`locked_update`](Self::locked_update); errors of `apply`'s own statements as
-    /// [`Session::locked`] returns them.
+    /// [`Session::with_lock`] returns them.
     ///
     /// # Cancel safety
     /// As [`locked_update_many`](Self::locked_update_many).

@@ -1,5 +1,5 @@
 //! Short transactional sections under one or several keyed locks, for work that is not one
-//! row's update: [`Session::locked`] and [`Session::section`].
+//! row's update: [`Session::with_lock`] and [`Session::section`].
 
 use std::{future::Future, pin::Pin, time::Duration};
 
@@ -78,7 +78,7 @@ impl Session {
     /// Not the detached kind of `locked_update` (`work` may borrow from the caller): dropping
     /// the future drops the transaction, which rolls back, and the lock, which is released (a
     /// server lease by its guard's background release, or its TTL).
-    pub async fn locked<T, F>(&self, lock: &LockName, work: F) -> Result<SectionReport<T>>
+    pub async fn with_lock<T, F>(&self, lock: &LockName, work: F) -> Result<SectionReport<T>>
     where
         T: Send,
         F: for<'t> FnOnce(&'t Tx) -> SectionWork<'t, T> + Send,
@@ -123,10 +123,10 @@ enum Attempt<T> {
 }
 
 impl Section<'_> {
-    /// Runs `work` once, as [`Session::locked`] describes, under every lock of the section.
+    /// Runs `work` once, as [`Session::with_lock`] describes, under every lock of the section.
     ///
     /// # Errors
-    /// As [`Session::locked`].
+    /// As [`Session::with_lock`].
     pub async fn run<T, F>(self, work: F) -> Result<SectionReport<T>>
     where
         T: Send,
@@ -141,11 +141,11 @@ impl Section<'_> {
     /// locks still held) when it failed with a transient error ([`Error::is_transient`]: a
     /// deadlock, a lock wait timeout, a serialization failure, a busy SQLite, a connection lost
     /// before the commit) or a guard conflict (a guarded write of the attempt returned
-    /// `Conflict`, or the work returned [`Error::Conflict`]), up to the policy's `attempts`
+    /// `Conflict`, or the work returned [`Error::Conflict`]), up to the policy's `write_attempts`
     /// with a short backoff. Keep `work` free of side effects outside the transaction.
     ///
     /// # Errors
-    /// As [`Session::locked`]; [`Error::Conflict`] when every attempt conflicted.
+    /// As [`Session::with_lock`]; [`Error::Conflict`] when every attempt conflicted.
     pub async fn run_retrying<T, F>(self, work: F) -> Result<SectionReport<T>>
     where
         T: Send,
@@ -206,7 +206,7 @@ impl Section<'_> {
                 .with_min_delay(Duration::from_millis(2))
                 .with_max_delay(Duration::from_millis(200))
                 .with_jitter()
-                .with_max_times(session.policy().attempts.saturating_sub(1) as usize)
+                .with_max_times(session.policy().write_attempts.saturating_sub(1) as usize)
                 .build();
             let (mut attempts, mut conflicts) = (0, 0);
             let result = loop {

@@ -195,7 +195,7 @@ impl SessionBuilder {
     }
 
     /// Whether locked writes (`locked_update`, `locked_delete`, `get_or_insert`,
-    /// `update_or_insert`, [`Session::locked`]) insert a commit marker into `freshlock_commit`
+    /// `update_or_insert`, [`Session::with_lock`]) insert a commit marker into `freshlock_commit`
     /// in their transaction, so that a commit whose reply was lost (the connection broke while
     /// `COMMIT` was in flight) is resolved on another connection: reported as done if it
     /// committed, run again only if it provably did not. Without markers such a write returns

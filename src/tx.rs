@@ -1,6 +1,6 @@
 //! A locked section's transaction ([`Tx`]) and the repositories bound to it ([`TxRepository`]).
 //!
-//! Inside [`crate::Session::locked`], a [`crate::Section`] or
+//! Inside [`crate::Session::with_lock`], a [`crate::Section`] or
 //! [`crate::Repository::locked_update_with`], the work is given a `&Tx`: the section's one
 //! transaction. It is a sea-orm connection (`ConnectionTrait`), so plain sea-orm queries run
 //! through it, and [`Tx::repository`] gives repositories whose every read and write goes through
@@ -62,7 +62,7 @@ type Effect = Box<dyn FnOnce(&IdentityMap) + Send>;
 
 /// A locked section's transaction.
 ///
-/// Inside [`crate::Session::locked`], a [`crate::Section`] or
+/// Inside [`crate::Session::with_lock`], a [`crate::Section`] or
 /// [`crate::Repository::locked_update_with`], the work is given a `&Tx`: the section's one
 /// transaction. It is a sea-orm connection (`ConnectionTrait`), so plain sea-orm queries run
 /// through it, and [`Tx::repository`] gives repositories whose every read and write goes through

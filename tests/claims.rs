@@ -167,6 +167,21 @@ async fn finish_with_commits_the_users_change_with_the_claim() {
     else {
         panic!("claimed");
     };
+    // Work that fails: nothing it wrote commits, the claim is not finished.
+    let failed = claims
+        .finish_with(&claim, |txn| {
+            Box::pin(async move {
+                txn.execute_unprepared("UPDATE node SET summary = 'half' WHERE id = 1")
+                    .await?;
+                Err(freshlock::ApplyError::msg("the result did not validate"))
+            })
+        })
+        .await;
+    assert!(
+        matches!(&failed, Err(freshlock::Error::FinishAborted { claim, .. }) if claim == "node:1"),
+        "{failed:?}"
+    );
+    assert_eq!(common::node_in_db(&db, 1).await.summary, None);
     let outcome = claims
         .finish_with(&claim, |txn| {
             Box::pin(async move {

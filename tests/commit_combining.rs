@@ -137,7 +137,7 @@ async fn hold(session: &Session, key: LockName) -> (oneshot::Sender<()>, JoinHan
     let session = session.clone();
     let holder = tokio::spawn(async move {
         let report = session
-            .locked(&key, move |_tx| {
+            .with_lock(&key, move |_tx| {
                 Box::pin(async move {
                     let _ = held.send(());
                     let _ = released.await;

@@ -58,10 +58,10 @@ async fn storm(
                 .lock(Arc::clone(&backend))
                 .policy(
                     LockPolicy::default()
-                        .with_tries(1)
+                        .with_lock_tries(1)
                         .with_wait_per_try(Duration::from_secs(60))
                         .with_ttl(Duration::from_secs(2))
-                        .with_attempts(20)
+                        .with_write_attempts(20)
                         .with_on_failure(OnLockFailure::Proceed),
                 )
                 .commit_markers(markers)

@@ -57,7 +57,7 @@ async fn worker(mode: String) {
     let backend = kind.connect(&db, &url, redis.as_deref()).await.unwrap();
     let ttl = Duration::from_millis(env("FRESHLOCK_WORKER_TTL_MS").parse().unwrap());
     let policy = LockPolicy::default()
-        .with_tries(1)
+        .with_lock_tries(1)
         .with_wait_per_try(Duration::from_secs(60))
         .with_ttl(ttl)
         .with_on_failure(OnLockFailure::Fail);
@@ -490,7 +490,7 @@ async fn stopped_holder_is_fenced(db: Option<TestDb>, lock: LockKind) {
         .await
         .unwrap();
     let policy = LockPolicy::default()
-        .with_tries(1)
+        .with_lock_tries(1)
         .with_wait_per_try(Duration::from_secs(10))
         .with_on_failure(OnLockFailure::Fail);
     let session = Session::builder(db.db.clone())

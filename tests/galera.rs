@@ -241,7 +241,7 @@ fn session(db: &DatabaseConnection, lock: Arc<dyn LockBackend>) -> Session {
         .lock(lock)
         .policy(
             LockPolicy::default()
-                .with_attempts(30)
+                .with_write_attempts(30)
                 .with_on_failure(OnLockFailure::Proceed),
         )
         .build()

@@ -20,12 +20,12 @@ const TASKS: usize = 16;
 fn sessions(db: &TestDb, backend: &Arc<dyn LockBackend>, locked: bool) -> Vec<Session> {
     let policy = if locked {
         LockPolicy::default()
-            .with_tries(1)
+            .with_lock_tries(1)
             .with_wait_per_try(Duration::from_secs(60))
             .with_on_failure(OnLockFailure::Fail)
     } else {
         LockPolicy::default()
-            .with_tries(1)
+            .with_lock_tries(1)
             .with_wait_per_try(Duration::ZERO)
             .with_on_failure(OnLockFailure::Proceed)
     };

@@ -40,7 +40,7 @@ async fn delete_races_updates(db: Option<TestDb>, kind: LockKind) {
             .lock(Arc::clone(&backend))
             .policy(
                 LockPolicy::default()
-                    .with_tries(1)
+                    .with_lock_tries(1)
                     .with_wait_per_try(Duration::from_secs(60))
                     .with_on_failure(OnLockFailure::Fail),
             )

@@ -1,4 +1,4 @@
-//! `Session::locked`: a short transaction under a keyed lock, for work that is not one row's
+//! `Session::with_lock`: a short transaction under a keyed lock, for work that is not one row's
 //! update — exclusive on every backend, each task with its own backend instance (so only the
 //! backend, not the in-process queue, keeps them apart).
 
@@ -49,7 +49,7 @@ async fn exclusive_sections(db: Option<TestDb>, kind: LockKind) {
             for _ in 0..25 {
                 let inside = Arc::clone(&inside);
                 let report = session
-                    .locked(&key, move |txn| {
+                    .with_lock(&key, move |txn| {
                         Box::pin(async move {
                             assert!(!inside.swap(true, Ordering::SeqCst), "two sections at once");
                             // A read-modify-write with no row lock: only the keyed lock makes it safe.

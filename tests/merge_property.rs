@@ -77,8 +77,8 @@ async fn run(
     let session = builder
         .policy(
             LockPolicy::default()
-                .with_tries(1)
-                .with_attempts(3)
+                .with_lock_tries(1)
+                .with_write_attempts(3)
                 .with_on_failure(OnLockFailure::Proceed),
         )
         .build()

@@ -311,7 +311,7 @@ async fn sections_on_a_one_connection_test_database() {
     let key = lock_name::<node::Entity>(1).unwrap();
     let report = tokio::time::timeout(
         Duration::from_secs(10),
-        session.locked(&key, |tx| {
+        session.with_lock(&key, |tx| {
             Box::pin(async move {
                 let nodes = tx.repository::<node::Entity>();
                 let node = nodes
@@ -364,7 +364,7 @@ async fn sections_on_a_one_connection_test_database() {
 
     // Rollback: the cache keeps what it had, the database too.
     let failed = session
-        .locked(&key, |tx| {
+        .with_lock(&key, |tx| {
             Box::pin(async move {
                 let nodes = tx.repository::<node::Entity>();
                 let node = nodes
@@ -473,7 +473,7 @@ async fn skip_locked_and_no_wait(db: Option<TestDb>, _: ()) {
         let session = session.clone();
         tokio::spawn(async move {
             session
-                .locked(&freshlock::LockName::new("worker-a").unwrap(), move |tx| {
+                .with_lock(&freshlock::LockName::new("worker-a").unwrap(), move |tx| {
                     Box::pin(async move {
                         let taken = tx
                             .repository::<node::Entity>()
@@ -490,7 +490,7 @@ async fn skip_locked_and_no_wait(db: Option<TestDb>, _: ()) {
     };
     let held = held_rx.await.unwrap();
     let seen = session
-        .locked(&freshlock::LockName::new("worker-b").unwrap(), move |tx| {
+        .with_lock(&freshlock::LockName::new("worker-b").unwrap(), move |tx| {
             Box::pin(async move {
                 let nodes = tx.repository::<node::Entity>();
                 let next = nodes
@@ -670,7 +670,7 @@ async fn section_errors_mean_what_they_say() {
     let session = common::session(&db, &LocalLock::new());
     let key = freshlock::LockName::new("report:1").unwrap();
     let db_error = session
-        .locked(&key, |tx| {
+        .with_lock(&key, |tx| {
             Box::pin(async move {
                 tx.execute_unprepared("SELECT * FROM no_such_table").await?;
                 Ok(())
@@ -682,7 +682,7 @@ async fn section_errors_mean_what_they_say() {
         "{db_error:?}"
     );
     let own = session
-        .locked(&key, |_| {
+        .with_lock(&key, |_| {
             Box::pin(async { Err::<(), _>(ApplyError::msg("no")) })
         })
         .await
@@ -692,7 +692,7 @@ async fn section_errors_mean_what_they_say() {
     assert!(!own.to_string().contains("update"), "{own}");
     // A freshlock error from inside comes back as it is.
     let inner = session
-        .locked(&key, |tx| {
+        .with_lock(&key, |tx| {
             Box::pin(async move {
                 tx.repository::<node::Entity>()
                     .save(node::ActiveModel::fresh(1))

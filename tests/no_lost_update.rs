@@ -27,7 +27,7 @@ fn proceeding(db: &TestDb, lock: Arc<dyn LockBackend>) -> Session {
         .lock(lock)
         .policy(
             LockPolicy::default()
-                .with_tries(1)
+                .with_lock_tries(1)
                 .with_wait_per_try(Duration::ZERO)
                 .with_on_failure(OnLockFailure::Proceed),
         )

@@ -140,7 +140,7 @@ fn with_lock(db: &TestDatabase, lock: FakeLock, on_failure: OnLockFailure) -> Se
         .lock(Arc::new(lock))
         .policy(
             LockPolicy::default()
-                .with_tries(2)
+                .with_lock_tries(2)
                 .with_on_failure(on_failure),
         )
         .build()

@@ -17,7 +17,7 @@ use sea_orm::{ConnectionTrait, Schema, Set};
 fn session(db: &sea_orm::DatabaseConnection, fake: &FakeLock) -> Session {
     Session::builder(db.clone())
         .lock(Arc::new(fake.clone()))
-        .policy(LockPolicy::default().with_attempts(3))
+        .policy(LockPolicy::default().with_write_attempts(3))
         .build()
         .unwrap()
 }

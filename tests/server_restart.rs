@@ -254,7 +254,7 @@ async fn survives(mariadb: bool, crash: Crash, kind: LockKind) {
                 .lock(Arc::clone(&backend))
                 .policy(
                     LockPolicy::default()
-                        .with_tries(1)
+                        .with_lock_tries(1)
                         .with_wait_per_try(Duration::from_secs(30))
                         .with_ttl(Duration::from_secs(30))
                         .with_on_failure(OnLockFailure::Proceed),

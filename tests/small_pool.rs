@@ -34,7 +34,7 @@ async fn fifty_tasks_on_two_connections(db: Option<TestDb>, kind: LockKind) {
         .lock(backend)
         .policy(
             LockPolicy::default()
-                .with_tries(1)
+                .with_lock_tries(1)
                 .with_wait_per_try(Duration::from_secs(60))
                 .with_on_failure(OnLockFailure::Fail),
         )

@@ -76,7 +76,7 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
         .lock(backend)
         .policy(
             LockPolicy::default()
-                .with_tries(1)
+                .with_lock_tries(1)
                 .with_wait_per_try(Duration::from_secs(5))
                 .with_on_failure(OnLockFailure::Fail),
         )

@@ -222,7 +222,7 @@ async fn random_request_timeouts_lose_nothing_and_leave_no_trace() {
             .session_builder()
             .policy(
                 LockPolicy::default()
-                    .with_tries(1)
+                    .with_lock_tries(1)
                     .with_wait_per_try(Duration::ZERO)
                     .with_on_failure(OnLockFailure::Fail),
             )

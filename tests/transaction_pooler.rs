@@ -106,10 +106,10 @@ async fn scores(direct: &str, name: &str) -> (i32, i32) {
 
 fn proceed() -> LockPolicy {
     LockPolicy::default()
-        .with_tries(1)
+        .with_lock_tries(1)
         .with_wait_per_try(Duration::from_secs(30))
         .with_ttl(Duration::from_secs(30))
-        .with_attempts(50)
+        .with_write_attempts(50)
         .with_on_failure(OnLockFailure::Proceed)
 }
 
@@ -320,7 +320,7 @@ async fn an_unadopted_pool_never_writes_without_its_lock() {
         .map(|_| {
             let session = Session::builder(db.clone())
                 .lock(Arc::clone(&backend))
-                .policy(proceed().with_attempts(1))
+                .policy(proceed().with_write_attempts(1))
                 .build()
                 .expect("session");
             let (ok, unlocked, clashes, other) = (

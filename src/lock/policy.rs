@@ -28,37 +28,38 @@ pub enum OnLockFailure {
 #[derive(Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct LockPolicy {
-    /// How many times to try (at least 1).
-    pub tries: u32,
+    /// How many times to try for the lock (at least 1), each waiting up to `wait_per_try`.
+    pub lock_tries: u32,
     /// How long one try may wait for the lock. Zero: a try does not wait.
     pub wait_per_try: Duration,
     /// How long a lease lives if its holder disappears (server-side backends).
     pub ttl: Duration,
     /// What to do when every try failed.
     pub on_failure: OnLockFailure,
-    /// How many times `locked_update` runs its locked section at most (at least 1): a write
+    /// How many times a write (`locked_update` and the other locked writes, and
+    /// `run_retrying` sections) runs its locked section at most (at least 1): a write
     /// refused by the optimistic guard (the row changed since it was read) and a transient
     /// database error (deadlock, serialization failure, lock timeout, busy SQLite, lost
     /// connection) each start it again — reload, `apply`, write — after a short jittered backoff.
-    pub attempts: u32,
+    pub write_attempts: u32,
 }
 
 impl Default for LockPolicy {
     fn default() -> Self {
         Self {
-            tries: 6,
+            lock_tries: 6,
             wait_per_try: Duration::from_secs(5),
             ttl: Duration::from_secs(60),
             on_failure: OnLockFailure::Proceed,
-            attempts: 5,
+            write_attempts: 5,
         }
     }
 }
 
 impl LockPolicy {
-    /// Sets the number of tries.
-    pub fn with_tries(mut self, tries: u32) -> Self {
-        self.tries = tries;
+    /// Sets how many times to try for the lock ([`lock_tries`](Self::lock_tries)).
+    pub fn with_lock_tries(mut self, tries: u32) -> Self {
+        self.lock_tries = tries;
         self
     }
 
@@ -81,24 +82,24 @@ impl LockPolicy {
     }
 
     /// Sets how many times the locked section may run (conflicts and transient errors).
-    pub fn with_attempts(mut self, attempts: u32) -> Self {
-        self.attempts = attempts;
+    pub fn with_write_attempts(mut self, attempts: u32) -> Self {
+        self.write_attempts = attempts;
         self
     }
 
     /// Checks the policy.
     ///
     /// # Errors
-    /// [`Error::InvalidPolicy`] when `tries` or `attempts` is 0 or `ttl` is zero.
+    /// [`Error::InvalidPolicy`] when `lock_tries` or `write_attempts` is 0 or `ttl` is zero.
     pub fn validate(&self) -> Result<(), Error> {
-        if self.attempts == 0 {
+        if self.write_attempts == 0 {
             return Err(Error::InvalidPolicy {
-                reason: "attempts must be at least 1",
+                reason: "write_attempts must be at least 1",
             });
         }
-        if self.tries == 0 {
+        if self.lock_tries == 0 {
             return Err(Error::InvalidPolicy {
-                reason: "tries must be at least 1",
+                reason: "lock_tries must be at least 1",
             });
         }
         if self.ttl.is_zero() {
@@ -119,7 +120,7 @@ impl LockPolicy {
         let started = Instant::now();
         let mut tries = 0;
         let mut result = Ok(None);
-        while tries < self.tries.max(1) {
+        while tries < self.lock_tries.max(1) {
             tries += 1;
             result = lease.acquire(name, self.wait_per_try, self.ttl).await;
             match &result {
@@ -158,7 +159,7 @@ mod tests {
     #[test]
     fn default_mirrors_the_seed() {
         let policy = LockPolicy::default();
-        assert_eq!(policy.tries, 6);
+        assert_eq!(policy.lock_tries, 6);
         assert_eq!(policy.wait_per_try, Duration::from_secs(5));
         assert_eq!(policy.ttl, Duration::from_secs(60));
         assert_eq!(policy.on_failure, OnLockFailure::Proceed);
@@ -167,7 +168,7 @@ mod tests {
 
     #[test]
     fn zero_tries_and_zero_ttl_are_rejected() {
-        let zero_tries = LockPolicy::default().with_tries(0);
+        let zero_tries = LockPolicy::default().with_lock_tries(0);
         assert!(matches!(
             zero_tries.validate(),
             Err(Error::InvalidPolicy { .. })

@@ -54,7 +54,7 @@ pub fn count(statements: &[String], verb: &str) -> usize {
 /// A policy that fails at once when the lock is busy: proves a lock is free.
 pub fn must_lock_now() -> LockPolicy {
     LockPolicy::default()
-        .with_tries(1)
+        .with_lock_tries(1)
         .with_wait_per_try(std::time::Duration::ZERO)
         .with_on_failure(freshlock::OnLockFailure::Fail)
 }
@@ -89,7 +89,7 @@ pub fn session_trying_twice(
         .lock(lock)
         .policy(
             freshlock::LockPolicy::default()
-                .with_tries(2)
+                .with_lock_tries(2)
                 .with_wait_per_try(std::time::Duration::from_millis(10))
                 .with_on_failure(on_failure),
         )
