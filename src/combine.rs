@@ -80,7 +80,7 @@ impl RoomKey {
     pub(crate) fn new(
         entity: TypeId,
         db: &DatabaseConnection,
-        backend: &Arc<dyn crate::LockBackend>,
+        backend: &Arc<dyn crate::lock::LockBackend>,
         lock: &LockName,
         row: &LockName,
         version: Option<&'static str>,

@@ -197,7 +197,7 @@ impl Marker {
     }
 }
 
-fn unknown(target: &str, source: crate::BoxError) -> Error {
+fn unknown(target: &str, source: crate::error::BoxError) -> Error {
     Error::CommitUnknown {
         target: target.to_owned(),
         source,
@@ -296,7 +296,7 @@ async fn resolve_xid(db: &DatabaseConnection, xid: i64, target: &str) -> Result<
     loop {
         let asked =
             tokio::time::timeout_at(deadline, autocommit(db).query_one_raw(ask.clone())).await;
-        let why: crate::BoxError = match asked {
+        let why: crate::error::BoxError = match asked {
             Ok(Ok(row)) => {
                 let status = row
                     .map(|row| row.try_get::<Option<String>>("", "status"))

@@ -4,16 +4,16 @@ use std::{any::TypeId, collections::HashMap, marker::PhantomData, sync::Arc};
 
 use sea_orm::{
     ActiveModelTrait, ActiveValue, ColumnTrait, Condition, ConnectionTrait, DbBackend, EntityTrait,
-    IdenStatic, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, PrimaryKeyTrait,
-    QueryFilter,
+    IdenStatic, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
     sea_query::{IntoValueTuple, ValueTuple},
 };
 
 use crate::{
-    LockName, commit,
+    commit,
     decision::{Decision, Written},
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
+    lock::LockName,
     locked_update,
     locking::begin,
     outcome::{DeleteOutcome, DeleteReport, SaveOutcome, UpdateOutcome, UpdateReport},
@@ -23,9 +23,7 @@ use crate::{
     write,
 };
 
-/// The primary-key value type of entity `E` (`i32` for a single integer key, a tuple for a
-/// composite key).
-pub type PrimaryKeyOf<E> = <<E as EntityTrait>::PrimaryKey as PrimaryKeyTrait>::ValueType;
+pub use crate::row::PrimaryKeyOf;
 
 /// Parameters in one `IN (…)` query of [`Repository::load_many`]: below every engine's limit
 /// (SQLite 32766, PostgreSQL and MySQL 65535).

@@ -9,6 +9,10 @@ use sea_orm::{
 
 use crate::{error::Error, identity_map::Key, lock::LockName};
 
+/// The primary-key value type of entity `E` (`i32` for a single integer key, a tuple for a
+/// composite key).
+pub type PrimaryKeyOf<E> = <<E as EntityTrait>::PrimaryKey as sea_orm::PrimaryKeyTrait>::ValueType;
+
 /// One row of entity `E`, by primary key.
 #[derive(Clone, Debug)]
 pub(crate) struct Row {
@@ -76,7 +80,7 @@ impl fmt::Display for Row {
 ///
 /// # Errors
 /// [`Error::InvalidKey`] when `pk` does not have one value per primary-key column.
-pub fn lock_name<E: EntityTrait>(pk: crate::PrimaryKeyOf<E>) -> Result<LockName, Error> {
+pub fn lock_name<E: EntityTrait>(pk: PrimaryKeyOf<E>) -> Result<LockName, Error> {
     use sea_orm::sea_query::IntoValueTuple;
     Row::new::<E>(pk.into_value_tuple()).map(|row| row.name)
 }

@@ -299,14 +299,14 @@ impl SessionBuilder {
                 replica.get_database_backend(),
             );
             if primary != replica {
-                return Err(crate::Error::InvalidReplica {
+                return Err(crate::error::Error::InvalidReplica {
                     primary: format!("{primary:?}"),
                     replica: format!("{replica:?}"),
                 });
             }
         }
         if let Some((entity, column)) = self.invalid_version {
-            return Err(crate::Error::VersionColumn { entity, column });
+            return Err(crate::error::Error::VersionColumn { entity, column });
         }
         Ok(self.build_unchecked())
     }

@@ -11,7 +11,10 @@ use std::{
 use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
-use crate::{LeaseLock, LockBackend, LockError, LockGuard, LockName, LockRole};
+use crate::{
+    error::LockError,
+    lock::{LeaseLock, LockBackend, LockGuard, LockName, LockRole},
+};
 
 const KIND: &str = "fake";
 

@@ -54,7 +54,10 @@ use sea_orm_migration::MigratorTrait;
 
 pub use fake_lock::FakeLock;
 
-use crate::{LocalLock, Session, SessionBuilder};
+use crate::{
+    lock::LocalLock,
+    session::{Session, SessionBuilder},
+};
 
 /// Statements a connection sent, in order, as SQL text with `?`/`$n` placeholders.
 ///
