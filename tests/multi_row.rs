@@ -38,23 +38,6 @@ use tokio::sync::Barrier;
 const ACCOUNTS: i32 = 20;
 const START: i64 = 100;
 
-/// A small deterministic generator (no `rand` in the tree).
-struct Lcg(u64);
-
-impl Lcg {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6_364_136_223_846_793_005)
-            .wrapping_add(1_442_695_040_888_963_407);
-        self.0 >> 33
-    }
-
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-}
-
 async fn seed_accounts(db: &DatabaseConnection) {
     let rows = (1..=ACCOUNTS).map(|id| account::ActiveModel {
         id: Set(id),
@@ -75,13 +58,13 @@ async fn balances(db: &DatabaseConnection) -> (i64, i64) {
 
 /// One random transfer through `session`: `Ok(true)` committed, `Ok(false)` refused for lack of
 /// funds; any other error fails the test.
-async fn transfer(session: &Session, rng: &mut Lcg) -> bool {
-    let from = rng.below(ACCOUNTS as u64) as i32 + 1;
-    let mut to = rng.below(ACCOUNTS as u64 - 1) as i32 + 1;
+async fn transfer(session: &Session, rng: &mut fastrand::Rng) -> bool {
+    let from = rng.i32(1..=ACCOUNTS);
+    let mut to = rng.i32(1..ACCOUNTS);
     if to >= from {
         to += 1;
     }
-    let amount = rng.below(40) as i64 + 1;
+    let amount = rng.i64(1..=40);
     let accounts = session.repository::<account::Entity>();
     let call = accounts.locked_update_pair(from, to, move |a, b| {
         let balance = *a.balance.as_ref();
@@ -115,7 +98,7 @@ async fn transfers_in_memory_sqlite() {
         .map(|t| {
             let (session, committed) = (session.clone(), Arc::clone(&committed));
             tokio::spawn(async move {
-                let mut rng = Lcg(t + 1);
+                let mut rng = fastrand::Rng::with_seed(t + 1);
                 for _ in 0..150 {
                     if transfer(&session, &mut rng).await {
                         committed.fetch_add(1, Ordering::SeqCst);
@@ -157,9 +140,9 @@ async fn transfers_whose_callers_give_up() {
         .map(|t| {
             let (session, gave_up) = (session.clone(), Arc::clone(&gave_up));
             tokio::spawn(async move {
-                let mut rng = Lcg(50 + t);
+                let mut rng = fastrand::Rng::with_seed(50 + t);
                 for _ in 0..100 {
-                    let budget = Duration::from_micros(rng.below(20_000) + 100);
+                    let budget = Duration::from_micros(rng.u64(100..20_100));
                     if tokio::time::timeout(budget, transfer(&session, &mut rng))
                         .await
                         .is_err()
@@ -247,11 +230,11 @@ async fn reserve_and_order(db: Option<TestDb>, _: ()) {
             let session = session.clone();
             let (acknowledged, cancelled) = (Arc::clone(&acknowledged), Arc::clone(&cancelled));
             tokio::spawn(async move {
-                let mut rng = Lcg(100 + t);
+                let mut rng = fastrand::Rng::with_seed(100 + t);
                 for i in 0..60 {
                     let order = t as i64 * 1_000 + i;
-                    let quantity = rng.below(3) as i32 + 1;
-                    let budget = Duration::from_micros(rng.below(30_000) + 500);
+                    let quantity = rng.i32(1..=3);
+                    let budget = Duration::from_micros(rng.u64(500..30_500));
                     match tokio::time::timeout(budget, reserve(&session, order, quantity)).await {
                         Ok(Ok(true)) => acknowledged.lock().unwrap().push((order, quantity)),
                         Ok(Ok(false)) => {}

@@ -34,19 +34,6 @@ async fn scalar(db: &TestDb, sql: &str) -> Option<i64> {
     row.try_get_by_index::<Option<i64>>(0).unwrap()
 }
 
-/// A small deterministic generator (no dependency needed for test noise).
-struct Noise(u64);
-
-impl Noise {
-    fn next(&mut self, below: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        (self.0 >> 33) % below
-    }
-}
-
 /// Keeps the expected "apply exploded" panics out of the test output.
 fn quiet_apply_panics() {
     static ONCE: std::sync::Once = std::sync::Once::new();
@@ -98,10 +85,10 @@ async fn storm(db: Option<TestDb>, kind: LockKind) {
                 Arc::clone(&cut),
             );
             tokio::spawn(async move {
-                let mut noise = Noise(t + 1);
+                let mut noise = fastrand::Rng::with_seed(t + 1);
                 for _ in 0..125 {
-                    let budget = Duration::from_millis(1 + noise.next(50));
-                    let explode = noise.next(10) == 0;
+                    let budget = Duration::from_millis(noise.u64(1..=50));
+                    let explode = noise.u64(..10) == 0;
                     let applied = Arc::clone(&applied);
                     let call = nodes.locked_update(1, move |n| {
                         assert!(!explode, "apply exploded");

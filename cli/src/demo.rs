@@ -34,19 +34,6 @@ pub struct Options {
     pub json: bool,
 }
 
-/// A small deterministic generator: `--seed` makes runs repeatable.
-struct Noise(u64);
-
-impl Noise {
-    fn between(&mut self, low: u64, high: u64) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        low + (self.0 >> 33) % (high - low + 1)
-    }
-}
-
 const FIELDS: [&str; 4] = ["thumbnail", "summary", "score", "analysis"];
 
 fn set_field(n: &mut node::ActiveModel, field: &str, id: i32) {
@@ -256,7 +243,8 @@ async fn drupal(
                 .lock(Arc::clone(lock))
                 .build()?;
             let (bar, waits) = (bar.clone(), Arc::clone(&waits));
-            let mut noise = Noise(options.seed ^ ((k * 131 + w) as u64 + 1));
+            // Seeded: `--seed` makes runs repeatable.
+            let mut noise = fastrand::Rng::with_seed(options.seed ^ ((k * 131 + w) as u64 + 1));
             let (low, high) = options.work_ms;
             let (nodes, workers) = (options.nodes, options.workers as i32);
             let local = LocalLock::new();
@@ -265,7 +253,7 @@ async fn drupal(
                 for id in (1 + w as i32..=nodes).step_by(workers as usize) {
                     // ① load (cached in the session) ② heavy work ③ save.
                     let loaded = repo.load(id).await?.ok_or("node vanished")?;
-                    tokio::time::sleep(Duration::from_millis(noise.between(low, high))).await;
+                    tokio::time::sleep(Duration::from_millis(noise.u64(low..=high))).await;
                     match strategy {
                         Drupal::Naive => {
                             let mut whole = (*loaded).clone().into_active_model().reset_all();
@@ -435,7 +423,7 @@ async fn django(
             bar.clone(),
             Arc::clone(&backend),
         );
-        let mut noise = Noise(options.seed ^ (w + 1000));
+        let mut noise = fastrand::Rng::with_seed(options.seed ^ (w + 1000));
         handles.push(tokio::spawn(async move {
             let session = Session::builder(db.clone()).lock(backend).build()?;
             let claims = Claims::new(db.clone()).with_label(format!("worker {w}"));
@@ -444,7 +432,7 @@ async fn django(
                 let Some(id) = queue.lock().map_err(|_| "poisoned")?.pop() else {
                     break;
                 };
-                let work = Duration::from_millis(noise.between(1, 5));
+                let work = Duration::from_millis(noise.u64(1..=5));
                 match strategy {
                     Django::ParentRowLock => {
                         // SQLite: a deferred transaction that reads then writes fails at once
