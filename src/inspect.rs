@@ -11,10 +11,7 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, Transaction
 
 use crate::{
     error::{Result, database},
-    lock::{
-        floor::for_update,
-        sql::{millis, now_ms, statement},
-    },
+    lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
     schema::{FLOOR_NAME, LOCK_TABLE, ROW_LOCK_TABLE, insert_floor},
 };
 
@@ -238,11 +235,7 @@ async fn compact_leases(
 async fn compact_row_locks(db: &DatabaseConnection) -> std::result::Result<usize, DbErr> {
     let backend = db.get_database_backend();
     let txn = db.begin().await?;
-    let skip = if backend == DbBackend::Sqlite {
-        ""
-    } else {
-        " FOR UPDATE SKIP LOCKED"
-    };
+    let skip = for_update_skip_locked(backend);
     let select = format!("SELECT name FROM {ROW_LOCK_TABLE} ORDER BY name LIMIT {BATCH}{skip}");
     let rows = txn
         .query_all_raw(statement(backend, &select, vec![]))

@@ -6,7 +6,7 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
 #[cfg(feature = "redis")]
 use sea_orm::{DatabaseConnection, TransactionTrait};
 
-use super::sql::{lock_error, statement};
+use super::sql::{for_update, lock_error, statement};
 #[cfg(feature = "redis")]
 use super::{floor, sql::now_ms};
 use crate::{error::LockError, schema::LOCK_TABLE};
@@ -23,18 +23,15 @@ pub(crate) async fn bump(
     let txn = db.begin().await.map_err(fail)?;
     let now = now_ms(backend);
     let fence = if backend == DbBackend::MySql {
-        let upsert = format!(
-            "INSERT INTO {LOCK_TABLE} (name, fence, expires_at, acquired_at) \
-             SELECT ?, {first}, 0, {now}{floor} \
-             ON DUPLICATE KEY UPDATE fence = {LOCK_TABLE}.fence + 1, acquired_at = {now}",
-            first = floor::MYSQL_FIRST_FENCE,
-            floor = floor::mysql_floor(),
-        );
-        txn.execute_raw(statement(backend, &upsert, vec![name.into()]))
-            .await
-            .map_err(fail)?;
-        let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ?");
-        txn.query_one_raw(statement(backend, &read, vec![name.into()]))
+        txn.execute_raw(statement(
+            backend,
+            floor::MYSQL_BUMP_FENCE,
+            vec![name.into()],
+        ))
+        .await
+        .map_err(fail)?;
+        let read = "SELECT CAST(LAST_INSERT_ID() AS SIGNED) AS fence";
+        txn.query_one_raw(statement(backend, read, vec![]))
             .await
             .map_err(fail)?
     } else {
@@ -88,11 +85,7 @@ pub(crate) async fn verify(
     fence: u64,
 ) -> Result<bool, LockError> {
     let backend = txn.get_database_backend();
-    let lock = if backend == DbBackend::Sqlite {
-        ""
-    } else {
-        " FOR UPDATE"
-    };
+    let lock = for_update(backend);
     let sql = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ? AND fence = ?{lock}");
     let fence = i64::try_from(fence).unwrap_or(i64::MAX);
     let row = txn

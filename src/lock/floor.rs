@@ -10,8 +10,6 @@
 //!   for before their statement's snapshot; MySQL: the floor row, which first grants read with
 //!   a shared lock; SQLite: the one writer).
 
-use sea_orm::DbBackend;
-
 use crate::schema::{FLOOR_NAME, LOCK_TABLE};
 
 /// The first fence of a new row, as a scalar expression (PostgreSQL, SQLite).
@@ -31,6 +29,19 @@ pub(crate) fn mysql_floor() -> String {
     )
 }
 
+/// MySQL/MariaDB: the next fence of a name (`?`) — a new row one above the floor, an existing
+/// row one above its last — written with `LAST_INSERT_ID(expr)`, so that `SELECT
+/// LAST_INSERT_ID()` on the same connection reads it without a transaction. The one fence bump
+/// on MySQL, for `mysql_named` (on its lock connection) and `redis`'s fences. A literal: sqlx
+/// takes only audited SQL strings (the test below checks it against the parts it spells out).
+#[cfg_attr(not(any(feature = "mysql", feature = "redis")), allow(dead_code))]
+pub(crate) const MYSQL_BUMP_FENCE: &str = "INSERT INTO freshlock_lock (name, fence, expires_at, acquired_at) \
+    SELECT ?, LAST_INSERT_ID(COALESCE(MAX(floor_row.fence), 0) + 1), 0, \
+    CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED) \
+    FROM freshlock_lock AS floor_row WHERE floor_row.name = '' LOCK IN SHARE MODE \
+    ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(freshlock_lock.fence + 1), \
+    acquired_at = CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
+
 /// Deletes the row of a name (`?`, then the `condition`'s own values) when its fence is at most
 /// floor + 1: no fence of the name above the floor but this grant's. (A derived table, so that
 /// MySQL accepts reading the table it deletes from.)
@@ -42,11 +53,18 @@ pub(crate) fn retire_sql(condition: &str) -> String {
     )
 }
 
-/// ` FOR UPDATE` off SQLite (whose `BEGIN IMMEDIATE` already excludes other writers).
-pub(crate) fn for_update(backend: DbBackend) -> &'static str {
-    if backend == DbBackend::Sqlite {
-        ""
-    } else {
-        " FOR UPDATE"
+#[cfg(test)]
+mod tests {
+    use sea_orm::DbBackend;
+
+    use super::*;
+
+    #[test]
+    fn the_mysql_bump_spells_out_the_floor_and_the_clock() {
+        assert!(MYSQL_BUMP_FENCE.starts_with(&format!("INSERT INTO {LOCK_TABLE} ")));
+        assert!(MYSQL_BUMP_FENCE.contains(&format!("LAST_INSERT_ID({MYSQL_FIRST_FENCE})")));
+        assert!(MYSQL_BUMP_FENCE.contains(&mysql_floor()));
+        assert!(MYSQL_BUMP_FENCE.contains(&format!("{LOCK_TABLE}.fence + 1")));
+        assert!(MYSQL_BUMP_FENCE.contains(crate::lock::sql::now_ms(DbBackend::MySql)));
     }
 }

@@ -117,15 +117,8 @@ impl LeaseLock for MySqlNamedLock {
 /// Issues the next fence of `name` on `conn` (`LAST_INSERT_ID(expr)` returns the value the
 /// upsert wrote, on this connection only).
 async fn bump_on(conn: &mut PoolConnection<MySql>, name: &str) -> Result<u64, LockError> {
-    // A literal (the table name is a constant): sqlx only takes audited SQL strings.
     // A new row starts one above the fence floor (read under a shared lock, see `floor.rs`).
-    const UPSERT: &str = "INSERT INTO freshlock_lock (name, fence, expires_at, acquired_at) \
-        SELECT ?, LAST_INSERT_ID(COALESCE(MAX(floor_row.fence), 0) + 1), 0, \
-        CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED) \
-        FROM freshlock_lock AS floor_row WHERE floor_row.name = '' LOCK IN SHARE MODE \
-        ON DUPLICATE KEY UPDATE fence = LAST_INSERT_ID(freshlock_lock.fence + 1), \
-        acquired_at = CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
-    sea_orm::sqlx::query(UPSERT)
+    sea_orm::sqlx::query(super::floor::MYSQL_BUMP_FENCE)
         .bind(name)
         .execute(&mut **conn)
         .await

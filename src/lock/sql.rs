@@ -18,6 +18,25 @@ pub(crate) fn now_ms(backend: DbBackend) -> &'static str {
     }
 }
 
+/// ` FOR UPDATE` off SQLite (whose `BEGIN IMMEDIATE` already excludes other writers), `""` on
+/// SQLite.
+pub(crate) fn for_update(backend: DbBackend) -> &'static str {
+    if backend == DbBackend::Sqlite {
+        ""
+    } else {
+        " FOR UPDATE"
+    }
+}
+
+/// ` FOR UPDATE SKIP LOCKED` off SQLite, `""` on SQLite (see [`for_update`]).
+pub(crate) fn for_update_skip_locked(backend: DbBackend) -> &'static str {
+    if backend == DbBackend::Sqlite {
+        ""
+    } else {
+        " FOR UPDATE SKIP LOCKED"
+    }
+}
+
 /// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL).
 pub(crate) fn statement(backend: DbBackend, sql: &str, values: Vec<Value>) -> Statement {
     let sql = if backend == DbBackend::Postgres {

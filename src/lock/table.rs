@@ -11,7 +11,7 @@ use super::{
     LeaseLock, LockBackend, LockGuard, LockName, LockRole,
     backoff::Backoff,
     floor, holder,
-    sql::{lock_error, millis, now_ms, statement},
+    sql::{for_update, lock_error, millis, now_ms, statement},
 };
 use crate::{
     db_error::{Failure, classify},
@@ -310,11 +310,7 @@ impl LockGuard for TableGuard {
         let now = now_ms(backend);
         // FOR UPDATE: a takeover of this row waits until our transaction ends, so the lease cannot
         // be lost between this check and the commit. (SQLite: BEGIN IMMEDIATE already excludes it.)
-        let lock = if backend == DbBackend::Sqlite {
-            ""
-        } else {
-            " FOR UPDATE"
-        };
+        let lock = for_update(backend);
         let sql = format!(
             "SELECT fence FROM {LOCK_TABLE} \
              WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}{lock}"
