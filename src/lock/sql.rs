@@ -37,13 +37,22 @@ pub(crate) fn for_update_skip_locked(backend: DbBackend) -> &'static str {
     }
 }
 
-/// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL).
+/// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL). A `?`
+/// inside a quoted literal or identifier (`'…'`, `"…"`, quotes doubled inside) is text, not a
+/// placeholder.
 pub(crate) fn statement(backend: DbBackend, sql: &str, values: Vec<Value>) -> Statement {
     let sql = if backend == DbBackend::Postgres {
         let mut numbered = String::with_capacity(sql.len() + 8);
         let mut n = 0;
+        let mut quote: Option<char> = None;
         for c in sql.chars() {
-            if c == '?' {
+            match quote {
+                // A doubled quote closes and reopens: the same state either way.
+                Some(q) if c == q => quote = None,
+                None if c == '\'' || c == '"' => quote = Some(c),
+                _ => {}
+            }
+            if c == '?' && quote.is_none() {
                 n += 1;
                 numbered.push('$');
                 numbered.push_str(&n.to_string());
@@ -75,4 +84,21 @@ pub(crate) fn lock_error(backend: &'static str, table: &'static str, err: DbErr)
 /// Milliseconds of a duration, saturating.
 pub(crate) fn millis(duration: std::time::Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn placeholders_are_numbered_outside_quotes_only() {
+        let sql = "SELECT ? FROM t WHERE a = '?' AND \"b?\" = ? AND c = 'it''s ?' AND d = ?";
+        let pg = statement(DbBackend::Postgres, sql, vec![]);
+        assert_eq!(
+            pg.sql,
+            "SELECT $1 FROM t WHERE a = '?' AND \"b?\" = $2 AND c = 'it''s ?' AND d = $3"
+        );
+        let mysql = statement(DbBackend::MySql, sql, vec![]);
+        assert_eq!(mysql.sql, sql);
+    }
 }
