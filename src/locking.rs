@@ -77,10 +77,9 @@ impl Locking {
         // backend instance: sessions sharing a backend share it, other databases' do not.
         if !locking.backend.in_process() {
             let local = queue_of(&locking.backend);
-            let queue_name = lock.clone();
             let acquisition = tokio::select! {
                 () = cancelled => return Ok(None),
-                acquisition = policy.acquire(local.kind(), &local, &queue_name) => acquisition,
+                acquisition = policy.acquire(local.kind(), &local, lock) => acquisition,
             };
             locking.report.waited = acquisition.waited;
             match acquisition.result {

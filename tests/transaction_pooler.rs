@@ -104,6 +104,12 @@ async fn scores(direct: &str, name: &str) -> (i32, i32) {
     scores
 }
 
+/// The `apply` of every locked write here: node's score + 1.
+fn increment(n: &mut node::ActiveModel) -> Result<(), freshlock::ApplyError> {
+    n.score = Set(Some(n.score.as_ref().unwrap_or(0) + 1));
+    Ok(())
+}
+
 fn proceed() -> LockPolicy {
     LockPolicy::default()
         .with_lock_tries(1)
@@ -150,13 +156,7 @@ async fn storm(db: &DatabaseConnection, url: &str, kind: LockKind) -> Arc<Tally>
                     if let Err(e) = nodes.load(1).await {
                         failed("load", e);
                     }
-                    match nodes
-                        .locked_update(1, |n| {
-                            n.score = Set(Some(n.score.as_ref().unwrap_or(0) + 1));
-                            Ok(())
-                        })
-                        .await
-                    {
+                    match nodes.locked_update(1, increment).await {
                         Ok(report) => {
                             assert!(
                                 matches!(report.outcome, UpdateOutcome::Updated(_)),
@@ -332,13 +332,7 @@ async fn an_unadopted_pool_never_writes_without_its_lock() {
             tokio::spawn(async move {
                 let nodes = session.repository::<node::Entity>();
                 for _ in 0..10 {
-                    match nodes
-                        .locked_update(1, |n| {
-                            n.score = Set(Some(n.score.as_ref().unwrap_or(0) + 1));
-                            Ok(())
-                        })
-                        .await
-                    {
+                    match nodes.locked_update(1, increment).await {
                         Ok(report) => {
                             ok.fetch_add(1, Ordering::SeqCst);
                             if !report.lock.held {
