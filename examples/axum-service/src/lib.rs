@@ -25,13 +25,12 @@ use axum::{
 };
 use entity::node;
 use freshlock::{Error, LockBackend, LockPolicy, Session, UpdateOutcome};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Bytes;
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use sea_orm::{DatabaseConnection, Set};
 use serde::Deserialize;
 use serde_json::json;
-use tokio::{
-    io::{AsyncReadExt, AsyncWriteExt},
-    net::TcpStream,
-};
 use tower_http::timeout::TimeoutLayer;
 
 /// What every request shares: the pool, the lock backend and the policy (not the cache).
@@ -205,39 +204,34 @@ async fn set_field_naively(
     }
 }
 
-/// A minimal HTTP/1.1 request over a fresh connection (`Connection: close`): the status and
-/// the body. Enough for the load script, with no HTTP client dependency.
+/// One HTTP/1.1 request through hyper-util's client: the status and the body. A new client
+/// (and connection pool) per call, so no connection outlives the runtime that made it.
 ///
 /// # Errors
-/// I/O errors, or a response that is not HTTP.
+/// Connection and protocol errors (the service is not reachable, the answer is not HTTP), as
+/// I/O errors.
 pub async fn request(
     addr: SocketAddr,
     method: &str,
     path: &str,
     body: &str,
 ) -> std::io::Result<(u16, String)> {
-    let mut stream = TcpStream::connect(addr).await?;
-    let head = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Type: text/plain\r\n\
-         Content-Length: {}\r\nConnection: close\r\n\r\n",
-        body.len()
-    );
-    stream.write_all(head.as_bytes()).await?;
-    stream.write_all(body.as_bytes()).await?;
-    let mut response = Vec::new();
-    stream.read_to_end(&mut response).await?;
-    let response = String::from_utf8_lossy(&response);
-    let bad = || std::io::Error::new(std::io::ErrorKind::InvalidData, "not an HTTP response");
-    let status = response
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(bad)?;
-    let body = response
-        .split_once("\r\n\r\n")
-        .map(|(_, b)| b.to_owned())
-        .unwrap_or_default();
-    Ok((status, body))
+    let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+    let call = hyper::Request::builder()
+        .method(method)
+        .uri(format!("http://{addr}{path}"))
+        .header(hyper::header::CONTENT_TYPE, "text/plain")
+        .body(Full::from(body.to_owned()))
+        .map_err(std::io::Error::other)?;
+    let answer = client.request(call).await.map_err(std::io::Error::other)?;
+    let status = answer.status().as_u16();
+    let bytes = answer
+        .into_body()
+        .collect()
+        .await
+        .map_err(std::io::Error::other)?
+        .to_bytes();
+    Ok((status, String::from_utf8_lossy(&bytes).into_owned()))
 }
 
 /// The four fields, one writer each (the seed's four queue workers).

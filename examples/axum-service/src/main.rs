@@ -11,61 +11,52 @@
 
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
+use clap::Parser;
 use entity::node;
 use freshlock::{LocalLock, LockPolicy};
 use freshlock_axum_example::{AppState, app, check};
 use migration::{Migrator, MigratorTrait};
 use sea_orm::{ConnectOptions, Database, EntityTrait};
 
+/// The example service on freshlock (a SQLite scratch file unless `--database-url` is given).
+#[derive(Parser)]
+#[command(name = "axum_service")]
 struct Args {
-    database_url: String,
-    /// The SQLite file made when no URL was given: removed after `--check`.
-    scratch: Option<std::path::PathBuf>,
+    /// The database to serve (default: a SQLite scratch file in the temp directory, removed
+    /// after `--check`).
+    #[arg(long)]
+    database_url: Option<String>,
+    /// Where to listen (`--check` listens on a free loopback port instead).
+    #[arg(long, default_value = "127.0.0.1:3000")]
     listen: SocketAddr,
+    /// Rows seeded (ids 1..=N; existing rows are kept).
+    #[arg(long, default_value_t = 25, value_parser = clap::value_parser!(i32).range(1..))]
     nodes: i32,
-    timeout: Duration,
+    /// The request timeout in milliseconds (answered 408).
+    #[arg(long, default_value_t = 2000)]
+    timeout_ms: u64,
+    /// Run the load script against the service and exit (non-zero if a write was lost).
+    #[arg(long)]
     check: bool,
-}
-
-fn args() -> Result<Args, String> {
-    let scratch = std::env::temp_dir().join(format!("freshlock-axum-{}.db", std::process::id()));
-    let mut args = Args {
-        database_url: format!("sqlite://{}?mode=rwc", scratch.display()),
-        scratch: Some(scratch),
-        listen: SocketAddr::from(([127, 0, 0, 1], 3000)),
-        nodes: 25,
-        timeout: Duration::from_secs(2),
-        check: false,
-    };
-    let mut given = std::env::args().skip(1);
-    while let Some(flag) = given.next() {
-        let mut value = || given.next().ok_or(format!("{flag} needs a value"));
-        match flag.as_str() {
-            "--database-url" => {
-                args.database_url = value()?;
-                args.scratch = None;
-            }
-            "--listen" => args.listen = value()?.parse().map_err(|e| format!("--listen: {e}"))?,
-            "--nodes" => args.nodes = value()?.parse().map_err(|e| format!("--nodes: {e}"))?,
-            "--timeout-ms" => {
-                let ms = value()?.parse().map_err(|e| format!("--timeout-ms: {e}"))?;
-                args.timeout = Duration::from_millis(ms);
-            }
-            "--check" => args.check = true,
-            other => return Err(format!("unknown argument {other}")),
-        }
-    }
-    if args.check {
-        args.listen.set_port(0);
-    }
-    Ok(args)
 }
 
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt().with_target(false).init();
-    let args = args()?;
-    let mut options = ConnectOptions::new(args.database_url.clone());
+    let mut args = Args::parse();
+    let scratch = std::env::temp_dir().join(format!("freshlock-axum-{}.db", std::process::id()));
+    let (database_url, scratch) = match args.database_url.take() {
+        Some(url) => (url, None),
+        None => (
+            format!("sqlite://{}?mode=rwc", scratch.display()),
+            Some(scratch),
+        ),
+    };
+    if args.check {
+        args.listen.set_port(0);
+    }
+    let timeout = Duration::from_millis(args.timeout_ms);
+    let mut options = ConnectOptions::new(database_url.clone());
     options.sqlx_logging(false);
     let db = Database::connect(options).await?;
     Migrator::up(&db, None).await?;
@@ -84,8 +75,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     let listener = tokio::net::TcpListener::bind(args.listen).await?;
     let addr = listener.local_addr()?;
-    tracing::info!(%addr, database = %args.database_url, "listening");
-    let server = tokio::spawn(async move { axum::serve(listener, app(state, args.timeout)).await });
+    tracing::info!(%addr, database = %database_url, "listening");
+    let server = tokio::spawn(async move { axum::serve(listener, app(state, timeout)).await });
     if !args.check {
         server.await??;
         return Ok(());
@@ -107,7 +98,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         failed |= !report.passed();
     }
     server.abort();
-    if let Some(scratch) = &args.scratch {
+    if let Some(scratch) = &scratch {
         for suffix in ["", "-wal", "-shm"] {
             let _ = std::fs::remove_file(format!("{}{suffix}", scratch.display()));
         }
