@@ -20,9 +20,7 @@ use freshlock::{
     LeaseLock, LocalLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy,
     LockRole, OnLockFailure, Session,
 };
-use sea_orm::{
-    ActiveModelTrait, ConnectionTrait, DatabaseConnection, EntityTrait, IntoActiveModel, Set,
-};
+use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait};
 
 // ---------------------------------------------------------------- counting allocator
 // The only unsafe code in the workspace (the library forbids it): a global allocator that counts
@@ -59,6 +57,7 @@ static ALLOCATOR: Counting = Counting;
 mod common;
 
 use common::{database, four_statements, hand_written, increment};
+use workload::{drupal, percentile_ms};
 
 fn quick() -> bool {
     std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
@@ -67,11 +66,6 @@ fn quick() -> bool {
 fn median(samples: &mut [f64]) -> f64 {
     samples.sort_by(|a, b| a.total_cmp(b));
     samples[samples.len() / 2]
-}
-
-fn percentile(samples: &mut [Duration], p: usize) -> Duration {
-    samples.sort();
-    samples[(samples.len() * p / 100).min(samples.len() - 1)]
 }
 
 /// Runs `a` and `b` in alternating batches; returns median µs per op of each.
@@ -380,8 +374,8 @@ async fn contention(label: &str, url: &str, kinds: &[LockKind], redis: Option<&s
         } else {
             format!(
                 "{:.3} / {:.3} ms",
-                percentile(&mut handoffs, 50).as_secs_f64() * 1e3,
-                percentile(&mut handoffs, 99).as_secs_f64() * 1e3
+                percentile_ms(&mut handoffs, 50),
+                percentile_ms(&mut handoffs, 99)
             )
         };
         let mut spreads = Vec::new();
@@ -402,19 +396,13 @@ async fn contention(label: &str, url: &str, kinds: &[LockKind], redis: Option<&s
 
 // ---------------------------------------------------------------- 5. the seed's workload
 
-#[derive(Copy, Clone, Debug)]
-enum Mode {
-    Freshlock,
-    NoLock,
-    LockAroundWork,
-}
-
-/// The seed's shape: a job queue of `tasks` jobs, `per_node` consecutive jobs for each node (one
-/// field writer each, fields in turn), pulled by `workers` queue workers; each job loads its node,
-/// does `work` of heavy work and writes its own field. Returns the wall time and how many fields
-/// were left empty.
+/// The seed's shape ([`workload::drupal`]): a job queue of `tasks` jobs, `per_node` consecutive
+/// jobs for each node (one field writer each, fields in turn), pulled by `workers` queue workers
+/// (each with its own session); each job loads its node, does `work` of heavy work and writes
+/// its own field by `strategy`. Returns the wall time and how many fields were left without
+/// their writer's value.
 async fn seed_workload(
-    mode: Mode,
+    strategy: drupal::Strategy,
     tasks: usize,
     per_node: usize,
     workers: usize,
@@ -423,74 +411,26 @@ async fn seed_workload(
     let nodes = tasks.div_ceil(per_node) as i32; // 2,000 tasks: 500 nodes × 4, or 125 × 16
     let db = database("sqlite::memory:", nodes, 1).await;
     let lock = LocalLock::new();
-    let session = Session::builder(db.clone())
-        .lock(Arc::new(lock.clone()))
-        .build()
-        .expect("session");
     let next = Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let started = Instant::now();
     let handles: Vec<_> = (0..workers)
         .map(|_| {
-            let (session, lock, db, next) =
-                (session.clone(), lock.clone(), db.clone(), Arc::clone(&next));
+            let session = Session::builder(db.clone())
+                .lock(Arc::new(lock.clone()))
+                .build()
+                .expect("session");
+            let (lock, next) = (lock.clone(), Arc::clone(&next));
             tokio::spawn(async move {
-                let repo = session.repository::<node::Entity>();
                 loop {
                     let job = next.fetch_add(1, Ordering::Relaxed);
                     if job >= tasks {
                         break;
                     }
                     let id = (job / per_node) as i32 + 1;
-                    // The job's value: its index, so the row tells which write survived.
-                    let value = job as i32;
-                    let set = move |n: &mut node::ActiveModel| match job % 4 {
-                        0 => n.thumbnail = Set(Some(value.to_string())),
-                        1 => n.summary = Set(Some(value.to_string())),
-                        2 => n.score = Set(Some(value)),
-                        _ => n.analysis = Set(Some(value.to_string())),
-                    };
-                    match mode {
-                        Mode::Freshlock => {
-                            repo.reset_cache([id]).expect("reset");
-                            repo.load(id).await.expect("load");
-                            tokio::time::sleep(work).await;
-                            repo.locked_update(id, |n| {
-                                set(n);
-                                Ok(())
-                            })
-                            .await
-                            .expect("update");
-                        }
-                        Mode::NoLock => {
-                            let model = node::Entity::find_by_id(id)
-                                .one(&db)
-                                .await
-                                .expect("load")
-                                .expect("row");
-                            tokio::time::sleep(work).await;
-                            let mut whole = model.into_active_model().reset_all();
-                            set(&mut whole);
-                            whole.update(&db).await.expect("save");
-                        }
-                        Mode::LockAroundWork => {
-                            let name = LockName::new(format!("node:{id}")).expect("name");
-                            let guard = lock
-                                .acquire(&name, Duration::from_secs(600), Duration::from_secs(60))
-                                .await
-                                .expect("lock")
-                                .expect("held");
-                            let model = node::Entity::find_by_id(id)
-                                .one(&db)
-                                .await
-                                .expect("load")
-                                .expect("row");
-                            tokio::time::sleep(work).await;
-                            let mut whole = model.into_active_model().reset_all();
-                            set(&mut whole);
-                            whole.update(&db).await.expect("save");
-                            guard.release().await.expect("release");
-                        }
-                    }
+                    let field = drupal::Field::ALL[job % 4];
+                    drupal::job(strategy, &session, &lock, id, field, work)
+                        .await
+                        .expect("job");
                 }
             })
         })
@@ -499,20 +439,9 @@ async fn seed_workload(
         handle.await.expect("worker");
     }
     let elapsed = started.elapsed();
-    // Fields left empty: with one writer per field (per_node = 4) exactly the lost writes; with
-    // more writers per field a lower bound (a stale save may also bring back an older value).
-    let lost = node::Entity::find()
-        .all(&db)
-        .await
-        .expect("rows")
-        .iter()
-        .map(|r| {
-            usize::from(r.thumbnail.is_none())
-                + usize::from(r.summary.is_none())
-                + usize::from(r.score.is_none())
-                + usize::from(r.analysis.is_none())
-        })
-        .sum();
+    // With one writer per field (per_node = 4) exactly the lost writes; with more writers per
+    // field a lower bound (a stale save may also bring back the same value).
+    let lost = drupal::lost_fields(&db).await.expect("rows");
     (elapsed, lost)
 }
 
@@ -1168,9 +1097,17 @@ async fn seed_table() {
             "\n| the seed's workload: {tasks} tasks, {per_node} writers per node, {workers} workers, {work:?} work | wall | fields left empty |\n|---|---|---|"
         );
         let mut walls = Vec::new();
-        for mode in [Mode::Freshlock, Mode::NoLock, Mode::LockAroundWork] {
-            let (wall, lost) = seed_workload(mode, tasks, per_node, workers, work).await;
-            println!("| {mode:?} | {:.0} ms | {lost} |", wall.as_secs_f64() * 1e3);
+        for strategy in [
+            drupal::Strategy::Freshlock,
+            drupal::Strategy::Naive,
+            drupal::Strategy::LockAroundWork,
+        ] {
+            let (wall, lost) = seed_workload(strategy, tasks, per_node, workers, work).await;
+            println!(
+                "| {} | {:.0} ms | {lost} |",
+                strategy.name(),
+                wall.as_secs_f64() * 1e3
+            );
             walls.push(wall.as_secs_f64());
         }
         println!(

@@ -38,6 +38,12 @@
     warn(clippy::unwrap_used, clippy::expect_used, clippy::print_stdout)
 )]
 
+// Without a database driver nothing here can connect: say so instead of a page of errors.
+#[cfg(not(any(feature = "sqlite", feature = "postgres", feature = "mysql")))]
+compile_error!(
+    "freshlock needs a database backend: enable a feature among `sqlite`, `postgres`, `mysql`"
+);
+
 mod claim;
 mod combine;
 mod commit;

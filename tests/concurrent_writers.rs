@@ -9,6 +9,7 @@ use entity::node;
 use freshlock::LocalLock;
 use sea_orm::{EntityTrait, Set};
 use tokio::sync::Barrier;
+use workload::drupal;
 
 const NODES: i32 = 100;
 
@@ -19,7 +20,7 @@ async fn four_field_writers_over_100_nodes_lose_no_field() {
     let lock = LocalLock::new();
     let start = Arc::new(Barrier::new(4));
 
-    let workers = ["thumbnail", "summary", "score", "analysis"].map(|field| {
+    let workers = drupal::Field::ALL.map(|field| {
         // Each worker is its own job with its own session (and cache).
         let session = session(&db, &lock);
         let start = Arc::clone(&start);
@@ -28,17 +29,11 @@ async fn four_field_writers_over_100_nodes_lose_no_field() {
             start.wait().await;
             for id in 1..=NODES {
                 // The seed's shape: load (cached) → heavy work → write through the lock.
-                let input = nodes.load(id).await.unwrap().unwrap();
-                let result = format!("{field} of {}", input.title);
+                nodes.load(id).await.unwrap().unwrap();
                 tokio::task::yield_now().await; // the "heavy work": let the others run
                 let report = nodes
                     .locked_update(id, |n| {
-                        match field {
-                            "thumbnail" => n.thumbnail = Set(Some(result.clone())),
-                            "summary" => n.summary = Set(Some(result.clone())),
-                            "score" => n.score = Set(Some(id)),
-                            _ => n.analysis = Set(Some(result.clone())),
-                        }
+                        field.set(n, id);
                         Ok(())
                     })
                     .await
@@ -54,15 +49,7 @@ async fn four_field_writers_over_100_nodes_lose_no_field() {
 
     let rows = node::Entity::find().all(&db).await.unwrap();
     assert_eq!(rows.len(), NODES as usize);
-    let mut lost = 0;
-    for row in rows {
-        let title = &row.title;
-        lost += usize::from(row.thumbnail != Some(format!("thumbnail of {title}")));
-        lost += usize::from(row.summary != Some(format!("summary of {title}")));
-        lost += usize::from(row.score != Some(row.id));
-        lost += usize::from(row.analysis != Some(format!("analysis of {title}")));
-    }
-    assert_eq!(lost, 0, "fields lost");
+    assert_eq!(drupal::lost_fields(&db).await.unwrap(), 0, "fields lost");
     assert!(lock.is_empty(), "no lock entry left behind");
 }
 
@@ -97,4 +84,36 @@ async fn eight_tasks_times_fifty_increments_make_exactly_400() {
     }
     let row = common::node_in_db(&db, 1).await;
     assert_eq!(row.score, Some(400));
+}
+
+/// The shared Drupal workload as the demo and the benchmarks drive it: four field workers per
+/// node, each with its own session, through the strategies that must lose nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drupal_workload_loses_nothing_through_freshlock_or_a_lock_around_the_work() {
+    for strategy in [
+        drupal::Strategy::Freshlock,
+        drupal::Strategy::LockAroundWork,
+    ] {
+        let db = memory_db().await;
+        drupal::seed(&db, 20).await.unwrap();
+        let lock = LocalLock::new();
+        let start = Arc::new(Barrier::new(4));
+        let workers = drupal::Field::ALL.map(|field| {
+            let (session, lock, start) = (session(&db, &lock), lock.clone(), Arc::clone(&start));
+            tokio::spawn(async move {
+                start.wait().await;
+                for id in 1..=20 {
+                    let work = std::time::Duration::from_millis(1);
+                    drupal::job(strategy, &session, &lock, id, field, work)
+                        .await
+                        .unwrap();
+                }
+            })
+        });
+        for worker in workers {
+            worker.await.unwrap();
+        }
+        assert_eq!(drupal::lost_fields(&db).await.unwrap(), 0, "{strategy:?}");
+        assert!(lock.is_empty(), "{strategy:?}: no lock entry left behind");
+    }
 }

@@ -4,23 +4,18 @@ use std::{
     collections::HashSet,
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant},
 };
 
-use entity::{ham, node, spam};
-use freshlock::{
-    ClaimOutcome, Claims, FinishOutcome, LeaseLock, LocalLock, LockBackend, LockKind, LockName,
-    RowLock, Session, lock_name,
-};
+use comfy_table::{Cell, CellAlignment, Table, presets::NOTHING};
+use freshlock::{Claims, LocalLock, LockBackend, LockKind, RowLock, Session};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use migration::{Migrator, MigratorTrait};
-use sea_orm::{
-    ActiveModelTrait, ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend,
-    EntityTrait, IntoActiveModel, QuerySelect, Set, TransactionTrait,
-};
-use serde_json::{Value as Json, json};
+use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend};
+use serde::Serialize;
+use workload::{django, drupal, percentile_ms};
 
 /// The demo's settings.
 pub struct Options {
@@ -32,18 +27,6 @@ pub struct Options {
     pub work_ms: (u64, u64),
     pub seed: u64,
     pub json: bool,
-}
-
-const FIELDS: [&str; 4] = ["thumbnail", "summary", "score", "analysis"];
-
-fn set_field(n: &mut node::ActiveModel, field: &str, id: i32) {
-    let value = Some(format!("{field} of node {id}"));
-    match field {
-        "thumbnail" => n.thumbnail = Set(value),
-        "summary" => n.summary = Set(value),
-        "score" => n.score = Set(Some(id)),
-        _ => n.analysis = Set(value),
-    }
 }
 
 async fn connect(
@@ -192,338 +175,171 @@ fn bar(progress: &MultiProgress, len: u64, label: &str) -> ProgressBar {
     bar
 }
 
+// ------------------------------------------------------------------------- report
+
+/// The demo's `--json` output (and what the tables print).
+#[derive(Serialize)]
+struct Report {
+    database: &'static str,
+    lock: &'static str,
+    scenarios: [Scenario; 2],
+}
+
+/// One field report's results: `{"name": "drupal", "strategies": [...]}`.
+#[derive(Serialize)]
+#[serde(tag = "name", content = "strategies", rename_all = "lowercase")]
+enum Scenario {
+    Drupal(Vec<DrupalRow>),
+    Django(Vec<DjangoRow>),
+}
+
+/// One Drupal strategy's run.
+#[derive(Serialize)]
+struct DrupalRow {
+    name: &'static str,
+    expected_fields: u64,
+    lost_fields: u64,
+    wall_ms: u64,
+    lock_wait_ms: u64,
+}
+
+/// One Django strategy's run.
+#[derive(Serialize)]
+struct DjangoRow {
+    name: &'static str,
+    tasks: u64,
+    processed_twice: u64,
+    wall_ms: u64,
+    tasks_per_s: f64,
+    parent_p50_ms: f64,
+    parent_p99_ms: f64,
+    /// Times the hot Ham could not be locked without waiting (always 0 on SQLite, whose
+    /// writers wait for the database instead).
+    parent_refused: u32,
+}
+
 // ------------------------------------------------------------------------- drupal
 
-#[derive(Copy, Clone, Debug, PartialEq)]
-enum Drupal {
-    Naive,
-    StaleReload,
-    Freshlock,
-}
-
-impl Drupal {
-    fn name(self) -> &'static str {
-        match self {
-            Self::Naive => "naive",
-            Self::StaleReload => "stale-reload",
-            Self::Freshlock => "freshlock",
-        }
-    }
-}
-
-async fn reset_nodes(db: &DatabaseConnection, nodes: i32) -> Result<(), sea_orm::DbErr> {
-    node::Entity::delete_many().exec(db).await?;
-    let rows: Vec<_> = (1..=nodes).map(node::ActiveModel::fresh).collect();
-    for chunk in rows.chunks(500) {
-        node::Entity::insert_many(chunk.to_vec()).exec(db).await?;
-    }
-    Ok(())
-}
-
+/// The Drupal workload ([`workload::drupal`]): `--workers` workers per field kind, each with its
+/// own session, each writing its field of every `--workers`th node.
 async fn drupal(
     db: &DatabaseConnection,
     lock: &Arc<dyn LockBackend>,
     options: &Options,
-    strategy: Drupal,
+    strategy: drupal::Strategy,
     progress: &MultiProgress,
-) -> Result<Json, Box<dyn std::error::Error>> {
-    reset_nodes(db, options.nodes).await?;
-    let bar = bar(
-        progress,
-        u64::from(options.nodes as u32) * 4 * options.workers as u64,
-        strategy.name(),
-    );
-    let waits = Arc::new(AtomicU64::new(0));
+) -> Result<DrupalRow, Box<dyn std::error::Error>> {
+    drupal::seed(db, options.nodes).await?;
+    let jobs = u64::from(options.nodes.unsigned_abs()) * 4;
+    let bar = bar(progress, jobs, strategy.name());
+    // The hand-made strategies' lock, one for all workers.
+    let local = LocalLock::new();
     let started = Instant::now();
     let mut handles = Vec::new();
-    for (k, field) in FIELDS.into_iter().enumerate() {
+    for (k, field) in drupal::Field::ALL.into_iter().enumerate() {
         for w in 0..options.workers {
-            // Each worker is a job with its own session (its own entity cache).
+            // Each worker is a job runner with its own session (its own entity cache).
             let session = Session::builder(db.clone())
                 .lock(Arc::clone(lock))
                 .build()?;
-            let (bar, waits) = (bar.clone(), Arc::clone(&waits));
+            let (bar, local) = (bar.clone(), local.clone());
             // Seeded: `--seed` makes runs repeatable.
             let mut noise = fastrand::Rng::with_seed(options.seed ^ ((k * 131 + w) as u64 + 1));
             let (low, high) = options.work_ms;
-            let (nodes, workers) = (options.nodes, options.workers as i32);
-            let local = LocalLock::new();
+            let (nodes, workers) = (options.nodes, options.workers);
             handles.push(tokio::spawn(async move {
-                let repo = session.repository::<node::Entity>();
-                for id in (1 + w as i32..=nodes).step_by(workers as usize) {
-                    // ① load (cached in the session) ② heavy work ③ save.
-                    let loaded = repo.load(id).await?.ok_or("node vanished")?;
-                    tokio::time::sleep(Duration::from_millis(noise.u64(low..=high))).await;
-                    match strategy {
-                        Drupal::Naive => {
-                            let mut whole = (*loaded).clone().into_active_model().reset_all();
-                            set_field(&mut whole, field, id);
-                            whole.update(session.connection()).await?;
-                        }
-                        Drupal::StaleReload => {
-                            // The report's first fix: lock, "reload" (from the cache), save all.
-                            let name = LockName::new(format!("node:{id}"))?;
-                            let t = Instant::now();
-                            let guard = local
-                                .acquire(&name, Duration::from_secs(30), Duration::from_secs(60))
-                                .await?;
-                            waits.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
-                            let reloaded = repo.load(id).await?.ok_or("node vanished")?;
-                            let mut whole = (*reloaded).clone().into_active_model().reset_all();
-                            set_field(&mut whole, field, id);
-                            whole.update(session.connection()).await?;
-                            if let Some(guard) = guard {
-                                guard.release().await?;
-                            }
-                        }
-                        Drupal::Freshlock => {
-                            let report = repo
-                                .locked_update(id, |n| {
-                                    set_field(n, field, id);
-                                    Ok(())
-                                })
-                                .await?;
-                            waits.fetch_add(
-                                report.lock.waited.as_micros() as u64,
-                                Ordering::Relaxed,
-                            );
-                        }
-                    }
+                let mut waited = Duration::ZERO;
+                for id in (1 + w as i32..=nodes).step_by(workers) {
+                    let work = Duration::from_millis(noise.u64(low..=high));
+                    waited += drupal::job(strategy, &session, &local, id, field, work).await?;
                     bar.inc(1);
                 }
-                Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+                Ok::<_, workload::Failure>(waited)
             }));
         }
     }
+    let mut waited = Duration::ZERO;
     for handle in handles {
-        handle.await?.map_err(|e| e.to_string())?;
+        waited += handle.await?.map_err(|e| e.to_string())?;
     }
     let wall_ms = started.elapsed().as_millis() as u64;
     bar.finish();
-    let mut lost = 0u64;
-    for row in node::Entity::find().all(db).await? {
-        lost += [
-            row.thumbnail.is_none(),
-            row.summary.is_none(),
-            row.score.is_none(),
-            row.analysis.is_none(),
-        ]
-        .into_iter()
-        .filter(|&missing| missing)
-        .count() as u64;
-    }
-    Ok(json!({
-        "name": strategy.name(),
-        "expected_fields": options.nodes as u64 * 4,
-        "lost_fields": lost,
-        "wall_ms": wall_ms,
-        "lock_wait_ms": waits.load(Ordering::Relaxed) / 1000,
-    }))
+    Ok(DrupalRow {
+        name: strategy.name(),
+        expected_fields: jobs,
+        lost_fields: drupal::lost_fields(db).await? as u64,
+        wall_ms,
+        lock_wait_ms: waited.as_millis() as u64,
+    })
 }
 
 // ------------------------------------------------------------------------- django
 
-#[derive(Copy, Clone, Debug, PartialEq)]
-enum Django {
-    ParentRowLock,
-    LockRow,
-}
-
-impl Django {
-    fn name(self) -> &'static str {
-        match self {
-            Self::ParentRowLock => "parent-row-lock",
-            Self::LockRow => "lock-row",
-        }
-    }
-}
-
-async fn reset_spams(db: &DatabaseConnection, tasks: i32) -> Result<(), sea_orm::DbErr> {
-    db.execute_unprepared("DELETE FROM spam").await?;
-    db.execute_unprepared("DELETE FROM ham_lock").await?;
-    db.execute_unprepared("DELETE FROM ham").await?;
-    db.execute_unprepared("DELETE FROM freshlock_claim").await?;
-    let hams: Vec<_> = (1..=20)
-        .map(|id| ham::ActiveModel {
-            id: Set(id),
-            name: Set(format!("ham {id}")),
-            updated_at: Set(0),
-        })
-        .collect();
-    ham::Entity::insert_many(hams).exec(db).await?;
-    let spams: Vec<_> = (1..=tasks)
-        .map(|id| spam::ActiveModel {
-            id: Set(id),
-            ham_id: Set(if id % 2 == 0 { 1 } else { 2 + id % 19 }),
-            state: Set("new".into()),
-            updated_at: Set(0),
-        })
-        .collect();
-    for chunk in spams.chunks(500) {
-        spam::Entity::insert_many(chunk.to_vec()).exec(db).await?;
-    }
-    Ok(())
-}
-
-fn percentile(samples: &mut [Duration], p: usize) -> f64 {
-    if samples.is_empty() {
-        return 0.0;
-    }
-    samples.sort();
-    samples[(samples.len() * p / 100).min(samples.len() - 1)].as_secs_f64() * 1e3
-}
-
+/// The Django workload ([`workload::django`]): twice `--nodes` Spam tasks (every tenth
+/// delivered twice) pulled by 8 workers, while another connection locks and updates the hot Ham.
+/// Also returns how many tasks were processed twice.
 async fn django(
     db: &DatabaseConnection,
     options: &Options,
-    strategy: Django,
+    strategy: django::Strategy,
     progress: &MultiProgress,
-) -> Result<(Json, u64), Box<dyn std::error::Error>> {
+) -> Result<DjangoRow, Box<dyn std::error::Error>> {
     let tasks = options.nodes * 2;
-    reset_spams(db, tasks).await?;
+    django::seed(db, tasks).await?;
     let bar = bar(progress, tasks as u64, strategy.name());
-    let queue = Arc::new(Mutex::new(
-        (1..=tasks)
-            .chain((1..=tasks).step_by(10))
-            .collect::<Vec<_>>(),
-    ));
+    let queue = Arc::new(Mutex::new(django::deliveries(tasks)));
     let done: Arc<Mutex<Vec<i32>>> = Arc::default();
-    // Another connection reads and updates Ham rows meanwhile.
-    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let prober = {
-        let (db, stop) = (db.clone(), Arc::clone(&stop));
-        tokio::spawn(async move {
-            let mut latencies = Vec::new();
-            let mut id = 0;
-            while !stop.load(Ordering::SeqCst) {
-                id = id % 20 + 1;
-                let t = Instant::now();
-                let _ = ham::Entity::find_by_id(id).one(&db).await;
-                let _ = ham::Entity::update(ham::ActiveModel {
-                    id: Set(id),
-                    updated_at: Set(1),
-                    ..Default::default()
-                })
-                .exec(&db)
-                .await;
-                latencies.push(t.elapsed());
-                tokio::time::sleep(Duration::from_millis(5)).await;
-            }
-            latencies
-        })
-    };
+    let stop = Arc::new(AtomicBool::new(false));
+    let prober = tokio::spawn(django::probe_hot_ham(db.clone(), Arc::clone(&stop)));
     let backend: Arc<dyn LockBackend> = Arc::new(RowLock::new(db.clone()));
     let started = Instant::now();
     let mut handles = Vec::new();
-    for w in 0..8u64 {
-        let (db, queue, done, bar, backend) = (
-            db.clone(),
-            Arc::clone(&queue),
-            Arc::clone(&done),
-            bar.clone(),
-            Arc::clone(&backend),
-        );
-        let mut noise = fastrand::Rng::with_seed(options.seed ^ (w + 1000));
+    for w in 0..8 {
+        let (queue, done, bar) = (Arc::clone(&queue), Arc::clone(&done), bar.clone());
+        let worker = django::Worker {
+            db: db.clone(),
+            session: Session::builder(db.clone())
+                .lock(Arc::clone(&backend))
+                .build()?,
+            claims: Claims::new(db.clone()).with_label(format!("worker {w}")),
+        };
         handles.push(tokio::spawn(async move {
-            let session = Session::builder(db.clone()).lock(backend).build()?;
-            let claims = Claims::new(db.clone()).with_label(format!("worker {w}"));
-            let spams = session.repository::<spam::Entity>();
             loop {
                 let Some(id) = queue.lock().map_err(|_| "poisoned")?.pop() else {
                     break;
                 };
-                let work = Duration::from_millis(noise.u64(1..=5));
-                match strategy {
-                    Django::ParentRowLock => {
-                        // SQLite: a deferred transaction that reads then writes fails at once
-                        // with "database is locked"; writers must begin IMMEDIATE.
-                        let txn = if db.get_database_backend() == DbBackend::Sqlite {
-                            db.begin_with_options(sea_orm::TransactionOptions {
-                                sqlite_transaction_mode: Some(
-                                    sea_orm::SqliteTransactionMode::Immediate,
-                                ),
-                                ..Default::default()
-                            })
-                            .await?
-                        } else {
-                            db.begin().await?
-                        };
-                        let Some(spam) = spam::Entity::find_by_id(id).one(&txn).await? else {
-                            continue;
-                        };
-                        if spam.state != "new" {
-                            txn.rollback().await?;
-                            continue;
-                        }
-                        ham::Entity::find_by_id(spam.ham_id)
-                            .lock_exclusive()
-                            .one(&txn)
-                            .await?;
-                        tokio::time::sleep(work).await; // the report's long transaction
-                        spam::Entity::update(spam::ActiveModel {
-                            id: Set(id),
-                            state: Set("done".into()),
-                            ..Default::default()
-                        })
-                        .exec(&txn)
-                        .await?;
-                        txn.commit().await?;
-                    }
-                    Django::LockRow => {
-                        let task = LockName::new(format!("spam-task:{id}"))?;
-                        let ClaimOutcome::Claimed(claim) =
-                            claims.claim(&task, Duration::from_secs(60)).await?
-                        else {
-                            continue; // done already, or claimed by a live worker: processed once
-                        };
-                        let ham_id = spams.load(id).await?.ok_or("spam vanished")?.ham_id;
-                        let key = lock_name::<ham::Entity>(ham_id)?;
-                        spams
-                            .locked_update_under(key.clone(), id, |s| {
-                                s.state = Set("processing".into());
-                                Ok(())
-                            })
-                            .await?;
-                        tokio::time::sleep(work).await; // heavy work: no transaction, no lock
-                        spams
-                            .locked_update_under(key, id, |s| {
-                                s.state = Set("done".into());
-                                Ok(())
-                            })
-                            .await?;
-                        if claims.finish(&claim).await? != FinishOutcome::Finished {
-                            return Err("a claim was lost".into());
-                        }
-                    }
+                if django::task(strategy, &worker, id).await? {
+                    done.lock().map_err(|_| "poisoned")?.push(id);
+                    bar.inc(1);
                 }
-                done.lock().map_err(|_| "poisoned")?.push(id);
-                bar.inc(1);
             }
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(())
+            Ok::<_, workload::Failure>(())
         }));
     }
-    for handle in handles {
-        handle.await?.map_err(|e| e.to_string())?;
+    let finished = async {
+        for handle in handles {
+            handle.await?.map_err(|e| e.to_string())?;
+        }
+        Ok::<_, Box<dyn std::error::Error>>(())
     }
+    .await;
     let wall_ms = started.elapsed().as_millis() as u64;
     stop.store(true, Ordering::SeqCst);
-    let mut latencies = prober.await?;
+    let mut probes = prober.await??;
+    finished?;
     bar.finish();
     let done = done.lock().map_err(|_| "poisoned")?.clone();
     let unique: HashSet<_> = done.iter().collect();
-    let twice = (done.len() - unique.len()) as u64;
-    Ok((
-        json!({
-            "name": strategy.name(),
-            "tasks": done.len(),
-            "processed_twice": twice,
-            "wall_ms": wall_ms,
-            "tasks_per_s": (done.len() as f64 / (wall_ms.max(1) as f64 / 1e3)).round(),
-            "parent_p50_ms": (percentile(&mut latencies, 50) * 100.0).round() / 100.0,
-            "parent_p99_ms": (percentile(&mut latencies, 99) * 100.0).round() / 100.0,
-        }),
-        twice,
-    ))
+    Ok(DjangoRow {
+        name: strategy.name(),
+        tasks: done.len() as u64,
+        processed_twice: (done.len() - unique.len()) as u64,
+        wall_ms,
+        tasks_per_s: (done.len() as f64 / (wall_ms.max(1) as f64 / 1e3)).round(),
+        parent_p50_ms: percentile_ms(&mut probes.latencies, 50),
+        parent_p99_ms: percentile_ms(&mut probes.latencies, 99),
+        parent_refused: probes.refused,
+    })
 }
 
 // ------------------------------------------------------------------------- run
@@ -556,88 +372,111 @@ async fn scenarios(space: &Space, options: &Options) -> Result<bool, Box<dyn std
     };
 
     let mut drupal_rows = Vec::new();
-    for strategy in [Drupal::Naive, Drupal::StaleReload, Drupal::Freshlock] {
+    for strategy in [
+        drupal::Strategy::Naive,
+        drupal::Strategy::StaleReload,
+        drupal::Strategy::Freshlock,
+    ] {
         drupal_rows.push(drupal(db, &lock, options, strategy, &progress).await?);
     }
     let mut django_rows = Vec::new();
-    let mut twice = 0;
-    for strategy in [Django::ParentRowLock, Django::LockRow] {
-        let (row, dup) = django(db, options, strategy, &progress).await?;
-        if strategy == Django::LockRow {
-            twice = dup;
-        }
-        django_rows.push(row);
+    for strategy in [django::Strategy::ParentRowLock, django::Strategy::LockRow] {
+        django_rows.push(django(db, options, strategy, &progress).await?);
     }
     let fresh_lost = drupal_rows
         .iter()
-        .find(|r| r["name"] == "freshlock")
-        .map_or(1, |r| r["lost_fields"].as_u64().unwrap_or(1));
-    let report = json!({
-        "database": database,
-        "lock": options.lock.as_str(),
-        "scenarios": [
-            {"name": "drupal", "strategies": drupal_rows},
-            {"name": "django", "strategies": django_rows},
-        ],
-    });
+        .find(|r| r.name == drupal::Strategy::Freshlock.name())
+        .map_or(1, |r| r.lost_fields);
+    let twice = django_rows
+        .iter()
+        .find(|r| r.name == django::Strategy::LockRow.name())
+        .map_or(1, |r| r.processed_twice);
+    let report = Report {
+        database,
+        lock: options.lock.as_str(),
+        scenarios: [Scenario::Drupal(drupal_rows), Scenario::Django(django_rows)],
+    };
     if options.json {
-        println!("{report}");
+        println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_table(&report, database);
+        print_tables(&report);
     }
     Ok(fresh_lost == 0 && twice == 0)
 }
 
-/// A JSON value as plain text (strings unquoted), so that column widths apply.
-fn cell(value: &Json) -> String {
-    match value {
-        Json::String(s) => s.clone(),
-        other => other.to_string(),
+/// A table with its header, numbers right-aligned after the first column.
+fn table(header: &[&str], rows: Vec<Vec<String>>) -> Table {
+    let mut table = Table::new();
+    table
+        .load_preset(NOTHING)
+        .set_header(header.iter().map(Cell::new));
+    for row in rows {
+        table.add_row(row);
     }
+    for column in table.column_iter_mut().skip(1) {
+        column.set_cell_alignment(CellAlignment::Right);
+    }
+    table
 }
 
-fn print_table(report: &Json, database: &str) {
-    let empty = Vec::new();
-    let scenarios = report["scenarios"].as_array().unwrap_or(&empty);
+fn print_tables(report: &Report) {
     println!(
-        "\nfreshlock demo — {database}, lock backend: {}\n",
-        report["lock"].as_str().unwrap_or("?")
+        "\nfreshlock demo — {}, lock backend: {}\n",
+        report.database, report.lock
     );
-    println!("Drupal report: 4 workers write their own field of the same nodes");
-    println!(
-        "  {:<14} {:>9} {:>7} {:>9} {:>12}",
-        "strategy", "expected", "lost", "wall ms", "lock wait ms"
-    );
-    for s in scenarios[0]["strategies"].as_array().unwrap_or(&empty) {
-        println!(
-            "  {:<14} {:>9} {:>7} {:>9} {:>12}",
-            cell(&s["name"]),
-            cell(&s["expected_fields"]),
-            cell(&s["lost_fields"]),
-            cell(&s["wall_ms"]),
-            cell(&s["lock_wait_ms"])
-        );
+    for scenario in &report.scenarios {
+        match scenario {
+            Scenario::Drupal(rows) => {
+                println!("Drupal report: 4 workers write their own field of the same nodes");
+                let rows = rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.name.to_owned(),
+                            r.expected_fields.to_string(),
+                            r.lost_fields.to_string(),
+                            r.wall_ms.to_string(),
+                            r.lock_wait_ms.to_string(),
+                        ]
+                    })
+                    .collect();
+                let header = ["strategy", "expected", "lost", "wall ms", "lock wait ms"];
+                println!("{}", table(&header, rows));
+            }
+            Scenario::Django(rows) => {
+                println!(
+                    "\nDjango report: Spam tasks serialized per Ham while another connection locks and updates the hot Ham"
+                );
+                let rows = rows
+                    .iter()
+                    .map(|r| {
+                        vec![
+                            r.name.to_owned(),
+                            r.tasks.to_string(),
+                            r.processed_twice.to_string(),
+                            r.wall_ms.to_string(),
+                            r.tasks_per_s.to_string(),
+                            r.parent_p50_ms.to_string(),
+                            r.parent_p99_ms.to_string(),
+                            r.parent_refused.to_string(),
+                        ]
+                    })
+                    .collect();
+                let header = [
+                    "strategy",
+                    "tasks",
+                    "twice",
+                    "wall ms",
+                    "tasks/s",
+                    "Ham p50 ms",
+                    "Ham p99 ms",
+                    "Ham refused",
+                ];
+                println!("{}", table(&header, rows));
+            }
+        }
     }
-    println!(
-        "\nDjango report: Spam tasks serialized per Ham while others read and update the Hams"
-    );
-    println!(
-        "  {:<16} {:>6} {:>8} {:>9} {:>8} {:>13} {:>13}",
-        "strategy", "tasks", "twice", "wall ms", "tasks/s", "Ham p50 ms", "Ham p99 ms"
-    );
-    for s in scenarios[1]["strategies"].as_array().unwrap_or(&empty) {
-        println!(
-            "  {:<16} {:>6} {:>8} {:>9} {:>8} {:>13} {:>13}",
-            cell(&s["name"]),
-            cell(&s["tasks"]),
-            cell(&s["processed_twice"]),
-            cell(&s["wall_ms"]),
-            cell(&s["tasks_per_s"]),
-            cell(&s["parent_p50_ms"]),
-            cell(&s["parent_p99_ms"])
-        );
-    }
-    if database == "sqlite" {
+    if report.database == "sqlite" {
         println!(
             "\n  SQLite has no row locks: one writer at a time holds the whole database (BEGIN IMMEDIATE)."
         );
@@ -648,8 +487,9 @@ fn print_table(report: &Json, database: &str) {
             "  writer, the Ham updater included; lock-row keeps the work outside any transaction. On"
         );
         println!(
-            "  PostgreSQL and MariaDB (--database-url) the Ham row itself is what parent-row-lock blocks."
+            "  PostgreSQL and MariaDB (--database-url) the Ham row itself is what parent-row-lock locks:"
         );
+        println!("  the Ham updater is refused (Ham refused).");
     }
     println!();
 }

@@ -2,9 +2,9 @@
 //! `GET_LOCK`, Redis): bumped on every grant (a new row starts one above the fence floor, see
 //! [`super::floor`]), checked in the transaction of the write.
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
+use sea_orm::{ConnectionTrait, DatabaseTransaction};
 #[cfg(feature = "redis")]
-use sea_orm::{DatabaseConnection, TransactionTrait};
+use sea_orm::{DatabaseConnection, DbBackend, TransactionTrait};
 
 use super::sql::{for_update, lock_error, statement};
 #[cfg(feature = "redis")]
