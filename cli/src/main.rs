@@ -16,8 +16,10 @@ use std::{process::ExitCode, time::Duration};
 mod demo;
 
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand, parser::ValueSource};
+use comfy_table::{CellAlignment, Table, presets::NOTHING};
 use freshlock::inspect::{self, HeldLock};
 use sea_orm::{ConnectOptions, Database};
+use serde::Serialize;
 
 #[derive(Parser, Debug)]
 #[command(
@@ -85,17 +87,85 @@ enum Command {
     },
 }
 
-fn to_json(lock: &HeldLock) -> serde_json::Value {
-    serde_json::json!({
-        "name": lock.name,
-        "host": lock.host,
-        "pid": lock.pid,
-        "label": lock.label,
-        "acquired_at_ms": lock.acquired_at_ms,
-        "expires_at_ms": lock.expires_at_ms,
-        "fence": lock.fence,
-        "expired": lock.expired,
-    })
+/// `locks --json`: `{"locks": [...]}`.
+#[derive(Serialize)]
+struct Locks<'a> {
+    locks: Vec<LockRow<'a>>,
+}
+
+/// One held lease, as `locks --json` prints it.
+#[derive(Serialize)]
+struct LockRow<'a> {
+    name: &'a str,
+    host: Option<&'a str>,
+    pid: Option<i64>,
+    label: Option<&'a str>,
+    acquired_at_ms: Option<i64>,
+    expires_at_ms: i64,
+    fence: i64,
+    expired: bool,
+}
+
+impl<'a> From<&'a HeldLock> for LockRow<'a> {
+    fn from(lock: &'a HeldLock) -> Self {
+        Self {
+            name: &lock.name,
+            host: lock.host.as_deref(),
+            pid: lock.pid,
+            label: lock.label.as_deref(),
+            acquired_at_ms: lock.acquired_at_ms,
+            expires_at_ms: lock.expires_at_ms,
+            fence: lock.fence,
+            expired: lock.expired,
+        }
+    }
+}
+
+/// `release --json`: what was cleared and deleted (a part absent when not asked for).
+#[derive(Serialize, Default)]
+struct Released {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    released: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deleted_lock_rows: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    deleted_row_lock_rows: Option<u64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    fence_floor: Option<i64>,
+}
+
+/// The held leases as a table.
+fn locks_table(locks: &[HeldLock]) -> Table {
+    let mut table = Table::new();
+    table.load_preset(NOTHING).set_header([
+        "NAME",
+        "HOST",
+        "PID",
+        "LABEL",
+        "ACQUIRED_MS",
+        "EXPIRES_MS",
+        "FENCE",
+        "STATE",
+    ]);
+    let or_dash = |v: Option<String>| v.unwrap_or_else(|| "-".into());
+    for l in locks {
+        table.add_row([
+            l.name.clone(),
+            or_dash(l.host.clone()),
+            or_dash(l.pid.map(|p| p.to_string())),
+            or_dash(l.label.clone()),
+            or_dash(l.acquired_at_ms.map(|a| a.to_string())),
+            l.expires_at_ms.to_string(),
+            l.fence.to_string(),
+            if l.expired { "expired" } else { "held" }.into(),
+        ]);
+    }
+    for i in [2, 4, 5, 6] {
+        if let Some(column) = table.column_mut(i) {
+            column.set_cell_alignment(CellAlignment::Right);
+        }
+    }
+    table
 }
 
 fn parse_range(s: &str) -> Result<(u64, u64), String> {
@@ -165,26 +235,12 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
         Command::Locks { expired } => {
             let locks = inspect::held_locks(&db, expired).await?;
             if cli.json {
-                let list: Vec<_> = locks.iter().map(to_json).collect();
-                println!("{}", serde_json::json!({ "locks": list }));
+                let locks = Locks {
+                    locks: locks.iter().map(LockRow::from).collect(),
+                };
+                println!("{}", serde_json::to_string(&locks)?);
             } else {
-                println!(
-                    "{:<40} {:<20} {:>8} {:<16} {:>15} {:>15} {:>6} STATE",
-                    "NAME", "HOST", "PID", "LABEL", "ACQUIRED_MS", "EXPIRES_MS", "FENCE"
-                );
-                for l in &locks {
-                    println!(
-                        "{:<40} {:<20} {:>8} {:<16} {:>15} {:>15} {:>6} {}",
-                        l.name,
-                        l.host.as_deref().unwrap_or("-"),
-                        l.pid.map_or("-".into(), |p| p.to_string()),
-                        l.label.as_deref().unwrap_or("-"),
-                        l.acquired_at_ms.map_or("-".into(), |a| a.to_string()),
-                        l.expires_at_ms,
-                        l.fence,
-                        if l.expired { "expired" } else { "held" }
-                    );
-                }
+                println!("{}", locks_table(&locks));
             }
         }
         Command::Demo { .. } => {}
@@ -193,19 +249,19 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
             compact,
             idle_secs,
         } => {
-            let mut report = serde_json::Map::new();
+            let mut report = Released::default();
             if stale {
                 let cleared = inspect::release_stale(&db).await?;
-                report.insert("released".into(), cleared.into());
+                report.released = Some(cleared);
                 if !cli.json {
                     println!("released {cleared} expired lease(s)");
                 }
             }
             if compact {
                 let done = inspect::compact(&db, Duration::from_secs(idle_secs)).await?;
-                report.insert("deleted_lock_rows".into(), done.lock_rows.into());
-                report.insert("deleted_row_lock_rows".into(), done.row_lock_rows.into());
-                report.insert("fence_floor".into(), done.floor.into());
+                report.deleted_lock_rows = Some(done.lock_rows);
+                report.deleted_row_lock_rows = Some(done.row_lock_rows);
+                report.fence_floor = Some(done.floor);
                 if !cli.json {
                     println!(
                         "deleted {} lock row(s) and {} row-lock row(s); fence floor {}",
@@ -214,7 +270,7 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
                 }
             }
             if cli.json {
-                println!("{}", serde_json::Value::Object(report));
+                println!("{}", serde_json::to_string(&report)?);
             }
         }
     }
