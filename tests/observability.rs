@@ -342,95 +342,67 @@ async fn taking_over_an_expired_lease_is_an_event() {
 
 #[cfg(feature = "metrics")]
 mod metrics_facade {
-    use std::{
-        collections::BTreeMap,
-        sync::{Arc, Mutex},
-    };
+    use std::collections::BTreeMap;
 
-    use metrics::{
-        Counter, CounterFn, Gauge, Histogram, HistogramFn, Key, KeyName, Metadata, Recorder,
-        SharedString, Unit,
-    };
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder};
 
     use super::*;
 
-    /// A recorder that keeps counter totals and histogram samples, keyed `name{k=v,…}`.
-    #[derive(Clone, Default)]
-    struct Memory {
-        counters: Arc<Mutex<BTreeMap<String, u64>>>,
-        histograms: Arc<Mutex<BTreeMap<String, Vec<f64>>>>,
+    /// What the debugging recorder held, keyed `name{k=v,…}` (labels sorted): counter totals and
+    /// histogram sample counts.
+    #[derive(Debug, Default)]
+    struct Recorded {
+        counters: BTreeMap<String, u64>,
+        samples: BTreeMap<String, usize>,
     }
 
-    struct Slot(Arc<Mutex<BTreeMap<String, u64>>>, String);
-    impl CounterFn for Slot {
-        fn increment(&self, value: u64) {
-            *self.0.lock().unwrap().entry(self.1.clone()).or_default() += value;
+    impl Recorded {
+        fn of(recorder: &DebuggingRecorder) -> Self {
+            let mut recorded = Self::default();
+            for (key, _, _, value) in recorder.snapshotter().snapshot().into_vec() {
+                let key = key.key();
+                let mut labels: Vec<String> = key
+                    .labels()
+                    .map(|l| format!("{}={}", l.key(), l.value()))
+                    .collect();
+                labels.sort();
+                let name = if labels.is_empty() {
+                    key.name().to_owned()
+                } else {
+                    format!("{}{{{}}}", key.name(), labels.join(","))
+                };
+                match value {
+                    DebugValue::Counter(n) => *recorded.counters.entry(name).or_default() += n,
+                    DebugValue::Histogram(values) => {
+                        *recorded.samples.entry(name).or_default() += values.len();
+                    }
+                    DebugValue::Gauge(_) => {}
+                }
+            }
+            recorded
         }
-        fn absolute(&self, value: u64) {
-            self.0.lock().unwrap().insert(self.1.clone(), value);
-        }
-    }
-    struct Samples(Arc<Mutex<BTreeMap<String, Vec<f64>>>>, String);
-    impl HistogramFn for Samples {
-        fn record(&self, value: f64) {
-            self.0
-                .lock()
-                .unwrap()
-                .entry(self.1.clone())
-                .or_default()
-                .push(value);
-        }
-    }
 
-    fn render(key: &Key) -> String {
-        let mut labels: Vec<String> = key
-            .labels()
-            .map(|l| format!("{}={}", l.key(), l.value()))
-            .collect();
-        labels.sort();
-        if labels.is_empty() {
-            key.name().to_owned()
-        } else {
-            format!("{}{{{}}}", key.name(), labels.join(","))
-        }
-    }
-
-    impl Recorder for Memory {
-        fn describe_counter(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-        fn describe_gauge(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-        fn describe_histogram(&self, _: KeyName, _: Option<Unit>, _: SharedString) {}
-        fn register_counter(&self, key: &Key, _: &Metadata<'_>) -> Counter {
-            Counter::from_arc(Arc::new(Slot(Arc::clone(&self.counters), render(key))))
-        }
-        fn register_gauge(&self, _: &Key, _: &Metadata<'_>) -> Gauge {
-            Gauge::noop()
-        }
-        fn register_histogram(&self, key: &Key, _: &Metadata<'_>) -> Histogram {
-            Histogram::from_arc(Arc::new(Samples(Arc::clone(&self.histograms), render(key))))
-        }
-    }
-
-    impl Memory {
         fn counter(&self, key: &str) -> u64 {
-            self.counters.lock().unwrap().get(key).copied().unwrap_or(0)
+            self.counters.get(key).copied().unwrap_or(0)
         }
+
         fn samples(&self, key: &str) -> usize {
-            self.histograms.lock().unwrap().get(key).map_or(0, Vec::len)
+            self.samples.get(key).copied().unwrap_or(0)
         }
     }
 
     #[test]
     fn lock_waits_failures_conflicts_takeovers_and_cache_traffic_are_counted() {
-        let memory = Memory::default();
+        let recorder = DebuggingRecorder::new();
         // A recorder for this thread only; the runtime below runs everything on it.
-        metrics::with_local_recorder(&memory, || {
+        metrics::with_local_recorder(&recorder, || {
             tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()
                 .unwrap()
                 .block_on(workload())
         });
-        let m = &memory;
+        let m = &Recorded::of(&recorder);
         let c = |key: &str| m.counter(key);
         assert_eq!(c("freshlock_cache_misses_total"), 1, "{:#?}", m.counters);
         assert_eq!(c("freshlock_cache_hits_total"), 1);
