@@ -24,7 +24,7 @@ use std::{future::Future, pin::Pin, time::Duration};
 
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, IsolationLevel,
-    TransactionTrait, Value,
+    TransactionTrait,
 };
 
 use crate::{
@@ -32,9 +32,10 @@ use crate::{
     error::{ApplyError, Error, Result},
     lock::{
         LockName, holder,
+        lease_row::{CLAIMS, Holder},
         sql::{millis, now_ms, statement},
     },
-    schema::{CLAIM_TABLE, MAX_STORED_NAME, insert_ignore},
+    schema::{CLAIM_TABLE, MAX_STORED_NAME},
 };
 
 /// Claims on keys (`"spam:17"`), in `db`'s `freshlock_claim` table. Cheap to clone.
@@ -211,6 +212,8 @@ impl Claims {
     }
 
     /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.
+    /// One statement on PostgreSQL and SQLite; on MySQL two or three (a deadlock there is
+    /// returned: the caller rolls back and tries again).
     async fn take(
         &self,
         txn: &DatabaseTransaction,
@@ -218,72 +221,16 @@ impl Claims {
         token: &str,
         lease: Duration,
     ) -> Result<Option<i64>> {
-        let backend = txn.get_database_backend();
-        let now = now_ms(backend);
-        let fail = |e| database("claiming", name, e);
-        let holder = vec![
-            Value::from(token),
-            millis(lease).into(),
-            holder::host().into(),
-            i64::from(std::process::id()).into(),
-            self.label.clone().into(),
-        ];
-        if backend == DbBackend::MySql {
-            let take = format!(
-                "UPDATE {CLAIM_TABLE} SET state = 'processing', fence = fence + 1, owner = ?, \
-                 expires_at = {now} + ?, host = ?, pid = ?, label = ?, claimed_at = {now} \
-                 WHERE name = ? AND state <> 'done' AND expires_at <= {now}"
-            );
-            let mut values = holder.clone();
-            values.push(name.into());
-            let taken = txn
-                .execute_raw(statement(backend, &take, values))
-                .await
-                .map_err(fail)?;
-            if taken.rows_affected() == 1 {
-                let read = format!("SELECT fence FROM {CLAIM_TABLE} WHERE name = ? AND owner = ?");
-                let row = txn
-                    .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
-                    .await
-                    .map_err(fail)?;
-                return row
-                    .map(|r| r.try_get::<i64>("", "fence"))
-                    .transpose()
-                    .map_err(fail);
-            }
-            let insert = insert_ignore(
-                backend,
-                CLAIM_TABLE,
-                "name, state, owner, fence, expires_at, host, pid, label, claimed_at",
-                &format!("?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}"),
-            );
-            let mut values = vec![Value::from(name)];
-            values.extend(holder);
-            let inserted = txn
-                .execute_raw(statement(backend, &insert, values))
-                .await
-                .map_err(fail)?;
-            return Ok((inserted.rows_affected() == 1).then_some(1));
-        }
-        let upsert = format!(
-            "INSERT INTO {CLAIM_TABLE} (name, state, owner, fence, expires_at, host, pid, label, claimed_at) \
-             VALUES (?, 'processing', ?, 1, {now} + ?, ?, ?, ?, {now}) \
-             ON CONFLICT (name) DO UPDATE SET state = 'processing', owner = excluded.owner, \
-             fence = {CLAIM_TABLE}.fence + 1, expires_at = excluded.expires_at, \
-             host = excluded.host, pid = excluded.pid, label = excluded.label, \
-             claimed_at = excluded.claimed_at \
-             WHERE {CLAIM_TABLE}.state <> 'done' AND {CLAIM_TABLE}.expires_at <= {now} \
-             RETURNING fence"
-        );
-        let mut values = vec![Value::from(name)];
-        values.extend(holder);
-        let row = txn
-            .query_one_raw(statement(backend, &upsert, values))
+        let holder = Holder {
+            token,
+            ttl: lease,
+            label: self.label.as_deref(),
+        };
+        let grant = CLAIMS
+            .grant(txn, name, &holder, false)
             .await
-            .map_err(fail)?;
-        row.map(|r| r.try_get::<i64>("", "fence"))
-            .transpose()
-            .map_err(fail)
+            .map_err(|e| database("claiming", name, e))?;
+        Ok(grant.map(|g| g.fence))
     }
 
     /// Marks the claimed work done, only while the claim is still this worker's.

@@ -21,6 +21,7 @@ mod backoff;
 mod fence;
 pub(crate) mod floor;
 pub(crate) mod holder;
+pub(crate) mod lease_row;
 mod local;
 #[cfg(feature = "mysql")]
 mod mysql_named;

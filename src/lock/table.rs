@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, Value};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -11,10 +11,10 @@ use super::{
     LeaseLock, LockBackend, LockGuard, LockName, LockRole,
     backoff::Backoff,
     floor, holder,
+    lease_row::{Grant, Holder, LOCKS},
     sql::{for_update, lock_error, millis, now_ms, statement},
 };
 use crate::{
-    db_error::{Failure, classify},
     error::LockError,
     pool::autocommit,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
@@ -57,149 +57,23 @@ impl TableLock {
 
     /// One try: the new fence when the lease was taken, and whether it was taken over from a
     /// holder whose lease had expired (a free row is tried first, so a takeover is visible).
+    /// Each statement is its own transaction; the rare deadlock InnoDB still reports on one of
+    /// MySQL's single-row statements is a busy try.
     async fn try_once(
         &self,
         name: &str,
         token: &str,
         ttl: Duration,
-    ) -> Result<Option<(i64, bool)>, LockError> {
-        let backend = self.db.get_database_backend();
-        let now = now_ms(backend);
-        let holder = || self.holder(token, ttl);
-        let fail = |e| lock_error(KIND, LOCK_TABLE, e);
-        if backend == DbBackend::MySql {
-            return self.try_once_mysql(name, token, ttl).await;
-        }
-        let first = floor::first_fence();
-        let upsert = format!(
-            "INSERT INTO {LOCK_TABLE} (name, owner, fence, expires_at, host, pid, label, acquired_at) \
-             VALUES (?, ?, {first}, {now} + ?, ?, ?, ?, {now}) \
-             ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, \
-             fence = {LOCK_TABLE}.fence + 1, expires_at = excluded.expires_at, \
-             host = excluded.host, pid = excluded.pid, label = excluded.label, \
-             acquired_at = excluded.acquired_at \
-             WHERE {LOCK_TABLE}.owner IS NULL \
-             RETURNING fence"
-        );
-        let mut values = vec![Value::from(name)];
-        values.extend(holder());
-        let row = autocommit(&self.db)
-            .query_one_raw(statement(backend, &upsert, values))
-            .await
-            .map_err(fail)?;
-        if let Some(row) = row {
-            return Ok(Some((
-                row.try_get::<i64>("", "fence").map_err(fail)?,
-                false,
-            )));
-        }
-        // Held: take it over only if the holder's lease has expired.
-        let mut values = holder();
-        values.push(name.into());
-        let row = autocommit(&self.db)
-            .query_one_raw(statement(backend, &take_row(backend, true), values))
-            .await
-            .map_err(fail)?;
-        row.map(|r| r.try_get::<i64>("", "fence").map(|fence| (fence, true)))
-            .transpose()
-            .map_err(fail)
-    }
-}
-
-/// Takes the row of a name for a new holder (values: the holder's, then the name): a free row,
-/// or with `expired` one whose holder's lease has run out. Returns the fence off MySQL.
-fn take_row(backend: DbBackend, expired: bool) -> String {
-    let now = now_ms(backend);
-    let condition = if expired {
-        format!("owner IS NOT NULL AND expires_at <= {now}")
-    } else {
-        "owner IS NULL".to_owned()
-    };
-    let returning = if backend == DbBackend::MySql {
-        ""
-    } else {
-        " RETURNING fence"
-    };
-    format!(
-        "UPDATE {LOCK_TABLE} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, \
-         host = ?, pid = ?, label = ?, acquired_at = {now} \
-         WHERE name = ? AND {condition}{returning}"
-    )
-}
-
-impl TableLock {
-    /// The holder's columns, in the order the statements take them: owner token, TTL, host,
-    /// pid, label.
-    fn holder(&self, token: &str, ttl: Duration) -> Vec<Value> {
-        vec![
-            token.into(),
-            millis(ttl).into(),
-            holder::host().into(),
-            i64::from(std::process::id()).into(),
-            self.label.clone().into(),
-        ]
-    }
-}
-
-impl TableLock {
-    /// MySQL has no `RETURNING`: take a free row (one atomic UPDATE), else insert the row
-    /// already held (its first fence one above the floor), else take over an expired lease,
-    /// then read the fence. Each is a single autocommit statement on one row, so they cannot
-    /// deadlock with each other; the rare deadlock InnoDB still reports is a busy try.
-    async fn try_once_mysql(
-        &self,
-        name: &str,
-        token: &str,
-        ttl: Duration,
-    ) -> Result<Option<(i64, bool)>, LockError> {
-        let backend = DbBackend::MySql;
-        let now = now_ms(backend);
-        let fail = |e| lock_error(KIND, LOCK_TABLE, e);
-        let holder = self.holder(token, ttl);
-        let run = |sql: String, values: Vec<Value>| {
-            let db = &self.db;
-            async move {
-                match autocommit(db)
-                    .execute_raw(statement(backend, &sql, values))
-                    .await
-                {
-                    Ok(done) => Ok(done.rows_affected() == 1),
-                    Err(e) if classify(&e) == Failure::Deadlock => Ok(false),
-                    Err(e) => Err(fail(e)),
-                }
-            }
+    ) -> Result<Option<Grant>, LockError> {
+        let holder = Holder {
+            token,
+            ttl,
+            label: self.label.as_deref(),
         };
-        let mut values = holder.clone();
-        values.push(name.into());
-        let mut taken_over = false;
-        if !run(take_row(backend, false), values.clone()).await? {
-            let insert = format!(
-                "INSERT IGNORE INTO {LOCK_TABLE} \
-                 (name, owner, fence, expires_at, host, pid, label, acquired_at) \
-                 SELECT ?, ?, {first}, {now} + ?, ?, ?, ?, {now}{floor}",
-                first = floor::MYSQL_FIRST_FENCE,
-                floor = floor::mysql_floor(),
-            );
-            let mut inserted = vec![Value::from(name)];
-            inserted.extend(holder);
-            if !run(insert, inserted).await? {
-                if !run(take_row(backend, true), values).await? {
-                    return Ok(None);
-                }
-                taken_over = true;
-            }
-        }
-        let read = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ? AND owner = ?");
-        let row = autocommit(&self.db)
-            .query_one_raw(statement(backend, &read, vec![name.into(), token.into()]))
+        LOCKS
+            .grant(&autocommit(&self.db), name, &holder, true)
             .await
-            .map_err(fail)?;
-        row.map(|r| {
-            r.try_get::<i64>("", "fence")
-                .map(|fence| (fence, taken_over))
-        })
-        .transpose()
-        .map_err(fail)
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))
     }
 }
 
@@ -226,7 +100,7 @@ impl LeaseLock for TableLock {
         let deadline = Instant::now() + wait;
         let mut backoff = Backoff::new();
         loop {
-            if let Some((fence, taken_over)) = self.try_once(&stored, &token, ttl).await? {
+            if let Some(Grant { fence, taken_over }) = self.try_once(&stored, &token, ttl).await? {
                 if taken_over {
                     warn!(lock = %name, fence, "stale lock taken over: the previous holder's lease had expired");
                     crate::metrics::stale_lock_taken_over(KIND);

@@ -1,0 +1,374 @@
+//! The lease row, written once for the two tables that hold one: the `table` backend's
+//! `freshlock_lock` and the claims' `freshlock_claim`. One row per name holds its holder (owner
+//! token, host, pid, label), its expiry on the **database clock** and a fence that grows with
+//! every grant; a grant takes the row only in the states its table allows ([`Takeable`]).
+//!
+//! Per dialect: PostgreSQL and SQLite grant in one atomic statement (insert the row, or take the
+//! existing one when it is takeable, `RETURNING fence`); a held row may cost a second statement
+//! (the `table` backend's takeover of an expired lease). MySQL/MariaDB, without `RETURNING`,
+//! take the existing row with an `UPDATE`, else insert it with `INSERT IGNORE`, else take over an
+//! expired lease, and then read the fence back.
+//!
+//! Written as SQL text with `?` placeholders (see [`super::sql::statement`]) rather than built
+//! with sea-query: sea-query 1.0 renders a MySQL "insert unless present" as either
+//! `ON DUPLICATE KEY IGNORE` (not MySQL) or `ON DUPLICATE KEY UPDATE name = name`, whose
+//! affected-row count is 1 for a row that was already there under sqlx's `CLIENT_FOUND_ROWS` —
+//! a held lease would read as granted. `INSERT IGNORE` says what is meant.
+
+use std::time::Duration;
+
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, Statement, Value};
+
+use super::{
+    floor, holder,
+    sql::{millis, now_ms, statement},
+};
+use crate::{
+    db_error::{Failure, classify},
+    schema::{CLAIM_TABLE, LOCK_TABLE},
+};
+
+/// Which rows of a name a grant may take.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum Takeable {
+    /// Released (no owner).
+    Free,
+    /// Held, but the holder's lease has run out: a takeover.
+    Expired,
+    /// A claim not done whose lease has run out (or was never held).
+    NotDone,
+}
+
+/// A table of lease rows.
+#[derive(Debug)]
+pub(crate) struct LeaseTable {
+    table: &'static str,
+    /// The column stamped with the grant time.
+    granted_at: &'static str,
+    /// Claims: a grant sets `state = 'processing'`.
+    claim_state: bool,
+    /// The states a grant takes, in the order tried; every one after the first is a takeover.
+    takes: &'static [Takeable],
+}
+
+/// `freshlock_lock`: a free row first, then an expired lease (a takeover, logged by the caller).
+pub(crate) const LOCKS: LeaseTable = LeaseTable {
+    table: LOCK_TABLE,
+    granted_at: "acquired_at",
+    claim_state: false,
+    takes: &[Takeable::Free, Takeable::Expired],
+};
+
+/// `freshlock_claim`: any claim not done whose lease has run out.
+pub(crate) const CLAIMS: LeaseTable = LeaseTable {
+    table: CLAIM_TABLE,
+    granted_at: "claimed_at",
+    claim_state: true,
+    takes: &[Takeable::NotDone],
+};
+
+/// Whom a grant is for.
+#[derive(Debug)]
+pub(crate) struct Holder<'a> {
+    /// The holder's secret token (the owner column).
+    pub(crate) token: &'a str,
+    /// How long the lease lasts, from the database's now.
+    pub(crate) ttl: Duration,
+    /// A worker or task name, for the inspector.
+    pub(crate) label: Option<&'a str>,
+}
+
+impl Holder<'_> {
+    /// The holder's columns, in the order the statements take them: owner, TTL, host, pid,
+    /// label.
+    fn values(&self) -> Vec<Value> {
+        vec![
+            self.token.into(),
+            millis(self.ttl).into(),
+            holder::host().into(),
+            i64::from(std::process::id()).into(),
+            self.label.map(str::to_owned).into(),
+        ]
+    }
+}
+
+/// A granted lease row.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Grant {
+    /// The row's new fence.
+    pub(crate) fence: i64,
+    /// Whether it was taken over from a holder whose lease had run out.
+    pub(crate) taken_over: bool,
+}
+
+impl LeaseTable {
+    /// Grants `name`'s row to `holder` on `conn`, or `None` when the row is in a state its table
+    /// does not let a grant take (held and live; a claim done). With `deadlock_is_busy`, a
+    /// deadlock InnoDB reports on one of MySQL's single-row statements counts as "not taken by
+    /// that statement" (the caller's next try sorts it out); otherwise it is returned.
+    ///
+    /// # Errors
+    /// The database's.
+    pub(crate) async fn grant<C: ConnectionTrait>(
+        &self,
+        conn: &C,
+        name: &str,
+        holder: &Holder<'_>,
+        deadlock_is_busy: bool,
+    ) -> Result<Option<Grant>, DbErr> {
+        let backend = conn.get_database_backend();
+        if backend == DbBackend::MySql {
+            return self.grant_mysql(conn, name, holder, deadlock_is_busy).await;
+        }
+        let (first, takeovers) = self
+            .takes
+            .split_first()
+            .ok_or_else(|| DbErr::Custom(format!("{}: no grant condition", self.table)))?;
+        let returned = |row: Option<sea_orm::QueryResult>, taken_over| {
+            row.map(|r| {
+                r.try_get::<i64>("", "fence")
+                    .map(|fence| Grant { fence, taken_over })
+            })
+            .transpose()
+        };
+        let row = conn
+            .query_one_raw(self.upsert(backend, name, holder, *first))
+            .await?;
+        if let Some(grant) = returned(row, false)? {
+            return Ok(Some(grant));
+        }
+        for takeable in takeovers {
+            let row = conn
+                .query_one_raw(self.take(backend, name, holder, *takeable))
+                .await?;
+            if let Some(grant) = returned(row, true)? {
+                return Ok(Some(grant));
+            }
+        }
+        Ok(None)
+    }
+
+    /// MySQL: take the row in the first takeable state, else insert it, else take it over; each
+    /// a single autocommit-sized statement on one row. Then read the fence.
+    async fn grant_mysql<C: ConnectionTrait>(
+        &self,
+        conn: &C,
+        name: &str,
+        holder: &Holder<'_>,
+        deadlock_is_busy: bool,
+    ) -> Result<Option<Grant>, DbErr> {
+        let backend = DbBackend::MySql;
+        let changed = |done: Result<sea_orm::ExecResult, DbErr>| match done {
+            Ok(done) => Ok(done.rows_affected() == 1),
+            Err(e) if deadlock_is_busy && classify(&e) == Failure::Deadlock => Ok(false),
+            Err(e) => Err(e),
+        };
+        let (first, takeovers) = self
+            .takes
+            .split_first()
+            .ok_or_else(|| DbErr::Custom(format!("{}: no grant condition", self.table)))?;
+        let mut taken_over = false;
+        let taken = changed(
+            conn.execute_raw(self.take(backend, name, holder, *first))
+                .await,
+        )? || changed(conn.execute_raw(self.insert_mysql(name, holder)).await)?;
+        if !taken {
+            let mut took = false;
+            for takeable in takeovers {
+                took = changed(
+                    conn.execute_raw(self.take(backend, name, holder, *takeable))
+                        .await,
+                )?;
+                if took {
+                    break;
+                }
+            }
+            if !took {
+                return Ok(None);
+            }
+            taken_over = true;
+        }
+        let read = format!(
+            "SELECT fence FROM {} WHERE name = ? AND owner = ?",
+            self.table
+        );
+        let row = conn
+            .query_one_raw(statement(
+                backend,
+                &read,
+                vec![name.into(), holder.token.into()],
+            ))
+            .await?;
+        row.map(|r| {
+            r.try_get::<i64>("", "fence")
+                .map(|fence| Grant { fence, taken_over })
+        })
+        .transpose()
+    }
+
+    /// `takeable` as a condition on the row, its columns qualified with the table's name (as an
+    /// `ON CONFLICT … WHERE` needs).
+    fn condition(&self, backend: DbBackend, takeable: Takeable) -> String {
+        let (t, now) = (self.table, now_ms(backend));
+        match takeable {
+            Takeable::Free => format!("{t}.owner IS NULL"),
+            Takeable::Expired => {
+                format!("{t}.owner IS NOT NULL AND {t}.expires_at <= {now}")
+            }
+            Takeable::NotDone => format!("{t}.state <> 'done' AND {t}.expires_at <= {now}"),
+        }
+    }
+
+    /// `, state = 'processing'` for claims.
+    fn state_set(&self) -> &'static str {
+        if self.claim_state {
+            ", state = 'processing'"
+        } else {
+            ""
+        }
+    }
+
+    /// Takes the existing row in state `takeable` (values: the holder's, then the name);
+    /// `RETURNING fence` off MySQL.
+    fn take(
+        &self,
+        backend: DbBackend,
+        name: &str,
+        holder: &Holder<'_>,
+        takeable: Takeable,
+    ) -> Statement {
+        let (t, now, granted_at) = (self.table, now_ms(backend), self.granted_at);
+        let returning = if backend == DbBackend::MySql {
+            ""
+        } else {
+            " RETURNING fence"
+        };
+        let sql = format!(
+            "UPDATE {t} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, host = ?, \
+             pid = ?, label = ?, {granted_at} = {now}{state} \
+             WHERE name = ? AND {condition}{returning}",
+            state = self.state_set(),
+            condition = self.condition(backend, takeable),
+        );
+        let mut values = holder.values();
+        values.push(name.into());
+        statement(backend, &sql, values)
+    }
+
+    /// The columns of a new row and their values (`?`: the name, then the holder's).
+    fn new_row(&self, backend: DbBackend, first_fence: &str) -> (String, String) {
+        let (now, granted_at) = (now_ms(backend), self.granted_at);
+        let (state_column, state_value) = if self.claim_state {
+            (" state,", " 'processing',")
+        } else {
+            ("", "")
+        };
+        (
+            format!("name,{state_column} owner, fence, expires_at, host, pid, label, {granted_at}"),
+            format!("?,{state_value} ?, {first_fence}, {now} + ?, ?, ?, ?, {now}"),
+        )
+    }
+
+    /// The first fence of a new row: one above the fence floor for locks (see [`floor`]), 1
+    /// for claims.
+    fn first_fence(&self) -> String {
+        if self.table == LOCK_TABLE {
+            floor::first_fence()
+        } else {
+            "1".to_owned()
+        }
+    }
+
+    /// PostgreSQL, SQLite: inserts the row, or takes the existing one in state `takeable`, in
+    /// one statement `RETURNING fence` (no row when it was not takeable).
+    fn upsert(
+        &self,
+        backend: DbBackend,
+        name: &str,
+        holder: &Holder<'_>,
+        takeable: Takeable,
+    ) -> Statement {
+        let (t, granted_at) = (self.table, self.granted_at);
+        let (columns, values) = self.new_row(backend, &self.first_fence());
+        let sql = format!(
+            "INSERT INTO {t} ({columns}) VALUES ({values}) \
+             ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, fence = {t}.fence + 1, \
+             expires_at = excluded.expires_at, host = excluded.host, pid = excluded.pid, \
+             label = excluded.label, {granted_at} = excluded.{granted_at}{state} \
+             WHERE {condition} RETURNING fence",
+            state = self.state_set(),
+            condition = self.condition(backend, takeable),
+        );
+        let mut bound = vec![Value::from(name)];
+        bound.extend(holder.values());
+        statement(backend, &sql, bound)
+    }
+
+    /// MySQL: inserts the row unless it exists. A lock row's first fence reads the fence floor
+    /// under a shared lock (see [`floor::mysql_floor`]).
+    fn insert_mysql(&self, name: &str, holder: &Holder<'_>) -> Statement {
+        let backend = DbBackend::MySql;
+        let t = self.table;
+        let sql = if self.table == LOCK_TABLE {
+            let (columns, values) = self.new_row(backend, floor::MYSQL_FIRST_FENCE);
+            format!(
+                "INSERT IGNORE INTO {t} ({columns}) SELECT {values}{floor}",
+                floor = floor::mysql_floor()
+            )
+        } else {
+            let (columns, values) = self.new_row(backend, &self.first_fence());
+            format!("INSERT IGNORE INTO {t} ({columns}) VALUES ({values})")
+        };
+        let mut bound = vec![Value::from(name)];
+        bound.extend(holder.values());
+        statement(backend, &sql, bound)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn holder() -> Holder<'static> {
+        Holder {
+            token: "t",
+            ttl: Duration::from_secs(1),
+            label: None,
+        }
+    }
+
+    #[test]
+    fn lock_and_claim_rows_are_granted_by_the_same_statements_with_their_own_columns() {
+        let pg = DbBackend::Postgres;
+        let lock = LOCKS.upsert(pg, "n", &holder(), Takeable::Free).sql;
+        assert!(lock.contains("acquired_at = excluded.acquired_at WHERE freshlock_lock.owner IS NULL RETURNING fence"), "{lock}");
+        assert!(lock.contains(&floor::first_fence()), "{lock}");
+        assert!(!lock.contains("state"), "{lock}");
+        let claim = CLAIMS.upsert(pg, "n", &holder(), Takeable::NotDone).sql;
+        assert!(claim.starts_with("INSERT INTO freshlock_claim (name, state, owner, fence, expires_at, host, pid, label, claimed_at) VALUES ($1, 'processing', $2, 1, "), "{claim}");
+        assert!(
+            claim.contains(", state = 'processing' WHERE freshlock_claim.state <> 'done'"),
+            "{claim}"
+        );
+
+        let take = LOCKS.take(DbBackend::MySql, "n", &holder(), Takeable::Expired);
+        assert!(take.sql.ends_with("WHERE name = ? AND freshlock_lock.owner IS NOT NULL AND freshlock_lock.expires_at <= CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)"), "{}", take.sql);
+        assert_eq!(
+            take.values.map(|v| v.0.len()),
+            Some(6),
+            "holder's five, then the name"
+        );
+
+        let insert = LOCKS.insert_mysql("n", &holder()).sql;
+        assert!(
+            insert.contains(floor::MYSQL_FIRST_FENCE) && insert.ends_with(&floor::mysql_floor()),
+            "{insert}"
+        );
+        let insert = CLAIMS.insert_mysql("n", &holder()).sql;
+        assert!(
+            insert.starts_with("INSERT IGNORE INTO freshlock_claim (name, state,")
+                && insert.ends_with(")"),
+            "{insert}"
+        );
+    }
+}
