@@ -23,20 +23,29 @@ impl PrivatePgBouncer {
             eprintln!("SKIPPED: pgbouncer is not installed (apt-get install -y pgbouncer)");
             return None;
         }
-        let port = super::servers::free_port();
-        let dir = format!("/tmp/fl_pgbouncer_{}_{port}", std::process::id());
-        let status = Command::new("bash")
-            .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/pgbouncer"))
-            .env("PGBOUNCER_PORT", port.to_string())
-            .env("PGBOUNCER_DIR", &dir)
-            .env(
-                "PGBOUNCER_RESET_ALWAYS",
-                if reset_always { "1" } else { "0" },
-            )
-            .status()
-            .expect("run .ci/pgbouncer");
-        assert!(status.success(), "PgBouncer started");
-        Some(Self { port, dir })
+        // A port another test took between our check and PgBouncer's bind fails the start:
+        // tried again on another port.
+        for _ in 0..3 {
+            let port = super::servers::free_port();
+            let dir = format!("/tmp/fl_pgbouncer_{}_{port}", std::process::id());
+            let status = Command::new("bash")
+                .arg(concat!(env!("CARGO_MANIFEST_DIR"), "/.ci/pgbouncer"))
+                .env("PGBOUNCER_PORT", port.to_string())
+                .env("PGBOUNCER_DIR", &dir)
+                .env(
+                    "PGBOUNCER_RESET_ALWAYS",
+                    if reset_always { "1" } else { "0" },
+                )
+                .status()
+                .expect("run .ci/pgbouncer");
+            let started = Self { port, dir };
+            if status.success() {
+                return Some(started);
+            }
+            eprintln!("PgBouncer did not start on port {port}: trying another");
+            drop(started); // stops whatever did start, removes its directory
+        }
+        panic!("PgBouncer did not start on three ports")
     }
 
     /// Its URL for database `name`.

@@ -59,13 +59,20 @@ pub fn url(var: &str) -> Option<String> {
     }
 }
 
-/// A free TCP port on 127.0.0.1, for a private server.
+/// A free TCP port on 127.0.0.1, for a private server: chosen at random *below* the ephemeral
+/// range (32768–60999 here). A port the OS hands out for `bind(0)` is an ephemeral port, which
+/// any outgoing connection of a concurrent test (there are hundreds) may take between the check
+/// and the server's own bind — a private server then fails to start. Below the range only
+/// another test's choice can collide, one chance in thousands, and the bind check catches the
+/// ports already taken.
 pub fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("bind a free port")
-        .local_addr()
-        .expect("its address")
-        .port()
+    for _ in 0..1000 {
+        let port = fastrand::u16(20_000..32_000);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port in 20000..32000")
 }
 
 /// A name no other test (of this or a concurrent process) uses.
