@@ -20,11 +20,14 @@
 //! the transaction that commits anyway (no extra flush); markers older than [`KEEP_MARKERS`] are
 //! deleted now and then by the writers themselves.
 //!
-//! On PostgreSQL, `locked_update`'s UPDATE needs no marker row: it returns its transaction's id
-//! (`txid_current()`, in the same statement), and a lost reply is resolved by asking the server
-//! for that transaction's fate (`txid_status`, made for exactly this): `committed` → done,
-//! `aborted` → provably absent, `in progress` → asked again until [`RESOLVE_WITHIN`]. No extra
-//! row is written, so the guarantee costs nothing on the write path.
+//! On PostgreSQL, `locked_update`'s marker rides in the guarded UPDATE's own statement (a
+//! data-modifying CTE, `WITH freshlock_marker AS (INSERT …) UPDATE …`): no round trip of its
+//! own. The transaction's id (`txid_current()` / `txid_status`) is **not** used as evidence: a
+//! transaction whose WAL never reached disk before a crash leaves no trace of its id, and after
+//! crash recovery the server hands the same id to a new transaction — once that one commits,
+//! `txid_status` says `committed` for a write that never was (measured: 8 of 8 tries after a
+//! `kill -9` of a backend). A marker row is durable exactly when the write is: it is in the
+//! same transaction, so crash recovery keeps both or neither.
 //!
 //! Why a token rather than the version column or the lease's fence: both can be moved on by a
 //! later writer (an ABA: version v+1 may be someone else's write from v when ours did not
@@ -258,84 +261,6 @@ pub(crate) async fn commit(
         Resolution::Committed => Ok(()),
         // The lost connection, as it is: transient, so the write runs again.
         Resolution::Absent => Err(database("committing", &target, lost)),
-    }
-}
-
-/// [`commit`] for a PostgreSQL transaction whose id `xid` the write read in its own statement:
-/// a lost reply is resolved with `txid_status(xid)` on another connection of `db`.
-///
-/// # Errors
-/// As [`commit`].
-pub(crate) async fn commit_xid(
-    txn: DatabaseTransaction,
-    xid: i64,
-    db: &DatabaseConnection,
-    target: &str,
-) -> Result<(), Error> {
-    let lost = match txn.commit().await {
-        Ok(()) => return Ok(()),
-        Err(e) if in_doubt(&e) => e,
-        Err(e) => return Err(database("committing", &target, e)),
-    };
-    warn!(target, xid, error = %lost, "the commit's reply was lost: asking the server for the transaction's fate");
-    match resolve_xid(db, xid, target).await? {
-        Resolution::Committed => Ok(()),
-        Resolution::Absent => Err(database("committing", &target, lost)),
-    }
-}
-
-/// The fate of PostgreSQL transaction `xid`, asked on another connection until it is final.
-async fn resolve_xid(db: &DatabaseConnection, xid: i64, target: &str) -> Result<Resolution, Error> {
-    let ask = sea_orm::Statement::from_sql_and_values(
-        sea_orm::DbBackend::Postgres,
-        "SELECT txid_status($1) AS status",
-        [xid.into()],
-    );
-    let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
-    let mut delay = Duration::from_millis(20);
-    loop {
-        let asked =
-            tokio::time::timeout_at(deadline, autocommit(db).query_one_raw(ask.clone())).await;
-        let why: crate::error::BoxError = match asked {
-            Ok(Ok(row)) => {
-                let status = row
-                    .map(|row| row.try_get::<Option<String>>("", "status"))
-                    .transpose()
-                    .map_err(|e| unknown(target, Box::new(e)))?
-                    .flatten();
-                match status.as_deref() {
-                    Some("committed") => {
-                        info!(target, xid, "lost commit reply: the write committed");
-                        return Ok(Resolution::Committed);
-                    }
-                    Some("aborted") => {
-                        info!(
-                            target,
-                            xid, "lost commit reply: the write did not commit; running it again"
-                        );
-                        return Ok(Resolution::Absent);
-                    }
-                    // Still finishing on the server: ask again.
-                    Some("in progress") => "the transaction is still in progress".into(),
-                    // NULL: too old to be known (never within the deadline), or not ours.
-                    other => {
-                        return Err(unknown(
-                            target,
-                            format!("txid_status({xid}) answered {other:?}").into(),
-                        ));
-                    }
-                }
-            }
-            Ok(Err(e)) if classify(&e).is_transient() => Box::new(e),
-            Ok(Err(e)) => return Err(unknown(target, Box::new(e))),
-            Err(_) => return Err(unknown(target, "no answer from the database".into())),
-        };
-        warn!(target, xid, error = %why, "lost commit reply: no final answer yet");
-        if tokio::time::Instant::now() + delay >= deadline {
-            return Err(unknown(target, why));
-        }
-        tokio::time::sleep(delay).await;
-        delay = (delay * 2).min(Duration::from_millis(250));
     }
 }
 

@@ -572,27 +572,27 @@ where
                 .map(|(column, _)| (*column, original.get(*column)))
                 .collect(),
         };
-        // The evidence a lost commit reply is resolved with: on PostgreSQL the transaction's id,
-        // read by the UPDATE itself; elsewhere a marker row written first.
-        let markers = self.session.commit_markers();
-        let by_xid = markers && txn.get_database_backend() == DbBackend::Postgres;
-        let marker = (markers && !by_xid).then(Marker::new);
-        if let Some(marker) = &marker
-            && let Err(e) = marker.write(&txn).await
-        {
-            return Err(self.rolled_back(txn, "marking the commit of", e).await);
-        }
-        let written = if by_xid {
-            write::update_returning_xid::<E, _>(&txn, &original, &changes, &expected)
-                .await
-                .map(|row| row.map(|(stored, xid)| (stored, Some(xid))))
-        } else {
-            write::update_returning::<E, _>(&txn, &original, &changes, &expected)
-                .await
-                .map(|row| row.map(|stored| (stored, None)))
+        // The evidence a lost commit reply is resolved with: a marker row with a token of this
+        // write's own (see `commit.rs`). On PostgreSQL it rides in the UPDATE's own statement;
+        // elsewhere it is one INSERT first.
+        let marker = self.session.commit_markers().then(Marker::new);
+        let backend = txn.get_database_backend();
+        let written = match &marker {
+            Some(marker) if backend == DbBackend::Postgres => {
+                let insert = marker.insert(backend, true);
+                write::update_returning_marked::<E, _>(&txn, &original, &changes, &expected, insert)
+                    .await
+            }
+            Some(marker) => match marker.write(&txn).await {
+                Ok(()) => {
+                    write::update_returning::<E, _>(&txn, &original, &changes, &expected).await
+                }
+                Err(e) => return Err(self.rolled_back(txn, "marking the commit of", e).await),
+            },
+            None => write::update_returning::<E, _>(&txn, &original, &changes, &expected).await,
         };
-        let (stored, xid) = match written {
-            Ok(Some(written)) => written,
+        let stored = match written {
+            Ok(Some(stored)) => stored,
             Ok(None) => {
                 finish(txn, false, &self.row).await?;
                 return Ok(Step::Conflict);
@@ -619,10 +619,9 @@ where
             }
         }
         let (db, target) = (self.session.connection(), self.row.name.as_str());
-        let committed = match (&marker, xid) {
-            (Some(marker), _) => commit::commit(txn, marker, db, target).await,
-            (None, Some(xid)) => commit::commit_xid(txn, xid, db, target).await,
-            (None, None) => commit::commit_write(txn, false, db, target).await,
+        let committed = match &marker {
+            Some(marker) => commit::commit(txn, marker, db, target).await,
+            None => commit::commit_write(txn, false, db, target).await,
         };
         if committed.is_ok() {
             locking.committed();

@@ -200,9 +200,9 @@ impl SessionBuilder {
     /// `COMMIT` was in flight) is resolved on another connection: reported as done if it
     /// committed, run again only if it provably did not. Without markers such a write returns
     /// [`crate::Error::CommitUnknown`] and is never run again. On PostgreSQL an update by
-    /// `locked_update` / `update_or_insert` needs no marker row: its UPDATE returns the
-    /// transaction's id, and a lost reply is resolved with `txid_status` — the same guarantee,
-    /// with nothing more written.
+    /// `locked_update` / `update_or_insert` writes its marker in the UPDATE's own statement (a
+    /// data-modifying CTE), so it costs no round trip. The marker is a row, not the transaction's
+    /// id: an id can be handed out again after a crash, a committed row cannot vanish.
     ///
     /// Default: on for PostgreSQL and MySQL/MariaDB (needs
     /// [`crate::schema::CommitMigration`], part of [`crate::schema::migrations`]), off for

@@ -8,7 +8,7 @@ use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
     DbErr, EntityTrait, FromQueryResult, IdenStatic, IntoActiveModel, Iterable, ModelTrait,
     QueryFilter, QueryTrait, SqlErr, Value,
-    sea_query::{Expr, Query, ValueTuple},
+    sea_query::{Alias, CommonTableExpression, InsertStatement, Query, ValueTuple, WithClause},
 };
 
 use crate::row::select_by_key;
@@ -132,15 +132,17 @@ where
     }
 }
 
-/// [`update_returning`] on PostgreSQL that also returns its transaction's id
-/// (`txid_current()`, in the same statement): the evidence a lost commit reply is resolved
-/// with (see [`crate::commit::commit_xid`]).
-pub(crate) async fn update_returning_xid<E, C>(
+/// [`update_returning`] on PostgreSQL with `marker` (an INSERT, the write's commit marker) run
+/// by the same statement, as a data-modifying CTE: `WITH freshlock_marker AS (INSERT …) UPDATE …
+/// RETURNING …`. The marker is then in the transaction without a round trip of its own. The CTE
+/// runs whether or not the UPDATE matches a row; a refused write rolls back, marker and all.
+pub(crate) async fn update_returning_marked<E, C>(
     db: &C,
     original: &E::Model,
     changes: &[ColumnValue<E>],
     expected: &[ColumnValue<E>],
-) -> Result<Option<(E::Model, i64)>, DbErr>
+    marker: InsertStatement,
+) -> Result<Option<E::Model>, DbErr>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
@@ -148,19 +150,19 @@ where
 {
     let backend = db.get_database_backend();
     let mut query = guarded_update::<E>(original, changes, expected)?.into_query();
-    // As sea-orm's own `exec` returns the row (each column as it selects it), plus the id.
+    // As sea-orm's own `exec` returns the row: each column as it selects it.
     let columns = E::Column::iter().map(|c| c.select_as(c.into_returning_expr(backend)));
-    let xid = Expr::cust(format!("txid_current() AS \"{XID}\""));
-    query.returning(Query::returning().exprs(columns.chain([xid])));
+    query.returning(Query::returning().exprs(columns));
+    let cte = CommonTableExpression::new()
+        .table_name(Alias::new("freshlock_marker"))
+        .query(marker)
+        .to_owned();
+    let query = query.with(WithClause::new().cte(cte).to_owned());
     let Some(row) = db.query_one(&query).await? else {
         return Ok(None);
     };
-    let model = E::Model::from_query_result(&row, "")?;
-    Ok(Some((model, row.try_get::<i64>("", XID)?)))
+    Ok(Some(E::Model::from_query_result(&row, "")?))
 }
-
-/// The column [`update_returning_xid`] returns the transaction id in.
-const XID: &str = "freshlock_xid";
 
 /// The guarded UPDATE of `original`'s row, as sea-orm builds it.
 fn guarded_update<E>(
