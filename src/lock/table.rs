@@ -15,6 +15,7 @@ use super::{
     sql::{for_update, lock_error, millis, now_ms, statement},
 };
 use crate::{
+    db_error::in_doubt,
     error::LockError,
     pool::autocommit,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
@@ -73,7 +74,29 @@ impl TableLock {
         LOCKS
             .grant(&autocommit(&self.db), name, &holder, true)
             .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))
+            .map_err(|e| {
+                if in_doubt(&e) {
+                    self.resolve_lost_grant(name, token, ttl);
+                }
+                lock_error(KIND, LOCK_TABLE, e)
+            })
+    }
+
+    /// A grant whose reply was lost (the connection broke while it was in flight) may have
+    /// taken the lease — for a token nobody would hold, keeping the name until its TTL. Like an
+    /// in-doubt write it is resolved by its token: the token is in the row, or it is not. A
+    /// release by that token (in the background, retried while the database is unreachable, as
+    /// a held lease's) frees the row if the grant happened and matches nothing if it did not.
+    fn resolve_lost_grant(&self, name: &str, token: &str, ttl: Duration) {
+        warn!(lock = %name, "the lease grant's reply was lost: releasing by its token");
+        drop(TableGuard {
+            db: self.db.clone(),
+            name: name.to_owned(),
+            token: token.to_owned(),
+            fence: 0,
+            released: false,
+            lease_ends: tokio::time::Instant::now() + ttl,
+        });
     }
 }
 

@@ -25,6 +25,10 @@ pub enum CutAfter {
     Commit,
     /// The locked reload (`… FOR UPDATE`): the transaction never reaches its commit.
     Reload,
+    /// The first statement of a `table` lease grant (the server takes the lease, the client
+    /// never hears). A statement with parameters crosses in two exchanges (prepare, then
+    /// execute): the cut follows the client's next message after the one naming the table.
+    Grant,
 }
 
 impl CutAfter {
@@ -34,6 +38,7 @@ impl CutAfter {
         let pattern: &[u8] = match self {
             Self::Commit => b"COMMIT",
             Self::Reload => b"FOR UPDATE",
+            Self::Grant => b"freshlock_lock",
         };
         chunk
             .windows(pattern.len())
@@ -152,6 +157,8 @@ async fn forward(
 ) -> std::io::Result<()> {
     let (mut up, mut down) = (vec![0u8; 64 * 1024], vec![0u8; 64 * 1024]);
     let mut outage = counters.down.subscribe();
+    // A grant was prepared: cut after the next client message (its execution).
+    let mut armed = false;
     loop {
         tokio::select! {
             changed = outage.changed() => {
@@ -166,9 +173,14 @@ async fn forward(
                 }
                 let chunk = &up[..n];
                 let every = counters.every.load(Ordering::SeqCst);
-                let cut = every > 0
-                    && cut_after.matches(chunk)
-                    && (counters.seen.fetch_add(1, Ordering::SeqCst) + 1).is_multiple_of(every);
+                let mut cut = std::mem::take(&mut armed)
+                    || every > 0
+                        && cut_after.matches(chunk)
+                        && (counters.seen.fetch_add(1, Ordering::SeqCst) + 1)
+                            .is_multiple_of(every);
+                if cut && cut_after == CutAfter::Grant && cut_after.matches(chunk) {
+                    (armed, cut) = (true, false);
+                }
                 server.write_all(chunk).await?;
                 if cut && cut_after == CutAfter::Reload {
                     counters.cuts.fetch_add(1, Ordering::SeqCst);
