@@ -29,6 +29,7 @@ use sea_orm::{
 
 use crate::{
     commit::commit_write,
+    deadline::DEFAULT_REPLY,
     error::{ApplyError, Error, Result},
     lock::{
         LockName, holder,
@@ -166,7 +167,7 @@ impl Claims {
             }
         };
         if let Some(fence) = taken {
-            commit_write(txn, self.markers, &self.db, &name).await?;
+            commit_write(txn, self.markers, &self.db, &name, DEFAULT_REPLY).await?;
             return Ok(ClaimOutcome::Claimed(Claim {
                 name,
                 token,
@@ -266,7 +267,7 @@ impl Claims {
             let _ = txn.rollback().await;
             return Ok(outcome);
         }
-        commit_write(txn, self.markers, &self.db, name).await?;
+        commit_write(txn, self.markers, &self.db, name, DEFAULT_REPLY).await?;
         Ok(outcome)
     }
 

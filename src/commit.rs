@@ -46,6 +46,7 @@ use tracing::{info, warn};
 
 use crate::{
     db_error::{classify, in_doubt},
+    deadline::within,
     error::{Error, database},
     lock::holder,
     pool::autocommit,
@@ -211,6 +212,8 @@ fn unknown(target: &str, source: crate::error::BoxError) -> Error {
 /// lost reply is resolved (see the module docs); without, a lost reply is
 /// [`Error::CommitUnknown`].
 ///
+/// Each round trip waits at most `reply` (see `deadline.rs`).
+///
 /// # Errors
 /// As [`commit`]; [`Error::Database`] when the marker cannot be written (rolled back, nothing
 /// committed — a missing `freshlock_commit` table means freshlock's migrations were not run).
@@ -219,19 +222,28 @@ pub(crate) async fn commit_write(
     markers: bool,
     db: &DatabaseConnection,
     target: &str,
+    reply: Duration,
 ) -> Result<(), Error> {
     if !markers {
-        return txn
-            .commit()
+        return within(reply, txn.commit())
             .await
             .map_err(|e| write_error("committing", target, e));
     }
     let marker = Marker::new();
-    if let Err(e) = marker.write(&txn).await {
-        let _ = txn.rollback().await;
+    if let Err(e) = within(reply, marker.write(&txn)).await {
+        rollback(txn, reply).await;
         return Err(database("marking the commit of", &target, e));
     }
-    commit(txn, &marker, db, target).await
+    commit(txn, &marker, db, target, reply).await
+}
+
+/// Rolls `txn` back, waiting at most `reply` (a connection whose reply does not come is dropped,
+/// which queues the rollback on it). A failure is logged: the server ends the transaction with
+/// the connection anyway.
+pub(crate) async fn rollback(txn: DatabaseTransaction, reply: Duration) {
+    if let Err(error) = within(reply, txn.rollback()).await {
+        warn!(%error, "rollback failed");
+    }
 }
 
 /// Commits `txn` (which holds `marker`): `Ok` when it committed — also when the reply was lost
@@ -247,8 +259,10 @@ pub(crate) async fn commit(
     marker: &Marker,
     db: &DatabaseConnection,
     target: &str,
+    reply: Duration,
 ) -> Result<(), Error> {
-    let lost = match txn.commit().await {
+    // A reply that does not come within `reply` is a lost one (see `deadline.rs`).
+    let lost = match within(reply, txn.commit()).await {
         Ok(()) => {
             sweep(db, marker).await;
             return Ok(());

@@ -27,6 +27,8 @@
 //!   transaction mode.
 //! - `commit.rs` — commit markers: a commit whose reply was lost is resolved, never run twice.
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
+//! - `deadline.rs` — every round trip of a locked write has a deadline (a reply that never
+//!   comes reads as a lost connection).
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
 //! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
 //! - `testing/` — `testing` (feature `testing`): `TestDatabase`, `Recorder`, `FakeLock`.
@@ -48,6 +50,7 @@ mod claim;
 mod combine;
 mod commit;
 mod db_error;
+mod deadline;
 mod decision;
 mod error;
 mod identity_map;

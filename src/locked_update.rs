@@ -32,6 +32,7 @@ pub(crate) use crate::decision::{Decision, Written};
 use crate::{
     combine::{self, Call, MAX_BATCH, RoomKey, Seat, Served},
     commit::{self, Marker},
+    deadline::within,
     error::{Error, Result, database},
     locking::Locking,
     outcome::{LockReport, Report},
@@ -476,7 +477,7 @@ where
         self.session.map().remove(&self.row.key);
         let txn = locking.begin(db).await?;
 
-        let found = match reload_for_update::<E>(&txn, self.row.pk()).await {
+        let found = match within(self.reply(), reload_for_update::<E>(&txn, self.row.pk())).await {
             Ok(found) => found,
             Err(e) => return Err(self.rolled_back(txn, "reloading", e).await),
         };
@@ -488,11 +489,11 @@ where
         };
         match decision {
             Decision::Keep(None) => {
-                finish(txn, false, &self.row).await?;
+                finish(txn, false, &self.row, self.reply()).await?;
                 Ok(Step::Done(Written::NotFound))
             }
             Decision::Keep(Some(original)) => {
-                finish(txn, true, &self.row).await?;
+                finish(txn, true, &self.row, self.reply()).await?;
                 debug!(row = %self.row.name, "unchanged");
                 Ok(Step::Done(Written::Unchanged(self.cache(original))))
             }
@@ -539,7 +540,7 @@ where
             }
         }
         if changes.is_empty() {
-            finish(txn, true, &self.row).await?;
+            finish(txn, true, &self.row, self.reply()).await?;
             let row = self.cache(original);
             self.tell_committed(locking, &row, Vec::new());
             return Ok(Step::Done(Written::Unchanged(row)));
@@ -577,24 +578,26 @@ where
         // elsewhere it is one INSERT first.
         let marker = self.session.commit_markers().then(Marker::new);
         let backend = txn.get_database_backend();
+        let reply = self.reply();
+        let update = || write::update_returning::<E, _>(&txn, &original, &changes, &expected);
         let written = match &marker {
             Some(marker) if backend == DbBackend::Postgres => {
                 let insert = marker.insert(backend, true);
-                write::update_returning_marked::<E, _>(&txn, &original, &changes, &expected, insert)
-                    .await
+                let update = write::update_returning_marked::<E, _>(
+                    &txn, &original, &changes, &expected, insert,
+                );
+                within(reply, update).await
             }
-            Some(marker) => match marker.write(&txn).await {
-                Ok(()) => {
-                    write::update_returning::<E, _>(&txn, &original, &changes, &expected).await
-                }
+            Some(marker) => match within(reply, marker.write(&txn)).await {
+                Ok(()) => within(reply, update()).await,
                 Err(e) => return Err(self.rolled_back(txn, "marking the commit of", e).await),
             },
-            None => write::update_returning::<E, _>(&txn, &original, &changes, &expected).await,
+            None => within(reply, update()).await,
         };
         let stored = match written {
             Ok(Some(stored)) => stored,
             Ok(None) => {
-                finish(txn, false, &self.row).await?;
+                finish(txn, false, &self.row, self.reply()).await?;
                 return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
@@ -620,8 +623,8 @@ where
         }
         let (db, target) = (self.session.connection(), self.row.name.as_str());
         let committed = match &marker {
-            Some(marker) => commit::commit(txn, marker, db, target).await,
-            None => commit::commit_write(txn, false, db, target).await,
+            Some(marker) => commit::commit(txn, marker, db, target, reply).await,
+            None => commit::commit_write(txn, false, db, target, reply).await,
         };
         if committed.is_ok() {
             locking.committed();
@@ -797,7 +800,7 @@ where
         let stored = match E::insert(draft).exec_with_returning(&txn).await {
             Ok(stored) => stored,
             Err(e) if write::is_unique_violation(&e) => {
-                finish(txn, false, &self.row).await?;
+                finish(txn, false, &self.row, self.reply()).await?;
                 return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "inserting", e).await),
@@ -834,7 +837,7 @@ where
         match write::delete_holding::<E, _>(&txn, self.row.pk(), &expected).await {
             Ok(true) => {}
             Ok(false) => {
-                finish(txn, false, &self.row).await?;
+                finish(txn, false, &self.row, self.reply()).await?;
                 return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "deleting", e).await),
@@ -878,6 +881,7 @@ where
             self.session.commit_markers(),
             self.session.connection(),
             self.row.name.as_str(),
+            self.reply(),
         )
         .await
     }
@@ -901,9 +905,7 @@ where
     /// The caller is gone or aborted: roll back, and report (to nobody, or to a caller that
     /// returns its own error instead).
     async fn abandoned(&self, txn: DatabaseTransaction) -> Error {
-        if let Err(error) = txn.rollback().await {
-            warn!(row = %self.row.name, %error, "rollback failed");
-        }
+        commit::rollback(txn, self.reply()).await;
         self.interrupted()
     }
 
@@ -913,10 +915,13 @@ where
         operation: &'static str,
         e: DbErr,
     ) -> Error {
-        if let Err(error) = txn.rollback().await {
-            warn!(row = %self.row.name, %error, "rollback failed");
-        }
+        commit::rollback(txn, self.reply()).await;
         database(operation, &self.row, e)
+    }
+
+    /// The bound on each round trip of this write (see `deadline.rs`).
+    fn reply(&self) -> Duration {
+        self.session.policy().reply_deadline()
     }
 
     fn interrupted(&self) -> Error {
@@ -939,11 +944,13 @@ async fn reload_for_update<E: EntityTrait>(
     reload.one(txn).await
 }
 
-async fn finish(txn: DatabaseTransaction, commit: bool, row: &Row) -> Result<()> {
+/// Ends a transaction that wrote nothing: commits it (`commit`) or rolls it back, waiting at
+/// most `reply` (see `deadline.rs`).
+async fn finish(txn: DatabaseTransaction, commit: bool, row: &Row, reply: Duration) -> Result<()> {
     let ended = if commit {
-        txn.commit().await
+        within(reply, txn.commit()).await
     } else {
-        txn.rollback().await
+        within(reply, txn.rollback()).await
     };
     ended.map_err(|e| database("committing", row, e))
 }

@@ -12,6 +12,7 @@ use sea_orm::{
 use tracing::warn;
 
 use crate::{
+    deadline::within,
     error::{Error, LockError, Result, database},
     lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockRole, OnLockFailure},
     outcome::LockReport,
@@ -30,6 +31,8 @@ pub(crate) struct Locking {
     pub(crate) guard: Option<Box<dyn LockGuard>>,
     /// Whether to take a transaction-scoped lock in each transaction.
     in_transaction: bool,
+    /// The bound on one reply of the database (see `deadline.rs`).
+    reply: std::time::Duration,
     /// The current transaction also releases the lease (see [`Self::verify`]).
     release_rides: bool,
     /// A committed transaction released the lease: nothing to send at the end.
@@ -57,6 +60,7 @@ impl Locking {
             queue: None,
             guard: None,
             in_transaction: false,
+            reply: policy.reply_deadline(),
             release_rides: false,
             released_by_commit: false,
             report: LockReport {
@@ -194,10 +198,13 @@ impl Locking {
     ) -> Result<DatabaseTransaction> {
         let mut skipped = vec![false; lockings.len()];
         'again: loop {
+            let reply = lockings
+                .first()
+                .map_or(crate::deadline::DEFAULT_REPLY, |l| l.reply);
             let began = if detached {
-                begin_detached(db).await
+                within(reply, begin_detached(db)).await
             } else {
-                begin(db).await
+                within(reply, begin(db)).await
             };
             let txn = began.map_err(|e| {
                 let target = lockings.first().map(|l| l.target.to_string());
@@ -260,10 +267,20 @@ impl Locking {
         let Some(guard) = &self.guard else {
             return Ok(true);
         };
+        // A fence check whose reply does not come fails like a lost connection (`deadline.rs`).
+        let (reply, backend) = (self.reply, self.report.backend);
+        let no_reply = || LockError::Backend {
+            backend,
+            source: Box::new(crate::deadline::no_reply(reply)),
+        };
         if !releasing {
-            return guard.verify(txn).await;
+            return tokio::time::timeout(reply, guard.verify(txn))
+                .await
+                .unwrap_or_else(|_| Err(no_reply()));
         }
-        let (held, released) = guard.verify_and_release_in(txn).await?;
+        let (held, released) = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
+            .await
+            .unwrap_or_else(|_| Err(no_reply()))?;
         self.release_rides = released;
         Ok(held)
     }

@@ -308,7 +308,14 @@ where
             }
         }
     }
-    crate::commit::commit_write(txn, session.commit_markers(), db, label).await?;
+    crate::commit::commit_write(
+        txn,
+        session.commit_markers(),
+        db,
+        label,
+        session.policy().reply_deadline(),
+    )
+    .await?;
     for effect in effects {
         effect(session.map());
     }

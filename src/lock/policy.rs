@@ -42,6 +42,12 @@ pub struct LockPolicy {
     /// database error (deadlock, serialization failure, lock timeout, busy SQLite, lost
     /// connection) each start it again — reload, `apply`, write — after a short jittered backoff.
     pub write_attempts: u32,
+    /// How long a locked write waits for one reply of the database (a statement, `BEGIN`,
+    /// `COMMIT`) before it drops the connection: a lost `COMMIT` reply is then resolved on
+    /// another connection, and an earlier one runs the section again. `None` (the default): a
+    /// third of [`ttl`](Self::ttl), between 1 s and 10 s. See
+    /// [`reply_deadline`](Self::reply_deadline).
+    pub reply_timeout: Option<Duration>,
 }
 
 impl Default for LockPolicy {
@@ -52,11 +58,27 @@ impl Default for LockPolicy {
             ttl: Duration::from_secs(60),
             on_failure: OnLockFailure::Proceed,
             write_attempts: 5,
+            reply_timeout: None,
         }
     }
 }
 
 impl LockPolicy {
+    /// Sets how long one reply of the database may take ([`reply_timeout`](Self::reply_timeout)).
+    pub fn with_reply_timeout(mut self, bound: Duration) -> Self {
+        self.reply_timeout = Some(bound);
+        self
+    }
+
+    /// The bound on each round trip of a locked write: [`reply_timeout`](Self::reply_timeout),
+    /// or a third of the lease's TTL between 1 s and 10 s — so a silent network partition frees
+    /// the key well before the lease would run out (the default policy: 10 s).
+    pub fn reply_deadline(&self) -> Duration {
+        self.reply_timeout.unwrap_or_else(|| {
+            (self.ttl / 3).clamp(Duration::from_secs(1), crate::deadline::DEFAULT_REPLY)
+        })
+    }
+
     /// Sets how many times to try for the lock ([`lock_tries`](Self::lock_tries)).
     pub fn with_lock_tries(mut self, tries: u32) -> Self {
         self.lock_tries = tries;

@@ -61,6 +61,9 @@ struct Counters {
     every: AtomicU32,
     seen: AtomicU32,
     cuts: AtomicU32,
+    /// Instead of cutting, black-hole the connection: after the message, nothing passes either
+    /// way and both sockets stay open (no FIN, no RST), as behind a firewall that forgot it.
+    hole: std::sync::atomic::AtomicBool,
 }
 
 /// A running proxy; stops when dropped.
@@ -88,6 +91,7 @@ impl Proxy {
             every: AtomicU32::new(0),
             seen: AtomicU32::new(0),
             cuts: AtomicU32::new(0),
+            hole: std::sync::atomic::AtomicBool::new(false),
         });
         let shared = Arc::clone(&counters);
         let task = tokio::spawn(async move {
@@ -118,6 +122,11 @@ impl Proxy {
     /// Cuts the connection after every `n`-th matching message (0: never).
     pub fn cut_every(&self, n: u32) {
         self.counters.every.store(n, Ordering::SeqCst);
+    }
+
+    /// Black-holes (`true`) instead of cutting: a silent partition, not a closed connection.
+    pub fn black_hole(&self, on: bool) {
+        self.counters.hole.store(on, Ordering::SeqCst);
     }
 
     /// Takes the "server" down (every connection dropped, new ones closed at once) or back up.
@@ -185,6 +194,16 @@ async fn forward(
                 if cut && cut_after == CutAfter::Reload {
                     counters.cuts.fetch_add(1, Ordering::SeqCst);
                     return Ok(()); // both sockets dropped mid-transaction
+                }
+                if cut && counters.hole.load(Ordering::SeqCst) {
+                    counters.cuts.fetch_add(1, Ordering::SeqCst);
+                    // Both sockets stay open; whatever either side sends is swallowed.
+                    loop {
+                        tokio::select! {
+                            read = client.read(&mut up) => if read? == 0 { return Ok(()) },
+                            read = server.read(&mut down) => if read? == 0 { return Ok(()) },
+                        }
+                    }
                 }
                 if cut {
                     // The server gets the message and then the end of the stream (no reset that

@@ -1,0 +1,77 @@
+//! Every round trip of a locked write has a deadline.
+//!
+//! A reply that never comes — a silent network partition, a firewall or NAT that forgot the
+//! connection, a primary that vanished — leaves no error on the socket: the read would wait for
+//! TCP keepalive (two hours on Linux), holding the section's lock all that while. And the peer
+//! may be a proxy whose kernel still acknowledges every byte, so no socket option
+//! (`TCP_USER_TIMEOUT`, keepalive) would notice; sqlx sets none anyway. So the deadline is the
+//! client's own: a statement, `BEGIN`, `COMMIT` or `ROLLBACK` whose reply does not come within
+//! [`crate::LockPolicy::reply_timeout`] fails with an error that reads as a lost connection.
+//! Before a `COMMIT` that is transient (the section runs again on another connection); for a
+//! `COMMIT` it leaves the outcome in doubt, and the commit marker resolves it on another
+//! connection (see `commit.rs`), as after a cut. The section then ends and releases its lock, so
+//! the key serves calls again within the bound.
+//!
+//! The abandoned connection is dropped, not reused: sea-orm queues a rollback on it and sqlx's
+//! release check waits on the same dead socket, so its pool slot stays taken until the OS gives
+//! up on the socket (TCP retransmissions, about 15 minutes when the peer is really gone). Size
+//! pools with headroom where partitions happen; and set the server's
+//! `idle_in_transaction_session_timeout` (PostgreSQL) or `wait_timeout` (MySQL) so that a
+//! transaction whose client vanished before its `COMMIT` does not keep its row locks.
+
+use std::{future::Future, io, sync::Arc, time::Duration};
+
+use sea_orm::{DbErr, RuntimeErr, sqlx};
+
+/// The bound used where no policy applies (claims): [`crate::LockPolicy`]'s default.
+pub(crate) const DEFAULT_REPLY: Duration = Duration::from_secs(10);
+
+/// `round_trip`, or a lost-connection error when its reply does not come within `bound` (the
+/// future is dropped then, with whatever connection it held).
+pub(crate) async fn within<T>(
+    bound: Duration,
+    round_trip: impl Future<Output = Result<T, DbErr>>,
+) -> Result<T, DbErr> {
+    match tokio::time::timeout(bound, round_trip).await {
+        Ok(result) => result,
+        Err(_) => Err(no_reply(bound)),
+    }
+}
+
+/// The error of a reply that did not come: an IO time-out, so that `db_error::classify` reads
+/// it as a lost connection (transient before a `COMMIT`, in doubt for one).
+pub(crate) fn no_reply(bound: Duration) -> DbErr {
+    let timed_out = io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("no reply from the database within {bound:?}; the connection is dropped"),
+    );
+    DbErr::Conn(RuntimeErr::SqlxError(Arc::new(sqlx::Error::Io(timed_out))))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::db_error::{Failure, classify, in_doubt};
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reply_that_never_comes_is_a_lost_connection() {
+        let never = std::future::pending::<Result<(), DbErr>>();
+        let error = within(Duration::from_secs(3), never).await.unwrap_err();
+        assert_eq!(classify(&error), Failure::ConnectionLost);
+        assert!(in_doubt(&error), "a COMMIT without reply is in doubt");
+        assert!(
+            error
+                .to_string()
+                .contains("no reply from the database within 3s")
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reply_in_time_is_passed_through() {
+        let late = async {
+            tokio::time::sleep(Duration::from_millis(2_999)).await;
+            Ok::<_, DbErr>(7)
+        };
+        assert_eq!(within(Duration::from_secs(3), late).await.unwrap(), 7);
+    }
+}
