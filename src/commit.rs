@@ -122,10 +122,13 @@ impl Marker {
     ///
     /// # Errors
     /// [`Error::CommitUnknown`] when no answer could be had within [`RESOLVE_WITHIN`].
+    /// Each attempt waits at most `reply` (a resolver's connection can be cut off too): one
+    /// without an answer is tried again on another connection, until [`RESOLVE_WITHIN`].
     pub(crate) async fn resolve(
         &self,
         db: &DatabaseConnection,
         target: &str,
+        reply: Duration,
     ) -> Result<Resolution, Error> {
         let backend = db.get_database_backend();
         let insert = self.insert(backend, false);
@@ -134,14 +137,15 @@ impl Marker {
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let mut delay = Duration::from_millis(20);
         loop {
-            let tried = tokio::time::timeout_at(deadline, db.execute(&insert)).await;
+            let attempt = deadline.min(tokio::time::Instant::now() + reply);
+            let tried = tokio::time::timeout_at(attempt, db.execute(&insert)).await;
             let error = match tried {
                 Ok(Ok(_)) => {
                     info!(target, token = %self.token, "lost commit reply: the write did not commit; running it again");
                     return Ok(Resolution::Absent);
                 }
                 Ok(Err(e)) if crate::write::is_unique_violation(&e) => {
-                    match self.written_by_writer(pool).await {
+                    match within(reply, self.written_by_writer(pool)).await {
                         Ok(Some(true)) => {
                             info!(target, token = %self.token, "lost commit reply: the write committed");
                             return Ok(Resolution::Committed);
@@ -159,6 +163,7 @@ impl Marker {
                 }
                 Ok(Err(e)) if classify(&e).is_transient() => e,
                 Ok(Err(e)) => return Err(unknown(target, Box::new(e))),
+                Err(_) if attempt < deadline => crate::deadline::no_reply(reply),
                 Err(_) => return Err(unknown(target, "no answer from the database".into())),
             };
             warn!(target, %error, "lost commit reply: the database is not answering yet");
@@ -271,7 +276,7 @@ pub(crate) async fn commit(
         Err(e) => return Err(database("committing", &target, e)),
     };
     warn!(target, error = %lost, "the commit's reply was lost: resolving on another connection");
-    match marker.resolve(db, target).await? {
+    match marker.resolve(db, target, reply).await? {
         Resolution::Committed => Ok(()),
         // The lost connection, as it is: transient, so the write runs again.
         Resolution::Absent => Err(database("committing", &target, lost)),

@@ -26,6 +26,12 @@ use sea_orm::{DbErr, RuntimeErr, sqlx};
 /// The bound used where no policy applies (claims): [`crate::LockPolicy`]'s default.
 pub(crate) const DEFAULT_REPLY: Duration = Duration::from_secs(10);
 
+/// The bound on one reply for a lease of `ttl`: a third of it, between 1 s and
+/// [`DEFAULT_REPLY`] (the same as [`crate::LockPolicy::reply_deadline`]'s default).
+pub(crate) fn reply_bound(ttl: Duration) -> Duration {
+    (ttl / 3).clamp(Duration::from_secs(1), DEFAULT_REPLY)
+}
+
 /// `round_trip`, or a lost-connection error when its reply does not come within `bound` (the
 /// future is dropped then, with whatever connection it held).
 pub(crate) async fn within<T>(

@@ -32,6 +32,7 @@ use sea_orm::{
 };
 
 use crate::{
+    deadline::within,
     error::{Error, Result, database},
     identity_map::{IdentityMap, Key},
     outcome::{DeleteOutcome, SaveOutcome},
@@ -92,6 +93,11 @@ impl std::fmt::Debug for Tx {
 }
 
 impl Tx {
+    /// The bound on each reply of the database in this section (see `deadline.rs`).
+    fn reply(&self) -> std::time::Duration {
+        self.session.policy().reply_deadline()
+    }
+
     pub(crate) fn new(txn: DatabaseTransaction, session: Session) -> Self {
         Self {
             txn,
@@ -189,23 +195,24 @@ impl ConnectionTrait for Tx {
         self.txn.get_database_backend()
     }
 
+    // Each statement waits at most the policy's reply bound (see `deadline.rs`).
     async fn execute_raw(&self, stmt: Statement) -> std::result::Result<ExecResult, DbErr> {
-        self.txn.execute_raw(stmt).await
+        within(self.reply(), self.txn.execute_raw(stmt)).await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> std::result::Result<ExecResult, DbErr> {
-        self.txn.execute_unprepared(sql).await
+        within(self.reply(), self.txn.execute_unprepared(sql)).await
     }
 
     async fn query_one_raw(
         &self,
         stmt: Statement,
     ) -> std::result::Result<Option<QueryResult>, DbErr> {
-        self.txn.query_one_raw(stmt).await
+        within(self.reply(), self.txn.query_one_raw(stmt)).await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> std::result::Result<Vec<QueryResult>, DbErr> {
-        self.txn.query_all_raw(stmt).await
+        within(self.reply(), self.txn.query_all_raw(stmt)).await
     }
 
     fn support_returning(&self) -> bool {
@@ -249,7 +256,7 @@ where
     pub async fn load(&self, id: PrimaryKeyOf<E>) -> Result<Option<Arc<E::Model>>> {
         let row = Row::new::<E>(id.into_value_tuple())?;
         let found = select_by_key::<E>(row.pk())
-            .one(&self.tx.txn)
+            .one(self.tx)
             .await
             .map_err(|e| database("loading", &row, e))?;
         Ok(found.map(|model| {
@@ -283,9 +290,12 @@ where
         let select = locking(select_by_key::<E>(row.pk()), backend, mode);
         let fail = |e| database("loading", row, e);
         let wrap = savepointed(backend, mode);
-        let found = in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.one(c)))
-            .await
-            .map_err(fail)?;
+        let found = within(
+            self.tx.reply(),
+            in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.one(c))),
+        )
+        .await
+        .map_err(fail)?;
         Ok(match found {
             Some(model) => {
                 let model = Arc::new(model);
@@ -320,9 +330,12 @@ where
         let backend = self.tx.get_database_backend();
         let select = locking(select, backend, mode);
         let wrap = savepointed(backend, mode);
-        let models = in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.all(c)))
-            .await
-            .map_err(fail)?;
+        let models = within(
+            self.tx.reply(),
+            in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.all(c))),
+        )
+        .await
+        .map_err(fail)?;
         models
             .into_iter()
             .map(|model| {
@@ -342,7 +355,7 @@ where
     /// transaction on PostgreSQL: use [`get_or_insert`](Self::get_or_insert) when the row may
     /// exist.
     pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
-        let (row, stored, reported) = insert_on::<E, _>(&self.tx.txn, model).await?;
+        let (row, stored, reported) = insert_on::<E, _>(self.tx, model).await?;
         self.tx.seen(&row.key, &Arc::new(stored), true);
         Ok(Arc::new(reported))
     }
@@ -384,7 +397,7 @@ where
             .session
             .version_column(TypeId::of::<E>())
             .and_then(write::column_named::<E>);
-        let saved = save_on::<E, _>(&self.tx.txn, row, snapshot, model, version, false).await?;
+        let saved = save_on::<E, _>(self.tx, row, snapshot, model, version, false).await?;
         Ok(match saved {
             Saved::Stored { stored, reported } => {
                 self.tx.seen(&row.key, &Arc::new(stored), true);
@@ -422,12 +435,12 @@ where
         let target = &row;
         let fail = |operation| move |e| database(operation, target, e);
         let draft = (*original).clone().into_active_model();
-        let draft = write::before_delete::<E, _>(draft, &self.tx.txn)
+        let draft = write::before_delete::<E, _>(draft, self.tx)
             .await
             .map_err(fail("running before_delete for"))?;
         let version = self.tx.session.version_column(TypeId::of::<E>());
         let expected = write::version_guard::<E>(version, &original);
-        let deleted = write::delete_holding::<E, _>(&self.tx.txn, row.pk(), &expected)
+        let deleted = write::delete_holding::<E, _>(self.tx, row.pk(), &expected)
             .await
             .map_err(fail("deleting"))?;
         if !deleted {
@@ -439,7 +452,7 @@ where
                 attempts: 1,
             });
         }
-        write::after_delete::<E, _>(draft, &self.tx.txn)
+        write::after_delete::<E, _>(draft, self.tx)
             .await
             .map_err(fail("running after_delete for"))?;
         self.tx.gone(&row.key);

@@ -1,7 +1,9 @@
 //! A crash-restart of PostgreSQL, as the Linux OOM killer makes one: `kill -9` of one client
 //! backend of a private server (never the shared one). The postmaster then terminates *every*
 //! session, discards shared memory (WAL not yet written included) and recovers while it accepts
-//! connections again; a transaction id that never reached the WAL is handed out again.
+//! connections again; a transaction id that never reached the WAL is handed out again. MariaDB
+//! has no such per-session crash (`KILL CONNECTION` ends one session cleanly): its form is a
+//! `kill -9` of `mariadbd` itself, started again at once (InnoDB crash recovery).
 //!
 //! Worker OS processes (this test binary re-run as `backend_kill_worker`) increment rows with
 //! `locked_update` while the parent kills a random client backend several times. Each worker
@@ -13,6 +15,8 @@
 //! `FRESHLOCK_SOAK_RESETS=N` runs N resets per test instead of the short form's (see
 //! `.ci/soak-backend-kill`).
 
+#[path = "common/private_mariadb.rs"]
+mod private_mariadb;
 #[path = "common/private_pg.rs"]
 mod private_pg;
 #[path = "common/servers.rs"]
@@ -22,7 +26,7 @@ use std::{
     io::{BufRead, BufReader, Read},
     process::{Child, Command, Stdio},
     sync::{
-        Arc, Mutex,
+        Arc, Condvar, Mutex,
         atomic::{AtomicBool, Ordering},
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
@@ -31,6 +35,7 @@ use std::{
 use entity::node;
 use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
 use migration::{Migrator, MigratorTrait};
+use private_mariadb::PrivateMariaDb;
 use private_pg::PrivatePostgres;
 use sea_orm::{ConnectOptions, Database, DatabaseConnection, EntityTrait, Set};
 
@@ -39,6 +44,8 @@ const ENV_WORKER: &str = "FRESHLOCK_KILL_WORKER";
 /// One run's shape.
 #[derive(Clone, Copy, Debug)]
 struct Run {
+    /// MariaDB (`kill -9` of the server) instead of PostgreSQL (`kill -9` of one backend).
+    mariadb: bool,
     kind: LockKind,
     processes: u32,
     tasks: u32,
@@ -51,6 +58,7 @@ struct Run {
 impl Run {
     const fn new(kind: LockKind) -> Self {
         Self {
+            mariadb: false,
             kind,
             processes: 2,
             tasks: 4,
@@ -58,6 +66,87 @@ impl Run {
             combine: false,
             optimistic: false,
             resets: 6,
+        }
+    }
+
+    const fn mariadb(kind: LockKind) -> Self {
+        Self {
+            mariadb: true,
+            ..Self::new(kind)
+        }
+    }
+}
+
+/// At most two runs at a time: each has a server and two worker processes, on 2 cores.
+static RUNNING: (Mutex<u32>, Condvar) = (Mutex::new(0), Condvar::new());
+
+/// A place among the runs allowed at once, given back on drop.
+struct Slot;
+
+impl Slot {
+    fn take() -> Self {
+        let (count, freed) = &RUNNING;
+        let mut running = count.lock().unwrap();
+        while *running >= 2 {
+            running = freed.wait(running).unwrap();
+        }
+        *running += 1;
+        Self
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let (count, freed) = &RUNNING;
+        *count.lock().unwrap() -= 1;
+        freed.notify_one();
+    }
+}
+
+/// The private server a run crashes.
+enum Server {
+    Postgres(PrivatePostgres),
+    MariaDb(PrivateMariaDb),
+}
+
+impl Server {
+    fn start(mariadb: bool) -> Self {
+        if mariadb {
+            Self::MariaDb(PrivateMariaDb::start())
+        } else {
+            Self::Postgres(PrivatePostgres::start())
+        }
+    }
+
+    fn url(&self) -> String {
+        match self {
+            Self::Postgres(server) => server.url(),
+            Self::MariaDb(server) => server.url(),
+        }
+    }
+
+    /// Crashes the server (see the module docs) and returns the moment (epoch ms) it accepts
+    /// connections again; `None` when no crash could be made this time.
+    fn reset(&self, rng: &mut fastrand::Rng) -> Option<u64> {
+        match self {
+            Self::Postgres(server) => reset(server, rng),
+            Self::MariaDb(server) => {
+                server.kill9_and_restart();
+                Some(now_ms())
+            }
+        }
+    }
+
+    /// How many crash-restarts the server's own log shows (PostgreSQL), or were made (MariaDB,
+    /// whose process this test kills itself).
+    fn crashes(&self, made: usize) -> usize {
+        match self {
+            Self::Postgres(server) => {
+                let log = std::fs::read_to_string(server.dir.join("log")).unwrap_or_default();
+                log.matches("all server processes terminated; reinitializing")
+                    .count()
+            }
+            Self::MariaDb(_) => made,
         }
     }
 }
@@ -158,11 +247,16 @@ async fn worker() {
                     let failed = {
                         let mut counts = counts.lock().unwrap();
                         match result {
-                            Ok(report) => {
-                                assert!(report.outcome.is_updated(), "{report:?}");
+                            Ok(report) if report.outcome.is_updated() => {
                                 counts.acknowledged[row as usize] += 1;
                                 counts.successes.push(now_ms());
                                 false
+                            }
+                            // `LeaseLost` (`mysql_named`: the crash ended the lock's session
+                            // and another process moved the fence): nothing written, reported.
+                            Ok(_) => {
+                                counts.failed += 1;
+                                true
                             }
                             Err(Error::CommitUnknown { .. }) => {
                                 counts.unknown[row as usize] += 1;
@@ -351,16 +445,24 @@ async fn progress(url: &str, since: i64, more: i64) -> i64 {
 
 async fn survives_resets(mut run: Run) {
     // The private-server tier runs where the server tier runs.
-    if servers::url(servers::POSTGRES).is_none() {
+    if servers::url(if run.mariadb {
+        servers::MYSQL
+    } else {
+        servers::POSTGRES
+    })
+    .is_none()
+    {
         return;
     }
+    let _slot = tokio::task::spawn_blocking(Slot::take).await.unwrap();
     if let Some(resets) = std::env::var("FRESHLOCK_SOAK_RESETS")
         .ok()
         .and_then(|n| n.parse().ok())
     {
         run.resets = resets;
     }
-    let server = tokio::task::spawn_blocking(PrivatePostgres::start)
+    let mariadb = run.mariadb;
+    let server = tokio::task::spawn_blocking(move || Server::start(mariadb))
         .await
         .unwrap();
     let url = server.url();
@@ -385,11 +487,10 @@ async fn survives_resets(mut run: Run) {
         // A random moment within the workers' stream of calls.
         tokio::time::sleep(Duration::from_millis(rng.u64(50..400))).await;
         let (killer, seed) = (Arc::clone(&server), rng.u64(..));
-        let ready = tokio::task::spawn_blocking(move || {
-            reset(&killer, &mut fastrand::Rng::with_seed(seed))
-        })
-        .await
-        .unwrap();
+        let ready =
+            tokio::task::spawn_blocking(move || killer.reset(&mut fastrand::Rng::with_seed(seed)))
+                .await
+                .unwrap();
         if let Some(ready) = ready {
             readies.push(ready);
         }
@@ -415,10 +516,7 @@ async fn survives_resets(mut run: Run) {
         }
     }
     // Every kill was a crash-restart, not one session ended: the postmaster says so in its log.
-    let log = std::fs::read_to_string(server.dir.join("log")).unwrap_or_default();
-    let reinitialized = log
-        .matches("all server processes terminated; reinitializing")
-        .count();
+    let reinitialized = server.crashes(readies.len());
     assert!(
         reinitialized >= readies.len(),
         "{run:?}: {} kills but {reinitialized} crash-restarts in the server's log",
@@ -469,4 +567,11 @@ resets! {
     local_combined_one_row: Run { tasks: 8, combine: true, ..Run::new(LockKind::Local) };
     row_combined_several_rows: Run { tasks: 8, rows: 3, combine: true, ..Run::new(LockKind::Row) };
     local_optimistic_several_rows: Run { rows: 3, optimistic: true, ..Run::new(LockKind::Local) };
+    mariadb_local_one_row: Run::mariadb(LockKind::Local);
+    mariadb_row_several_rows: Run { rows: 4, ..Run::mariadb(LockKind::Row) };
+    mariadb_table_one_row: Run::mariadb(LockKind::Table);
+    mariadb_mysql_named_one_row: Run::mariadb(LockKind::MySqlNamed);
+    mariadb_local_combined_one_row: Run { tasks: 8, combine: true, ..Run::mariadb(LockKind::Local) };
+    mariadb_local_optimistic_several_rows:
+        Run { rows: 3, optimistic: true, ..Run::mariadb(LockKind::Local) };
 }

@@ -150,6 +150,10 @@ impl Cluster {
                     .unwrap();
                 assert!(installed.status.success(), "mariadb-install-db");
                 let d = dir.display();
+                // `FRESHLOCK_GALERA_SYNC_WAIT=0` runs the nodes without causal reads, to study
+                // what freshlock sees there (the tests' own check reads then may be stale).
+                let sync_wait =
+                    std::env::var("FRESHLOCK_GALERA_SYNC_WAIT").unwrap_or_else(|_| "1".to_owned());
                 std::fs::write(
                     dir.join("my.cnf"),
                     format!(
@@ -164,7 +168,7 @@ impl Cluster {
                          wsrep_node_incoming_address = 127.0.0.1:{port}\n\
                          wsrep_provider_options = \"base_port={g};ist.recv_addr=127.0.0.1:{ist}\"\n\
                          wsrep_sst_method = rsync\nwsrep_sst_receive_address = 127.0.0.1:{sst}\n\
-                         wsrep_sync_wait = 1\n"
+                         wsrep_sync_wait = {sync_wait}\n"
                     ),
                 )
                 .unwrap();

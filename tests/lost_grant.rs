@@ -2,7 +2,9 @@
 //! holds. It is resolved like an in-doubt write, by its token: released in the background, so
 //! the name is free again at once instead of after the lease's TTL (a 30 s stall was measured
 //! after a crash-restart before this). A TCP proxy cuts the connection right after forwarding
-//! the grant's first statement. PostgreSQL and MariaDB.
+//! the grant's first statement, or black-holes it (nothing more passes, both sockets stay
+//! open): the grant then fails after its reply bound instead of waiting forever. PostgreSQL and
+//! MariaDB.
 
 #[path = "common/proxy.rs"]
 mod proxy;
@@ -18,7 +20,7 @@ use servers::{TestDb, databases};
 /// Far longer than the test may take: only a release frees the name before it runs out.
 const TTL: Duration = Duration::from_secs(300);
 
-async fn lost_grant_frees_the_name(db: Option<TestDb>, _: ()) {
+async fn lost_grant_frees_the_name(db: Option<TestDb>, black_hole: bool) {
     let Some(db) = db else { return };
     let name = LockName::new("lost-grant").unwrap();
     let direct: Arc<dyn LockBackend> = Arc::new(TableLock::new(db.db.clone()));
@@ -27,6 +29,7 @@ async fn lost_grant_frees_the_name(db: Option<TestDb>, _: ()) {
     first.expect("a free name").release().await.unwrap();
 
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Grant).await;
+    proxy.black_hole(black_hole);
     let mut options = sea_orm::ConnectOptions::new(proxy.url(&db.url));
     // No statement cache: the grant's text crosses the proxy (a cached statement goes by name).
     options.max_connections(2).sqlx_logging(false);
@@ -39,8 +42,14 @@ async fn lost_grant_frees_the_name(db: Option<TestDb>, _: ()) {
     }
     let proxied = sea_orm::Database::connect(options).await.unwrap();
     let lost: Arc<dyn LockBackend> = Arc::new(TableLock::new(proxied));
-    proxy.cut_every(1);
-    let granted = lost.acquire(&name, Duration::ZERO, TTL).await;
+    proxy.cut_once();
+    // A black-holed grant waits its reply bound (a third of the TTL, at most 10 s), no longer.
+    let granted = tokio::time::timeout(
+        Duration::from_secs(30),
+        lost.acquire(&name, Duration::ZERO, TTL),
+    )
+    .await
+    .expect("a grant whose reply never comes does not wait forever");
     assert_eq!(proxy.cuts(), 1, "the grant's connection was cut");
     assert!(granted.is_err(), "a lost reply is an error: {granted:?}");
 
@@ -55,6 +64,8 @@ async fn lost_grant_frees_the_name(db: Option<TestDb>, _: ()) {
 }
 
 servers::server_tests! {
-    lost_grant_postgres: lost_grant_frees_the_name, (), postgres;
-    lost_grant_mysql: lost_grant_frees_the_name, (), mysql;
+    lost_grant_postgres: lost_grant_frees_the_name, false, postgres;
+    lost_grant_mysql: lost_grant_frees_the_name, false, mysql;
+    black_holed_grant_postgres: lost_grant_frees_the_name, true, postgres;
+    black_holed_grant_mysql: lost_grant_frees_the_name, true, mysql;
 }

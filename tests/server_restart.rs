@@ -4,14 +4,14 @@
 //! nothing acknowledged is lost or applied twice, and the first call succeeds within 2 s of the
 //! server accepting connections again. Every backend that applies.
 
+#[path = "common/private_mariadb.rs"]
+mod private_mariadb;
 #[path = "common/private_pg.rs"]
 mod private_pg;
 #[path = "common/servers.rs"]
 mod servers;
 
 use std::{
-    path::PathBuf,
-    process::Command,
     sync::{
         Arc, Mutex,
         atomic::{AtomicBool, AtomicU32, Ordering},
@@ -22,143 +22,9 @@ use std::{
 use entity::node;
 use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
 use migration::{Migrator, MigratorTrait};
+use private_mariadb::PrivateMariaDb;
 use private_pg::PrivatePostgres;
 use sea_orm::{ConnectOptions, Database, DatabaseConnection, EntityTrait, Set};
-
-/// A MariaDB server of this test's own, killed and removed on drop.
-struct PrivateMariaDb {
-    dir: PathBuf,
-    port: u16,
-    child: Mutex<Option<std::process::Child>>,
-}
-
-impl PrivateMariaDb {
-    fn start() -> Self {
-        let port = servers::free_port();
-        let dir = std::env::temp_dir().join(servers::unique("mariadb"));
-        let data = dir.join("data");
-        std::fs::create_dir_all(&data).unwrap();
-        // Once more if the first try fails (seen once with 16 installs at a time); its output
-        // is in the message if the second fails too.
-        let install = || {
-            let _ = std::fs::remove_dir_all(&data);
-            std::fs::create_dir_all(&data).unwrap();
-            Command::new("mariadb-install-db")
-                .args([
-                    "--user=mysql",
-                    &format!("--datadir={}", data.display()),
-                    "--auth-root-authentication-method=normal",
-                    "--skip-test-db",
-                ])
-                .output()
-                .unwrap()
-        };
-        let mut installed = install();
-        if !installed.status.success() {
-            installed = install();
-        }
-        assert!(
-            installed.status.success(),
-            "mariadb-install-db: {}{}",
-            String::from_utf8_lossy(&installed.stdout),
-            String::from_utf8_lossy(&installed.stderr)
-        );
-        let d = dir.display();
-        std::fs::write(
-            dir.join("my.cnf"),
-            format!(
-                "[mysqld]\nport = {port}\nsocket = {d}/sock\npid-file = {d}/pid\n\
-                 datadir = {d}/data\nbind-address = 127.0.0.1\nuser = mysql\n\
-                 innodb_flush_log_at_trx_commit = 2\nlog-error = {d}/log\n"
-            ),
-        )
-        .unwrap();
-        assert!(
-            Command::new("chown")
-                .args(["-R", "mysql:mysql", &d.to_string()])
-                .status()
-                .unwrap()
-                .success()
-        );
-        let server = Self {
-            dir,
-            port,
-            child: Mutex::new(None),
-        };
-        server.launch();
-        let created = Command::new("mariadb")
-            .args(["-h", "127.0.0.1", "-P", &port.to_string(), "-uroot", "-e"])
-            .arg("CREATE DATABASE test CHARACTER SET utf8mb4")
-            .status()
-            .unwrap();
-        assert!(created.success());
-        server
-    }
-
-    /// Starts `mariadbd` and waits (bounded) until it answers.
-    fn launch(&self) {
-        let child = Command::new("mariadbd")
-            .arg(format!("--defaults-file={}/my.cnf", self.dir.display()))
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        *self.child.lock().unwrap() = Some(child);
-        let deadline = Instant::now() + Duration::from_secs(60);
-        while !self.accepting() {
-            assert!(
-                Instant::now() < deadline,
-                "the private MariaDB did not start"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-
-    fn url(&self) -> String {
-        format!("mysql://root@127.0.0.1:{}/test", self.port)
-    }
-
-    fn accepting(&self) -> bool {
-        Command::new("mariadb-admin")
-            .args([
-                "-h",
-                "127.0.0.1",
-                "-P",
-                &self.port.to_string(),
-                "-uroot",
-                "ping",
-            ])
-            .stdout(std::process::Stdio::null())
-            .stderr(std::process::Stdio::null())
-            .status()
-            .is_ok_and(|status| status.success())
-    }
-
-    fn crash(&self, crash: Crash) {
-        let mut child = self.child.lock().unwrap().take().expect("running");
-        match crash {
-            Crash::Kill9 => child.kill().unwrap(), // SIGKILL
-            Crash::FastRestart => {
-                let _ = Command::new("mariadb-admin")
-                    .args(["-h", "127.0.0.1", "-P", &self.port.to_string(), "-uroot"])
-                    .arg("shutdown")
-                    .status();
-            }
-        }
-        child.wait().unwrap();
-        self.launch();
-    }
-}
-
-impl Drop for PrivateMariaDb {
-    fn drop(&mut self) {
-        if let Some(mut child) = self.child.lock().unwrap().take() {
-            let _ = child.kill();
-            let _ = child.wait();
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
-}
 
 /// Either private server.
 enum Private {
@@ -191,7 +57,10 @@ impl Private {
                     std::thread::sleep(Duration::from_millis(5));
                 }
             }
-            Self::MariaDb(server) => server.crash(crash),
+            Self::MariaDb(server) => match crash {
+                Crash::Kill9 => server.kill9_and_restart(),
+                Crash::FastRestart => server.restart(),
+            },
         }
         Instant::now()
     }

@@ -18,6 +18,26 @@ pub(crate) async fn bump(
     backend: DbBackend,
     kind: &'static str,
     name: &str,
+    reply: std::time::Duration,
+) -> Result<u64, LockError> {
+    // Its round trips together wait at most `reply` (see `deadline.rs`): a bump whose reply
+    // never comes fails the grant, whose guard then releases the lease.
+    tokio::time::timeout(reply, bump_now(db, backend, kind, name))
+        .await
+        .unwrap_or_else(|_| {
+            Err(lock_error(
+                kind,
+                LOCK_TABLE,
+                crate::deadline::no_reply(reply),
+            ))
+        })
+}
+
+async fn bump_now(
+    db: &DatabaseConnection,
+    backend: DbBackend,
+    kind: &'static str,
+    name: &str,
 ) -> Result<u64, LockError> {
     let fail = |e| lock_error(kind, LOCK_TABLE, e);
     let txn = db.begin().await.map_err(fail)?;

@@ -74,9 +74,8 @@ impl LockPolicy {
     /// or a third of the lease's TTL between 1 s and 10 s — so a silent network partition frees
     /// the key well before the lease would run out (the default policy: 10 s).
     pub fn reply_deadline(&self) -> Duration {
-        self.reply_timeout.unwrap_or_else(|| {
-            (self.ttl / 3).clamp(Duration::from_secs(1), crate::deadline::DEFAULT_REPLY)
-        })
+        self.reply_timeout
+            .unwrap_or_else(|| crate::deadline::reply_bound(self.ttl))
     }
 
     /// Sets how many times to try for the lock ([`lock_tries`](Self::lock_tries)).

@@ -172,7 +172,9 @@ impl LeaseLock for RedisLock {
                     released: false,
                 };
                 let backend = self.fences.get_database_backend();
-                guard.fence = fence::bump(&self.fences, backend, KIND, &guard.fence_name).await?;
+                let reply = crate::deadline::reply_bound(ttl);
+                guard.fence =
+                    fence::bump(&self.fences, backend, KIND, &guard.fence_name, reply).await?;
                 return Ok(Some(Box::new(guard)));
             }
             if !backoff.wait_until(deadline).await {

@@ -16,6 +16,7 @@ use super::{
 };
 use crate::{
     db_error::in_doubt,
+    deadline::{reply_bound, within},
     error::LockError,
     pool::autocommit,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
@@ -71,15 +72,14 @@ impl TableLock {
             ttl,
             label: self.label.as_deref(),
         };
-        LOCKS
-            .grant(&autocommit(&self.db), name, &holder, true)
-            .await
-            .map_err(|e| {
-                if in_doubt(&e) {
-                    self.resolve_lost_grant(name, token, ttl);
-                }
-                lock_error(KIND, LOCK_TABLE, e)
-            })
+        let db = autocommit(&self.db);
+        let grant = LOCKS.grant(&db, name, &holder, true);
+        within(reply_bound(ttl), grant).await.map_err(|e| {
+            if in_doubt(&e) {
+                self.resolve_lost_grant(name, token, ttl);
+            }
+            lock_error(KIND, LOCK_TABLE, e)
+        })
     }
 
     /// A grant whose reply was lost (the connection broke while it was in flight) may have
@@ -169,8 +169,9 @@ impl TableGuard {
         let sql = format!(
             "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE name = ? AND owner = ?"
         );
-        autocommit(db)
-            .execute_raw(statement(backend, &sql, vec![name.into(), token.into()]))
+        let db = autocommit(db);
+        let release = db.execute_raw(statement(backend, &sql, vec![name.into(), token.into()]));
+        within(crate::deadline::DEFAULT_REPLY, release)
             .await
             .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
         Ok(())
@@ -195,8 +196,9 @@ impl LockGuard for TableGuard {
             self.name.clone().into(),
             self.token.clone().into(),
         ];
-        let updated = autocommit(&self.db)
-            .execute_raw(statement(backend, &sql, values))
+        let db = autocommit(&self.db);
+        let extend = db.execute_raw(statement(backend, &sql, values));
+        let updated = within(reply_bound(ttl), extend)
             .await
             .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
         Ok(updated.rows_affected() == 1)
@@ -267,10 +269,9 @@ impl LockGuard for TableGuard {
         let backend = self.db.get_database_backend();
         let delete = floor::retire_sql("owner = ?");
         let values = vec![self.name.clone().into(), self.token.clone().into()];
-        match autocommit(&self.db)
-            .execute_raw(statement(backend, &delete, values))
-            .await
-        {
+        let db = autocommit(&self.db);
+        let retire = db.execute_raw(statement(backend, &delete, values));
+        match within(crate::deadline::DEFAULT_REPLY, retire).await {
             Ok(done) if done.rows_affected() == 1 => {
                 let mut this = self;
                 this.released = true;

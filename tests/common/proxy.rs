@@ -64,6 +64,8 @@ struct Counters {
     /// Instead of cutting, black-hole the connection: after the message, nothing passes either
     /// way and both sockets stay open (no FIN, no RST), as behind a firewall that forgot it.
     hole: std::sync::atomic::AtomicBool,
+    /// At most this many cuts (`u32::MAX`: no limit).
+    limit: AtomicU32,
 }
 
 /// A running proxy; stops when dropped.
@@ -92,6 +94,7 @@ impl Proxy {
             seen: AtomicU32::new(0),
             cuts: AtomicU32::new(0),
             hole: std::sync::atomic::AtomicBool::new(false),
+            limit: AtomicU32::new(u32::MAX),
         });
         let shared = Arc::clone(&counters);
         let task = tokio::spawn(async move {
@@ -122,6 +125,12 @@ impl Proxy {
     /// Cuts the connection after every `n`-th matching message (0: never).
     pub fn cut_every(&self, n: u32) {
         self.counters.every.store(n, Ordering::SeqCst);
+    }
+
+    /// Cuts after the next matching message only.
+    pub fn cut_once(&self) {
+        self.counters.limit.store(1, Ordering::SeqCst);
+        self.cut_every(1);
     }
 
     /// Black-holes (`true`) instead of cutting: a silent partition, not a closed connection.
@@ -182,8 +191,11 @@ async fn forward(
                 }
                 let chunk = &up[..n];
                 let every = counters.every.load(Ordering::SeqCst);
+                let under_limit =
+                    counters.cuts.load(Ordering::SeqCst) < counters.limit.load(Ordering::SeqCst);
                 let mut cut = std::mem::take(&mut armed)
                     || every > 0
+                        && under_limit
                         && cut_after.matches(chunk)
                         && (counters.seen.fetch_add(1, Ordering::SeqCst) + 1)
                             .is_multiple_of(every);
