@@ -434,7 +434,16 @@ where
             return Ok(None);
         }
         // Against the snapshot `apply` ran on: a concurrent section may have evicted it since.
-        match self.save_against(row.clone(), &snapshot, draft).await? {
+        // Its UPDATE is its own commit: a reply that does not come within the policy's bound
+        // leaves it in doubt (see `deadline.rs`), and the cached row may be stale.
+        let reply = self.session.policy().reply_deadline();
+        let save = self.save_against(row.clone(), &snapshot, draft);
+        let Ok(saved) = tokio::time::timeout(reply, save).await else {
+            self.session.map().remove(&row.key);
+            let no_reply = crate::deadline::no_reply(reply);
+            return Err(commit::write_error("saving", row.name.as_str(), no_reply));
+        };
+        match saved? {
             SaveOutcome::Updated(model) => Ok(Some(UpdateReport {
                 outcome: UpdateOutcome::Updated(model),
                 lock: crate::outcome::LockReport {

@@ -401,10 +401,24 @@ async fn writers_on_every_node_lose_nothing() {
         .all(&pools[1])
         .await
         .expect("accounts");
+    // On a failure, what every node holds: nodes that disagree are a stale read (a node behind
+    // the others), nodes that agree on a wrong sum are a lost update.
+    let mut per_node = Vec::new();
+    for db in &pools {
+        let mut balances: Vec<(i32, i64)> = account::Entity::find()
+            .all(db)
+            .await
+            .expect("accounts")
+            .iter()
+            .map(|a| (a.id, a.balance))
+            .collect();
+        balances.sort_unstable();
+        per_node.push(balances);
+    }
     assert_eq!(
         all.iter().map(|a| a.balance).sum::<i64>(),
         800,
-        "the sum is exact"
+        "the sum is exact; balances on each node: {per_node:?}"
     );
     assert!(all.iter().all(|a| a.balance >= 0));
 
