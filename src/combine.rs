@@ -15,9 +15,11 @@
 //! twice. A commit whose outcome is unknown is reported as [`crate::Error::CommitUnknown`] to
 //! every member of the batch, never run again.
 //!
-//! Rooms are keyed by the database pool, the lock backend instance, the lock and the row, the
-//! entity type and the session's write settings (version column, commit markers), so only writes
-//! that would have run the same statements one after the other are merged.
+//! Rooms are keyed by the database pool, the lock space that excludes the process's writers
+//! from each other (the in-process lock itself, or a backend's in-process queue: by its id, so
+//! sessions given the shared `LocalLock` in `Arc`s of their own meet in one room), the lock and
+//! the row, the entity type and the session's write settings (version column, commit markers),
+//! so only writes that would have run the same statements one after the other are merged.
 
 use std::{
     any::{Any, TypeId},
@@ -67,7 +69,9 @@ pub(crate) struct Served<M> {
 pub(crate) struct RoomKey {
     entity: TypeId,
     db: usize,
-    backend: usize,
+    /// The lock space that excludes the process's writers of the row from each other (see
+    /// `locking::exclusion`).
+    exclusion: u64,
     lock: LockName,
     row: LockName,
     version: Option<&'static str>,
@@ -80,7 +84,7 @@ impl RoomKey {
     pub(crate) fn new(
         entity: TypeId,
         db: &DatabaseConnection,
-        backend: &Arc<dyn crate::lock::LockBackend>,
+        exclusion: u64,
         lock: &LockName,
         row: &LockName,
         version: Option<&'static str>,
@@ -89,7 +93,7 @@ impl RoomKey {
         Some(Self {
             entity,
             db: crate::pool::identity(db)?,
-            backend: Arc::as_ptr(backend).cast::<()>() as usize,
+            exclusion,
             lock: lock.clone(),
             row: row.clone(),
             version,

@@ -79,7 +79,7 @@ where
             RoomKey::new(
                 TypeId::of::<E>(),
                 session.connection(),
-                session.lock_backend(),
+                crate::locking::exclusion(session.lock_backend()),
                 &row.lock,
                 &row.name,
                 session.version_column(TypeId::of::<E>()),

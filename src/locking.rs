@@ -368,6 +368,17 @@ pub(crate) async fn begin(
     db.begin_with_options(options).await
 }
 
+/// The lock space that excludes this process's writers of one key from each other under
+/// `backend`: the backend itself when it is the in-process lock, else its in-process queue.
+/// Sessions given the same lock space (`LocalLock::shared()` by default, whichever `Arc` it was
+/// wrapped in) share it.
+pub(crate) fn exclusion(backend: &Arc<dyn LockBackend>) -> u64 {
+    match backend.in_process_lock() {
+        Some(local) => local.id(),
+        None => queue_of(backend).id(),
+    }
+}
+
 /// The in-process queue in front of `backend`: one per backend instance, shared by every session
 /// given that instance (a clone of the same `Arc`), none shared with another backend. Keyed by
 /// the instance's address with a weak handle, so a later backend at the same address gets a

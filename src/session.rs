@@ -236,7 +236,8 @@ impl SessionBuilder {
 
     /// Makes `locked_update` / `locked_update_under` **combine commits** on hot rows: the tasks
     /// of this process waiting for the lock of the same row (through sessions on the same
-    /// connection pool and lock backend, with this setting on) are served by the holder's
+    /// connection pool and lock space — the default process-wide `LocalLock` in whichever session, or
+    /// one backend instance — with this setting on) are served by the holder's
     /// transaction instead of each running their own. The holder reloads the row and runs its
     /// `apply`; then each waiter, in arrival order and up to 31 of them, runs *its own* `apply`
     /// (in its own task: closures need not be `'static`) on the row as the ones before it left

@@ -21,6 +21,9 @@
 //! - 40 writers: the batch is bounded — one commit of 32 (the holder and the 31 longest
 //!   seated), then one of the 8 left; all 40 committed once.
 //! - Without `combine_commits`, the same 16 writers commit one by one (`batch == 1`).
+//! - 16 writers with a session each, built the usual way (`Session::builder(db)
+//!   .combine_commits(true).build()`, the process-wide lock by default, so each session holds
+//!   it in an `Arc` of its own): one commit of 16, on SQLite, PostgreSQL and MariaDB.
 
 mod common;
 #[path = "common/servers.rs"]
@@ -425,6 +428,66 @@ async fn bounded_batches(db: Option<TestDb>, kind: LockKind) {
         "one commit of 32, then one of the 8 left"
     );
     assert_eq!(balance(db).await, (1_i64 << 40) - 1, "all 40, once each");
+}
+
+/// 16 writers, each with a session of its own on one pool and the default lock: one commit.
+async fn a_session_each(db: Option<TestDb>, _: ()) {
+    let Some(test) = db else { return };
+    let db = &test.db;
+    seed(db).await;
+    let usual = || {
+        Session::builder(db.clone())
+            .combine_commits(true)
+            .build()
+            .expect("session")
+    };
+    let (release, holder) = hold(&usual(), lock_name::<account::Entity>(1).expect("key")).await;
+    let sessions: Vec<Session> = (0..WRITERS).map(|_| usual()).collect();
+    let tasks: Vec<_> = sessions
+        .iter()
+        .enumerate()
+        .map(|(i, session)| {
+            let session = session.clone();
+            tokio::spawn(async move {
+                session
+                    .repository::<account::Entity>()
+                    .locked_update(1, move |row| {
+                        let balance = *row.balance.as_ref();
+                        row.balance = Set(balance + (1 << i));
+                        Ok(())
+                    })
+                    .await
+            })
+        })
+        .collect();
+    eventually("every writer is seated", || {
+        sessions.iter().map(Session::in_flight).sum::<usize>() == WRITERS
+    })
+    .await;
+    release.send(()).expect("blocker waits");
+    holder.await.expect("blocker");
+    for (i, task) in tasks.into_iter().enumerate() {
+        let report = task
+            .await
+            .expect("no panic")
+            .unwrap_or_else(|e| panic!("writer {i}: {e}"));
+        assert!(report.outcome.is_updated(), "writer {i}");
+        assert_eq!(
+            report.batch, WRITERS as u32,
+            "writer {i}: sessions of their own share one commit"
+        );
+    }
+    assert_eq!(
+        balance(db).await,
+        (1_i64 << WRITERS) - 1,
+        "all 16, once each"
+    );
+}
+
+servers::server_tests! {
+    session_each_sqlite: a_session_each, (), sqlite;
+    session_each_postgres: a_session_each, (), postgres;
+    session_each_mysql: a_session_each, (), mysql;
 }
 
 servers::server_tests! {

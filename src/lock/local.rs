@@ -1,7 +1,10 @@
 //! The in-process lock: one fair async mutex per name, created on demand.
 
 use std::{
-    sync::{Arc, OnceLock},
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
@@ -23,9 +26,22 @@ type Entries = DashMap<LockName, Arc<Mutex<()>>>;
 /// It protects nothing across processes; the TTL is ignored because a holder cannot outlive the
 /// process that holds the lock. Cloning is cheap and clones share their locks;
 /// [`LocalLock::shared`] is the process-wide instance sessions use by default.
-#[derive(Clone, Debug, Default)]
+#[derive(Clone, Debug)]
 pub struct LocalLock {
     entries: Arc<Entries>,
+    /// Which lock space this is: unique in the process, shared by clones (never an address, so
+    /// a later lock space cannot be mistaken for a dropped one).
+    id: u64,
+}
+
+impl Default for LocalLock {
+    fn default() -> Self {
+        static NEXT: AtomicU64 = AtomicU64::new(0);
+        Self {
+            entries: Arc::default(),
+            id: NEXT.fetch_add(1, Ordering::Relaxed),
+        }
+    }
 }
 
 impl LocalLock {
@@ -41,6 +57,12 @@ impl LocalLock {
     pub fn shared() -> Self {
         static SHARED: OnceLock<LocalLock> = OnceLock::new();
         SHARED.get_or_init(LocalLock::new).clone()
+    }
+
+    /// Which lock space this is (see the field): writes of the process that exclude each other
+    /// through the same lock space may share a commit.
+    pub(crate) fn id(&self) -> u64 {
+        self.id
     }
 
     /// How many names are held or waited for right now.
@@ -76,6 +98,10 @@ impl LockBackend for LocalLock {
 
     fn in_process(&self) -> bool {
         true
+    }
+
+    fn in_process_lock(&self) -> Option<&LocalLock> {
+        Some(self)
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -100,6 +100,15 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
         false
     }
 
+    /// The in-process lock this backend *is*, when it is one ([`LocalLock`] returns itself;
+    /// every other backend keeps the default, `None`). Sessions use it to tell which writes of
+    /// the process exclude each other through one lock space, whichever `Arc` each session was
+    /// given it in: those writes may share a commit
+    /// ([`crate::SessionBuilder::combine_commits`]).
+    fn in_process_lock(&self) -> Option<&LocalLock> {
+        None
+    }
+
     /// The lock this backend takes: a lease around the transaction or a lock inside it.
     fn role(&self) -> LockRole<'_>;
 }
