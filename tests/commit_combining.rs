@@ -155,23 +155,17 @@ async fn hold(session: &Session, key: LockName) -> (oneshot::Sender<()>, JoinHan
     (release, holder)
 }
 
-/// Parks `writers` behind a held lock, lets go, and returns each writer's result, in task order.
-async fn park_and_release(
-    db: &DatabaseConnection,
-    lock: &Arc<dyn LockBackend>,
-    combine: bool,
+/// One task per writer, writer `i` in `sessions[i]`: it adds `2^i` to account 1's balance (or
+/// fails in `apply`).
+fn spawn_writers(
+    sessions: &[Session],
     writers: &[Writer],
-) -> (
-    Session,
-    Vec<std::thread::Result<freshlock::Result<freshlock::UpdateReport<account::Model>>>>,
-) {
-    let blocker = combining(db, lock, false);
-    let (release, holder) = hold(&blocker, lock_name::<account::Entity>(1).expect("key")).await;
-    let session = combining(db, lock, combine);
-    let tasks: Vec<_> = writers
+) -> Vec<JoinHandle<freshlock::Result<freshlock::UpdateReport<account::Model>>>> {
+    sessions
         .iter()
+        .zip(writers)
         .enumerate()
-        .map(|(i, writer)| {
+        .map(|(i, (session, writer))| {
             let (session, writer) = (session.clone(), *writer);
             tokio::spawn(async move {
                 session
@@ -187,7 +181,23 @@ async fn park_and_release(
                     .await
             })
         })
-        .collect();
+        .collect()
+}
+
+/// Parks `writers` behind a held lock, lets go, and returns each writer's result, in task order.
+async fn park_and_release(
+    db: &DatabaseConnection,
+    lock: &Arc<dyn LockBackend>,
+    combine: bool,
+    writers: &[Writer],
+) -> (
+    Session,
+    Vec<std::thread::Result<freshlock::Result<freshlock::UpdateReport<account::Model>>>>,
+) {
+    let blocker = combining(db, lock, false);
+    let (release, holder) = hold(&blocker, lock_name::<account::Entity>(1).expect("key")).await;
+    let session = combining(db, lock, combine);
+    let tasks = spawn_writers(&vec![session.clone(); writers.len()], writers);
     eventually("every writer is seated", || {
         session.in_flight() == writers.len()
     })
@@ -443,23 +453,7 @@ async fn a_session_each(db: Option<TestDb>, _: ()) {
     };
     let (release, holder) = hold(&usual(), lock_name::<account::Entity>(1).expect("key")).await;
     let sessions: Vec<Session> = (0..WRITERS).map(|_| usual()).collect();
-    let tasks: Vec<_> = sessions
-        .iter()
-        .enumerate()
-        .map(|(i, session)| {
-            let session = session.clone();
-            tokio::spawn(async move {
-                session
-                    .repository::<account::Entity>()
-                    .locked_update(1, move |row| {
-                        let balance = *row.balance.as_ref();
-                        row.balance = Set(balance + (1 << i));
-                        Ok(())
-                    })
-                    .await
-            })
-        })
-        .collect();
+    let tasks = spawn_writers(&sessions, &[Writer::Adds; WRITERS]);
     eventually("every writer is seated", || {
         sessions.iter().map(Session::in_flight).sum::<usize>() == WRITERS
     })
