@@ -641,9 +641,19 @@ where
         ActiveValue::Unchanged(value) => value,
         _ => snapshot.get(column),
     });
-    let model = write::before_save::<E, _>(model, db, false)
-        .await
-        .map_err(fail("running before_save for"))?;
+    // Nothing the caller set differs from the snapshot: no hook runs (a `before_save` that
+    // stamps `updated_at` would make a change that is not one), and nothing is written — the
+    // row is only checked to still hold the snapshot (`Unchanged`), as `locked_update` does.
+    let caller_changed = write::set_columns::<E>(&model)
+        .iter()
+        .any(|(column, value)| *value != snapshot.get(*column));
+    let model = if caller_changed {
+        write::before_save::<E, _>(model, db, false)
+            .await
+            .map_err(fail("running before_save for"))?
+    } else {
+        model
+    };
     reject_set_primary_key::<E>(&model)?;
     let set = write::set_columns::<E>(&model);
     let mut changes: Vec<_> = set

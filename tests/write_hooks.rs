@@ -170,6 +170,17 @@ async fn hooks_and_stored_rows(db: DatabaseConnection, base: i32) {
     assert_eq!(row.saves, 2);
     assert_eq!(calls(id, "before_update"), 1);
 
+    // save of what the row already holds: Unchanged, no hook, nothing written (the hook would
+    // stamp `updated_at`, a change that is not one).
+    let mut same = row.clone().into_active_model();
+    same.price = Set(row.price);
+    assert!(matches!(
+        products.save(same).await.unwrap(),
+        SaveOutcome::Unchanged
+    ));
+    assert_eq!(calls(id, "before_update"), 1, "no hook ran");
+    assert_eq!(stored(&db, id).await.unwrap(), row, "nothing written");
+
     // locked_update: hooks run in the transaction.
     let report = products
         .locked_update(id, |p| {
