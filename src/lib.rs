@@ -12,7 +12,15 @@
 //!   UPDATE that returns the stored row, sea-orm's hooks.
 //! - `locking.rs` — taking and releasing a section's lock under the policy (in-process queue,
 //!   lease, transaction-scoped lock).
+//! - `decision.rs` — what a locked write decided (update, insert, delete, keep) and what it
+//!   wrote: the words the locked driver, commit combining and the front ends share.
+//! - `combine.rs` — commit combining: the waiters of a hot row sit in its room and are served
+//!   by the holder's transaction.
 //! - `section.rs` — [`Session::with_lock`]: a short transaction under a keyed lock.
+//! - `tx.rs` — [`Tx`] and [`TxRepository`]: a section's transaction and the repositories bound
+//!   to it.
+//! - `many.rs` — locked writes built on a retrying section: several rows in one transaction
+//!   (`locked_update_many`, `locked_update_pair`), and `locked_update_with`.
 //! - `row.rs` — how a row of any entity is named (cache key, lock name, error text).
 //! - `outcome.rs` — [`UpdateOutcome`], [`DeleteOutcome`], [`Report`], [`LockReport`],
 //!   [`SaveOutcome`].

@@ -181,6 +181,40 @@ async fn hooks_and_stored_rows(db: DatabaseConnection, base: i32) {
     assert_eq!(calls(id, "before_update"), 1, "no hook ran");
     assert_eq!(stored(&db, id).await.unwrap(), row, "nothing written");
 
+    // The hook's columns are guarded like the caller's: `updated_at` is a whole-row version. A
+    // save from a snapshot older than another session's hooked save conflicts, even though the
+    // two changed different columns; the newer write stays.
+    let older = Session::new(db.clone());
+    let stale = older
+        .repository::<product::Entity>()
+        .load(id)
+        .await
+        .unwrap()
+        .unwrap();
+    let mut renamed = row.clone().into_active_model();
+    renamed.name = Set("lamp, renamed".into());
+    assert!(matches!(
+        products.save(renamed).await.unwrap(),
+        SaveOutcome::Updated(_)
+    ));
+    let mut repriced = (*stale).clone().into_active_model();
+    repriced.price = Set(Decimal::new(99, 0));
+    assert!(matches!(
+        older
+            .repository::<product::Entity>()
+            .save(repriced)
+            .await
+            .unwrap(),
+        SaveOutcome::Conflict
+    ));
+    let row = stored(&db, id).await.unwrap();
+    assert_eq!((row.name.as_str(), row.saves), ("lamp, renamed", 3));
+    assert_eq!(
+        calls(id, "before_update"),
+        3,
+        "the refused save's hook ran, nothing written"
+    );
+
     // locked_update: hooks run in the transaction.
     let report = products
         .locked_update(id, |p| {
@@ -195,15 +229,15 @@ async fn hooks_and_stored_rows(db: DatabaseConnection, base: i32) {
     let row = stored(&db, id).await.unwrap();
     assert_eq!(*updated, row);
     assert_eq!(*products.load(id).await.unwrap().unwrap(), row);
-    assert_eq!((row.saves, row.name.as_str()), (3, "desk lamp"));
-    assert_eq!(calls(id, "before_update"), 2);
-    assert_eq!(calls(id, "after_save"), 3);
+    assert_eq!((row.saves, row.name.as_str()), (4, "desk lamp"));
+    assert_eq!(calls(id, "before_update"), 4);
+    assert_eq!(calls(id, "after_save"), 4);
 
     // Nothing changed → no UPDATE, and no hook (it would stamp a change that is not one).
     let report = products.locked_update(id, |_| Ok(())).await.unwrap();
     assert!(matches!(report.outcome, UpdateOutcome::Unchanged(_)));
-    assert_eq!(calls(id, "before_update"), 2);
-    assert_eq!(stored(&db, id).await.unwrap().saves, 3);
+    assert_eq!(calls(id, "before_update"), 4);
+    assert_eq!(stored(&db, id).await.unwrap().saves, 4);
 
     // get_or_insert / update_or_insert create through the hooks too.
     let (created, was_created) = products
