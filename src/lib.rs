@@ -99,6 +99,6 @@ pub use outcome::{
 };
 pub use repository::{PrimaryKeyOf, Repository};
 pub use row::lock_name;
-pub use section::{Section, SectionOutcome, SectionReport, SectionWork};
+pub use section::{Section, SectionOutcome, SectionReport, SectionWork, section_work};
 pub use session::{Session, SessionBuilder};
 pub use tx::{ForUpdate, Tx, TxRepository};

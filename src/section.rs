@@ -102,6 +102,47 @@ impl Session {
     }
 }
 
+/// Gives a section's work, kept in a variable before it is run, the type a section takes: a
+/// closure infers that its future borrows the [`Tx`] it is given (`for<'t> … -> SectionWork<'t,
+/// T>`) only where it is passed to a function that says so, which a `let` does not. Pass the
+/// closure through this function where it is written; the result runs with
+/// [`Session::with_lock`], [`Section::run`] and [`Section::run_retrying`].
+///
+/// ```
+/// # use entity::node;
+/// # use freshlock::{Session, section_work, lock_name};
+/// # use migration::Migrator;
+/// # use sea_orm::{EntityTrait, IntoActiveModel, Set};
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+/// # let db = freshlock::testing::TestDatabase::with_migrator::<Migrator>().await?;
+/// # let session = Session::new(db.connection().clone());
+/// # node::Entity::insert(node::ActiveModel::fresh(1)).exec(db.connection()).await?;
+/// let rename = section_work(|tx| {
+///     Box::pin(async move {
+///         let nodes = tx.repository::<node::Entity>();
+///         if let Some(found) = nodes.load(1).await? {
+///             let mut node = (*found).clone().into_active_model();
+///             node.title = Set("renamed".into());
+///             nodes.save(node).await?;
+///         }
+///         Ok(())
+///     })
+/// });
+/// let key = lock_name::<node::Entity>(1)?;
+/// session.section([key]).run_retrying(rename).await?;
+/// # let stored = node::Entity::find_by_id(1).one(db.connection()).await?.unwrap();
+/// # assert_eq!(stored.title, "renamed");
+/// # Ok(())
+/// # }
+/// ```
+pub fn section_work<T, F>(work: F) -> F
+where
+    F: for<'t> FnMut(&'t Tx) -> SectionWork<'t, T> + Send,
+{
+    work
+}
+
 /// Coerces a closure to the higher-ranked work type (closures infer it only from a bound).
 /// `None`: the work cannot run again (a run-once section's work was used).
 fn work_fn<T, F>(f: F) -> F
