@@ -273,7 +273,7 @@ async fn increments(
     rounds: u32,
     kill_after: Option<u32>,
 ) -> (Arc<Tally>, i32) {
-    let before = score(&pools[0]).await;
+    let before = score(&cluster.nodes[0].url()).await;
     let tally = Arc::new(Tally::default());
     let mut tasks = Vec::new();
     for (node, db) in pools.iter().enumerate() {
@@ -322,30 +322,38 @@ async fn increments(
     for task in tasks {
         task.await.expect("writer");
     }
-    let after = score(&pools[0]).await;
+    let after = score(&cluster.nodes[0].url()).await;
     (tally, after - before)
 }
 
-async fn score(db: &DatabaseConnection) -> i32 {
+async fn score(url: &str) -> i32 {
     let score = causal(
-        db,
+        url,
         "SELECT CAST(COALESCE(score, 0) AS SIGNED) FROM node WHERE id = 1",
     );
     i32::try_from(score.await).expect("a score")
 }
 
-/// One number read by `select` on `db`'s node with causal reads for this statement alone
-/// (`SET STATEMENT wsrep_sync_wait = 1 FOR …`): the node first applies what the cluster
-/// committed before it, so the tests' checks are exact whatever the nodes' own setting (see
+/// One number read by `select` on the node at `url` with causal reads: a connection of its own
+/// (`SET SESSION wsrep_sync_wait = 1`, then closed), so the node first applies what the cluster
+/// committed before the read, the tests' checks are exact whatever the nodes' own setting (see
 /// `FRESHLOCK_GALERA_SYNC_WAIT`), and no pooled session is changed.
-async fn causal(db: &DatabaseConnection, select: &str) -> i64 {
-    let sql = format!("SET STATEMENT wsrep_sync_wait = 1 FOR {select}");
-    db.query_one_raw(Statement::from_string(DbBackend::MySql, sql))
+async fn causal(url: &str, select: &str) -> i64 {
+    let mut options = ConnectOptions::new(url);
+    options.max_connections(1).sqlx_logging(false);
+    let db = Database::connect(options).await.expect("connect a node");
+    db.execute_unprepared("SET SESSION wsrep_sync_wait = 1")
+        .await
+        .expect("causal reads");
+    let value = db
+        .query_one_raw(Statement::from_string(DbBackend::MySql, select))
         .await
         .expect("read")
         .expect("a row")
         .try_get_by_index::<i64>(0)
-        .expect("a number")
+        .expect("a number");
+    db.close().await.expect("close");
+    value
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -427,15 +435,19 @@ async fn writers_on_every_node_lose_nothing() {
         per_node.push(balances);
     }
     let sum = causal(
-        &pools[1],
-        "SELECT CAST(SUM(balance) AS SIGNED) FROM account",
+        &cluster.nodes[1].url(),
+        "SELECT CAST(SUM(balance) AS SIGNED) FROM bank_account",
     )
     .await;
     assert_eq!(
         sum, 800,
         "the sum is exact; balances on each node: {per_node:?}"
     );
-    let negative = causal(&pools[1], "SELECT COUNT(*) FROM account WHERE balance < 0").await;
+    let negative = causal(
+        &cluster.nodes[1].url(),
+        "SELECT COUNT(*) FROM bank_account WHERE balance < 0",
+    )
+    .await;
     assert_eq!(negative, 0, "no balance negative: {per_node:?}");
 
     // Claims: every job finished exactly once.
