@@ -12,6 +12,11 @@
 //! connection (see `commit.rs`), as after a cut. The section then ends and releases its lock, so
 //! the key serves calls again within the bound.
 //!
+//! A `BEGIN` is never cut by a deadline: it ends in a task of its own (`detach.rs`), since a
+//! connection whose `BEGIN` reply was not read would go back to the pool inside a transaction
+//! nobody ends. Every other statement may be cut: sea-orm then queues a rollback on its
+//! connection, and a lost `COMMIT` is resolved by its marker.
+//!
 //! The abandoned connection is dropped, not reused: sea-orm queues a rollback on it and sqlx's
 //! release check waits on the same dead socket, so its pool slot stays taken until the OS gives
 //! up on the socket (TCP retransmissions, about 15 minutes when the peer is really gone). Size

@@ -37,6 +37,8 @@
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
 //! - `deadline.rs` — every round trip of a locked write has a deadline (a reply that never
 //!   comes reads as a lost connection).
+//! - `detach.rs` — futures never cut in half: a locked section's driver and every `BEGIN` end
+//!   in a task of their own when their caller is dropped.
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
 //! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
 //! - `testing/` — `testing` (feature `testing`): `TestDatabase`, `Recorder`, `FakeLock`.
@@ -60,6 +62,7 @@ mod commit;
 mod db_error;
 mod deadline;
 mod decision;
+mod detach;
 mod error;
 mod identity_map;
 pub mod inspect;

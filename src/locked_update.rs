@@ -12,11 +12,8 @@
 
 use std::{
     any::TypeId,
-    future::Future,
     panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
-    pin::Pin,
     sync::Arc,
-    task::{Context, Poll},
     time::Duration,
 };
 
@@ -26,13 +23,14 @@ use sea_orm::{
     IntoActiveModel, ModelTrait, QuerySelect,
 };
 use tokio::sync::{mpsc, oneshot};
-use tracing::{Instrument, debug, error, field, info_span, warn};
+use tracing::{Instrument, debug, field, info_span, warn};
 
 pub(crate) use crate::decision::{Decision, Written};
 use crate::{
     combine::{self, Call, MAX_BATCH, RoomKey, Seat, Served},
     commit::{self, Marker},
     deadline::within,
+    detach::Detachable,
     error::{Error, Result, database},
     locking::Locking,
     outcome::{LockReport, Report},
@@ -129,56 +127,6 @@ where
         }
     }
     driver.await
-}
-
-/// The driver's future, polled in place by the caller; if the caller is dropped before it
-/// finished, `Drop` moves it (it is boxed, so it does not move in memory) to a task of its own,
-/// which runs it to its commit or rollback and lock release. A statement is thus never cut in
-/// half by a cancellation, without paying for a task and thread hops on every call.
-struct Detachable<T: Send + 'static> {
-    future: Option<Pin<Box<dyn Future<Output = T> + Send>>>,
-}
-
-impl<T: Send + 'static> Detachable<T> {
-    fn new(future: impl Future<Output = T> + Send + 'static) -> Self {
-        Self {
-            future: Some(Box::pin(future)),
-        }
-    }
-}
-
-impl<T: Send + 'static> Future for Detachable<T> {
-    type Output = T;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let Some(future) = self.future.as_mut() else {
-            return Poll::Pending; // Finished already: never polled again by our callers.
-        };
-        let output = std::task::ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
-    }
-}
-
-impl<T: Send + 'static> Drop for Detachable<T> {
-    fn drop(&mut self) {
-        let Some(future) = self.future.take() else {
-            return;
-        };
-        // While unwinding from a panic inside the driver the future cannot be polled again;
-        // dropping it rolls the transaction back (queued on the connection) and frees the lock.
-        if std::thread::panicking() {
-            return;
-        }
-        match tokio::runtime::Handle::try_current() {
-            Ok(runtime) => {
-                runtime.spawn(async move {
-                    let _ = future.await;
-                });
-            }
-            Err(_) => error!("locked section dropped outside a tokio runtime; rolled back on drop"),
-        }
-    }
 }
 
 /// How one run of the locked section ended.

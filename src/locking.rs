@@ -7,7 +7,7 @@ use dashmap::DashMap;
 
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
-    SqliteTransactionMode, TransactionOptions, TransactionTrait,
+    SqliteTransactionMode, TransactionOptions,
 };
 use tracing::warn;
 
@@ -201,6 +201,7 @@ impl Locking {
             let reply = lockings
                 .first()
                 .map_or(crate::deadline::DEFAULT_REPLY, |l| l.reply);
+            // A `BEGIN` past the bound ends on its own (see `detach::begin`).
             let began = if detached {
                 within(reply, begin_detached(db)).await
             } else {
@@ -365,7 +366,7 @@ pub(crate) async fn begin(
             ..TransactionOptions::default()
         },
     };
-    db.begin_with_options(options).await
+    crate::detach::begin(db, options).await
 }
 
 /// The lock space that excludes this process's writers of one key from each other under

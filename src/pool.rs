@@ -139,8 +139,8 @@ impl Autocommit<'_> {
             Box<dyn std::future::Future<Output = Result<T, sea_orm::DbErr>> + Send + 't>,
         >,
     ) -> Result<T, sea_orm::DbErr> {
-        use sea_orm::TransactionTrait;
-        let txn = self.0.begin().await?;
+        // Never cut in half (a caller's deadline may drop this future): see `detach::begin`.
+        let txn = crate::detach::begin(self.0, sea_orm::TransactionOptions::default()).await?;
         match statement(&txn).await {
             Ok(value) => {
                 txn.commit().await?;

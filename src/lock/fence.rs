@@ -4,7 +4,7 @@
 
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 #[cfg(feature = "redis")]
-use sea_orm::{DatabaseConnection, DbBackend, TransactionTrait};
+use sea_orm::{DatabaseConnection, DbBackend};
 
 use super::sql::{for_update, lock_error, statement};
 #[cfg(feature = "redis")]
@@ -40,7 +40,10 @@ async fn bump_now(
     name: &str,
 ) -> Result<u64, LockError> {
     let fail = |e| lock_error(kind, LOCK_TABLE, e);
-    let txn = db.begin().await.map_err(fail)?;
+    // Never cut in half by `bump`'s deadline (see `detach::begin`).
+    let txn = crate::detach::begin(db, sea_orm::TransactionOptions::default())
+        .await
+        .map_err(fail)?;
     let now = now_ms(backend);
     let fence = if backend == DbBackend::MySql {
         txn.execute_raw(statement(
