@@ -33,6 +33,7 @@ pub(crate) async fn bump(
         })
 }
 
+#[cfg(feature = "redis")]
 async fn bump_now(
     db: &DatabaseConnection,
     backend: DbBackend,
