@@ -37,7 +37,7 @@ use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
 use migration::{Migrator, MigratorTrait};
 use private_mariadb::PrivateMariaDb;
 use private_pg::PrivatePostgres;
-use sea_orm::{ConnectOptions, Database, DatabaseConnection, EntityTrait, Set};
+use sea_orm::{ConnectOptions, Database, EntityTrait, Set};
 
 const ENV_WORKER: &str = "FRESHLOCK_KILL_WORKER";
 
@@ -197,7 +197,7 @@ async fn worker() {
     let kind: LockKind = env("FL_LOCK");
     let (tasks, rows): (u32, u32) = (env("FL_TASKS"), env("FL_ROWS"));
     let (combine, optimistic): (bool, bool) = (env("FL_COMBINE"), env("FL_OPTIMISTIC"));
-    let db = pool(&url, tasks + 2).await;
+    let db = servers::crashable_pool(&url, tasks + 2).await;
     let redis = std::env::var(servers::REDIS).ok();
     let backend = kind.connect(&db, &url, redis.as_deref()).await.unwrap();
 
@@ -297,16 +297,6 @@ async fn worker() {
 }
 
 // ------------------------------------------------------------------ the parent
-
-async fn pool(url: &str, size: u32) -> DatabaseConnection {
-    let mut options = ConnectOptions::new(url);
-    options
-        .max_connections(size)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_timeout(Duration::from_secs(2))
-        .sqlx_logging(false);
-    Database::connect(options).await.unwrap()
-}
 
 struct Worker {
     child: Child,
@@ -470,7 +460,7 @@ async fn survives_resets(mut run: Run) {
         .await
         .unwrap();
     let url = server.url();
-    let db = pool(&url, 2).await;
+    let db = servers::crashable_pool(&url, 2).await;
     Migrator::up(&db, None).await.unwrap();
     for id in 1..=run.rows {
         node::Entity::insert(node::ActiveModel::fresh(i32::try_from(id).unwrap()))
@@ -505,7 +495,7 @@ async fn survives_resets(mut run: Run) {
             .await
             .unwrap();
 
-    let db = pool(&url, 1).await;
+    let db = servers::crashable_pool(&url, 1).await;
     let stored = node::Entity::find().all(&db).await.unwrap();
     let mut lost_or_doubled = Vec::new();
     let (mut acknowledged, mut unknown) = (0, 0);

@@ -24,7 +24,7 @@ use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
 use migration::{Migrator, MigratorTrait};
 use private_mariadb::PrivateMariaDb;
 use private_pg::PrivatePostgres;
-use sea_orm::{ConnectOptions, Database, DatabaseConnection, EntityTrait, Set};
+use sea_orm::{EntityTrait, Set};
 
 /// Either private server.
 enum Private {
@@ -72,16 +72,6 @@ enum Crash {
     Kill9,
 }
 
-async fn pool(url: &str) -> DatabaseConnection {
-    let mut options = ConnectOptions::new(url);
-    options
-        .max_connections(6)
-        .acquire_timeout(Duration::from_secs(2))
-        .connect_timeout(Duration::from_secs(2))
-        .sqlx_logging(false);
-    Database::connect(options).await.unwrap()
-}
-
 async fn survives(mariadb: bool, crash: Crash, kind: LockKind) {
     // The private-server tier runs where the server tier runs.
     if servers::url(if mariadb {
@@ -102,7 +92,7 @@ async fn survives(mariadb: bool, crash: Crash, kind: LockKind) {
     })
     .await
     .unwrap();
-    let db = pool(&server.url()).await;
+    let db = servers::crashable_pool(&server.url(), 6).await;
     Migrator::up(&db, None).await.unwrap();
     node::Entity::insert(node::ActiveModel::fresh(1))
         .exec(&db)

@@ -99,6 +99,18 @@ pub struct TestDb {
     pub schema: Option<String>,
 }
 
+/// A plain pool of `size` connections on `url` (nothing migrated), with short connect and
+/// acquire timeouts: for a server of the test's own that the test crashes and restarts.
+pub async fn crashable_pool(url: &str, size: u32) -> DatabaseConnection {
+    let mut options = ConnectOptions::new(url);
+    options
+        .max_connections(size)
+        .acquire_timeout(Duration::from_secs(2))
+        .connect_timeout(Duration::from_secs(2))
+        .sqlx_logging(false);
+    Database::connect(options).await.unwrap()
+}
+
 /// Connects to `url` (with `schema` on the search path) with the example schema migrated.
 pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConnection {
     #[cfg(feature = "postgres")]
