@@ -33,7 +33,7 @@ use std::{
 };
 
 use entity::node;
-use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
+use freshlock::{Error, LockKind, Session};
 use migration::{Migrator, MigratorTrait};
 use private_mariadb::PrivateMariaDb;
 use private_pg::PrivatePostgres;
@@ -218,13 +218,7 @@ async fn worker() {
         .map(|task| {
             let mut builder = Session::builder(db.clone())
                 .lock(Arc::clone(&backend))
-                .policy(
-                    LockPolicy::default()
-                        .with_lock_tries(1)
-                        .with_wait_per_try(Duration::from_secs(30))
-                        .with_ttl(Duration::from_secs(30))
-                        .with_on_failure(OnLockFailure::Proceed),
-                )
+                .policy(servers::crash_policy())
                 .combine_commits(combine)
                 .optimistic_first(optimistic);
             if optimistic {

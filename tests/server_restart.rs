@@ -20,7 +20,7 @@ use std::{
 };
 
 use entity::node;
-use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
+use freshlock::{Error, LockKind, Session};
 use migration::{Migrator, MigratorTrait};
 use private_mariadb::PrivateMariaDb;
 use private_pg::PrivatePostgres;
@@ -111,13 +111,7 @@ async fn survives(mariadb: bool, crash: Crash, kind: LockKind) {
         .map(|_| {
             let session = Session::builder(db.clone())
                 .lock(Arc::clone(&backend))
-                .policy(
-                    LockPolicy::default()
-                        .with_lock_tries(1)
-                        .with_wait_per_try(Duration::from_secs(30))
-                        .with_ttl(Duration::from_secs(30))
-                        .with_on_failure(OnLockFailure::Proceed),
-                )
+                .policy(servers::crash_policy())
                 .build()
                 .unwrap();
             let (stop, acknowledged, unknown, failed, successes) = (

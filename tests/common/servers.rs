@@ -111,6 +111,16 @@ pub async fn crashable_pool(url: &str, size: u32) -> DatabaseConnection {
     Database::connect(options).await.unwrap()
 }
 
+/// The crash tests' lock policy: one try that waits up to 30 s, a 30 s lease, and on without the
+/// lock when it cannot be had (so a frozen key shows as calls that waited 30 s).
+pub fn crash_policy() -> freshlock::LockPolicy {
+    freshlock::LockPolicy::default()
+        .with_lock_tries(1)
+        .with_wait_per_try(Duration::from_secs(30))
+        .with_ttl(Duration::from_secs(30))
+        .with_on_failure(freshlock::OnLockFailure::Proceed)
+}
+
 /// Connects to `url` (with `schema` on the search path) with the example schema migrated.
 pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConnection {
     #[cfg(feature = "postgres")]
