@@ -13,9 +13,9 @@ use crate::error::LockError;
 /// |---|---|---|---|---|
 /// | `local` | lease, in-process | no | freed with the process | not needed |
 /// | `table` | lease in `freshlock_lock` | yes, any of the three databases | freed after TTL | owner + expiry checked in the write's transaction |
-/// | `row` | row lock in the transaction | yes (SQLite: `BEGIN IMMEDIATE` serializes) | freed at once | not needed |
+/// | `row` | row lock in the transaction | yes (SQLite: `BEGIN IMMEDIATE` serializes; not on a Galera cluster, where a row lock is node-local) | freed at once | not needed |
 /// | `pg_advisory` | advisory lock in the transaction | yes, PostgreSQL | freed at once | not needed |
-/// | `mysql_named` | `GET_LOCK` lease on its own connection | yes, MySQL/MariaDB | freed at once | fence in `freshlock_lock` |
+/// | `mysql_named` | `GET_LOCK` lease on its own connection | yes, MySQL/MariaDB (not on a Galera cluster: `GET_LOCK` is node-local) | freed at once | fence in `freshlock_lock` |
 /// | `redis` | Redis lease | yes, any database | freed after TTL | fence in `freshlock_lock` |
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
@@ -80,7 +80,19 @@ impl LockKind {
         Ok(match self {
             Self::Local => Arc::new(LocalLock::shared()),
             Self::Table => Arc::new(TableLock::new(db.clone())),
-            Self::Row => Arc::new(RowLock::new(db.clone())),
+            Self::Row => {
+                // On a Galera cluster a row lock is local to the node that took it: writers on
+                // two nodes would both hold it, and only certification would stand between their
+                // writes — which Galera does not make a lost-update guarantee of (MDEV-29044; a
+                // transfer test here lost money with node-local locks). Refused, as `mysql_named`.
+                #[cfg(feature = "mysql")]
+                if galera(db).await {
+                    return Err(unsupported(
+                        "a MariaDB Galera cluster (row locks are local to one node; use `table` or `redis`)",
+                    ));
+                }
+                Arc::new(RowLock::new(db.clone()))
+            }
             Self::PgAdvisory => {
                 if db.get_database_backend() != sea_orm::DbBackend::Postgres {
                     return Err(unsupported(&format!("{:?}", db.get_database_backend())));
@@ -89,7 +101,6 @@ impl LockKind {
             }
             #[cfg(feature = "mysql")]
             Self::MySqlNamed => {
-                use sea_orm::ConnectionTrait as _;
                 let mut options = sea_orm::ConnectOptions::new(database_url);
                 options.max_connections(16).sqlx_logging(false);
                 let locks =
@@ -101,17 +112,7 @@ impl LockKind {
                         })?;
                 // On a Galera cluster GET_LOCK is local to the node that ran it: two nodes
                 // would both grant one name. Refused rather than silently not excluding.
-                let galera = locks
-                    .query_one_raw(sea_orm::Statement::from_string(
-                        sea_orm::DbBackend::MySql,
-                        "SHOW VARIABLES LIKE 'wsrep_on'",
-                    ))
-                    .await
-                    .ok()
-                    .flatten()
-                    .and_then(|row| row.try_get_by_index::<String>(1).ok())
-                    .is_some_and(|on| on.eq_ignore_ascii_case("ON"));
-                if galera {
+                if galera(&locks).await {
                     return Err(unsupported(
                         "a MariaDB Galera cluster (GET_LOCK is local to one node)",
                     ));
@@ -128,6 +129,25 @@ impl LockKind {
             _ => return Err(unsupported("this build (its cargo feature is off)")),
         })
     }
+}
+
+/// Whether `db` is a node of a MariaDB Galera cluster (`wsrep_on`); `false` off MySQL/MariaDB or
+/// when the variable cannot be read.
+#[cfg(feature = "mysql")]
+async fn galera(db: &DatabaseConnection) -> bool {
+    use sea_orm::ConnectionTrait as _;
+    if db.get_database_backend() != sea_orm::DbBackend::MySql {
+        return false;
+    }
+    db.query_one_raw(sea_orm::Statement::from_string(
+        sea_orm::DbBackend::MySql,
+        "SHOW VARIABLES LIKE 'wsrep_on'",
+    ))
+    .await
+    .ok()
+    .flatten()
+    .and_then(|row| row.try_get_by_index::<String>(1).ok())
+    .is_some_and(|on| on.eq_ignore_ascii_case("ON"))
 }
 
 impl fmt::Display for LockKind {

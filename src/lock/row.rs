@@ -27,6 +27,10 @@ const KIND: &str = "row";
 /// one writer at a time into the whole database, and that is what serializes. This backend then
 /// sends nothing.
 ///
+/// Not on a **MariaDB Galera cluster**: a row lock there is local to the node that took it, so
+/// writers on two nodes would both hold it ([`crate::LockKind::connect`] refuses `row` on a
+/// cluster; `RowLock::new` does not check). Use `table` or `redis` there.
+///
 /// Needs [`crate::schema::Migration`]. Lock rows are created on demand inside the locking
 /// transaction (the insert is the lock), so the section needs no second connection of its pool,
 /// and a section that rolls back leaves no lock row. Cheap to clone.
