@@ -24,7 +24,6 @@ use std::{future::Future, pin::Pin, time::Duration};
 
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, IsolationLevel,
-    TransactionTrait,
 };
 
 use crate::{
@@ -192,24 +191,18 @@ impl Claims {
 
     /// A claim's transaction: READ COMMITTED on MySQL/MariaDB, where REPEATABLE READ would
     /// gap-lock a missing key on the first statement and deadlock two claimants inserting it.
-    /// In a task of its own (see `locking::begin_detached`): a caller dropped while `BEGIN` is
-    /// in flight must not leave a pooled connection inside a transaction.
+    /// Never cut in half (a caller dropped while `BEGIN` is in flight must not leave a pooled
+    /// connection inside a transaction), and tried on another connection when the pool hands out
+    /// one that died while idle (see `detach::begin`).
     async fn begin(&self) -> std::result::Result<DatabaseTransaction, sea_orm::DbErr> {
-        let db = self.db.clone();
-        let began = tokio::spawn(async move {
-            if db.get_database_backend() == DbBackend::MySql {
-                db.begin_with_config(Some(IsolationLevel::ReadCommitted), None)
-                    .await
-            } else {
-                db.begin().await
-            }
-        });
-        match began.await {
-            Ok(began) => began,
-            Err(e) => Err(sea_orm::DbErr::Custom(format!(
-                "beginning a transaction: {e}"
-            ))),
-        }
+        let options = match self.db.get_database_backend() {
+            DbBackend::MySql => sea_orm::TransactionOptions {
+                isolation_level: Some(IsolationLevel::ReadCommitted),
+                ..sea_orm::TransactionOptions::default()
+            },
+            _ => sea_orm::TransactionOptions::default(),
+        };
+        crate::detach::begin(&self.db, options).await
     }
 
     /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.

@@ -59,6 +59,19 @@ pub(crate) fn no_reply(bound: Duration) -> DbErr {
     DbErr::Conn(RuntimeErr::SqlxError(Arc::new(sqlx::Error::Io(timed_out))))
 }
 
+/// Whether `error` is [`no_reply`]'s: a round trip cut by its deadline, not a connection that
+/// failed at once.
+pub(crate) fn is_no_reply(error: &DbErr) -> bool {
+    match error {
+        DbErr::Conn(RuntimeErr::SqlxError(e))
+        | DbErr::Exec(RuntimeErr::SqlxError(e))
+        | DbErr::Query(RuntimeErr::SqlxError(e)) => {
+            matches!(e.as_ref(), sqlx::Error::Io(io) if io.kind() == io::ErrorKind::TimedOut)
+        }
+        _ => false,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -70,6 +83,10 @@ mod tests {
         let error = within(Duration::from_secs(3), never).await.unwrap_err();
         assert_eq!(classify(&error), Failure::ConnectionLost);
         assert!(in_doubt(&error), "a COMMIT without reply is in doubt");
+        assert!(
+            is_no_reply(&error),
+            "told from a connection that failed at once"
+        );
         assert!(
             error
                 .to_string()

@@ -17,7 +17,7 @@ use crate::{
     locked_update,
     locking::begin,
     outcome::{DeleteOutcome, DeleteReport, SaveOutcome, UpdateOutcome, UpdateReport},
-    pool::{autocommit, transaction_pooled},
+    pool::{autocommit, on_live_connection, transaction_pooled},
     row::{Row, cache_key, select_by_key},
     session::Session,
     write,
@@ -110,8 +110,8 @@ where
         } else {
             self.session.reader()
         };
-        let found = select_by_key::<E>(row.pk())
-            .one(&autocommit(db))
+        let reader = autocommit(db);
+        let found = on_live_connection(db, || select_by_key::<E>(row.pk()).one(&reader))
             .await
             .map_err(|e| database("loading", &row, e))?;
         Ok(match found {
@@ -150,11 +150,12 @@ where
         let table = E::default().table_name();
         let columns = E::PrimaryKey::iter().count().max(1);
         for chunk in missing.chunks(MAX_PARAMS_PER_QUERY / columns) {
-            let models = E::find()
-                .filter(any_of_keys::<E>(
-                    chunk.iter().map(|(_, key)| key.1.to_tuple()),
-                ))
-                .all(&autocommit(self.session.reader()))
+            let select = E::find().filter(any_of_keys::<E>(
+                chunk.iter().map(|(_, key)| key.1.to_tuple()),
+            ));
+            let pool = self.session.reader();
+            let reader = autocommit(pool);
+            let models = on_live_connection(pool, || select.clone().all(&reader))
                 .await
                 .map_err(|e| database("loading many rows of", &table, e))?;
             let by_key: HashMap<PkKey, Arc<E::Model>> = models

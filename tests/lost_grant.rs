@@ -2,9 +2,9 @@
 //! holds. It is resolved like an in-doubt write, by its token: released in the background, so
 //! the name is free again at once instead of after the lease's TTL (a 30 s stall was measured
 //! after a crash-restart before this). A TCP proxy cuts the connection right after forwarding
-//! the grant's first statement, or black-holes it (nothing more passes, both sockets stay
-//! open): the grant then fails after its reply bound instead of waiting forever. PostgreSQL and
-//! MariaDB.
+//! the grant's first statement (the grant is then asked again at once, under a new token, on
+//! another connection), or black-holes it (nothing more passes, both sockets stay open): the
+//! grant then fails after its reply bound instead of waiting forever. PostgreSQL and MariaDB.
 
 #[path = "common/proxy.rs"]
 mod proxy;
@@ -51,7 +51,20 @@ async fn lost_grant_frees_the_name(db: Option<TestDb>, black_hole: bool) {
     .await
     .expect("a grant whose reply never comes does not wait forever");
     assert_eq!(proxy.cuts(), 1, "the grant's connection was cut");
-    assert!(granted.is_err(), "a lost reply is an error: {granted:?}");
+    if black_hole {
+        // No reply in time: the database is slow or unreachable, the grant fails.
+        assert!(granted.is_err(), "a reply that never came is an error: {granted:?}");
+    } else {
+        // A connection that broke is tried again at once under a new token, on another
+        // connection (a connection that died idle in the pool fails that way too): the name is
+        // then held by the lost grant's token until its background release (`None`, with no
+        // wait), or free again already.
+        match granted {
+            Ok(Some(guard)) => guard.release().await.unwrap(),
+            Ok(None) => {}
+            Err(e) => panic!("a broken connection is tried again, not an error: {e}"),
+        }
+    }
 
     // The server took the lease; its token is released in the background, so another holder
     // gets the name within its wait, not after the 300 s TTL.

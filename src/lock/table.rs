@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -66,7 +66,7 @@ impl TableLock {
         name: &str,
         token: &str,
         ttl: Duration,
-    ) -> Result<Option<Grant>, LockError> {
+    ) -> Result<Option<Grant>, DbErr> {
         let holder = Holder {
             token,
             ttl,
@@ -74,11 +74,10 @@ impl TableLock {
         };
         let db = autocommit(&self.db);
         let grant = LOCKS.grant(&db, name, &holder, true);
-        within(reply_bound(ttl), grant).await.map_err(|e| {
-            if in_doubt(&e) {
+        within(reply_bound(ttl), grant).await.inspect_err(|e| {
+            if in_doubt(e) {
                 self.resolve_lost_grant(name, token, ttl);
             }
-            lock_error(KIND, LOCK_TABLE, e)
         })
     }
 
@@ -119,11 +118,26 @@ impl LeaseLock for TableLock {
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
-        let token = holder::new_token();
+        let mut token = holder::new_token();
         let deadline = Instant::now() + wait;
         let mut backoff = Backoff::new();
+        // A grant on a connection that died while idle in the pool (a restart; a pool without
+        // the checkout ping hands such connections out) fails at once: it is released by its
+        // token in the background like any lost grant, and tried again at once under a new
+        // token, on another connection — as many times as the pool has connections. A grant
+        // whose reply did not come in time is not: the database is slow or unreachable.
+        let mut dead = crate::pool::size(&self.db);
         loop {
-            if let Some(Grant { fence, taken_over }) = self.try_once(&stored, &token, ttl).await? {
+            let tried = match self.try_once(&stored, &token, ttl).await {
+                Err(e) if dead > 0 && in_doubt(&e) && !crate::deadline::is_no_reply(&e) => {
+                    debug!(lock = %name, error = %e, "a lease grant met a dead connection; granting again");
+                    dead -= 1;
+                    token = holder::new_token();
+                    continue;
+                }
+                tried => tried.map_err(|e| lock_error(KIND, LOCK_TABLE, e))?,
+            };
+            if let Some(Grant { fence, taken_over }) = tried {
                 if taken_over {
                     warn!(lock = %name, fence, "stale lock taken over: the previous holder's lease had expired");
                     crate::metrics::stale_lock_taken_over(KIND);
