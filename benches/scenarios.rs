@@ -491,7 +491,8 @@ async fn main() {
     // FRESHLOCK_BENCH_ONLY=seed|single|contention|hot|floor runs only that part (seed: the
     // seed's workload; single: sections 1, 2 and 6; contention: hot key and spread; hot: commit
     // combining, section 8; floor: section 7, pgbench's four-statement transaction next to
-    // `locked_update`, PostgreSQL only; pooler: section 9, the same through PgBouncer).
+    // `locked_update`, PostgreSQL only; pooler: section 9, the same through PgBouncer;
+    // evidence: what the commit marker costs, asked for by name only).
     let only = std::env::var("FRESHLOCK_BENCH_ONLY").ok();
     let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let postgres = std::env::var("DATABASE_URL_POSTGRES")
@@ -526,6 +527,15 @@ async fn main() {
                  DATABASE_URL_POSTGRES_POOLER, see .ci/pgbouncer)"
             ),
         }
+    }
+    // Not part of a full run: asked for by name only (issue 24's figure).
+    #[cfg(feature = "postgres")]
+    if only.as_deref() == Some("evidence") {
+        match postgres.as_deref() {
+            Some(url) => evidence_cost(url).await,
+            None => println!("\n(evidence: skipped: needs DATABASE_URL_POSTGRES)"),
+        }
+        return;
     }
     if wants("floor") {
         match postgres.as_deref() {
@@ -771,6 +781,40 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
             what.goal()
         );
     }
+}
+
+/// What the crash-safe commit evidence costs a `locked_update` on PostgreSQL (issue 24): the
+/// marker riding in the guarded UPDATE against `commit_markers(false)` (0.1's cost), local lock,
+/// one task, a pool without the checkout ping; 7 interleaved rounds of 3 s (the order swapped
+/// every round), medians. `FRESHLOCK_BENCH_ONLY=evidence` runs it alone.
+#[cfg(feature = "postgres")]
+async fn evidence_cost(url: &str) {
+    let rounds = if quick() { 1 } else { 7 };
+    let _ = database(url, 2, 2).await;
+    let quiet = common::connect_with(url, 20, false).await;
+    let (mut marked, mut unmarked) = (Vec::new(), Vec::new());
+    for round in 0..rounds {
+        let pair = [Floored::Backend(LockKind::Local), Floored::Unmarked];
+        for i in 0..2 {
+            let what = pair[(i + round) % 2];
+            let rate = what.rate(&quiet, url, None, 3.0).await;
+            match what {
+                Floored::Unmarked => unmarked.push(rate),
+                _ => marked.push(rate),
+            }
+        }
+    }
+    let (marked, unmarked) = (median(&mut marked), median(&mut unmarked));
+    println!(
+        "\n| on PostgreSQL, one row, no ping (medians of {rounds} interleaved rounds of 3 s) | updates/s |"
+    );
+    println!("|---|---|");
+    println!("| `locked_update` (local), marker in the UPDATE | {marked:.0} |");
+    println!("| `locked_update` (local), commit markers off | {unmarked:.0} |");
+    println!(
+        "| cost of the evidence | {:.1} % |",
+        100.0 * (1.0 - marked / unmarked)
+    );
 }
 
 /// The MariaDB floor: the same four statements in a minimal sqlx loop (prepared statements,

@@ -53,7 +53,10 @@ async fn lost_grant_frees_the_name(db: Option<TestDb>, black_hole: bool) {
     assert_eq!(proxy.cuts(), 1, "the grant's connection was cut");
     if black_hole {
         // No reply in time: the database is slow or unreachable, the grant fails.
-        assert!(granted.is_err(), "a reply that never came is an error: {granted:?}");
+        assert!(
+            granted.is_err(),
+            "a reply that never came is an error: {granted:?}"
+        );
     } else {
         // A connection that broke is tried again at once under a new token, on another
         // connection (a connection that died idle in the pool fails that way too): the name is
