@@ -973,7 +973,7 @@ async fn pooler_floor(direct: &str, pooler: &str, redis: Option<&str>) {
 async fn hot_keys(postgres: Option<&str>, mysql: Option<&str>) {
     let seconds = if quick() { 1.0 } else { 5.0 };
     println!(
-        "\n| database | backend | 1 task | 16 tasks | 16 tasks, combined | combined vs 1 task | mean batch | goal |\n|---|---|---|---|---|---|---|---|"
+        "\n| database | backend | 1 task | 16 tasks | 16 tasks, combined | combined vs 1 task | mean batch | 16 sessions, combined | vs 1 task | mean batch | goal |\n|---|---|---|---|---|---|---|---|---|---|---|"
     );
     let file = std::env::temp_dir().join(format!("freshlock_hot_{}.db", std::process::id()));
     let _ = std::fs::remove_file(&file);
@@ -1004,18 +1004,25 @@ async fn hot_keys(postgres: Option<&str>, mysql: Option<&str>) {
                 kind.connect(&db, url, None).await.expect("backend")
             };
             let plain = session(&db, Arc::clone(&lock));
-            let combined = Session::builder(db.clone())
-                .lock(lock)
-                .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
-                .combine_commits(true)
-                .build()
-                .expect("session");
+            let combining = || {
+                Session::builder(db.clone())
+                    .lock(Arc::clone(&lock))
+                    .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+                    .combine_commits(true)
+                    .build()
+                    .expect("session")
+            };
+            let combined = combining();
             let one = counted(&db, 1, seconds, &plain).await.0;
             let sixteen = counted(&db, 16, seconds, &plain).await.0;
             let (together, batch) = counted(&db, 16, seconds, &combined).await;
+            // One session per task, built the way a request handler builds one.
+            let (each, each_batch) =
+                counted_each(&db, seconds, (0..16).map(|_| combining()).collect()).await;
             println!(
-                "| {name} | {kind} | {one:.0} | {sixteen:.0} | {together:.0} | {:.2}× | {batch:.1} | {goal} |",
-                together / one
+                "| {name} | {kind} | {one:.0} | {sixteen:.0} | {together:.0} | {:.2}× | {batch:.1} | {each:.0} | {:.2}× | {each_batch:.1} | {goal} |",
+                together / one,
+                each / one
             );
         }
         if db.get_database_backend() == sea_orm::DbBackend::Postgres {
@@ -1028,7 +1035,7 @@ async fn hot_keys(postgres: Option<&str>, mysql: Option<&str>) {
                 .expect("session");
             let (together, _) = counted(&db, 16, seconds, &combined).await;
             println!(
-                "| PostgreSQL | local, combined vs pgbench 16 clients on one row | {floor16:.0} (pgbench) | | {together:.0} | {:.2}× | | ≥ 3× |",
+                "| PostgreSQL | local, combined vs pgbench 16 clients on one row | {floor16:.0} (pgbench) | | {together:.0} | {:.2}× | | | | | ≥ 3× |",
                 together / floor16
             );
         }
@@ -1045,6 +1052,12 @@ async fn counted(
     seconds: f64,
     session: &Session,
 ) -> (f64, f64) {
+    counted_each(db, seconds, vec![session.clone(); tasks]).await
+}
+
+/// [`counted`] with a session of its own per task (one task per session given), as a web
+/// service builds one per request.
+async fn counted_each(db: &DatabaseConnection, seconds: f64, sessions: Vec<Session>) -> (f64, f64) {
     let before = node::Entity::find_by_id(2)
         .one(db)
         .await
@@ -1053,9 +1066,9 @@ async fn counted(
         .unwrap_or(0);
     let deadline = Instant::now() + Duration::from_secs_f64(seconds);
     let started = Instant::now();
-    let handles: Vec<_> = (0..tasks)
-        .map(|_| {
-            let session = session.clone();
+    let handles: Vec<_> = sessions
+        .into_iter()
+        .map(|session| {
             tokio::spawn(async move {
                 let (mut done, mut batches) = (0_u64, 0_u64);
                 while Instant::now() < deadline {
