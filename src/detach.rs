@@ -73,14 +73,14 @@ impl<T: Send + 'static> Drop for Detachable<T> {
 /// while it is in flight, it ends in a task of its own and the transaction it began is dropped,
 /// which rolls it back. Polled in place: no task on the way that is not cut. A connection that
 /// died while idle in the pool fails `BEGIN` at once, and another is tried (see
-/// [`crate::pool::on_live_connection`]): nothing had begun on it.
+/// [`crate::live::on_live_connection`]): nothing had begun on it.
 pub(crate) async fn begin(
     db: &DatabaseConnection,
     options: TransactionOptions,
 ) -> Result<DatabaseTransaction, DbErr> {
     let db = db.clone();
     Detachable::new(async move {
-        crate::pool::on_live_connection(&db, || db.begin_with_options(options)).await
+        crate::live::on_live_connection(&db, || db.begin_with_options(options)).await
     })
     .await
 }

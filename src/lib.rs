@@ -39,6 +39,8 @@
 //!   comes reads as a lost connection).
 //! - `detach.rs` — futures never cut in half: a locked section's driver and every `BEGIN` end
 //!   in a task of their own when their caller is dropped.
+//! - `live.rs` — connections that died idle in the pool: a `BEGIN` or a read that meets one is
+//!   tried on another.
 //! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
 //! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
 //! - `testing/` — `testing` (feature `testing`): `TestDatabase`, `Recorder`, `FakeLock`.
@@ -66,6 +68,7 @@ mod detach;
 mod error;
 mod identity_map;
 pub mod inspect;
+mod live;
 mod lock;
 mod locked_update;
 mod locking;

@@ -76,54 +76,6 @@ pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
     answer
 }
 
-/// How many connections `db`'s pool holds now (idle or in use); 0 for a mock.
-pub(crate) fn size(db: &DatabaseConnection) -> u32 {
-    use sea_orm::DatabaseConnectionType as Type;
-    match &db.inner {
-        #[cfg(feature = "sqlite")]
-        Type::SqlxSqlitePoolConnection(_) => db.get_sqlite_connection_pool().size(),
-        #[cfg(feature = "postgres")]
-        Type::SqlxPostgresPoolConnection(_) => db.get_postgres_connection_pool().size(),
-        #[cfg(feature = "mysql")]
-        Type::SqlxMySqlPoolConnection(_) => db.get_mysql_connection_pool().size(),
-        _ => 0,
-    }
-}
-
-/// Runs `first` — the first statement on a connection of `db`'s pool that has not done anything
-/// yet: a `BEGIN`, or one idempotent read outside any transaction (a `load`) — and runs it again
-/// when it failed on a lost connection. A connection that the server closed while it sat idle in
-/// the pool (a restart, a killed session, an idle timeout) fails its first statement at once,
-/// and a pool without sqlx's checkout ping (`test_before_acquire(false)`, one round trip less per
-/// transaction) hands such connections out; sqlx drops each one that failed. So it is tried once
-/// more than the pool has connections: after a restart every idle connection is dead. Writes
-/// outside a transaction are never run again here (one whose connection broke may have
-/// happened); the locked paths run their whole transaction again instead.
-pub(crate) async fn on_live_connection<T, F, Fut>(
-    db: &DatabaseConnection,
-    mut first: F,
-) -> Result<T, sea_orm::DbErr>
-where
-    F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sea_orm::DbErr>>,
-{
-    let tries = size(db).saturating_add(1).max(2);
-    let mut tried = 1;
-    loop {
-        match first().await {
-            Err(error)
-                if tried < tries
-                    && crate::db_error::classify(&error)
-                        == crate::db_error::Failure::ConnectionLost =>
-            {
-                debug!(%error, tried, "a connection of the pool was dead; trying another");
-                tried += 1;
-            }
-            done => return done,
-        }
-    }
-}
-
 /// Pools declared to run behind a transaction pooler (PgBouncer in `pool_mode = transaction`),
 /// by [`identity`], with a weak handle that tells a live pool from a later one at the same
 /// address.

@@ -126,7 +126,7 @@ impl LeaseLock for TableLock {
         // token in the background like any lost grant, and tried again at once under a new
         // token, on another connection — as many times as the pool has connections. A grant
         // whose reply did not come in time is not: the database is slow or unreachable.
-        let mut dead = crate::pool::size(&self.db);
+        let mut dead = crate::live::size(&self.db);
         loop {
             let tried = match self.try_once(&stored, &token, ttl).await {
                 Err(e) if dead > 0 && in_doubt(&e) && !crate::deadline::is_no_reply(&e) => {
