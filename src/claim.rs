@@ -193,7 +193,7 @@ impl Claims {
     /// gap-lock a missing key on the first statement and deadlock two claimants inserting it.
     /// Never cut in half (a caller dropped while `BEGIN` is in flight must not leave a pooled
     /// connection inside a transaction), and tried on another connection when the pool hands out
-    /// one that died while idle (see `detach::begin`).
+    /// one that died while idle (see `live::begin`).
     async fn begin(&self) -> std::result::Result<DatabaseTransaction, sea_orm::DbErr> {
         let options = match self.db.get_database_backend() {
             DbBackend::MySql => sea_orm::TransactionOptions {
@@ -202,7 +202,7 @@ impl Claims {
             },
             _ => sea_orm::TransactionOptions::default(),
         };
-        crate::detach::begin(&self.db, options).await
+        crate::live::begin(&self.db, options).await
     }
 
     /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.

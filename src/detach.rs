@@ -71,18 +71,14 @@ impl<T: Send + 'static> Drop for Detachable<T> {
 
 /// `BEGIN` (with `options`) on a connection of `db`, never cut in half: if the caller is dropped
 /// while it is in flight, it ends in a task of its own and the transaction it began is dropped,
-/// which rolls it back. Polled in place: no task on the way that is not cut. A connection that
-/// died while idle in the pool fails `BEGIN` at once, and another is tried (see
-/// [`crate::live::on_live_connection`]): nothing had begun on it.
+/// which rolls it back. Polled in place: no task on the way that is not cut. (`live::begin` is
+/// this, tried on another connection when the pool hands out a dead one.)
 pub(crate) async fn begin(
     db: &DatabaseConnection,
     options: TransactionOptions,
 ) -> Result<DatabaseTransaction, DbErr> {
     let db = db.clone();
-    Detachable::new(async move {
-        crate::live::on_live_connection(&db, || db.begin_with_options(options)).await
-    })
-    .await
+    Detachable::new(async move { db.begin_with_options(options).await }).await
 }
 
 #[cfg(test)]

@@ -4,10 +4,20 @@
 //! statement on such a connection fails at once; when nothing had begun on it (a `BEGIN`, a
 //! read), another connection is tried.
 
-use sea_orm::DatabaseConnection;
+use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionOptions};
 use tracing::debug;
 
 use crate::db_error::{Failure, classify};
+
+/// `BEGIN` (with `options`) on a connection of `db`, never cut in half (`detach::begin`), and
+/// tried on another connection when the one the pool handed out had died idle: nothing had begun
+/// on it. Every `BEGIN` of a locked write, section, claim and fence bump goes through here.
+pub(crate) async fn begin(
+    db: &DatabaseConnection,
+    options: TransactionOptions,
+) -> Result<DatabaseTransaction, DbErr> {
+    on_live_connection(db, || crate::detach::begin(db, options)).await
+}
 
 /// How many connections `db`'s pool holds now (idle or in use); 0 for a mock.
 pub(crate) fn size(db: &DatabaseConnection) -> u32 {

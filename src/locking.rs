@@ -366,7 +366,7 @@ pub(crate) async fn begin(
             ..TransactionOptions::default()
         },
     };
-    crate::detach::begin(db, options).await
+    crate::live::begin(db, options).await
 }
 
 /// The lock space that excludes this process's writers of one key from each other under

@@ -10,7 +10,8 @@
 //! the call). Each call must come back `Updated` / `Finished` with its lock held (never an
 //! error, never an unknown outcome), and the rows must hold exactly the acknowledged
 //! increments. `load`, an idempotent read, is tried again the same way. Every backend that
-//! applies: `local`, `row`, `table`, and `pg_advisory` on PostgreSQL.
+//! applies: `local`, `row`, `table`, `redis` (with `REDIS_URL`; its fence bump begins a
+//! transaction of its own), and `pg_advisory` on PostgreSQL.
 //!
 //! Not covered, by design: `save` and `optimistic_first`'s one-statement write run in
 //! autocommit, and a write whose connection breaks may have happened, so it is reported
@@ -135,7 +136,12 @@ async fn dead_idle_connections_cost_nothing(db: TestDb, kind: LockKind) {
     let admin = servers::connect(&db.url, db.schema.as_deref(), 1).await;
     let lock: Arc<dyn LockBackend> = match kind {
         LockKind::Local => Arc::new(LocalLock::new()),
-        kind => kind.connect(&pool, &db.url, None).await.expect("backend"),
+        kind => {
+            let redis = servers::url(servers::REDIS);
+            kind.connect(&pool, &db.url, redis.as_deref())
+                .await
+                .expect("backend")
+        }
     };
     // Without the lock a call fails rather than going on unlocked: every call must hold it.
     let session = Session::builder(pool.clone())
@@ -243,14 +249,23 @@ async fn dead_idle_connections_cost_nothing(db: TestDb, kind: LockKind) {
     );
 }
 
+/// `these`, and `redis` where a Redis URL is set (its fence bump begins a transaction too).
+fn kinds(these: &[LockKind]) -> Vec<LockKind> {
+    let mut kinds = these.to_vec();
+    if cfg!(feature = "redis") && servers::url(servers::REDIS).is_some() {
+        kinds.push(LockKind::Redis);
+    }
+    kinds
+}
+
 #[tokio::test]
 async fn postgres_dead_idle_connections_cost_nothing() {
-    for kind in [
+    for kind in kinds(&[
         LockKind::Local,
         LockKind::Row,
         LockKind::PgAdvisory,
         LockKind::Table,
-    ] {
+    ]) {
         if let Some(db) = servers::postgres("ping").await {
             dead_idle_connections_cost_nothing(db, kind).await;
         }
@@ -259,7 +274,7 @@ async fn postgres_dead_idle_connections_cost_nothing() {
 
 #[tokio::test]
 async fn mysql_dead_idle_connections_cost_nothing() {
-    for kind in [LockKind::Local, LockKind::Row, LockKind::Table] {
+    for kind in kinds(&[LockKind::Local, LockKind::Row, LockKind::Table]) {
         if let Some(db) = servers::mysql("ping").await {
             dead_idle_connections_cost_nothing(db, kind).await;
         }

@@ -41,8 +41,8 @@ async fn bump_now(
     name: &str,
 ) -> Result<u64, LockError> {
     let fail = |e| lock_error(kind, LOCK_TABLE, e);
-    // Never cut in half by `bump`'s deadline (see `detach::begin`).
-    let txn = crate::detach::begin(db, sea_orm::TransactionOptions::default())
+    // Never cut in half by `bump`'s deadline (see `detach::begin`), and on a live connection.
+    let txn = crate::live::begin(db, sea_orm::TransactionOptions::default())
         .await
         .map_err(fail)?;
     let now = now_ms(backend);
