@@ -96,8 +96,8 @@ pub use lock::MySqlNamedLock;
 #[cfg(feature = "redis")]
 pub use lock::RedisLock;
 pub use lock::{
-    LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole,
-    LockScope, OnLockFailure, PgAdvisoryLock, RowLock, TableLock, TransactionLock,
+    LeaseCheck, LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy,
+    LockRole, LockScope, OnLockFailure, PgAdvisoryLock, RowLock, TableLock, TransactionLock,
 };
 pub use outcome::{
     DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,

@@ -14,7 +14,10 @@ use tracing::warn;
 use crate::{
     deadline::within,
     error::{Error, LockError, Result, database},
-    lock::{LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockRole, OnLockFailure},
+    lock::{
+        LeaseCheck, LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockRole,
+        OnLockFailure,
+    },
     outcome::LockReport,
 };
 
@@ -279,11 +282,11 @@ impl Locking {
                 .await
                 .unwrap_or_else(|_| Err(no_reply()));
         }
-        let (held, released) = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
+        let check = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
             .await
             .unwrap_or_else(|_| Err(no_reply()))?;
-        self.release_rides = released;
-        Ok(held)
+        self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
+        Ok(check.held())
     }
 
     /// The section's transaction committed: a lease it released is over.

@@ -215,6 +215,27 @@ pub trait TransactionLock: Send + Sync {
     ) -> Result<bool, LockError>;
 }
 
+/// What [`LockGuard::verify_and_release_in`] found of a lease, in the write's transaction.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseCheck {
+    /// The lease is no longer this guard's (it ran out and was taken over, or its fence moved
+    /// on): the transaction must not commit.
+    Lost,
+    /// Still held; release it as usual once the transaction ended.
+    Held,
+    /// Still held, and the transaction releases it when it commits: then end the guard with
+    /// [`LockGuard::released_by_commit`] (after a rollback it is still held: release it).
+    HeldReleasedByCommit,
+}
+
+impl LeaseCheck {
+    /// Whether the lease was still held.
+    pub fn held(self) -> bool {
+        self != Self::Lost
+    }
+}
+
 /// A held lease lock.
 ///
 /// Release it with [`release`](Self::release) after the transaction it protects has ended. What
@@ -253,18 +274,22 @@ pub trait LockGuard: Send + Sync + fmt::Debug {
 
     /// [`verify`](Self::verify), and also release the lease inside `txn`, so that it ends
     /// exactly when `txn` commits: one statement and one commit fewer than verifying, committing
-    /// and then releasing. Returns `(held, released_in_txn)`. When `released_in_txn` is `true`
-    /// and `txn` commits, end the guard with [`released_by_commit`](Self::released_by_commit)
-    /// (nothing is sent); if `txn` rolls back, the lease is still held and must be released as
-    /// usual. The default only verifies (`released_in_txn == false`).
+    /// and then releasing. On [`LeaseCheck::HeldReleasedByCommit`], once `txn` commits, end the
+    /// guard with [`released_by_commit`](Self::released_by_commit) (nothing is sent); if `txn`
+    /// rolls back, the lease is still held and must be released as usual. The default only
+    /// verifies ([`LeaseCheck::Held`] or [`LeaseCheck::Lost`]).
     ///
     /// # Errors
     /// As [`verify`](Self::verify).
     async fn verify_and_release_in(
         &self,
         txn: &DatabaseTransaction,
-    ) -> Result<(bool, bool), LockError> {
-        Ok((self.verify(txn).await?, false))
+    ) -> Result<LeaseCheck, LockError> {
+        Ok(if self.verify(txn).await? {
+            LeaseCheck::Held
+        } else {
+            LeaseCheck::Lost
+        })
     }
 
     /// Ends a guard whose lease a committed transaction released (see

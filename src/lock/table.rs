@@ -8,7 +8,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{
-    LeaseLock, LockBackend, LockGuard, LockName, LockRole,
+    LeaseCheck, LeaseLock, LockBackend, LockGuard, LockName, LockRole,
     backoff::Backoff,
     floor, holder,
     lease_row::{Grant, Holder, LOCKS},
@@ -246,7 +246,7 @@ impl LockGuard for TableGuard {
     async fn verify_and_release_in(
         &self,
         txn: &DatabaseTransaction,
-    ) -> Result<(bool, bool), LockError> {
+    ) -> Result<LeaseCheck, LockError> {
         let backend = txn.get_database_backend();
         let now = now_ms(backend);
         let sql = format!(
@@ -262,8 +262,11 @@ impl LockGuard for TableGuard {
             .execute_raw(statement(backend, &sql, values))
             .await
             .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        let held = updated.rows_affected() == 1;
-        Ok((held, held))
+        Ok(if updated.rows_affected() == 1 {
+            LeaseCheck::HeldReleasedByCommit
+        } else {
+            LeaseCheck::Lost
+        })
     }
 
     fn released_by_commit(mut self: Box<Self>) {
