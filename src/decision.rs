@@ -7,8 +7,10 @@ use sea_orm::EntityTrait;
 
 /// What the caller decided, given the row as reloaded under the lock (`None`: no such row).
 pub(crate) enum Decision<E: EntityTrait> {
-    /// Write nothing: report the row as read ([`Written::Unchanged`]), or [`Written::NotFound`].
-    Keep(Option<E::Model>),
+    /// Write nothing: report the row as read ([`Written::Unchanged`]).
+    Keep(E::Model),
+    /// Write nothing: there is no such row ([`Written::NotFound`]).
+    NotFound,
     /// Write the columns `draft` changed relative to `original` (after `before_save`).
     Update {
         original: E::Model,

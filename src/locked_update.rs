@@ -436,12 +436,12 @@ where
             return Err(self.abandoned(txn).await);
         };
         match decision {
-            Decision::Keep(None) => {
-                finish(txn, false, &self.row, self.reply()).await?;
+            Decision::NotFound => {
+                finish(txn, End::RollBack, &self.row, self.reply()).await?;
                 Ok(Step::Done(Written::NotFound))
             }
-            Decision::Keep(Some(original)) => {
-                finish(txn, true, &self.row, self.reply()).await?;
+            Decision::Keep(original) => {
+                finish(txn, End::Commit, &self.row, self.reply()).await?;
                 debug!(row = %self.row.name, "unchanged");
                 Ok(Step::Done(Written::Unchanged(self.cache(original))))
             }
@@ -488,7 +488,7 @@ where
             }
         }
         if changes.is_empty() {
-            finish(txn, true, &self.row, self.reply()).await?;
+            finish(txn, End::Commit, &self.row, self.reply()).await?;
             let row = self.cache(original);
             self.tell_committed(locking, &row, Vec::new());
             return Ok(Step::Done(Written::Unchanged(row)));
@@ -545,7 +545,7 @@ where
         let stored = match written {
             Ok(Some(stored)) => stored,
             Ok(None) => {
-                finish(txn, false, &self.row, self.reply()).await?;
+                finish(txn, End::RollBack, &self.row, self.reply()).await?;
                 return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
@@ -681,9 +681,9 @@ where
                         }
                     }
                 }
-                Decision::Keep(Some(_)) => member.state = Turn::Merged { changed: false },
+                Decision::Keep(_) => member.state = Turn::Merged { changed: false },
                 // Not an update of this row: it runs alone, after this batch.
-                Decision::Keep(None) | Decision::Insert(_) | Decision::Delete(_) => {
+                Decision::NotFound | Decision::Insert(_) | Decision::Delete(_) => {
                     member.state = Turn::Out;
                     let _ = member.calls.send(Call::Again);
                 }
@@ -748,7 +748,7 @@ where
         let stored = match E::insert(draft).exec_with_returning(&txn).await {
             Ok(stored) => stored,
             Err(e) if write::is_unique_violation(&e) => {
-                finish(txn, false, &self.row, self.reply()).await?;
+                finish(txn, End::RollBack, &self.row, self.reply()).await?;
                 return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "inserting", e).await),
@@ -785,7 +785,7 @@ where
         match write::delete_holding::<E, _>(&txn, self.row.pk(), &expected).await {
             Ok(true) => {}
             Ok(false) => {
-                finish(txn, false, &self.row, self.reply()).await?;
+                finish(txn, End::RollBack, &self.row, self.reply()).await?;
                 return Ok(Step::Conflict);
             }
             Err(e) => return Err(self.rolled_back(txn, "deleting", e).await),
@@ -892,13 +892,19 @@ async fn reload_for_update<E: EntityTrait>(
     reload.one(txn).await
 }
 
-/// Ends a transaction that wrote nothing: commits it (`commit`) or rolls it back, waiting at
-/// most `reply` (see `deadline.rs`).
-async fn finish(txn: DatabaseTransaction, commit: bool, row: &Row, reply: Duration) -> Result<()> {
-    let ended = if commit {
-        within(reply, txn.commit()).await
-    } else {
-        within(reply, txn.rollback()).await
+/// How [`finish`] ends a transaction that wrote nothing.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+enum End {
+    Commit,
+    RollBack,
+}
+
+/// Ends a transaction that wrote nothing as `end` says, waiting at most `reply` (see
+/// `deadline.rs`).
+async fn finish(txn: DatabaseTransaction, end: End, row: &Row, reply: Duration) -> Result<()> {
+    let ended = match end {
+        End::Commit => within(reply, txn.commit()).await,
+        End::RollBack => within(reply, txn.rollback()).await,
     };
     ended.map_err(|e| database("committing", row, e))
 }

@@ -391,7 +391,7 @@ where
         }
         let target = row.to_string();
         let report = locked_update::run::<E, _>(&self.session, row, true, |found| match found {
-            None => Ok(Decision::Keep(None)),
+            None => Ok(Decision::NotFound),
             Some(original) => {
                 let mut draft = original.clone().into_active_model();
                 apply(&mut draft).map_err(|source| Error::Apply {
@@ -486,7 +486,7 @@ where
         let row = Row::new::<E>(id.into_value_tuple())?;
         let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             Ok(match found {
-                None => Decision::Keep(None),
+                None => Decision::NotFound,
                 Some(original) => Decision::Delete(original),
             })
         })
@@ -539,7 +539,7 @@ where
         let pk = row.pk().clone();
         let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             Ok(match found {
-                Some(existing) => Decision::Keep(Some(existing)),
+                Some(existing) => Decision::Keep(existing),
                 None => Decision::Insert(keyed::<E>(init(), &pk)?),
             })
         })
@@ -820,7 +820,7 @@ where
     if write::has_changes::<E>(&original, &draft) {
         Decision::Update { original, draft }
     } else {
-        Decision::Keep(Some(original))
+        Decision::Keep(original)
     }
 }
 
