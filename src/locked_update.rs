@@ -189,7 +189,7 @@ impl<E: EntityTrait> Drop for Member<E> {
 /// What woke a seated waiter first.
 enum Woke<E: EntityTrait> {
     /// The holder that took its seat.
-    Called(Option<Call<E>>),
+    Called(Call<E>),
     /// The lock (or the policy's refusal).
     Taken(Result<Option<Locking>>),
 }
@@ -243,7 +243,7 @@ where
                 None => Woke::Taken(self.take(&policy).await),
                 Some(seated) => tokio::select! {
                     biased;
-                    call = seated.calls.recv() => Woke::Called(call),
+                    call = seated.calls.recv() => Woke::Called(heard(call)),
                     taken = self.take(&policy) => Woke::Taken(taken),
                 },
             };
@@ -366,7 +366,7 @@ where
     /// caller's `apply` and the decision back, until the holder says how the batch ended.
     async fn follow(
         &mut self,
-        first: Option<Option<Call<E>>>,
+        first: Option<Call<E>>,
         calls: &mut mpsc::UnboundedReceiver<Call<E>>,
         started: tokio::time::Instant,
     ) -> Followed<E::Model> {
@@ -374,16 +374,14 @@ where
         loop {
             let call = match next.take() {
                 Some(call) => call,
-                None => calls.recv().await,
+                None => heard(calls.recv().await),
             };
             match call {
-                // A holder that vanished without a word wrote nothing of ours (it panicked
-                // before its commit; its transaction rolled back).
-                None | Some(Call::Again) => return Followed::Again,
-                Some(Call::Done(result)) => {
+                Call::Again => return Followed::Again,
+                Call::Done(result) => {
                     return Followed::Finished(result.map(|served| self.served(served, started)));
                 }
-                Some(Call::Offer { row, reply }) => {
+                Call::Offer { row, reply } => {
                     self.session.map().remove(&self.row.key);
                     if self.reloaded.send(Some(row)).await.is_err() {
                         return Followed::Finished(Err(self.interrupted()));
@@ -890,6 +888,13 @@ async fn reload_for_update<E: EntityTrait>(
         reload = reload.lock_exclusive();
     }
     reload.one(txn).await
+}
+
+/// A seated waiter's next call: a holder that vanished without a word (its channel closed) wrote
+/// nothing of ours — it panicked before its commit, and its transaction rolled back — so that is
+/// [`Call::Again`].
+fn heard<E: EntityTrait>(call: Option<Call<E>>) -> Call<E> {
+    call.unwrap_or(Call::Again)
 }
 
 /// How [`finish`] ends a transaction that wrote nothing.
