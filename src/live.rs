@@ -39,26 +39,36 @@ pub(crate) fn size(db: &DatabaseConnection) -> u32 {
 /// the pool (a restart, a killed session, an idle timeout) fails its first statement at once,
 /// and a pool without sqlx's checkout ping (`test_before_acquire(false)`, one round trip less per
 /// transaction) hands such connections out; sqlx drops each one that failed. So it is tried once
-/// more than the pool has connections: after a restart every idle connection is dead. Writes
+/// more than the pool has connections (at least twice): after a restart every idle connection is
+/// dead. A reply that did not come within its deadline is not tried again. Writes
 /// outside a transaction are never run again here (one whose connection broke may have
 /// happened); the locked paths run their whole transaction again instead.
 pub(crate) async fn on_live_connection<T, F, Fut>(
     db: &DatabaseConnection,
     mut first: F,
-) -> Result<T, sea_orm::DbErr>
+) -> Result<T, DbErr>
 where
     F: FnMut() -> Fut,
-    Fut: std::future::Future<Output = Result<T, sea_orm::DbErr>>,
+    Fut: std::future::Future<Output = Result<T, DbErr>>,
 {
+    // The pool as it is before the first try: sqlx drops each dead connection, so its size
+    // shrinks while they are found.
     let tries = size(db).saturating_add(1).max(2);
     let mut tried = 1;
     loop {
         match first().await {
-            Err(error) if tried < tries && classify(&error) == Failure::ConnectionLost => {
+            Err(error) if tried < tries && dead(&error) => {
                 debug!(%error, tried, "a connection of the pool was dead; trying another");
                 tried += 1;
             }
             done => return done,
         }
     }
+}
+
+/// Whether `error` is a connection that failed at once (closed, reset, ended by the server) —
+/// not a reply that did not come within its deadline: the database is slow or unreachable then,
+/// and another connection would wait as long.
+fn dead(error: &DbErr) -> bool {
+    classify(error) == Failure::ConnectionLost && !crate::deadline::is_no_reply(error)
 }

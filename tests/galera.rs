@@ -418,14 +418,16 @@ async fn writers_on_every_node_lose_nothing() {
         .exec(&pools[0])
         .await
         .expect("seed accounts");
-    let none: Arc<dyn LockBackend> = Arc::new(LocalLock::new());
     // Every transfer's last attempt, as it ran: on a failure, two transfers that read the same
     // balance of one account (a stale read) show in it.
     let journal = Arc::new(Mutex::new(Vec::new()));
     let mut tasks = Vec::new();
     for (node, db) in pools.iter().enumerate() {
         // A `table` lease per node, as each node's own process would take it.
-        let lock = backend(LockKind::Table, db, &cluster.nodes[node].url(), &none).await;
+        let lock = LockKind::Table
+            .connect(db, &cluster.nodes[node].url(), None)
+            .await
+            .expect("backend");
         let session = session(db, lock, policy());
         let journal = Arc::clone(&journal);
         tasks.push(tokio::spawn(async move {

@@ -118,26 +118,21 @@ impl LeaseLock for TableLock {
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
-        let mut token = holder::new_token();
         let deadline = Instant::now() + wait;
         let mut backoff = Backoff::new();
-        // A grant on a connection that died while idle in the pool (a restart; a pool without
-        // the checkout ping hands such connections out) fails at once: it is released by its
-        // token in the background like any lost grant, and tried again at once under a new
-        // token, on another connection — as many times as the pool has connections. A grant
-        // whose reply did not come in time is not: the database is slow or unreachable.
-        let mut dead = crate::live::size(&self.db);
         loop {
-            let tried = match self.try_once(&stored, &token, ttl).await {
-                Err(e) if dead > 0 && in_doubt(&e) && !crate::deadline::is_no_reply(&e) => {
-                    debug!(lock = %name, error = %e, "a lease grant met a dead connection; granting again");
-                    dead -= 1;
-                    token = holder::new_token();
-                    continue;
-                }
-                tried => tried.map_err(|e| lock_error(KIND, LOCK_TABLE, e))?,
-            };
-            if let Some(Grant { fence, taken_over }) = tried {
+            // A grant on a connection that died while idle in the pool fails at once: it is
+            // released by its token in the background like any lost grant (`try_once`), and
+            // asked again under a new token on another connection (`live`).
+            let (this, key) = (self, stored.as_str());
+            let tried = crate::live::on_live_connection(&self.db, || async move {
+                let token = holder::new_token();
+                let grant = this.try_once(key, &token, ttl).await?;
+                Ok(grant.map(|grant| (grant, token)))
+            })
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+            if let Some((Grant { fence, taken_over }, token)) = tried {
                 if taken_over {
                     warn!(lock = %name, fence, "stale lock taken over: the previous holder's lease had expired");
                     crate::metrics::stale_lock_taken_over(KIND);
