@@ -79,14 +79,21 @@ async fn end_connections(db: &TestDb, admin: &DatabaseConnection) -> usize {
                 .query_all_raw(statement(&sql))
                 .await
                 .expect("sessions");
+            let mut ended = 0;
             for row in &ids {
                 let id: i64 = row.try_get("", "id").expect("a session id");
-                admin
+                match admin
                     .execute_unprepared(&format!("KILL CONNECTION {id}"))
                     .await
-                    .expect("kill");
+                {
+                    Ok(_) => ended += 1,
+                    // 1094 "Unknown thread id": the session ended between the listing and its
+                    // KILL (sqlx closing a connection it found dead); it is gone, as wanted.
+                    Err(e) if e.to_string().contains("Unknown thread id") => {}
+                    Err(e) => panic!("kill: {e:?}"),
+                }
             }
-            ids.len()
+            ended
         }
     }
 }
