@@ -144,7 +144,7 @@ impl Marker {
                     info!(target, token = %self.token, "lost commit reply: the write did not commit; running it again");
                     return Ok(Resolution::Absent);
                 }
-                Ok(Err(e)) if crate::write::is_unique_violation(&e) => {
+                Ok(Err(e)) if crate::db_error::is_unique_violation(&e) => {
                     match within(reply, self.written_by_writer(pool)).await {
                         Ok(Some(true)) => {
                             info!(target, token = %self.token, "lost commit reply: the write committed");

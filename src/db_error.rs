@@ -1,6 +1,6 @@
 //! What kind of database failure a `DbErr` is, across SQLite, PostgreSQL and MySQL/MariaDB.
 
-use sea_orm::{DbErr, RuntimeErr, sqlx};
+use sea_orm::{DbErr, RuntimeErr, SqlErr, sqlx};
 
 /// The failures freshlock treats specially.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -98,4 +98,9 @@ pub(crate) fn classify(err: &DbErr) -> Failure {
 /// statement), leaves its outcome unknown.
 pub(crate) fn in_doubt(err: &DbErr) -> bool {
     classify(err) == Failure::ConnectionLost
+}
+
+/// Whether `err` is a unique-key violation (a concurrent creator won).
+pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
+    matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))
 }

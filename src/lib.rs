@@ -4,18 +4,28 @@
 //!
 //! - `session.rs` — [`Session`]: one unit of work (connection, identity map, lock, policy).
 //! - `identity_map.rs` — the per-session cache of `Arc<Model>` by entity and primary key.
-//! - `repository.rs` — [`Repository`]: `load`, `load_many`, `load_fresh`, `reset_cache`,
-//!   `insert`, dirty-only `save`, and `locked_update`.
-//! - `locked_update.rs` — the locked driver behind `locked_update`, `locked_delete`,
-//!   `get_or_insert` and `update_or_insert` (polled in place, detached on cancel).
-//! - `write.rs` — the write primitives below every write path: changed columns, the guarded
-//!   UPDATE that returns the stored row, sea-orm's hooks.
+//! - `repository.rs` — [`Repository`]: `load`, `load_many`, `load_fresh`, `reset_cache`, and the
+//!   locked writes' front ends (`locked_update`, `locked_delete`, `get_or_insert`,
+//!   `update_or_insert`).
+//! - `unlocked.rs` — the repository's writes without a lock: `insert`, the optimistic `save`,
+//!   `optimistic_first`'s one-statement write.
+//! - `save.rs` — the statements of one save and one insert, shared by [`Repository`] and
+//!   [`TxRepository`].
+//! - `engine.rs` — what every locked write does the same way, once: retries with backoff, the
+//!   fence check before a write, ending a transaction within its deadline, releasing locks.
+//! - `locked_update.rs` — the one-row driver on the engine behind `locked_update`,
+//!   `locked_delete`, `get_or_insert` and `update_or_insert` (polled in place, detached on
+//!   cancel, combining commits when asked).
+//! - `write.rs` — the row write steps below every write path, written once: changed columns, the
+//!   optimistic guard (version column), the guarded UPDATE that returns the stored row, insert
+//!   and delete with sea-orm's hooks.
 //! - `locking.rs` — taking and releasing a section's lock under the policy (in-process queue,
 //!   lease, transaction-scoped lock).
 //! - `decision.rs` — what a locked write decided (update, insert, delete, keep) and what it
 //!   wrote: the words the locked driver, commit combining and the front ends share.
-//! - `combine.rs` — commit combining: the waiters of a hot row sit in its room and are served
-//!   by the holder's transaction.
+//! - `combine.rs` — commit combining, a layer on the driver: the waiters of a hot row sit in its
+//!   room and are served by the holder's transaction (rooms, seats, the holder's batch, the
+//!   waiter's side).
 //! - `section.rs` — [`Session::with_lock`]: a short transaction under a keyed lock.
 //! - `tx.rs` — [`Tx`] and [`TxRepository`]: a section's transaction and the repositories bound
 //!   to it.
@@ -65,6 +75,7 @@ mod db_error;
 mod deadline;
 mod decision;
 mod detach;
+mod engine;
 mod error;
 mod identity_map;
 pub mod inspect;
@@ -78,6 +89,7 @@ mod outcome;
 mod pool;
 mod repository;
 mod row;
+mod save;
 pub mod schema;
 mod section;
 mod session;
@@ -86,6 +98,7 @@ pub mod testing;
 #[cfg(feature = "postgres")]
 pub mod transaction_pooler;
 mod tx;
+mod unlocked;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};

@@ -9,6 +9,8 @@
 //! a task of its own ([`Detachable`]) instead of being cut in half: it notices the closed
 //! channel, rolls back (or, past the point of no return, commits) and releases the lock after the
 //! transaction ended. `apply` need not be `'static`, since it never leaves the caller.
+//! Retries, the fence check and the release are the engine's (`engine.rs`), the row write steps
+//! `write.rs`'s, the combining protocol `combine.rs`'s: the driver only orders them.
 
 use std::{
     any::TypeId,
@@ -17,26 +19,26 @@ use std::{
     time::Duration,
 };
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use sea_orm::{
     ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IdenStatic,
-    IntoActiveModel, ModelTrait, QuerySelect,
+    IntoActiveModel, ModelTrait,
 };
-use tokio::sync::{mpsc, oneshot};
-use tracing::{Instrument, debug, field, info_span, warn};
+use tokio::sync::mpsc;
+use tracing::{Instrument, debug, field, info_span};
 
 pub(crate) use crate::decision::{Decision, Written};
 use crate::{
-    combine::{self, Call, MAX_BATCH, RoomKey, Seat, Served},
+    combine::{self, Batch, Call, Followed, RoomKey, Seat, Served},
     commit::{self, Marker},
     deadline::within,
     detach::Detachable,
+    engine::{self, End, Retries, Tried, finish},
     error::{Error, Result, database},
     locking::Locking,
-    outcome::{LockReport, Report},
-    row::{Row, select_by_key},
+    outcome::Report,
+    row::{Row, reload_for_update},
     session::Session,
-    write,
+    write::{self, Inserted},
 };
 
 /// Runs one locked write of `row`: `decide` is called in the caller with the row as reloaded
@@ -129,17 +131,6 @@ where
     driver.await
 }
 
-/// How one run of the locked section ended.
-enum Step<M> {
-    /// With an outcome to report.
-    Done(Written<M>),
-    /// The optimistic guard refused the write (or a concurrent creator won): run it again.
-    Conflict,
-    /// A combined waiter's hook failed after it may have written in the transaction: that waiter
-    /// got its error, and the attempt runs again without it (not counted as a conflict).
-    Again,
-}
-
 /// The task that owns the lock and the transaction of one locked write.
 struct Driver<E: EntityTrait> {
     session: Session,
@@ -149,41 +140,9 @@ struct Driver<E: EntityTrait> {
     /// The row's room when this write may share a commit (see [`crate::combine`]).
     room: Option<RoomKey>,
     /// The waiters this holder serves (taken on its first attempt that writes), when combining.
-    batch: Option<Vec<Member<E>>>,
+    batch: Option<Batch<E>>,
     /// How many writes the committed transaction carried (1 unless combined).
     committed: u32,
-}
-
-/// A waiter served by this holder, and where its turn stands in the current attempt.
-struct Member<E: EntityTrait> {
-    calls: mpsc::UnboundedSender<Call<E>>,
-    state: Turn,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum Turn {
-    /// Not (yet) served in this attempt.
-    Waiting,
-    /// Its change is in this attempt's write (`changed`: it changed something).
-    Merged { changed: bool },
-    /// It has its answer (a result, or its own error), or is gone.
-    Out,
-}
-
-impl<E: EntityTrait> Member<E> {
-    fn finish(&mut self, result: Result<Served<E::Model>>) {
-        self.state = Turn::Out;
-        let _ = self.calls.send(Call::Done(result));
-    }
-}
-
-impl<E: EntityTrait> Drop for Member<E> {
-    /// A member the batch did not finish was not written: it takes the lock itself.
-    fn drop(&mut self) {
-        if self.state != Turn::Out {
-            let _ = self.calls.send(Call::Again);
-        }
-    }
 }
 
 /// What woke a seated waiter first.
@@ -194,40 +153,16 @@ enum Woke<E: EntityTrait> {
     Taken(Result<Option<Locking>>),
 }
 
-/// How following a holder ended, for a seated waiter.
-enum Followed<M> {
-    /// With this write's result.
-    Finished(Result<Report<Written<M>>>),
-    /// Not served: take the lock.
-    Again,
-}
-
 impl<E> Driver<E>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel> + Sync,
     E::ActiveModel: Send,
 {
-    /// Runs the section and records how it ended (span fields, metrics).
+    /// Runs the section and records how it ended (see [`engine::record`]).
     async fn run(self) -> Result<Report<Written<E::Model>>> {
-        let entity = E::default().table_name();
         let result = self.run_locked().await;
-        let outcome = match &result {
-            Ok(report) => {
-                let span = tracing::Span::current();
-                span.record("lock_wait_ms", report.lock.waited.as_secs_f64() * 1e3);
-                span.record("lock_held", report.lock.held);
-                span.record("attempts", report.attempts);
-                span.record("conflicts", report.conflicts);
-                report.outcome.name()
-            }
-            Err(Error::Interrupted { .. }) => "interrupted",
-            Err(Error::Conflict { .. }) => "conflict",
-            Err(Error::LockNotAcquired { .. }) => "lock_not_acquired",
-            Err(_) => "error",
-        };
-        tracing::Span::current().record("outcome", outcome);
-        crate::metrics::update(entity, outcome);
+        engine::record(E::default().table_name(), &result);
         result
     }
 
@@ -243,15 +178,15 @@ where
                 None => Woke::Taken(self.take(&policy).await),
                 Some(seated) => tokio::select! {
                     biased;
-                    call = seated.calls.recv() => Woke::Called(heard(call)),
+                    call = seated.calls.recv() => Woke::Called(combine::heard(call)),
                     taken = self.take(&policy) => Woke::Taken(taken),
                 },
             };
             let taken = match (woke, seat.as_mut()) {
                 (Woke::Called(call), Some(seated)) => {
                     match self.follow(Some(call), &mut seated.calls, started).await {
-                        Followed::Finished(result) => return result,
-                        Followed::Again => {
+                        Some(result) => return result,
+                        None => {
                             seat = None;
                             continue;
                         }
@@ -268,8 +203,8 @@ where
                             locking.release().await;
                         }
                         match self.follow(None, &mut seated.calls, started).await {
-                            Followed::Finished(result) => return result,
-                            Followed::Again => {
+                            Some(result) => return result,
+                            None => {
                                 seat = None;
                                 continue;
                             }
@@ -284,49 +219,17 @@ where
                 None => return Err(self.interrupted()), // The caller gave up while we waited.
             }
         };
-        let (mut attempts, mut conflicts) = (0, 0);
-        let mut delays = ExponentialBuilder::default()
-            .with_min_delay(Duration::from_millis(2))
-            .with_max_delay(Duration::from_millis(200))
-            .with_jitter()
-            .with_max_times(policy.write_attempts.saturating_sub(1) as usize)
-            .build();
+        let mut retries = Retries::new(
+            self.row.to_string(),
+            policy.write_attempts,
+            true,
+            Some(E::default().table_name()),
+        );
         let result = loop {
-            attempts += 1;
-            let step = self.section(&mut locking).await;
-            let retry = match &step {
-                Ok(Step::Done(_)) => false,
-                Ok(Step::Again) => {
-                    // Not an attempt of this write: its own change was not refused.
-                    attempts -= 1;
-                    continue;
-                }
-                Ok(Step::Conflict) => {
-                    conflicts += 1;
-                    crate::metrics::conflict(E::default().table_name());
-                    warn!(row = %self.row.name, attempts, "conflict: the row changed since it was read");
-                    true
-                }
-                Err(error) if error.is_transient() => {
-                    warn!(row = %self.row.name, attempts, %error, "transient database error");
-                    true
-                }
-                Err(_) => false,
-            };
-            match (step, retry.then(|| delays.next()).flatten()) {
-                (Ok(Step::Done(outcome)), _) => break Ok(outcome),
-                (Ok(Step::Again), _) => unreachable!("handled above"),
-                (Ok(Step::Conflict), None) => {
-                    break Err(Error::Conflict {
-                        target: self.row.to_string(),
-                        attempts,
-                    });
-                }
-                (Err(error), None) => break Err(error),
-                (_, Some(delay)) => {
-                    debug!(row = %self.row.name, ?delay, "running the locked section again");
-                    tokio::time::sleep(delay).await;
-                }
+            retries.start();
+            let tried = self.section(&mut locking).await;
+            if let Some(result) = retries.settle(tried).await {
+                break result;
             }
         };
 
@@ -343,8 +246,8 @@ where
         result.map(|outcome| Report {
             outcome,
             lock: report,
-            attempts,
-            conflicts,
+            attempts: retries.attempts,
+            conflicts: retries.conflicts,
             batch,
         })
     }
@@ -362,38 +265,24 @@ where
         .await
     }
 
-    /// A seated waiter follows the holder that took its seat: it relays each offered row to its
-    /// caller's `apply` and the decision back, until the holder says how the batch ended.
+    /// A seated waiter follows the holder that took its seat (see [`combine::follow`]):
+    /// `None` when it was not served and must take the lock itself.
     async fn follow(
         &mut self,
         first: Option<Call<E>>,
         calls: &mut mpsc::UnboundedReceiver<Call<E>>,
         started: tokio::time::Instant,
-    ) -> Followed<E::Model> {
-        let mut next = first;
-        loop {
-            let call = match next.take() {
-                Some(call) => call,
-                None => heard(calls.recv().await),
-            };
-            match call {
-                Call::Again => return Followed::Again,
-                Call::Done(result) => {
-                    return Followed::Finished(result.map(|served| self.served(served, started)));
-                }
-                Call::Offer { row, reply } => {
-                    self.session.map().remove(&self.row.key);
-                    if self.reloaded.send(Some(row)).await.is_err() {
-                        return Followed::Finished(Err(self.interrupted()));
-                    }
-                    // `None`: our caller's `apply` failed or panicked, or it is gone. Dropping
-                    // `reply` tells the holder; the caller returns its own error.
-                    let Some(decision) = self.decisions.recv().await else {
-                        return Followed::Finished(Err(self.interrupted()));
-                    };
-                    let _ = reply.send(decision);
-                }
-            }
+    ) -> Option<Result<Report<Written<E::Model>>>> {
+        let (session, key) = (&self.session, &self.row.key);
+        let evict = || {
+            session.map().remove(key);
+        };
+        let followed =
+            combine::follow(first, calls, &self.reloaded, &mut self.decisions, evict).await;
+        match followed {
+            Followed::Again => None,
+            Followed::Gone => Some(Err(self.interrupted())),
+            Followed::Finished(result) => Some(result.map(|served| self.served(served, started))),
         }
     }
 
@@ -418,7 +307,7 @@ where
     }
 
     /// Evict, begin, reload, hand over to the caller, write what it decided, commit, cache.
-    async fn section(&mut self, locking: &mut Locking) -> Result<Step<E::Model>> {
+    async fn section(&mut self, locking: &mut Locking) -> Result<Tried<Written<E::Model>>> {
         let db = self.session.connection();
         self.session.map().remove(&self.row.key);
         let txn = locking.begin(db).await?;
@@ -436,12 +325,12 @@ where
         match decision {
             Decision::NotFound => {
                 finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                Ok(Step::Done(Written::NotFound))
+                Ok(Tried::Done(Written::NotFound))
             }
             Decision::Keep(original) => {
                 finish(txn, End::Commit, &self.row, self.reply()).await?;
                 debug!(row = %self.row.name, "unchanged");
-                Ok(Step::Done(Written::Unchanged(self.cache(original))))
+                Ok(Tried::Done(Written::Unchanged(self.cache(original))))
             }
             Decision::Update { original, draft } => {
                 self.update(txn, locking, original, draft).await
@@ -459,7 +348,7 @@ where
         locking: &mut Locking,
         original: E::Model,
         draft: E::ActiveModel,
-    ) -> Result<Step<E::Model>> {
+    ) -> Result<Tried<Written<E::Model>>> {
         let mut draft = match write::before_save::<E, _>(draft, &txn, false).await {
             Ok(draft) => draft,
             Err(e) => return Err(self.rolled_back(txn, "running before_save for", e).await),
@@ -475,12 +364,13 @@ where
             });
         }
         // Only a holder that excludes the process's other writers of the row may serve them.
-        if self.room.is_some() && locking.excludes_process() {
-            match self.serve(&txn, &original, &mut changes).await {
+        if let Some(room) = self.room.as_ref().filter(|_| locking.excludes_process()) {
+            let batch = self.batch.get_or_insert_with(|| Batch::take(room));
+            match batch.serve(&txn, &original, &mut changes, &self.row).await {
                 Ok(true) => {}
                 Ok(false) => {
                     let _ = txn.rollback().await;
-                    return Ok(Step::Again);
+                    return Ok(Tried::Uncounted);
                 }
                 Err(e) => return Err(self.rolled_back(txn, "combining writes of", e).await),
             }
@@ -489,35 +379,29 @@ where
             finish(txn, End::Commit, &self.row, self.reply()).await?;
             let row = self.cache(original);
             self.tell_committed(locking, &row, Vec::new());
-            return Ok(Step::Done(Written::Unchanged(row)));
+            return Ok(Tried::Done(Written::Unchanged(row)));
         }
         // The lease (table backend) is released in this transaction: the commit ends it.
-        if let Some(step) = self.fence(&txn, locking, true).await? {
+        if !engine::fence(&txn, locking, true, self.row.name.as_str()).await? {
             let _ = txn.rollback().await;
-            return Ok(step);
+            return Ok(Tried::Done(Written::LeaseLost));
         }
         // The optimistic guard: the UPDATE also checks that the row still holds what was read
         // (its version column when one is declared, else the changed columns), so a write made
         // without the lock can never overwrite a change it did not see.
-        let expected = match self.session.version_column(TypeId::of::<E>()) {
-            Some(name) => {
-                let Some(column) = write::column_named::<E>(name) else {
-                    let _ = txn.rollback().await;
-                    return Err(self.version_error(name));
-                };
-                let read = original.get(column);
-                let Some(next) = write::next_version(&read) else {
-                    let _ = txn.rollback().await;
-                    return Err(self.version_error(name));
-                };
-                changes.retain(|(changed, _)| changed.as_str() != name);
-                changes.push((column, next));
-                vec![(column, read)]
-            }
-            None => changes
-                .iter()
+        let version = self.session.version_of::<E>();
+        let read = version.map(|column| (column, original.get(column)));
+        let unversioned = |changes: &[write::ColumnValue<E>]| {
+            (changes.iter())
                 .map(|(column, _)| (*column, original.get(*column)))
-                .collect(),
+                .collect()
+        };
+        let Some(expected) = write::guard::<E>(read, &mut changes, unversioned) else {
+            let _ = txn.rollback().await;
+            return Err(Error::VersionColumn {
+                entity: E::default().table_name(),
+                column: version.map_or("", |c| c.as_str()),
+            });
         };
         // The evidence a lost commit reply is resolved with: a marker row with a token of this
         // write's own (see `commit.rs`). On PostgreSQL it rides in the UPDATE's own statement;
@@ -544,7 +428,7 @@ where
             Ok(Some(stored)) => stored,
             Ok(None) => {
                 finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                return Ok(Step::Conflict);
+                return Ok(Tried::conflict(self.row.to_string()));
             }
             Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
         };
@@ -553,20 +437,16 @@ where
             Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
         };
         // Each served waiter that changed something gets its own `after_save`.
-        let mut theirs = Vec::new();
-        for (index, member) in self.batch.iter_mut().flatten().enumerate() {
-            if member.state != (Turn::Merged { changed: true }) {
-                continue;
-            }
-            match write::after_save::<E, _>(stored.clone(), &txn, false).await {
-                Ok(reported) => theirs.push((index, reported)),
-                Err(e) => {
-                    member.finish(Err(database("running after_save for", &self.row, e)));
+        let theirs = match self.batch.as_mut() {
+            None => Vec::new(),
+            Some(batch) => match batch.after_saves(&stored, &txn, &self.row).await {
+                Some(theirs) => theirs,
+                None => {
                     let _ = txn.rollback().await;
-                    return Ok(Step::Again);
+                    return Ok(Tried::Uncounted);
                 }
-            }
-        }
+            },
+        };
         let (db, target) = (self.session.connection(), self.row.name.as_str());
         let committed = match &marker {
             Some(marker) => commit::commit(txn, marker, db, target, reply).await,
@@ -576,161 +456,30 @@ where
             locking.committed();
         }
         if let Err(error) = committed {
-            if let Error::CommitUnknown { source, .. } = &error {
-                // Every write of the batch is in doubt alike; none may run again blindly.
-                let why = source.to_string();
-                for member in self.batch.iter_mut().flatten() {
-                    if let Turn::Merged { .. } = member.state {
-                        member.finish(Err(Error::CommitUnknown {
-                            target: self.row.to_string(),
-                            source: why.clone().into(),
-                        }));
-                    }
-                }
+            if let (Error::CommitUnknown { source, .. }, Some(batch)) = (&error, &mut self.batch) {
+                batch.in_doubt(&self.row, &source.to_string());
             }
             return Err(error);
         }
         let stored = self.cache(stored);
         self.tell_committed(locking, &stored, theirs);
         debug!(row = %self.row.name, batch = self.committed, "updated");
-        Ok(Step::Done(Written::Updated(Arc::new(reported))))
+        Ok(Tried::Done(Written::Updated(Arc::new(reported))))
     }
 
-    /// Serves the batch (taken from the room on the first attempt that gets here): each waiter
-    /// runs its `apply` on the row as the ones before it left it, and its change is merged into
-    /// `changes`. `Ok(false)`: a waiter's `before_save` failed, or changed the primary key, after
-    /// it may have written in the transaction; that waiter got its error, and the attempt must
-    /// run again without it.
-    async fn serve(
-        &mut self,
-        txn: &DatabaseTransaction,
-        original: &E::Model,
-        changes: &mut Vec<write::ColumnValue<E>>,
-    ) -> std::result::Result<bool, DbErr> {
-        let Some(room) = &self.room else {
-            return Ok(true);
-        };
-        let members = self.batch.get_or_insert_with(|| {
-            combine::take_seats::<E>(room, MAX_BATCH - 1)
-                .into_iter()
-                .map(|calls| Member {
-                    calls,
-                    state: Turn::Waiting,
-                })
-                .collect()
-        });
-        let mut current = original.clone();
-        for (column, value) in changes.iter() {
-            current.try_set(*column, value.clone())?;
-        }
-        for member in members.iter_mut() {
-            if member.state == Turn::Out {
-                continue;
-            }
-            member.state = Turn::Waiting;
-            let (reply, answer) = oneshot::channel();
-            let offer = Call::Offer {
-                row: current.clone(),
-                reply,
-            };
-            // A closed channel or a dropped reply: the waiter is gone, or its `apply` failed or
-            // panicked. It contributes nothing and returns its own error.
-            if member.calls.send(offer).is_err() {
-                member.state = Turn::Out;
-                continue;
-            }
-            let Ok(decision) = answer.await else {
-                member.state = Turn::Out;
-                continue;
-            };
-            match decision {
-                Decision::Update {
-                    original: seen,
-                    draft,
-                } => {
-                    let mut draft = match write::before_save::<E, _>(draft, txn, false).await {
-                        Ok(draft) => draft,
-                        Err(e) => {
-                            member.finish(Err(database("running before_save for", &self.row, e)));
-                            return Ok(false);
-                        }
-                    };
-                    let theirs = write::changed_columns::<E>(&seen, &mut draft);
-                    if theirs
-                        .iter()
-                        .any(|(column, _)| write::is_primary_key::<E>(column))
-                    {
-                        member.finish(Err(Error::PrimaryKeyChanged {
-                            target: self.row.to_string(),
-                        }));
-                        return Ok(false);
-                    }
-                    member.state = Turn::Merged {
-                        changed: !theirs.is_empty(),
-                    };
-                    for (column, value) in theirs {
-                        current.try_set(column, value.clone())?;
-                        match changes
-                            .iter_mut()
-                            .find(|(changed, _)| changed.as_str() == column.as_str())
-                        {
-                            Some(slot) => slot.1 = value,
-                            None => changes.push((column, value)),
-                        }
-                    }
-                }
-                Decision::Keep(_) => member.state = Turn::Merged { changed: false },
-                // Not an update of this row: it runs alone, after this batch.
-                Decision::NotFound | Decision::Insert(_) | Decision::Delete(_) => {
-                    member.state = Turn::Out;
-                    let _ = member.calls.send(Call::Again);
-                }
-            }
-        }
-        Ok(true)
-    }
-
-    /// After the commit: every waiter merged into it gets its report, with the committed row
-    /// (`theirs`: the rows their own `after_save` returned, by member index).
+    /// After the commit: every waiter merged into it gets its report (see
+    /// [`Batch::committed`]).
     fn tell_committed(
         &mut self,
         locking: &Locking,
         stored: &Arc<E::Model>,
         theirs: Vec<(usize, E::Model)>,
     ) {
-        let Some(members) = self.batch.as_mut() else {
-            return;
-        };
-        let merged = members
-            .iter()
-            .filter(|member| matches!(member.state, Turn::Merged { .. }))
-            .count();
-        let batch = u32::try_from(merged + 1).unwrap_or(u32::MAX);
-        self.committed = batch;
-        let mut theirs = theirs.into_iter().peekable();
-        for (index, member) in members.iter_mut().enumerate() {
-            let Turn::Merged { changed } = member.state else {
-                continue;
-            };
-            let outcome = match theirs.next_if(|(at, _)| *at == index) {
-                Some((_, reported)) => Written::Updated(Arc::new(reported)),
-                None if changed => Written::Updated(Arc::clone(stored)),
-                None => Written::Unchanged(Arc::clone(stored)),
-            };
-            let lock = LockReport {
-                tries: 0,
-                waited: Duration::ZERO,
-                release_error: None,
-                ..locking.report.clone()
-            };
-            member.finish(Ok(Served {
-                outcome,
-                stored: Some(Arc::clone(stored)),
-                lock,
-                batch,
-            }));
+        if let Some(batch) = self.batch.as_mut() {
+            self.committed = batch.committed(&locking.report, stored, theirs);
         }
     }
+
     /// `before_save`, INSERT … RETURNING, `after_save`, commit. No fence check: an insert cannot
     /// overwrite anything, and a concurrent creator makes it fail on the key (a conflict: the
     /// next attempt finds the winner's row).
@@ -738,27 +487,19 @@ where
         &self,
         txn: DatabaseTransaction,
         draft: E::ActiveModel,
-    ) -> Result<Step<E::Model>> {
-        let draft = match write::before_save::<E, _>(draft, &txn, true).await {
-            Ok(draft) => draft,
-            Err(e) => return Err(self.rolled_back(txn, "running before_save for", e).await),
-        };
-        let stored = match E::insert(draft).exec_with_returning(&txn).await {
-            Ok(stored) => stored,
-            Err(e) if write::is_unique_violation(&e) => {
+    ) -> Result<Tried<Written<E::Model>>> {
+        let (stored, reported) = match write::insert_row::<E, _>(&txn, draft).await {
+            Ok(Inserted::Stored { stored, reported }) => (stored, reported),
+            Ok(Inserted::Taken(_)) => {
                 finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                return Ok(Step::Conflict);
+                return Ok(Tried::conflict(self.row.to_string()));
             }
-            Err(e) => return Err(self.rolled_back(txn, "inserting", e).await),
-        };
-        let reported = match write::after_save::<E, _>(stored.clone(), &txn, true).await {
-            Ok(reported) => reported,
-            Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
+            Err(failed) => return Err(self.failed(txn, failed).await),
         };
         self.commit(txn).await?;
         self.cache(stored);
         debug!(row = %self.row.name, "inserted");
-        Ok(Step::Done(Written::Inserted(Arc::new(reported))))
+        Ok(Tried::Done(Written::Inserted(Arc::new(reported))))
     }
 
     /// Fence, `before_delete`, DELETE (guarded by the version column when one is declared),
@@ -768,55 +509,24 @@ where
         txn: DatabaseTransaction,
         locking: &mut Locking,
         original: E::Model,
-    ) -> Result<Step<E::Model>> {
-        if let Some(step) = self.fence(&txn, locking, false).await? {
+    ) -> Result<Tried<Written<E::Model>>> {
+        if !engine::fence(&txn, locking, false, self.row.name.as_str()).await? {
             let _ = txn.rollback().await;
-            return Ok(step);
+            return Ok(Tried::Done(Written::LeaseLost));
         }
-        let draft = original.clone().into_active_model();
-        let draft = match write::before_delete::<E, _>(draft, &txn).await {
-            Ok(draft) => draft,
-            Err(e) => return Err(self.rolled_back(txn, "running before_delete for", e).await),
-        };
-        let version = self.session.version_column(TypeId::of::<E>());
-        let expected = write::version_guard::<E>(version, &original);
-        match write::delete_holding::<E, _>(&txn, self.row.pk(), &expected).await {
+        let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
+        match write::delete_row::<E, _>(&txn, &original, self.row.pk(), &expected).await {
             Ok(true) => {}
             Ok(false) => {
                 finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                return Ok(Step::Conflict);
+                return Ok(Tried::conflict(self.row.to_string()));
             }
-            Err(e) => return Err(self.rolled_back(txn, "deleting", e).await),
-        }
-        if let Err(e) = write::after_delete::<E, _>(draft, &txn).await {
-            return Err(self.rolled_back(txn, "running after_delete for", e).await);
+            Err(failed) => return Err(self.failed(txn, failed).await),
         }
         self.commit(txn).await?;
         self.session.map().remove(&self.row.key);
         debug!(row = %self.row.name, "deleted");
-        Ok(Step::Done(Written::Deleted(Arc::new(original))))
-    }
-
-    /// The lease's fence check in the write's transaction: `Some(LeaseLost)` when a newer holder
-    /// has the lock (the caller rolls back).
-    async fn fence(
-        &self,
-        txn: &DatabaseTransaction,
-        locking: &mut Locking,
-        releasing: bool,
-    ) -> Result<Option<Step<E::Model>>> {
-        match locking.verify(txn, releasing).await {
-            Ok(true) => Ok(None),
-            Ok(false) => {
-                warn!(row = %self.row.name, fence = locking.report.fence, "lease lost before the write; nothing written");
-                crate::metrics::lease_lost(locking.report.backend);
-                Ok(Some(Step::Done(Written::LeaseLost)))
-            }
-            Err(source) => Err(Error::Lock {
-                target: self.row.to_string(),
-                source,
-            }),
-        }
+        Ok(Tried::Done(Written::Deleted(Arc::new(original))))
     }
 
     /// Commits a write, with a commit marker when the session writes them: a lost reply is
@@ -841,18 +551,16 @@ where
         model
     }
 
-    fn version_error(&self, column: &'static str) -> Error {
-        Error::VersionColumn {
-            entity: E::default().table_name(),
-            column,
-        }
-    }
-
     /// The caller is gone or aborted: roll back, and report (to nobody, or to a caller that
     /// returns its own error instead).
     async fn abandoned(&self, txn: DatabaseTransaction) -> Error {
         commit::rollback(txn, self.reply()).await;
         self.interrupted()
+    }
+
+    /// A step of the row write failed: roll back, and the error.
+    async fn failed(&self, txn: DatabaseTransaction, failed: write::Failed) -> Error {
+        self.rolled_back(txn, failed.operation, failed.error).await
     }
 
     async fn rolled_back(
@@ -875,41 +583,4 @@ where
             target: self.row.to_string(),
         }
     }
-}
-
-/// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
-/// already excludes other writers).
-async fn reload_for_update<E: EntityTrait>(
-    txn: &DatabaseTransaction,
-    pk: &sea_orm::sea_query::ValueTuple,
-) -> std::result::Result<Option<E::Model>, DbErr> {
-    let mut reload = select_by_key::<E>(pk);
-    if txn.get_database_backend() != DbBackend::Sqlite {
-        reload = reload.lock_exclusive();
-    }
-    reload.one(txn).await
-}
-
-/// A seated waiter's next call: a holder that vanished without a word (its channel closed) wrote
-/// nothing of ours — it panicked before its commit, and its transaction rolled back — so that is
-/// [`Call::Again`].
-fn heard<E: EntityTrait>(call: Option<Call<E>>) -> Call<E> {
-    call.unwrap_or(Call::Again)
-}
-
-/// How [`finish`] ends a transaction that wrote nothing.
-#[derive(Copy, Clone, Debug, PartialEq, Eq)]
-enum End {
-    Commit,
-    RollBack,
-}
-
-/// Ends a transaction that wrote nothing as `end` says, waiting at most `reply` (see
-/// `deadline.rs`).
-async fn finish(txn: DatabaseTransaction, end: End, row: &Row, reply: Duration) -> Result<()> {
-    let ended = match end {
-        End::Commit => within(reply, txn.commit()).await,
-        End::RollBack => within(reply, txn.rollback()).await,
-    };
-    ended.map_err(|e| database("committing", row, e))
 }

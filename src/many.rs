@@ -12,6 +12,7 @@ use sea_orm::{ActiveModelTrait, EntityTrait, IntoActiveModel, sea_query::IntoVal
 use tokio::sync::Mutex;
 
 use crate::{
+    detach::Detachable,
     error::{ApplyError, Error, Result},
     outcome::{ManyReport, Report, SaveOutcome, UpdateOutcome, UpdateReport},
     repository::{PrimaryKeyOf, Repository},
@@ -50,9 +51,11 @@ where
     /// - Otherwise as [`locked_update`](Self::locked_update).
     ///
     /// # Cancel safety
-    /// The section runs in a task of its own (`apply` is `'static` and never leaves it):
-    /// dropping this future never cuts a statement in half — the section runs to its commit or
-    /// rollback and releases its locks, as if the caller had waited.
+    /// freshlock's one rule for a locked write whose caller is dropped (see
+    /// [`locked_update`](Self::locked_update)): the section is polled in place and, if this
+    /// future is dropped, moves to a task of its own (`apply` is `'static`), so a statement is
+    /// never cut in half — it runs to its commit or rollback and releases its locks, as if the
+    /// caller had waited.
     pub async fn locked_update_many<I, F>(&self, ids: I, apply: F) -> Result<ManyReport<E::Model>>
     where
         I: IntoIterator<Item = PrimaryKeyOf<E>>,
@@ -60,8 +63,7 @@ where
     {
         let rows = rows::<E>(ids)?;
         let session = self.session().clone();
-        let target = rows_label(&rows);
-        detached(target, update_many::<E, F>(session, rows, apply)).await
+        Detachable::new(update_many::<E, F>(session, rows, apply)).await
     }
 
     /// [`locked_update_many`](Self::locked_update_many) of two rows (a transfer between two
@@ -139,8 +141,7 @@ where
     {
         let row = Row::new::<E>(id.into_value_tuple())?;
         let session = self.session().clone();
-        let target = row.to_string();
-        detached(target, update_with::<E, F>(session, row, apply)).await
+        Detachable::new(update_with::<E, F>(session, row, apply)).await
     }
 }
 
@@ -172,18 +173,6 @@ fn rows_label(rows: &[Row]) -> String {
         .map(ToString::to_string)
         .collect::<Vec<_>>()
         .join("+")
-}
-
-/// Runs `section` in a task of its own and waits for it; a panic in it is resumed here.
-async fn detached<T: Send + 'static>(
-    target: String,
-    section: impl Future<Output = Result<T>> + Send + 'static,
-) -> Result<T> {
-    match tokio::spawn(section).await {
-        Ok(result) => result,
-        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-        Err(_) => Err(Error::Interrupted { target }),
-    }
 }
 
 async fn update_many<E, F>(

@@ -3,25 +3,23 @@
 use std::{any::TypeId, collections::HashMap, marker::PhantomData, sync::Arc};
 
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ColumnTrait, Condition, ConnectionTrait, DbBackend, EntityTrait,
-    IdenStatic, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter,
+    ActiveModelTrait, ColumnTrait, Condition, EntityTrait, IntoActiveModel, Iterable, ModelTrait,
+    PrimaryKeyToColumn, QueryFilter,
     sea_query::{IntoValueTuple, ValueTuple},
 };
 
 use crate::{
-    commit,
     decision::{Decision, Written},
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
     live::on_live_connection,
     lock::LockName,
     locked_update,
-    locking::begin,
-    outcome::{DeleteOutcome, DeleteReport, SaveOutcome, UpdateOutcome, UpdateReport},
-    pool::{autocommit, transaction_pooled},
+    outcome::{DeleteOutcome, DeleteReport, UpdateOutcome, UpdateReport},
+    pool::autocommit,
     row::{Row, cache_key, select_by_key},
     session::Session,
-    write,
+    write::{self, keyed},
 };
 
 pub use crate::row::PrimaryKeyOf;
@@ -193,118 +191,6 @@ where
         self.session.forget_entity(TypeId::of::<E>())
     }
 
-    /// Inserts a row and caches it as the database stored it (`RETURNING`, or a read back on
-    /// MySQL/MariaDB). Runs the entity's `before_save` / `after_save` hooks (`insert = true`), as
-    /// sea-orm's `ActiveModel::insert` does; returns what `after_save` returned.
-    ///
-    /// # Errors
-    /// [`Error::Database`] when the insert or a hook fails (a unique-key violation included:
-    /// use [`get_or_insert`](Self::get_or_insert) when another writer may create the row).
-    pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
-        let (row, stored, reported) =
-            insert_on::<E, _>(&autocommit(self.session.connection()), model).await?;
-        self.session.map().insert(row.key, Arc::new(stored));
-        Ok(Arc::new(reported))
-    }
-
-    /// Writes the columns `model` sets, checked against the snapshot this session holds of the
-    /// row, in one statement: the optimistic write.
-    ///
-    /// The snapshot is the row as this session has it cached (what [`load`](Self::load) returned,
-    /// or what the last write through this session stored). The UPDATE's `WHERE` checks that the
-    /// row still holds the snapshot's value of every column `model` sets — or, when the entity
-    /// has a [version column](crate::SessionBuilder::version_column), that the version is still
-    /// the one `model` carries (the version is then incremented). So a save based on a stale
-    /// snapshot can never overwrite a newer write: it returns [`SaveOutcome::Conflict`], writes
-    /// nothing and evicts the cached row. `model`'s `Unchanged` columns must also agree with the
-    /// snapshot, or the save is a conflict too (the model was built from an older copy).
-    ///
-    /// Only columns set to a value other than the snapshot's are written; when there are none,
-    /// one `SELECT` checks that the row still holds what was set, so [`SaveOutcome::Unchanged`]
-    /// is never an assumption based on the cache. With nothing set at all, no SQL is sent.
-    ///
-    /// The entity's `before_save` / `after_save` hooks run (`insert = false`), as in sea-orm's
-    /// `ActiveModel::update`: columns `before_save` sets are written and checked like the
-    /// caller's. The cache and [`SaveOutcome::Updated`] hold the row as the database stored it
-    /// (`RETURNING`; on MySQL/MariaDB, UPDATE and a read back in one transaction).
-    ///
-    /// # Errors
-    /// - [`Error::InvalidKey`] when the primary key is not set, or a primary-key column is `Set`
-    ///   (a save identifies its row by the key: keep it `Unchanged`, as `into_active_model`
-    ///   does).
-    /// - [`Error::NoSnapshot`] when this session has no snapshot of the row: load it first.
-    /// - [`Error::VersionColumn`] when the version is NULL.
-    /// - [`Error::Database`] when a statement or a hook fails.
-    pub async fn save(&self, model: E::ActiveModel) -> Result<SaveOutcome<E::Model>> {
-        let row = saved_row::<E>(&model)?;
-        let Some(snapshot) = self.session.map().get::<E::Model>(&row.key) else {
-            return Err(Error::NoSnapshot {
-                target: row.to_string(),
-            });
-        };
-        if !built_from::<E>(&model, &snapshot) {
-            self.session.map().remove(&row.key);
-            return Ok(SaveOutcome::Conflict);
-        }
-        self.save_against(row, &snapshot, model).await
-    }
-
-    /// [`save`](Self::save) of `model`, built from `snapshot` (the row as this session read it).
-    async fn save_against(
-        &self,
-        row: Row,
-        snapshot: &E::Model,
-        model: E::ActiveModel,
-    ) -> Result<SaveOutcome<E::Model>> {
-        if !model.is_changed() {
-            return Ok(SaveOutcome::Unchanged);
-        }
-        let version = self
-            .session
-            .version_column(TypeId::of::<E>())
-            .and_then(write::column_named::<E>);
-        let db = self.session.connection();
-        let saved = if db.get_database_backend() == DbBackend::MySql || transaction_pooled(db) {
-            // MySQL: no UPDATE … RETURNING, and the read back must see this UPDATE's row, not a
-            // later one. Behind a transaction pooler: the UPDATE and a conflict's check read
-            // must not run outside a transaction (see `transaction_pooler.rs`).
-            let txn = begin(db).await.map_err(|e| database("saving", &row, e))?;
-            let saved = save_on::<E, _>(&txn, &row, snapshot, model, version, false).await;
-            match saved {
-                Ok(saved) => {
-                    txn.commit()
-                        .await
-                        .map_err(|e| commit::write_error("committing", row.name.as_str(), e))?;
-                    Ok(saved)
-                }
-                Err(error) => {
-                    let _ = txn.rollback().await;
-                    Err(error)
-                }
-            }
-        } else {
-            save_on::<E, _>(db, &row, snapshot, model, version, true).await
-        }?;
-        Ok(match saved {
-            Saved::Stored { stored, reported } => {
-                self.session.map().insert(row.key, Arc::new(stored));
-                SaveOutcome::Updated(Arc::new(reported))
-            }
-            Saved::Holds(stored) => {
-                self.session.map().insert(row.key, Arc::new(stored));
-                SaveOutcome::Unchanged
-            }
-            Saved::Conflict => {
-                self.session.map().remove(&row.key);
-                SaveOutcome::Conflict
-            }
-            Saved::NotFound => {
-                self.session.map().remove(&row.key);
-                SaveOutcome::NotFound
-            }
-        })
-    }
-
     /// Read-modify-write of one row that never overwrites a concurrent writer's columns.
     ///
     /// In order: takes the lock for this row under the session's [`crate::LockPolicy`] → evicts
@@ -403,68 +289,6 @@ where
         })
         .await?;
         Ok(report.map(update_outcome))
-    }
-
-    /// The one-statement optimistic write of [`crate::SessionBuilder::optimistic_first`]:
-    /// `None` when the locked path must run (no version column, no cached row, nothing
-    /// changed, or the row changed since it was cached).
-    async fn optimistic<F>(
-        &self,
-        row: &Row,
-        apply: &mut F,
-    ) -> Result<Option<UpdateReport<E::Model>>>
-    where
-        F: FnMut(&mut E::ActiveModel) -> Result<(), ApplyError> + Send,
-    {
-        if self.session.version_column(TypeId::of::<E>()).is_none() {
-            return Ok(None);
-        }
-        let Some(snapshot) = self.session.map().get::<E::Model>(&row.key) else {
-            return Ok(None);
-        };
-        let mut draft = (*snapshot).clone().into_active_model();
-        apply(&mut draft).map_err(|source| Error::Apply {
-            target: row.to_string(),
-            source: source.into_inner(),
-        })?;
-        if draft.get_primary_key_value().as_ref() != Some(row.pk()) {
-            return Err(Error::PrimaryKeyChanged {
-                target: row.to_string(),
-            });
-        }
-        if !draft.is_changed() {
-            return Ok(None);
-        }
-        // Against the snapshot `apply` ran on: a concurrent section may have evicted it since.
-        // Its UPDATE is its own commit: a reply that does not come within the policy's bound
-        // leaves it in doubt (see `deadline.rs`), and the cached row may be stale.
-        let reply = self.session.policy().reply_deadline();
-        let save = self.save_against(row.clone(), &snapshot, draft);
-        let Ok(saved) = tokio::time::timeout(reply, save).await else {
-            self.session.map().remove(&row.key);
-            let no_reply = crate::deadline::no_reply(reply);
-            return Err(commit::write_error("saving", row.name.as_str(), no_reply));
-        };
-        match saved? {
-            SaveOutcome::Updated(model) => Ok(Some(UpdateReport {
-                outcome: UpdateOutcome::Updated(model),
-                lock: crate::outcome::LockReport {
-                    backend: self.session.lock_backend().kind(),
-                    name: row.lock.clone(),
-                    held: false,
-                    tries: 0,
-                    waited: std::time::Duration::ZERO,
-                    fence: None,
-                    release_error: None,
-                },
-                attempts: 1,
-                conflicts: 0,
-                batch: 1,
-            })),
-            // Changed since it was cached (the save evicted it), gone, or holding what was
-            // set: the locked path decides, on the row as it is now.
-            _ => Ok(None),
-        }
     }
 
     /// Deletes the row under its lock: takes the lock under the session's policy → begins →
@@ -607,209 +431,6 @@ where
         .await?;
         Ok(report.map(update_outcome))
     }
-}
-
-/// What a save found.
-pub(crate) enum Saved<M> {
-    /// Written; the row as stored, and what `after_save` made of it.
-    Stored {
-        stored: M,
-        reported: M,
-    },
-    /// Nothing to write, and the row still holds what was set.
-    Holds(M),
-    Conflict,
-    NotFound,
-}
-
-/// The statements of one save, on `db` (a transaction on MySQL/MariaDB, or a section's).
-/// `autocommit`: the UPDATE is its own commit, so a lost connection leaves it in doubt.
-pub(crate) async fn save_on<E, C>(
-    db: &C,
-    row: &Row,
-    snapshot: &E::Model,
-    model: E::ActiveModel,
-    version: Option<E::Column>,
-    autocommit: bool,
-) -> Result<Saved<E::Model>>
-where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
-    C: ConnectionTrait,
-{
-    let fail = |operation| move |e| database(operation, row, e);
-    let version_read = version.map(|column| match model.get(column) {
-        ActiveValue::Unchanged(value) => value,
-        _ => snapshot.get(column),
-    });
-    // Nothing the caller set differs from the snapshot: no hook runs (a `before_save` that
-    // stamps `updated_at` would make a change that is not one), and nothing is written — the
-    // row is only checked to still hold the snapshot (`Unchanged`), as `locked_update` does.
-    let caller_changed = write::set_columns::<E>(&model)
-        .iter()
-        .any(|(column, value)| *value != snapshot.get(*column));
-    let model = if caller_changed {
-        write::before_save::<E, _>(model, db, false)
-            .await
-            .map_err(fail("running before_save for"))?
-    } else {
-        model
-    };
-    reject_set_primary_key::<E>(&model)?;
-    let set = write::set_columns::<E>(&model);
-    let mut changes: Vec<_> = set
-        .iter()
-        .filter(|(column, value)| *value != snapshot.get(*column))
-        .cloned()
-        .collect();
-    let expected: Vec<_> = match (version, version_read) {
-        (Some(column), Some(read)) => {
-            let Some(next) = write::next_version(&read) else {
-                return Err(Error::VersionColumn {
-                    entity: E::default().table_name(),
-                    column: column.as_str(),
-                });
-            };
-            if !changes.is_empty() {
-                changes.retain(|(changed, _)| changed.as_str() != column.as_str());
-                changes.push((column, next));
-            }
-            vec![(column, read)]
-        }
-        _ => set
-            .iter()
-            .map(|(column, _)| (*column, snapshot.get(*column)))
-            .collect(),
-    };
-    let stored = if changes.is_empty() {
-        write::select_holding::<E, _>(db, row.pk(), &expected)
-            .await
-            .map_err(fail("checking"))?
-    } else {
-        write::update_returning::<E, _>(db, snapshot, &changes, &expected)
-            .await
-            // In autocommit the UPDATE is its own commit: a lost connection leaves it in doubt.
-            .map_err(|e| {
-                if autocommit {
-                    commit::write_error("saving", row.name.as_str(), e)
-                } else {
-                    database("saving", row, e)
-                }
-            })?
-    };
-    match stored {
-        Some(stored) if changes.is_empty() => Ok(Saved::Holds(stored)),
-        Some(stored) => {
-            let reported = write::after_save::<E, _>(stored.clone(), db, false)
-                .await
-                .map_err(fail("running after_save for"))?;
-            Ok(Saved::Stored { stored, reported })
-        }
-        // Refused: tell a changed row from a missing one (only on this path).
-        None => match select_by_key::<E>(row.pk())
-            .one(db)
-            .await
-            .map_err(fail("checking"))?
-        {
-            Some(_) => Ok(Saved::Conflict),
-            None => Ok(Saved::NotFound),
-        },
-    }
-}
-
-/// `before_save`, `INSERT … RETURNING`, `after_save` on `db`: the row, as stored, and what
-/// `after_save` made of it.
-pub(crate) async fn insert_on<E, C>(
-    db: &C,
-    model: E::ActiveModel,
-) -> Result<(Row, E::Model, E::Model)>
-where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
-    C: ConnectionTrait,
-{
-    let entity = E::default();
-    let fail = |e| database("inserting into", &entity.table_name(), e);
-    let model = write::before_save::<E, _>(model, db, true)
-        .await
-        .map_err(fail)?;
-    let stored = E::insert(model)
-        .exec_with_returning(db)
-        .await
-        .map_err(fail)?;
-    let row = Row::new::<E>(stored.get_primary_key_value())?;
-    let reported = write::after_save::<E, _>(stored.clone(), db, true)
-        .await
-        .map_err(fail)?;
-    Ok((row, stored, reported))
-}
-
-/// The row a save of `model` writes: its key must be set, and not `Set`.
-pub(crate) fn saved_row<E: EntityTrait>(model: &E::ActiveModel) -> Result<Row> {
-    let Some(pk) = model.get_primary_key_value() else {
-        return Err(Error::InvalidKey {
-            entity: E::default().table_name(),
-            reason: "the primary key of the active model is not set".into(),
-        });
-    };
-    reject_set_primary_key::<E>(model)?;
-    Row::new::<E>(pk)
-}
-
-/// Whether `model`'s `Unchanged` columns agree with `snapshot` (it was built from that copy).
-pub(crate) fn built_from<E: EntityTrait>(model: &E::ActiveModel, snapshot: &E::Model) -> bool {
-    E::Column::iter().all(|column| match model.get(column) {
-        ActiveValue::Unchanged(value) => value == snapshot.get(column),
-        _ => true,
-    })
-}
-
-/// [`InvalidKey`](Error::InvalidKey) when `model` has a primary-key column `Set`.
-pub(crate) fn reject_set_primary_key<E>(model: &E::ActiveModel) -> Result<()>
-where
-    E: EntityTrait,
-{
-    match E::PrimaryKey::iter()
-        .map(PrimaryKeyToColumn::into_column)
-        .find(|column| matches!(model.get(*column), ActiveValue::Set(_)))
-    {
-        Some(column) => Err(Error::InvalidKey {
-            entity: E::default().table_name(),
-            reason: format!(
-                "primary-key column {} is Set: a save identifies its row by the key and cannot \
-                 change it (keep it Unchanged, as into_active_model does)",
-                column.as_str()
-            ),
-        }),
-        None => Ok(()),
-    }
-}
-
-/// `draft` with its primary key set to `pk` where it was left `NotSet`;
-/// [`InvalidKey`](Error::InvalidKey) when it holds another key.
-pub(crate) fn keyed<E: EntityTrait>(
-    mut draft: E::ActiveModel,
-    pk: &ValueTuple,
-) -> Result<E::ActiveModel> {
-    for (key, value) in E::PrimaryKey::iter().zip(pk.iter()) {
-        let column = key.into_column();
-        match draft.get(column).into_value() {
-            None => draft.set(column, value.clone()),
-            Some(given) if given == *value => {}
-            Some(given) => {
-                return Err(Error::InvalidKey {
-                    entity: E::default().table_name(),
-                    reason: format!(
-                        "the initial row's {} is {given}, but the row asked for is {value}",
-                        column.as_str()
-                    ),
-                });
-            }
-        }
-    }
-    Ok(draft)
 }
 
 /// An update of what `apply` changed, or nothing to write.

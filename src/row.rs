@@ -3,8 +3,8 @@
 use std::{any::TypeId, fmt, fmt::Write as _};
 
 use sea_orm::{
-    ColumnTrait, EntityTrait, Iterable, PrimaryKeyToColumn, QueryFilter, Select,
-    sea_query::ValueTuple,
+    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, Iterable,
+    PrimaryKeyToColumn, QueryFilter, QuerySelect, Select, sea_query::ValueTuple,
 };
 
 use crate::{error::Error, identity_map::Key, lock::LockName};
@@ -111,6 +111,19 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
         .fold(E::find(), |select, (column, value)| {
             select.filter(column.into_column().eq(value.clone()))
         })
+}
+
+/// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
+/// already excludes other writers).
+pub(crate) async fn reload_for_update<E: EntityTrait>(
+    txn: &DatabaseTransaction,
+    pk: &ValueTuple,
+) -> Result<Option<E::Model>, DbErr> {
+    let mut reload = select_by_key::<E>(pk);
+    if txn.get_database_backend() != DbBackend::Sqlite {
+        reload = reload.lock_exclusive();
+    }
+    reload.one(txn).await
 }
 
 #[cfg(test)]

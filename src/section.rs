@@ -1,13 +1,13 @@
 //! Short transactional sections under one or several keyed locks, for work that is not one
 //! row's update: [`Session::with_lock`] and [`Session::section`].
 
-use std::{future::Future, pin::Pin, time::Duration};
+use std::{future::Future, pin::Pin};
 
-use backon::{BackoffBuilder, ExponentialBuilder};
 use sea_orm::DbErr;
-use tracing::{Instrument, debug, info_span, warn};
+use tracing::{Instrument, debug, info_span};
 
 use crate::{
+    engine::{self, Retries, Tried},
     error::{ApplyError, Error, Result, database},
     lock::LockName,
     locking::Locking,
@@ -152,17 +152,6 @@ where
     f
 }
 
-/// How one attempt of a section ended.
-enum Attempt<T> {
-    Committed(T),
-    LeaseLost,
-    /// The work failed; `conflicted` when a guarded write of the attempt had been refused.
-    Failed {
-        error: Error,
-        conflicted: bool,
-    },
-}
-
 impl Section<'_> {
     /// Runs `work` once, as [`Session::with_lock`] describes, under every lock of the section.
     ///
@@ -236,49 +225,28 @@ impl Section<'_> {
                 match taken {
                     Ok(Some(locking)) => lockings.push(locking),
                     Ok(None) | Err(_) => {
-                        release_all(lockings).await;
+                        engine::release_all(lockings).await;
                         return Err(taken.err().unwrap_or_else(|| Error::Interrupted {
                             target: label.clone(),
                         }));
                     }
                 }
             }
-            let mut delays = ExponentialBuilder::default()
-                .with_min_delay(Duration::from_millis(2))
-                .with_max_delay(Duration::from_millis(200))
-                .with_jitter()
-                .with_max_times(session.policy().write_attempts.saturating_sub(1) as usize)
-                .build();
-            let (mut attempts, mut conflicts) = (0, 0);
+            let mut retries = Retries::new(
+                label.clone(),
+                session.policy().write_attempts,
+                retrying,
+                None,
+            );
             let result = loop {
-                attempts += 1;
-                let (error, conflicted) = match attempt(session, &mut lockings, &label, &mut work)
-                    .await
-                {
-                    Ok(Attempt::Committed(value)) => break Ok(SectionOutcome::Committed(value)),
-                    Ok(Attempt::LeaseLost) => break Ok(SectionOutcome::LeaseLost),
-                    Ok(Attempt::Failed { error, conflicted }) => (error, conflicted),
-                    Err(error) => (error, false),
-                };
-                let conflict = conflicted || matches!(error, Error::Conflict { .. });
-                conflicts += u32::from(conflict);
-                let again = retrying && (conflict || error.is_transient());
-                match again.then(|| delays.next()).flatten() {
-                    Some(delay) => {
-                        warn!(lock = %label, attempts, %error, "running the locked section again");
-                        tokio::time::sleep(delay).await;
-                    }
-                    None if retrying && conflict => {
-                        break Err(Error::Conflict {
-                            target: label.clone(),
-                            attempts,
-                        });
-                    }
-                    None => break Err(error),
+                retries.start();
+                let tried = attempt(session, &mut lockings, &label, &mut work).await;
+                if let Some(result) = retries.settle(tried).await {
+                    break result;
                 }
             };
             // Only now, after commit or rollback.
-            let locks = release_all(lockings).await;
+            let locks = engine::release_all(lockings).await;
             let outcome = result?;
             let lock = locks.first().cloned().ok_or_else(|| Error::Interrupted {
                 target: label.clone(),
@@ -287,8 +255,8 @@ impl Section<'_> {
                 outcome,
                 lock,
                 locks,
-                attempts,
-                conflicts,
+                attempts: retries.attempts,
+                conflicts: retries.conflicts,
             })
         }
         .instrument(span)
@@ -303,7 +271,7 @@ async fn attempt<T, F>(
     lockings: &mut [Locking],
     label: &str,
     work: &mut F,
-) -> Result<Attempt<T>>
+) -> Result<Tried<SectionOutcome<T>>>
 where
     T: Send,
     F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
@@ -322,30 +290,23 @@ where
         Ok(value) => value,
         Err(source) => {
             let _ = txn.rollback().await;
-            return Ok(Attempt::Failed {
+            return Ok(Tried::Failed {
                 error: section_error(label, source),
-                conflicted,
+                conflict: conflicted,
             });
         }
     };
-    for locking in lockings.iter() {
-        let Some(guard) = &locking.guard else {
-            continue;
-        };
-        match guard.verify(&txn).await {
+    // Every lease is checked before the commit and, where its backend can, released by it.
+    for locking in lockings.iter_mut() {
+        match engine::fence(&txn, locking, true, label).await {
             Ok(true) => {}
             Ok(false) => {
                 let _ = txn.rollback().await;
-                warn!(lock = %locking.report.name, "lease lost before the commit; rolled back");
-                crate::metrics::lease_lost(locking.report.backend);
-                return Ok(Attempt::LeaseLost);
+                return Ok(Tried::Done(SectionOutcome::LeaseLost));
             }
-            Err(source) => {
+            Err(error) => {
                 let _ = txn.rollback().await;
-                return Err(Error::Lock {
-                    target: label.to_owned(),
-                    source,
-                });
+                return Err(error);
             }
         }
     }
@@ -357,21 +318,14 @@ where
         session.policy().reply_deadline(),
     )
     .await?;
+    for locking in lockings.iter_mut() {
+        locking.committed();
+    }
     for effect in effects {
         effect(session.map());
     }
     debug!(lock = %label, "section committed");
-    Ok(Attempt::Committed(value))
-}
-
-/// Releases every lock (last taken first); their reports in the order they were taken.
-async fn release_all(lockings: Vec<Locking>) -> Vec<LockReport> {
-    let mut reports = Vec::with_capacity(lockings.len());
-    for locking in lockings.into_iter().rev() {
-        reports.push(locking.release().await);
-    }
-    reports.reverse();
-    reports
+    Ok(Tried::Done(SectionOutcome::Committed(value)))
 }
 
 /// The error a section's work returned, as the caller gets it: freshlock's own errors and

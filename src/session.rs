@@ -124,6 +124,13 @@ impl Session {
         self.inner.versions.get(&entity).copied()
     }
 
+    /// The version column declared for entity `E`, if any (declared as one of `E`'s columns, so
+    /// always found).
+    pub(crate) fn version_of<E: sea_orm::EntityTrait>(&self) -> Option<E::Column> {
+        self.version_column(TypeId::of::<E>())
+            .and_then(crate::write::column_named::<E>)
+    }
+
     /// Whether `locked_update` tries the one-statement write first (see
     /// [`SessionBuilder::optimistic_first`]).
     pub(crate) fn optimistic_first(&self) -> bool {

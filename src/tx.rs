@@ -12,7 +12,7 @@
 //! the cache as it was.
 
 use std::{
-    any::{Any, TypeId},
+    any::Any,
     collections::HashMap,
     future::Future,
     marker::PhantomData,
@@ -36,10 +36,10 @@ use crate::{
     error::{Error, Result, database},
     identity_map::{IdentityMap, Key},
     outcome::{DeleteOutcome, SaveOutcome},
-    repository::{PrimaryKeyOf, Saved, built_from, insert_on, keyed, save_on, saved_row},
-    row::{Row, select_by_key},
+    row::{PrimaryKeyOf, Row, select_by_key},
+    save::{Saved, insert_on, save_on},
     session::Session,
-    write,
+    write::{self, Inserted, built_from, keyed, saved_row},
 };
 
 /// How a locking read treats a row another transaction has locked.
@@ -392,11 +392,7 @@ where
         snapshot: &E::Model,
         model: E::ActiveModel,
     ) -> Result<SaveOutcome<E::Model>> {
-        let version = self
-            .tx
-            .session
-            .version_column(TypeId::of::<E>())
-            .and_then(write::column_named::<E>);
+        let version = self.tx.session.version_of::<E>();
         let saved = save_on::<E, _>(self.tx, row, snapshot, model, version, false).await?;
         Ok(match saved {
             Saved::Stored { stored, reported } => {
@@ -432,17 +428,10 @@ where
         let Some(original) = self.load_row_locked(&row, ForUpdate::Wait).await? else {
             return Ok(DeleteOutcome::NotFound);
         };
-        let target = &row;
-        let fail = |operation| move |e| database(operation, target, e);
-        let draft = (*original).clone().into_active_model();
-        let draft = write::before_delete::<E, _>(draft, self.tx)
+        let expected = write::version_guard::<E>(self.tx.session.version_of::<E>(), &original);
+        let deleted = write::delete_row::<E, _>(self.tx, &original, row.pk(), &expected)
             .await
-            .map_err(fail("running before_delete for"))?;
-        let version = self.tx.session.version_column(TypeId::of::<E>());
-        let expected = write::version_guard::<E>(version, &original);
-        let deleted = write::delete_holding::<E, _>(self.tx, row.pk(), &expected)
-            .await
-            .map_err(fail("deleting"))?;
+            .map_err(|failed| database(failed.operation, &row, failed.error))?;
         if !deleted {
             // Locked by us since the read: only a write outside every lock can get here.
             self.tx.note_conflict();
@@ -452,9 +441,6 @@ where
                 attempts: 1,
             });
         }
-        write::after_delete::<E, _>(draft, self.tx)
-            .await
-            .map_err(fail("running after_delete for"))?;
         self.tx.gone(&row.key);
         Ok(DeleteOutcome::Deleted(original))
     }
@@ -484,12 +470,9 @@ where
             .begin()
             .await
             .map_err(fail("beginning a savepoint for"))?;
-        let draft = write::before_save::<E, _>(draft, &savepoint, true)
-            .await
-            .map_err(fail("running before_save for"))?;
-        let stored = match E::insert(draft).exec_with_returning(&savepoint).await {
-            Ok(stored) => stored,
-            Err(e) if write::is_unique_violation(&e) => {
+        let (stored, reported) = match write::insert_row::<E, _>(&savepoint, draft).await {
+            Ok(Inserted::Stored { stored, reported }) => (stored, reported),
+            Ok(Inserted::Taken(_)) => {
                 savepoint
                     .rollback()
                     .await
@@ -502,11 +485,8 @@ where
                         attempts: 1,
                     });
             }
-            Err(e) => return Err(database("inserting", &row, e)),
+            Err(failed) => return Err(database(failed.operation, &row, failed.error)),
         };
-        let reported = write::after_save::<E, _>(stored.clone(), &savepoint, true)
-            .await
-            .map_err(fail("running after_save for"))?;
         savepoint
             .commit()
             .await

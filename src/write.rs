@@ -7,11 +7,14 @@
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
     DbErr, EntityTrait, FromQueryResult, IdenStatic, IntoActiveModel, Iterable, ModelTrait,
-    QueryFilter, QueryTrait, SqlErr, Value,
+    PrimaryKeyToColumn, QueryFilter, QueryTrait, Value,
     sea_query::{Alias, CommonTableExpression, InsertStatement, Query, ValueTuple, WithClause},
 };
 
-use crate::row::select_by_key;
+use crate::{
+    error::Error,
+    row::{Row, select_by_key},
+};
 
 /// A column and a value: set by a write, or expected by its guard.
 pub(crate) type ColumnValue<E> = (<E as EntityTrait>::Column, Value);
@@ -63,7 +66,6 @@ pub(crate) fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
 
 /// Whether `column` is part of `E`'s primary key.
 pub(crate) fn is_primary_key<E: EntityTrait>(column: &E::Column) -> bool {
-    use sea_orm::PrimaryKeyToColumn;
     E::PrimaryKey::iter().any(|pk| pk.into_column().as_str() == column.as_str())
 }
 
@@ -213,7 +215,6 @@ where
     E: EntityTrait,
     C: ConnectionTrait,
 {
-    use sea_orm::PrimaryKeyToColumn;
     let mut delete = E::delete_many();
     for (column, value) in E::PrimaryKey::iter().zip(pk.iter()) {
         delete = delete.filter(holds::<E>(column.into_column(), value));
@@ -224,23 +225,186 @@ where
     Ok(delete.exec(db).await?.rows_affected > 0)
 }
 
-/// What a guarded delete of `original` checks: its declared version column (`version`, the
-/// session's for `E`), if any.
+/// The optimistic guard of a write, written once for every write path: what its `WHERE` checks,
+/// with `changes` completed by the version's increment.
+///
+/// With a declared version column (`version`: the column and the value the write read), the
+/// write checks that the version still holds that value and, when it changes anything, sets it
+/// to the next one; `None` when that value is NULL or not an integer. Without one, it checks
+/// what `unversioned` makes of the changes: that the columns still hold what was read (the
+/// changed columns for a locked write, every column a save sets for a save).
+pub(crate) fn guard<E: EntityTrait>(
+    version: Option<(E::Column, Value)>,
+    changes: &mut Vec<ColumnValue<E>>,
+    unversioned: impl FnOnce(&[ColumnValue<E>]) -> Vec<ColumnValue<E>>,
+) -> Option<Vec<ColumnValue<E>>> {
+    let Some((column, read)) = version else {
+        return Some(unversioned(changes));
+    };
+    let next = next_version(&read)?;
+    if !changes.is_empty() {
+        changes.retain(|(changed, _)| changed.as_str() != column.as_str());
+        changes.push((column, next));
+    }
+    Some(vec![(column, read)])
+}
+
+/// What a guarded delete of `original` checks: its version column (`version`, the session's for
+/// `E`), if one is declared. A delete changes no column, so nothing is incremented, and a NULL
+/// version is checked as `IS NULL`.
 pub(crate) fn version_guard<E: EntityTrait>(
-    version: Option<&'static str>,
+    version: Option<E::Column>,
     original: &E::Model,
 ) -> Vec<ColumnValue<E>> {
     use sea_orm::ModelTrait;
     version
-        .and_then(column_named::<E>)
         .map(|column| (column, original.get(column)))
         .into_iter()
         .collect()
 }
 
-/// Whether `err` is a unique-key violation (a concurrent creator won).
-pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
-    matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))
+/// A statement of a row write that failed, and what it was doing (`"inserting"`, `"running
+/// before_save for"`, …: the words of [`crate::error::database`]'s message).
+pub(crate) struct Failed {
+    pub(crate) operation: &'static str,
+    pub(crate) error: DbErr,
+}
+
+/// The `map_err` of one step of a row write.
+fn step(operation: &'static str) -> impl FnOnce(DbErr) -> Failed {
+    move |error| Failed { operation, error }
+}
+
+/// How an insert ended.
+pub(crate) enum Inserted<M> {
+    /// The row as stored, and what `after_save` made of it.
+    Stored { stored: M, reported: M },
+    /// A unique-key violation: a concurrent creator won (the error, for callers for which that
+    /// is one).
+    Taken(DbErr),
+}
+
+/// The insert of one row, written once for every write path: `before_save` (`insert = true`),
+/// `INSERT … RETURNING`, `after_save`, on `db`.
+pub(crate) async fn insert_row<E, C>(
+    db: &C,
+    draft: E::ActiveModel,
+) -> Result<Inserted<E::Model>, Failed>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    let draft = before_save::<E, _>(draft, db, true)
+        .await
+        .map_err(step("running before_save for"))?;
+    let stored = match E::insert(draft).exec_with_returning(db).await {
+        Ok(stored) => stored,
+        Err(e) if crate::db_error::is_unique_violation(&e) => return Ok(Inserted::Taken(e)),
+        Err(e) => return Err(step("inserting")(e)),
+    };
+    let reported = after_save::<E, _>(stored.clone(), db, true)
+        .await
+        .map_err(step("running after_save for"))?;
+    Ok(Inserted::Stored { stored, reported })
+}
+
+/// The guarded delete of one row, written once for every write path: `before_delete`,
+/// `DELETE … WHERE pk AND <expected>`, `after_delete`, on `db`. `false`: the guard refused
+/// (nothing deleted, no `after_delete`).
+pub(crate) async fn delete_row<E, C>(
+    db: &C,
+    original: &E::Model,
+    pk: &ValueTuple,
+    expected: &[ColumnValue<E>],
+) -> Result<bool, Failed>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+    E::ActiveModel: Send,
+    C: ConnectionTrait,
+{
+    let draft = original.clone().into_active_model();
+    let draft = before_delete::<E, _>(draft, db)
+        .await
+        .map_err(step("running before_delete for"))?;
+    if !delete_holding::<E, _>(db, pk, expected)
+        .await
+        .map_err(step("deleting"))?
+    {
+        return Ok(false);
+    }
+    after_delete::<E, _>(draft, db)
+        .await
+        .map_err(step("running after_delete for"))?;
+    Ok(true)
+}
+
+/// The row a save of `model` writes: its key must be set, and not `Set`.
+pub(crate) fn saved_row<E: EntityTrait>(model: &E::ActiveModel) -> crate::error::Result<Row> {
+    let Some(pk) = model.get_primary_key_value() else {
+        return Err(Error::InvalidKey {
+            entity: E::default().table_name(),
+            reason: "the primary key of the active model is not set".into(),
+        });
+    };
+    reject_set_primary_key::<E>(model)?;
+    Row::new::<E>(pk)
+}
+
+/// Whether `model`'s `Unchanged` columns agree with `snapshot` (it was built from that copy).
+pub(crate) fn built_from<E: EntityTrait>(model: &E::ActiveModel, snapshot: &E::Model) -> bool {
+    E::Column::iter().all(|column| match model.get(column) {
+        ActiveValue::Unchanged(value) => value == snapshot.get(column),
+        _ => true,
+    })
+}
+
+/// [`InvalidKey`](Error::InvalidKey) when `model` has a primary-key column `Set`.
+pub(crate) fn reject_set_primary_key<E>(model: &E::ActiveModel) -> crate::error::Result<()>
+where
+    E: EntityTrait,
+{
+    match E::PrimaryKey::iter()
+        .map(PrimaryKeyToColumn::into_column)
+        .find(|column| matches!(model.get(*column), ActiveValue::Set(_)))
+    {
+        Some(column) => Err(Error::InvalidKey {
+            entity: E::default().table_name(),
+            reason: format!(
+                "primary-key column {} is Set: a save identifies its row by the key and cannot \
+                 change it (keep it Unchanged, as into_active_model does)",
+                column.as_str()
+            ),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// `draft` with its primary key set to `pk` where it was left `NotSet`;
+/// [`InvalidKey`](Error::InvalidKey) when it holds another key.
+pub(crate) fn keyed<E: EntityTrait>(
+    mut draft: E::ActiveModel,
+    pk: &ValueTuple,
+) -> crate::error::Result<E::ActiveModel> {
+    for (key, value) in E::PrimaryKey::iter().zip(pk.iter()) {
+        let column = key.into_column();
+        match draft.get(column).into_value() {
+            None => draft.set(column, value.clone()),
+            Some(given) if given == *value => {}
+            Some(given) => {
+                return Err(Error::InvalidKey {
+                    entity: E::default().table_name(),
+                    reason: format!(
+                        "the initial row's {} is {given}, but the row asked for is {value}",
+                        column.as_str()
+                    ),
+                });
+            }
+        }
+    }
+    Ok(draft)
 }
 
 /// sea-orm's `before_save` hook, as `ActiveModel::insert` / `update` run it.
