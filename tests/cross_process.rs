@@ -53,7 +53,9 @@ async fn worker(mode: String) {
     let schema = std::env::var("FRESHLOCK_WORKER_SCHEMA").ok();
     let kind: LockKind = env("FRESHLOCK_WORKER_LOCK").parse().unwrap();
     let db = servers::connect(&url, schema.as_deref(), 4).await;
-    let redis = std::env::var("REDIS_URL").ok();
+    let redis = std::env::var("REDIS_URL")
+        .ok()
+        .map(|url| servers::redis_database(&url));
     let backend = kind.connect(&db, &url, redis.as_deref()).await.unwrap();
     let ttl = Duration::from_millis(env("FRESHLOCK_WORKER_TTL_MS").parse().unwrap());
     let policy = LockPolicy::default()

@@ -44,9 +44,50 @@ pub fn with_database(url: &str, name: &str) -> String {
     }
 }
 
+/// The test binaries that take Redis leases, each given a logical database of its own (1 to 15;
+/// any other binary shares database 0). Redis keys are named by the lock alone
+/// (`freshlock:node:1`), so without this one binary's leases reach the next: a lease whose
+/// release a test's end cut off (its runtime shut down before the background release ran) lives
+/// out its TTL, and the next binary's writer of `node:1` waits for it.
+const REDIS_BINARIES: [&str; 15] = [
+    "backend_kill",
+    "black_hole",
+    "checkout_ping",
+    "commit_faults",
+    "cross_process",
+    "exact_names",
+    "get_or_insert",
+    "lock_contract",
+    "lock_rows",
+    "locked_delete",
+    "locked_section",
+    "redis_refusal",
+    "small_pool",
+    "storm",
+    "transaction_pooler",
+];
+
+/// `url` (a Redis URL) with this test binary's logical database in place of its own.
+pub fn redis_database(url: &str) -> String {
+    let binary = std::env::current_exe()
+        .ok()
+        .and_then(|exe| exe.file_stem().map(|s| s.to_string_lossy().into_owned()))
+        .unwrap_or_default();
+    // Cargo names a test binary `<name>-<hash>`.
+    let name = binary
+        .rsplit_once('-')
+        .map_or(binary.as_str(), |(name, _)| name);
+    let index = REDIS_BINARIES
+        .iter()
+        .position(|known| *known == name)
+        .map_or(0, |i| i + 1);
+    with_database(url, &index.to_string())
+}
+
 /// The URL in `var`, or `None` (after saying why) when the test should skip.
 pub fn url(var: &str) -> Option<String> {
     match std::env::var(var) {
+        Ok(url) if !url.is_empty() && var == REDIS => Some(redis_database(&url)),
         Ok(url) if !url.is_empty() => Some(url),
         _ => {
             assert!(
