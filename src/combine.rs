@@ -15,8 +15,9 @@
 //! twice. A commit whose outcome is unknown is reported as [`crate::Error::CommitUnknown`] to
 //! every member of the batch, never run again.
 //!
-//! Rooms are keyed by the database pool, the lock space that excludes the process's writers
-//! from each other (the in-process lock itself, or a backend's in-process queue: by its id, so
+//! Rooms belong to the pool's state (`pool::PoolState`: every session made from the pool shares
+//! them, whether it was made with `Session::new` or a builder), and are keyed there by the lock
+//! space that excludes the process's writers from each other (the in-process lock itself, or a backend's in-process queue: by its id, so
 //! sessions given the shared `LocalLock` in `Arc`s of their own meet in one room), the lock and
 //! the row, the entity type and the session's write settings (version column, commit markers),
 //! so only writes that would have run the same statements one after the other are merged.
@@ -24,7 +25,7 @@
 use std::{
     any::{Any, TypeId},
     collections::VecDeque,
-    sync::{Arc, Mutex, OnceLock},
+    sync::{Arc, Mutex},
 };
 
 use dashmap::DashMap;
@@ -68,11 +69,10 @@ pub(crate) struct Served<M> {
     pub(crate) batch: u32,
 }
 
-/// Which writes may share a commit.
+/// Which writes of one pool may share a commit.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]
-pub(crate) struct RoomKey {
+struct Which {
     entity: TypeId,
-    db: usize,
     /// The lock space that excludes the process's writers of the row from each other (see
     /// `locking::exclusion`).
     exclusion: u64,
@@ -82,9 +82,20 @@ pub(crate) struct RoomKey {
     markers: bool,
 }
 
+/// The rooms of one pool, owned by its state (see `pool::PoolState`).
+type Rooms = DashMap<Which, Arc<dyn Any + Send + Sync>>;
+
+/// The room of a write: which writes may share its commit, among the rooms of the pool it runs
+/// on.
+#[derive(Clone)]
+pub(crate) struct RoomKey {
+    which: Which,
+    rooms: Arc<Rooms>,
+}
+
 impl RoomKey {
-    /// The room of a write, or `None` when the connection has no identity to key it by (a mock
-    /// connection): such writes are never combined.
+    /// The room of a write, or `None` when the connection is not a pool (a mock connection):
+    /// such writes are never combined.
     pub(crate) fn new(
         entity: TypeId,
         db: &DatabaseConnection,
@@ -94,23 +105,24 @@ impl RoomKey {
         version: Option<&'static str>,
         markers: bool,
     ) -> Option<Self> {
+        let state = crate::pool::state(db)?;
+        let rooms = state
+            .rooms
+            .get_or_init(|| Arc::new(Rooms::default()) as Arc<dyn Any + Send + Sync>);
+        // Only this module puts anything there, and always `Rooms`.
+        let rooms = Arc::clone(rooms).downcast::<Rooms>().ok()?;
         Some(Self {
-            entity,
-            db: crate::pool::identity(db)?,
-            exclusion,
-            lock: lock.clone(),
-            row: row.clone(),
-            version,
-            markers,
+            which: Which {
+                entity,
+                exclusion,
+                lock: lock.clone(),
+                row: row.clone(),
+                version,
+                markers,
+            },
+            rooms,
         })
     }
-}
-
-type Rooms = DashMap<RoomKey, Arc<dyn Any + Send + Sync>>;
-
-fn rooms() -> &'static Rooms {
-    static ROOMS: OnceLock<Rooms> = OnceLock::new();
-    ROOMS.get_or_init(DashMap::new)
 }
 
 /// The waiters of one row, in the order they sat down.
@@ -150,7 +162,7 @@ where
     /// Sits down in `key`'s room (made on demand).
     pub(crate) fn sit(key: RoomKey) -> Self {
         let room = {
-            let entry = rooms().entry(key.clone()).or_insert_with(|| {
+            let entry = key.rooms.entry(key.which.clone()).or_insert_with(|| {
                 Arc::new(Room::<E> {
                     seats: Mutex::new(Seats {
                         next: 0,
@@ -202,7 +214,9 @@ impl<E: EntityTrait> Drop for Seat<E> {
         self.leave();
         // The room goes when nobody refers to it but the map (no seat left, no holder in it).
         // Checked under the shard's lock, under which new references are made too.
-        rooms().remove_if(&self.key, |_, room| Arc::strong_count(room) == 2);
+        let key = &self.key;
+        key.rooms
+            .remove_if(&key.which, |_, room| Arc::strong_count(room) == 2);
     }
 }
 
@@ -215,7 +229,11 @@ where
     E::Model: Sync,
     E::ActiveModel: Send,
 {
-    let Some(room) = rooms().get(key).map(|entry| Arc::clone(entry.value())) else {
+    let Some(room) = key
+        .rooms
+        .get(&key.which)
+        .map(|entry| Arc::clone(entry.value()))
+    else {
         return Vec::new();
     };
     let Ok(room) = room.downcast::<Room<E>>() else {
@@ -228,7 +246,8 @@ where
     };
     drop(room);
     // As in `Seat::drop`: a seat that left while we held the room could not remove it.
-    rooms().remove_if(key, |_, room| Arc::strong_count(room) == 1);
+    key.rooms
+        .remove_if(&key.which, |_, room| Arc::strong_count(room) == 1);
     taken
 }
 

@@ -4,7 +4,7 @@
 //! under a "proceed" policy — are values ([`crate::UpdateOutcome`], [`crate::LockReport`]), not
 //! errors.
 
-use std::time::Duration;
+use std::{fmt, sync::Arc, time::Duration};
 
 /// A boxed foreign error (driver, server), kept as the `source` of ours.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
@@ -251,6 +251,47 @@ pub enum LockError {
         source: BoxError,
     },
 }
+
+/// A lock release that failed after the transaction ended ([`crate::LockReport::release_error`]):
+/// the backend's [`LockError`], shared by the clones of a report. Its text names the error and
+/// its causes; two compare equal when they are the same failure (one release's report and its
+/// clones).
+#[derive(Clone, Debug)]
+pub struct ReleaseError(Arc<LockError>);
+
+impl ReleaseError {
+    pub(crate) fn new(error: LockError) -> Self {
+        Self(Arc::new(error))
+    }
+
+    /// The backend's error.
+    pub fn error(&self) -> &LockError {
+        &self.0
+    }
+}
+
+impl fmt::Display for ReleaseError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.0)?;
+        let mut source = std::error::Error::source(&*self.0);
+        while let Some(cause) = source {
+            write!(f, ": {cause}")?;
+            source = cause.source();
+        }
+        Ok(())
+    }
+}
+
+// The text carries the whole chain already; the typed error is `error()`.
+impl std::error::Error for ReleaseError {}
+
+impl PartialEq for ReleaseError {
+    fn eq(&self, other: &Self) -> bool {
+        Arc::ptr_eq(&self.0, &other.0)
+    }
+}
+
+impl Eq for ReleaseError {}
 
 /// The error an `apply` closure returns to abort `locked_update`.
 ///

@@ -39,8 +39,10 @@
 //! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
 //! - `inspect.rs` — the lock inspector's functions (held and expired leases, clearing stale ones).
 //! - `schema.rs` — freshlock's tables, as a migration.
-//! - `pool.rs` — what freshlock knows of a pool (identity, default isolation, whether it runs
-//!   behind a transaction pooler) and `Autocommit`, its single statements.
+//! - `pool.rs` — what freshlock keeps of a pool (default isolation, whether it runs behind a
+//!   transaction pooler, commit combining's rooms) and `Autocommit`, its single statements.
+//! - `registry.rs` — state kept for a live object freshlock cannot extend (a pool, a lock
+//!   backend), found by the object's identity and held weakly.
 //! - `transaction_pooler.rs` — `transaction_pooler` (feature `postgres`): PgBouncer in
 //!   transaction mode.
 //! - `commit.rs` — commit markers: a commit whose reply was lost is resolved, never run twice.
@@ -87,6 +89,7 @@ mod many;
 pub mod metrics;
 mod outcome;
 mod pool;
+mod registry;
 mod repository;
 mod row;
 mod save;
@@ -102,7 +105,7 @@ mod unlocked;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
-pub use error::{ApplyError, BoxError, Error, LockError, Result};
+pub use error::{ApplyError, BoxError, Error, LockError, ReleaseError, Result};
 pub use identity_map::CacheStats;
 #[cfg(feature = "mysql")]
 pub use lock::MySqlNamedLock;

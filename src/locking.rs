@@ -3,8 +3,6 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
-use dashmap::DashMap;
-
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
     SqliteTransactionMode, TransactionOptions,
@@ -19,6 +17,7 @@ use crate::{
         OnLockFailure,
     },
     outcome::LockReport,
+    registry::Registry,
 };
 
 /// The lock of one locked section while it runs.
@@ -320,7 +319,7 @@ impl Locking {
         };
         if let Some(Err(error)) = released {
             warn!(lock = %self.report.name, %error, "lock release failed; the lease runs out by its TTL");
-            self.report.release_error = Some(error.to_string());
+            self.report.release_error = Some(crate::error::ReleaseError::new(error));
         }
         drop(self.queue.take());
         self.report
@@ -377,31 +376,15 @@ pub(crate) async fn begin(
 /// Sessions given the same lock space (`LocalLock::shared()` by default, whichever `Arc` it was
 /// wrapped in) share it.
 pub(crate) fn exclusion(backend: &Arc<dyn LockBackend>) -> u64 {
-    match backend.in_process_lock() {
-        Some(local) => local.id(),
-        None => queue_of(backend).id(),
-    }
+    backend
+        .lock_space()
+        .unwrap_or_else(|| queue_of(backend).id())
 }
 
 /// The in-process queue in front of `backend`: one per backend instance, shared by every session
-/// given that instance (a clone of the same `Arc`), none shared with another backend. Keyed by
-/// the instance's address with a weak handle, so a later backend at the same address gets a
-/// queue of its own.
+/// given that instance (a clone of the same `Arc`), none shared with another backend (see
+/// [`Registry`]).
 fn queue_of(backend: &Arc<dyn LockBackend>) -> LocalLock {
-    type Queues = DashMap<usize, (std::sync::Weak<dyn LockBackend>, LocalLock)>;
-    static QUEUES: std::sync::OnceLock<Queues> = std::sync::OnceLock::new();
-    let queues = QUEUES.get_or_init(DashMap::new);
-    let id = Arc::as_ptr(backend).cast::<()>() as usize;
-    let mut entry = queues
-        .entry(id)
-        .or_insert_with(|| (Arc::downgrade(backend), LocalLock::new()));
-    let (owner, queue) = &mut *entry;
-    if !owner
-        .upgrade()
-        .is_some_and(|live| Arc::ptr_eq(&live, backend))
-    {
-        *owner = Arc::downgrade(backend);
-        *queue = LocalLock::new();
-    }
-    queue.clone()
+    static QUEUES: Registry<dyn LockBackend, LocalLock> = Registry::new();
+    QUEUES.get_or_insert_with(backend, LocalLock::new)
 }

@@ -2,9 +2,10 @@
 //! ([`Repository::locked_update_many`], [`Repository::locked_update_pair`]), and one row whose
 //! `apply` runs statements of its own in the transaction ([`Repository::locked_update_with`]).
 //!
-//! Each runs its section in a task of its own: `apply` is `'static` and never leaves the task,
-//! so dropping the caller's future never cuts a statement in half — the section runs to its
-//! commit or rollback and releases its locks, as if the caller had waited.
+//! Each polls its section in place and, if the caller's future is dropped, moves it to a task
+//! of its own (`apply` is `'static`; see `detach.rs`), so a drop never cuts a statement in half
+//! — the section runs to its commit or rollback and releases its locks, as if the caller had
+//! waited.
 
 use std::{collections::HashSet, sync::Arc};
 

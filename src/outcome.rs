@@ -2,7 +2,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::lock::LockName;
+use crate::{error::ReleaseError, lock::LockName};
 
 /// What `locked_update` did to the row.
 #[derive(Debug)]
@@ -70,7 +70,7 @@ pub struct LockReport {
     pub fence: Option<u64>,
     /// Set when releasing the lock failed *after* the transaction ended: the outcome stands (a
     /// committed update stays committed), and the lease runs out by its TTL.
-    pub release_error: Option<String>,
+    pub release_error: Option<ReleaseError>,
 }
 
 /// The result of a successful locked write: what happened to the row, and how the lock went.

@@ -3,33 +3,58 @@
 //! locked write).
 
 use std::{
-    mem::{Discriminant, discriminant},
-    sync::{Arc, OnceLock},
+    any::Any,
+    sync::{
+        Arc, OnceLock,
+        atomic::{AtomicBool, Ordering},
+    },
 };
 
-use dashmap::DashMap;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use tracing::debug;
 
-/// The address of the pool's connect options, shared by every clone of one pool and by no other
-/// live pool; `None` for a connection that is not a sqlx pool (a mock).
-pub(crate) fn identity(db: &DatabaseConnection) -> Option<usize> {
+use crate::registry::Registry;
+
+/// What freshlock keeps of one connection pool, shared by every session and every call on it.
+///
+/// sea-orm's `DatabaseConnection` has no room for a library's state, so this is found through
+/// the process's table of pools ([`state`], a [`Registry`]) by the pool's identity: its connect
+/// options, one allocation shared by every clone of the pool and by no other pool.
+#[derive(Default)]
+pub(crate) struct PoolState {
+    /// Whether the pool's transactions run at READ COMMITTED by default, once read.
+    read_committed: OnceLock<bool>,
+    /// Declared to run behind a transaction pooler (see `crate::transaction_pooler`).
+    pooled: AtomicBool,
+    /// Commit combining's rooms on this pool (see `combine.rs`), made on first use.
+    pub(crate) rooms: OnceLock<Arc<dyn Any + Send + Sync>>,
+}
+
+/// The connect options of `db`'s pool: its identity. `None` for a connection that is not a sqlx
+/// pool (a mock).
+fn options(db: &DatabaseConnection) -> Option<Arc<dyn Any + Send + Sync>> {
     use sea_orm::DatabaseConnectionType as Type;
     match &db.inner {
         #[cfg(feature = "sqlite")]
-        Type::SqlxSqlitePoolConnection(_) => Some(
-            Arc::as_ptr(&db.get_sqlite_connection_pool().connect_options()).cast::<()>() as usize,
-        ),
+        Type::SqlxSqlitePoolConnection(_) => {
+            Some(db.get_sqlite_connection_pool().connect_options())
+        }
         #[cfg(feature = "postgres")]
-        Type::SqlxPostgresPoolConnection(_) => Some(
-            Arc::as_ptr(&db.get_postgres_connection_pool().connect_options()).cast::<()>() as usize,
-        ),
+        Type::SqlxPostgresPoolConnection(_) => {
+            Some(db.get_postgres_connection_pool().connect_options())
+        }
         #[cfg(feature = "mysql")]
-        Type::SqlxMySqlPoolConnection(_) => Some(
-            Arc::as_ptr(&db.get_mysql_connection_pool().connect_options()).cast::<()>() as usize,
-        ),
+        Type::SqlxMySqlPoolConnection(_) => Some(db.get_mysql_connection_pool().connect_options()),
         _ => None,
     }
+}
+
+/// The state of `db`'s pool (made on first use); `None` for a connection that is not a sqlx
+/// pool (a mock), which then has none: its writes are never combined, and it is never taken to
+/// be behind a pooler.
+pub(crate) fn state(db: &DatabaseConnection) -> Option<Arc<PoolState>> {
+    static POOLS: Registry<dyn Any + Send + Sync, Arc<PoolState>> = Registry::new();
+    Some(POOLS.get_or_insert_with(&options(db)?, Arc::default))
 }
 
 /// Whether a transaction begun on `db` runs at READ COMMITTED without being told to: the
@@ -43,18 +68,16 @@ pub(crate) fn identity(db: &DatabaseConnection) -> Option<usize> {
 /// either — a reload or write of a row changed since the snapshot fails with a serialization
 /// error, which freshlock retries.
 pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
-    static KNOWN: OnceLock<DashMap<(usize, Discriminant<DbBackend>), bool>> = OnceLock::new();
     let backend = db.get_database_backend();
     let query = match backend {
         DbBackend::Postgres => "SHOW default_transaction_isolation",
         DbBackend::MySql => "SELECT @@tx_isolation",
         _ => return false,
     };
-    let Some(id) = identity(db) else {
+    let Some(state) = state(db) else {
         return false;
     };
-    let known = KNOWN.get_or_init(DashMap::new);
-    if let Some(answer) = known.get(&(id, discriminant(&backend))) {
+    if let Some(answer) = state.read_committed.get() {
         return *answer;
     }
     let level = match autocommit(db)
@@ -72,27 +95,21 @@ pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
     let answer = level.is_some_and(|level| {
         level.eq_ignore_ascii_case("read committed") || level.eq_ignore_ascii_case("READ-COMMITTED")
     });
-    known.insert((id, discriminant(&backend)), answer);
-    answer
+    *state.read_committed.get_or_init(|| answer)
 }
 
-/// Pools declared to run behind a transaction pooler (PgBouncer in `pool_mode = transaction`),
-/// by [`identity`], with a weak handle that tells a live pool from a later one at the same
-/// address.
-#[cfg(feature = "postgres")]
-static POOLED: OnceLock<
-    DashMap<usize, std::sync::Weak<sea_orm::sqlx::postgres::PgConnectOptions>>,
-> = OnceLock::new();
+/// Whether any pool of this process was declared to run behind a transaction pooler: until one
+/// is, no statement looks up its pool's state for it.
+static ANY_POOLED: AtomicBool = AtomicBool::new(false);
 
 /// Remembers that `db` runs behind a transaction pooler (see `crate::transaction_pooler`).
 #[cfg(feature = "postgres")]
 pub(crate) fn mark_transaction_pooled(db: &DatabaseConnection) {
-    if let sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) = &db.inner {
-        let options = db.get_postgres_connection_pool().connect_options();
-        let id = Arc::as_ptr(&options).cast::<()>() as usize;
-        POOLED
-            .get_or_init(DashMap::new)
-            .insert(id, Arc::downgrade(&options));
+    if let (sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_), Some(state)) =
+        (&db.inner, state(db))
+    {
+        state.pooled.store(true, Ordering::SeqCst);
+        ANY_POOLED.store(true, Ordering::SeqCst);
     }
 }
 
@@ -101,20 +118,8 @@ pub(crate) fn mark_transaction_pooled(db: &DatabaseConnection) {
 /// may hand the second to another server connection), and freshlock wraps its own
 /// single statements in one (see [`Autocommit`]).
 pub(crate) fn transaction_pooled(db: &DatabaseConnection) -> bool {
-    #[cfg(feature = "postgres")]
-    if let sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) = &db.inner {
-        let Some(pooled) = POOLED.get() else {
-            return false;
-        };
-        let options = db.get_postgres_connection_pool().connect_options();
-        let id = Arc::as_ptr(&options).cast::<()>() as usize;
-        return pooled
-            .get(&id)
-            .and_then(|weak| weak.upgrade())
-            .is_some_and(|known| Arc::ptr_eq(&known, &options));
-    }
-    let _ = db;
-    false
+    ANY_POOLED.load(Ordering::Relaxed)
+        && state(db).is_some_and(|state| state.pooled.load(Ordering::SeqCst))
 }
 
 /// A statement that freshlock runs outside a transaction of its own (a load, a lease, a commit

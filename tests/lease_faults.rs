@@ -9,7 +9,7 @@ use common::{
     FakeLock, memory_db, node_in_db, seed_nodes, session_trying_twice as session_with, set_score,
 };
 use entity::node;
-use freshlock::{LeaseLock, LockName, OnLockFailure, TableLock, UpdateOutcome};
+use freshlock::{LeaseLock, LockError, LockName, OnLockFailure, TableLock, UpdateOutcome};
 use sea_orm::{ConnectionTrait, Statement};
 
 #[tokio::test]
@@ -30,7 +30,20 @@ async fn a_release_that_fails_after_commit_keeps_the_update_and_says_so() {
         .lock
         .release_error
         .expect("the failed release is reported");
-    assert!(error.contains("fake lock backend failed"), "{error}");
+    assert!(
+        matches!(
+            error.error(),
+            LockError::Backend {
+                backend: "fake",
+                ..
+            }
+        ),
+        "{error:?}"
+    );
+    assert!(
+        error.to_string().contains("fake lock backend failed"),
+        "{error}"
+    );
     assert_eq!(node_in_db(&db, 1).await.score, Some(5));
 }
 

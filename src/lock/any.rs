@@ -4,7 +4,10 @@ use std::{fmt, str::FromStr, sync::Arc};
 
 use sea_orm::DatabaseConnection;
 
-use super::{LocalLock, LockBackend, PgAdvisoryLock, RowLock, TableLock};
+use super::{
+    local::LocalLock, pg_advisory::PgAdvisoryLock, row::RowLock, table::TableLock,
+    traits::LockBackend,
+};
 use crate::error::LockError;
 
 /// The lock backends, by name: what a configuration file or a `--lock` flag says.
@@ -117,13 +120,13 @@ impl LockKind {
                         "a MariaDB Galera cluster (GET_LOCK is local to one node)",
                     ));
                 }
-                Arc::new(super::MySqlNamedLock::new(locks)?)
+                Arc::new(super::mysql_named::MySqlNamedLock::new(locks)?)
             }
             #[cfg(feature = "redis")]
             Self::Redis => {
                 let url =
                     redis_url.ok_or_else(|| unsupported("a configuration without a Redis URL"))?;
-                Arc::new(super::RedisLock::connect(url, db.clone()).await?)
+                Arc::new(super::redis::RedisLock::connect(url, db.clone()).await?)
             }
             #[allow(unreachable_patterns)]
             _ => return Err(unsupported("this build (its cargo feature is off)")),

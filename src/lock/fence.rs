@@ -80,7 +80,7 @@ async fn bump_now(
 }
 
 /// Deletes the fence row of `name` when it still holds `fence` and has no fence above the floor
-/// but that one (see [`LockGuard::retire`](super::LockGuard::retire)). Call it while the lock
+/// but that one (see [`LockGuard::retire`](super::traits::LockGuard::retire)). Call it while the lock
 /// is still held, so no other grant bumps the row meanwhile. Returns whether it was deleted.
 #[cfg(feature = "redis")]
 pub(crate) async fn retire(

@@ -33,7 +33,7 @@ pub(crate) fn new_token() -> String {
             .duration_since(UNIX_EPOCH)
             .map_or(0, |d| d.as_nanos())
     });
-    let host = super::LockName::trusted(host().to_owned()).stable_hash();
+    let host = super::name::LockName::trusted(host().to_owned()).stable_hash();
     format!(
         "{:08x}-{:x}-{:x}-{:x}",
         host as u32,

@@ -12,7 +12,10 @@ use async_trait::async_trait;
 use dashmap::DashMap;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
-use super::{LeaseLock, LockBackend, LockGuard, LockName, LockRole};
+use super::{
+    name::LockName,
+    traits::{LeaseLock, LockBackend, LockGuard, LockRole},
+};
 use crate::error::LockError;
 
 type Entries = DashMap<LockName, Arc<Mutex<()>>>;
@@ -100,8 +103,8 @@ impl LockBackend for LocalLock {
         true
     }
 
-    fn in_process_lock(&self) -> Option<&LocalLock> {
-        Some(self)
+    fn lock_space(&self) -> Option<u64> {
+        Some(self.id())
     }
 
     fn role(&self) -> LockRole<'_> {

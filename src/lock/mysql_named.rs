@@ -9,7 +9,11 @@ use sea_orm::{
 };
 use tracing::warn;
 
-use super::{LeaseLock, LockBackend, LockGuard, LockName, LockRole, fence};
+use super::{
+    fence,
+    name::LockName,
+    traits::{LeaseLock, LockBackend, LockGuard, LockRole},
+};
 use crate::{
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},

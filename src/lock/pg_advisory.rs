@@ -6,7 +6,10 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Value};
 
 use super::{
-    LockBackend, LockName, LockRole, TransactionLock, sql::statement, wait::with_lock_timeout,
+    name::LockName,
+    sql::statement,
+    traits::{LockBackend, LockRole, TransactionLock},
+    wait::with_lock_timeout,
 };
 use crate::error::LockError;
 

@@ -5,7 +5,10 @@ use std::time::Duration;
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
-use super::{LeaseLock, LockGuard, LockName};
+use super::{
+    name::LockName,
+    traits::{LeaseLock, LockGuard},
+};
 use crate::error::{Error, LockError};
 
 /// What `locked_update` does when the lock could not be taken within the policy's tries.

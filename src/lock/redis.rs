@@ -8,7 +8,10 @@ use sea_orm::{DatabaseConnection, DatabaseTransaction};
 use tokio::time::{Instant, timeout};
 
 use super::{
-    LeaseLock, LockBackend, LockGuard, LockName, LockRole, backoff::Backoff, fence, holder,
+    backoff::Backoff,
+    fence, holder,
+    name::LockName,
+    traits::{LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{error::LockError, schema::MAX_STORED_NAME};
 

@@ -6,8 +6,9 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
 
 use super::{
-    LockBackend, LockName, LockRole, TransactionLock,
+    name::LockName,
     sql::{lock_error, statement},
+    traits::{LockBackend, LockRole, TransactionLock},
     wait::with_lock_timeout,
 };
 use crate::{

@@ -8,11 +8,12 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{
-    LeaseCheck, LeaseLock, LockBackend, LockGuard, LockName, LockRole,
     backoff::Backoff,
     floor, holder,
     lease_row::{Grant, Holder, LOCKS},
+    name::LockName,
     sql::{for_update, lock_error, millis, now_ms, statement},
+    traits::{LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{
     db_error::in_doubt,
