@@ -645,10 +645,16 @@ enum Floored {
     Optimistic,
     /// 16 tasks on one row, commits combined (local).
     Combined16,
+    /// 16 tasks on one row, a session each (`Session::new`-style, combining on): how a web
+    /// application makes them.
+    Combined16Sessions,
+    /// The four statements in a minimal sqlx loop (prepared, plain `BEGIN`), PostgreSQL.
+    Sqlx,
 }
 
 impl Floored {
-    const ALL: [Floored; 8] = [
+    const ALL: [Floored; 10] = [
+        Floored::Sqlx,
         Floored::Backend(LockKind::Local),
         Floored::Backend(LockKind::Row),
         Floored::Backend(LockKind::PgAdvisory),
@@ -657,6 +663,7 @@ impl Floored {
         Floored::ByHand,
         Floored::Optimistic,
         Floored::Combined16,
+        Floored::Combined16Sessions,
     ];
 
     fn label(self) -> String {
@@ -666,6 +673,10 @@ impl Floored {
             Self::ByHand => "the four statements by hand in sea-orm, 1 task".into(),
             Self::Optimistic => "`locked_update` optimistic-first (local), 1 task".into(),
             Self::Combined16 => "`locked_update` (local, combined), 16 tasks on one row".into(),
+            Self::Combined16Sessions => {
+                "`locked_update` (local, combined), 16 tasks on one row, a session each".into()
+            }
+            Self::Sqlx => "the four statements in a minimal sqlx loop, 1 task".into(),
         }
     }
 
@@ -674,7 +685,8 @@ impl Floored {
             Self::Backend(LockKind::Table) => "≤ 1.3× local's time",
             Self::Backend(_) => "≥ 1.0×",
             Self::ByHand => "(sea-orm's own cost)",
-            Self::Combined16 => "≥ 3× pgbench, 16 clients",
+            Self::Combined16 | Self::Combined16Sessions => "≥ 3× pgbench, 16 clients",
+            Self::Sqlx => "(sqlx's own cost)",
             _ => "",
         }
     }
@@ -694,6 +706,45 @@ impl Floored {
         };
         let local = || Arc::new(LocalLock::new()) as Arc<dyn LockBackend>;
         let (session, tasks) = match self {
+            #[cfg(feature = "postgres")]
+            Self::Sqlx => {
+                use sea_orm::sqlx;
+                let pool = db.get_postgres_connection_pool().clone();
+                return rate(1, seconds, move || {
+                    let pool = pool.clone();
+                    async move {
+                        let mut tx = pool.begin().await.expect("begin");
+                        sqlx::query("SELECT * FROM node WHERE id = $1 FOR UPDATE")
+                            .bind(1)
+                            .fetch_one(&mut *tx)
+                            .await
+                            .expect("select");
+                        sqlx::query("UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1")
+                            .bind(1)
+                            .execute(&mut *tx)
+                            .await
+                            .expect("update");
+                        tx.commit().await.expect("commit");
+                    }
+                })
+                .await;
+            }
+            #[cfg(not(feature = "postgres"))]
+            Self::Sqlx => return f64::NAN,
+            Self::Combined16Sessions => {
+                let db = db.clone();
+                return rate(16, seconds, move || {
+                    // A session per call, as a request handler makes one: they meet in the
+                    // pool's rooms all the same.
+                    let session = Session::builder(db.clone())
+                        .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+                        .combine_commits(true)
+                        .build()
+                        .expect("session");
+                    async move { increment(&session, 1).await }
+                })
+                .await;
+            }
             Self::ByHand => {
                 let db = db.clone();
                 return rate(1, seconds, move || {
@@ -734,6 +785,12 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
     let (rounds, seconds) = if quick() { (1, 1) } else { (3, 3) };
     let db = database(url, 2, 20).await;
     let quiet = common::connect_with(url, 20, false).await;
+    // pgbench alone first, for 10 s with nothing else running: the figure each round's 3 s run
+    // is read against.
+    let alone = pgbench(url, 1, if quick() { 1 } else { 10 }).await;
+    if let Some(alone) = alone {
+        println!("\npgbench alone, 1 client, 10 s: {alone:.0} tps");
+    }
     let (mut floor, mut floor16) = (Vec::new(), Vec::new());
     let mut samples = vec![(Vec::new(), Vec::new()); Floored::ALL.len()];
     for _ in 0..rounds {
@@ -756,7 +813,7 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
     let mut local = f64::NAN;
     for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
         let (pinged, unpinged) = (median(pinged), median(unpinged));
-        let base = if matches!(what, Floored::Combined16) {
+        let base = if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
             floor16
         } else {
             floor
@@ -772,7 +829,7 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         println!(
             "| {} | {pinged:.0} | {unpinged:.0} | {base:.0}{} | {:.2}×{extra} | {} |",
             what.label(),
-            if matches!(what, Floored::Combined16) {
+            if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
                 " (16 clients)"
             } else {
                 ""
