@@ -204,7 +204,7 @@ struct Timed {
 }
 
 impl LockBackend for Timed {
-    fn kind(&self) -> &'static str {
+    fn kind(&self) -> freshlock::LockKind {
         self.inner.kind()
     }
 

@@ -158,7 +158,7 @@ pub(crate) async fn fence(
         Ok(false) => {
             let fence = locking.report.fence;
             warn!(%target, lock = %locking.report.name, fence, "lease lost before the write; nothing written");
-            crate::metrics::lease_lost(locking.report.backend);
+            crate::metrics::lease_lost(locking.report.backend.as_str());
             Ok(false)
         }
         Err(source) => Err(Error::Lock {

@@ -67,7 +67,7 @@ where
         entity = E::default().table_name(),
         key = row.name.as_str().split_once(':').map_or("", |(_, key)| key),
         lock = %row.lock,
-        backend = session.lock_backend().kind(),
+        backend = session.lock_backend().kind().as_str(),
         lock_wait_ms = field::Empty,
         lock_held = field::Empty,
         attempts = field::Empty,

@@ -85,7 +85,7 @@ impl Locking {
             let local = queue_of(&locking.backend);
             let acquisition = tokio::select! {
                 () = cancelled => return Ok(None),
-                acquisition = policy.acquire(local.kind(), &local, lock) => acquisition,
+                acquisition = policy.acquire(local.kind().as_str(), &local, lock) => acquisition,
             };
             locking.report.waited = acquisition.waited;
             match acquisition.result {
@@ -105,7 +105,7 @@ impl Locking {
                 // Not raced against cancellation: dropping a backend's acquire mid-statement could
                 // leave a lease taken that nobody releases (until its TTL). The queue above bounds
                 // this wait to one task per key; if the caller has gone, release at once.
-                let acquisition = policy.acquire(backend.kind(), lease, lock).await;
+                let acquisition = policy.acquire(backend.kind().as_str(), lease, lock).await;
                 if is_cancelled() {
                     if let Ok(Some(held)) = acquisition.result
                         && let Err(error) = held.release().await
@@ -141,10 +141,10 @@ impl Locking {
     fn unavailable(&self, failure: Option<LockError>) -> Result<()> {
         let report = &self.report;
         let proceed = self.on_failure == OnLockFailure::Proceed;
-        crate::metrics::acquire_failure(report.backend, failure.is_some(), proceed);
+        crate::metrics::acquire_failure(report.backend.as_str(), failure.is_some(), proceed);
         if !proceed {
             // No release follows a refusal: the wait is recorded here.
-            crate::metrics::lock_wait(report.backend, false, report.waited);
+            crate::metrics::lock_wait(report.backend.as_str(), false, report.waited);
         }
         let failure = match failure {
             // A misconfigured pool, not a busy lock: proceeding would run every call unlocked.
@@ -271,7 +271,7 @@ impl Locking {
             return Ok(true);
         };
         // A fence check whose reply does not come fails like a lost connection (`deadline.rs`).
-        let (reply, backend) = (self.reply, self.report.backend);
+        let (reply, backend) = (self.reply, self.report.backend.as_str());
         let no_reply = || LockError::Backend {
             backend,
             source: Box::new(crate::deadline::no_reply(reply)),
@@ -307,7 +307,11 @@ impl Locking {
     }
 
     async fn end(mut self, retire: bool) -> LockReport {
-        crate::metrics::lock_wait(self.report.backend, self.report.held, self.report.waited);
+        crate::metrics::lock_wait(
+            self.report.backend.as_str(),
+            self.report.held,
+            self.report.waited,
+        );
         let released = match self.guard.take() {
             Some(guard) if self.released_by_commit => {
                 guard.released_by_commit();

@@ -2,7 +2,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use crate::{error::ReleaseError, lock::LockName};
+use crate::{
+    error::ReleaseError,
+    lock::{LockKind, LockName},
+};
 
 /// What `locked_update` did to the row.
 #[derive(Debug)]
@@ -56,7 +59,7 @@ pub enum DeleteOutcome<M> {
 #[non_exhaustive]
 pub struct LockReport {
     /// The backend's [`kind`](crate::LockBackend::kind).
-    pub backend: &'static str,
+    pub backend: LockKind,
     /// The lock's name (`"{table}:{key}"`).
     pub name: LockName,
     /// Whether the lock was held during the section. `false` means the policy let the update

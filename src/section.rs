@@ -208,7 +208,8 @@ impl Section<'_> {
                 source: crate::error::LockError::EmptyName,
             });
         }
-        let span = info_span!("locked", lock = %label, backend = session.lock_backend().kind());
+        let span =
+            info_span!("locked", lock = %label, backend = session.lock_backend().kind().as_str());
         async move {
             let _in_flight = session.section_started();
             let mut lockings = Vec::with_capacity(self.locks.len());

@@ -224,7 +224,7 @@ fn say(what: &str) {
 struct PauseAfterAcquire(Arc<dyn LockBackend>);
 
 impl LockBackend for PauseAfterAcquire {
-    fn kind(&self) -> &'static str {
+    fn kind(&self) -> freshlock::LockKind {
         self.0.kind()
     }
 

@@ -36,8 +36,8 @@ struct Occupancy {
 }
 
 impl LockBackend for Occupancy {
-    fn kind(&self) -> &'static str {
-        "table"
+    fn kind(&self) -> freshlock::LockKind {
+        freshlock::LockKind::Table
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -92,11 +92,14 @@ impl Subject {
     }
 
     fn has_ttl(&self) -> bool {
-        matches!(self.backend.kind(), "table" | "redis")
+        matches!(self.backend.kind(), LockKind::Table | LockKind::Redis)
     }
 
     fn has_fence(&self) -> bool {
-        matches!(self.backend.kind(), "table" | "redis" | "mysql_named")
+        matches!(
+            self.backend.kind(),
+            LockKind::Table | LockKind::Redis | LockKind::MySqlNamed
+        )
     }
 }
 

@@ -189,8 +189,8 @@ async fn lease_shorter_than_the_section(db: Option<TestDb>) {
 struct ExpiresBeforeUse(TableLock);
 
 impl LockBackend for ExpiresBeforeUse {
-    fn kind(&self) -> &'static str {
-        "table"
+    fn kind(&self) -> freshlock::LockKind {
+        freshlock::LockKind::Table
     }
 
     fn role(&self) -> LockRole<'_> {
@@ -242,8 +242,8 @@ async fn row_deleted_under_the_lock(db: Option<TestDb>) {
 struct DeletesAfterAcquire(sea_orm::DatabaseConnection);
 
 impl LockBackend for DeletesAfterAcquire {
-    fn kind(&self) -> &'static str {
-        "deleting"
+    fn kind(&self) -> freshlock::LockKind {
+        freshlock::LockKind::Other("deleting")
     }
 
     fn role(&self) -> LockRole<'_> {

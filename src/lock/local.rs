@@ -13,6 +13,7 @@ use dashmap::DashMap;
 use tokio::sync::{Mutex, OwnedMutexGuard};
 
 use super::{
+    kind::LockKind,
     name::LockName,
     traits::{LeaseLock, LockBackend, LockGuard, LockRole},
 };
@@ -48,9 +49,6 @@ impl Default for LocalLock {
 }
 
 impl LocalLock {
-    /// This backend's [`kind`](LockBackend::kind).
-    const KIND: &'static str = "local";
-
     /// A new lock space, independent of every other.
     pub fn new() -> Self {
         Self::default()
@@ -95,8 +93,8 @@ impl LocalLock {
 }
 
 impl LockBackend for LocalLock {
-    fn kind(&self) -> &'static str {
-        Self::KIND
+    fn kind(&self) -> LockKind {
+        LockKind::Local
     }
 
     fn in_process(&self) -> bool {

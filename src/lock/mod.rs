@@ -21,6 +21,7 @@ mod backoff;
 mod fence;
 pub(crate) mod floor;
 pub(crate) mod holder;
+mod kind;
 pub(crate) mod lease_row;
 mod local;
 #[cfg(feature = "mysql")]
@@ -36,7 +37,7 @@ mod table;
 mod traits;
 mod wait;
 
-pub use any::LockKind;
+pub use kind::LockKind;
 pub use local::LocalLock;
 #[cfg(feature = "mysql")]
 pub use mysql_named::MySqlNamedLock;

@@ -11,6 +11,7 @@ use tracing::warn;
 
 use super::{
     fence,
+    kind::LockKind,
     name::LockName,
     traits::{LeaseLock, LockBackend, LockGuard, LockRole},
 };
@@ -69,8 +70,8 @@ impl MySqlNamedLock {
 }
 
 impl LockBackend for MySqlNamedLock {
-    fn kind(&self) -> &'static str {
-        KIND
+    fn kind(&self) -> LockKind {
+        LockKind::MySqlNamed
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Value};
 
 use super::{
+    kind::LockKind,
     name::LockName,
     sql::statement,
     traits::{LockBackend, LockRole, TransactionLock},
@@ -38,8 +39,8 @@ impl PgAdvisoryLock {
 }
 
 impl LockBackend for PgAdvisoryLock {
-    fn kind(&self) -> &'static str {
-        KIND
+    fn kind(&self) -> LockKind {
+        LockKind::PgAdvisory
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -10,6 +10,7 @@ use tokio::time::{Instant, timeout};
 use super::{
     backoff::Backoff,
     fence, holder,
+    kind::LockKind,
     name::LockName,
     traits::{LeaseLock, LockBackend, LockGuard, LockRole},
 };
@@ -130,8 +131,8 @@ async fn call<T>(future: impl Future<Output = redis::RedisResult<T>>) -> Result<
 }
 
 impl LockBackend for RedisLock {
-    fn kind(&self) -> &'static str {
-        KIND
+    fn kind(&self) -> LockKind {
+        LockKind::Redis
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
 
 use super::{
+    kind::LockKind,
     name::LockName,
     sql::{lock_error, statement},
     traits::{LockBackend, LockRole, TransactionLock},
@@ -49,8 +50,8 @@ impl RowLock {
 }
 
 impl LockBackend for RowLock {
-    fn kind(&self) -> &'static str {
-        KIND
+    fn kind(&self) -> LockKind {
+        LockKind::Row
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -10,6 +10,7 @@ use tracing::{debug, warn};
 use super::{
     backoff::Backoff,
     floor, holder,
+    kind::LockKind,
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
     sql::{for_update, lock_error, millis, now_ms, statement},
@@ -101,8 +102,8 @@ impl TableLock {
 }
 
 impl LockBackend for TableLock {
-    fn kind(&self) -> &'static str {
-        KIND
+    fn kind(&self) -> LockKind {
+        LockKind::Table
     }
 
     fn role(&self) -> LockRole<'_> {

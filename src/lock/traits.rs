@@ -9,7 +9,7 @@ use std::{fmt, time::Duration};
 use async_trait::async_trait;
 use sea_orm::DatabaseTransaction;
 
-use super::name::LockName;
+use super::{kind::LockKind, name::LockName};
 use crate::error::LockError;
 
 /// When a backend's lock is taken and when it ends.
@@ -46,8 +46,9 @@ pub enum LockScope {
 /// [`LockPolicy`](super::LockPolicy), applied by the session — backends only try once, waiting at most the time they
 /// are given.
 pub trait LockBackend: Send + Sync + fmt::Debug {
-    /// A short name for logs and reports (`"local"`, `"table"`, …).
-    fn kind(&self) -> &'static str;
+    /// Which backend this is, for logs, reports and metrics: one of freshlock's, or
+    /// [`LockKind::Other`] with a short name for a backend of the application's own.
+    fn kind(&self) -> LockKind;
 
     /// Whether this backend's lock already excludes the tasks of this process from each other
     /// by itself, in-process (the [`LocalLock`](super::LocalLock)): then sessions do not queue its waiters

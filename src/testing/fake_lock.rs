@@ -153,8 +153,8 @@ fn failure(what: &str) -> LockError {
 }
 
 impl LockBackend for FakeLock {
-    fn kind(&self) -> &'static str {
-        KIND
+    fn kind(&self) -> crate::LockKind {
+        crate::LockKind::Other("fake")
     }
 
     fn in_process(&self) -> bool {
