@@ -13,7 +13,7 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use crate::{
     error::LockError,
-    lock::{LeaseLock, LockBackend, LockGuard, LockName, LockRole},
+    lock::{LeaseLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
 };
 
 const KIND: &str = "fake";
@@ -153,8 +153,8 @@ fn failure(what: &str) -> LockError {
 }
 
 impl LockBackend for FakeLock {
-    fn kind(&self) -> crate::LockKind {
-        crate::LockKind::Other("fake")
+    fn kind(&self) -> LockKind {
+        LockKind::Other(KIND)
     }
 
     fn in_process(&self) -> bool {
