@@ -245,15 +245,13 @@ struct TimedGuard {
 
 #[async_trait]
 impl LockGuard for TimedGuard {
-    fn fence(&self) -> Option<u64> {
-        self.inner.as_ref().and_then(|g| g.fence())
+    // Its own fencing, not the inner guard's: only `verify` is passed on, so the lease is never
+    // freed by the write's commit (`verify_and_release_in` keeps its default) and every release
+    // goes through `release` below.
+    fn fencing(&self) -> Option<&dyn freshlock::Fencing> {
+        Some(self)
     }
-    async fn verify(&self, txn: &sea_orm::DatabaseTransaction) -> Result<bool, LockError> {
-        match &self.inner {
-            Some(inner) => inner.verify(txn).await,
-            None => Ok(false),
-        }
-    }
+
     async fn release(mut self: Box<Self>) -> Result<(), LockError> {
         let released = Instant::now();
         let result = match self.inner.take() {
@@ -264,6 +262,21 @@ impl LockGuard for TimedGuard {
             events.push((self.granted, released));
         }
         result
+    }
+}
+
+#[async_trait]
+impl freshlock::Fencing for TimedGuard {
+    fn fence(&self) -> u64 {
+        let inner = self.inner.as_ref().and_then(|g| g.fencing());
+        inner.map_or(0, |f| f.fence())
+    }
+
+    async fn verify(&self, txn: &sea_orm::DatabaseTransaction) -> Result<bool, LockError> {
+        match self.inner.as_ref() {
+            Some(inner) => inner.verify(txn).await,
+            None => Ok(false),
+        }
     }
 }
 

@@ -112,8 +112,9 @@ pub use lock::MySqlNamedLock;
 #[cfg(feature = "redis")]
 pub use lock::RedisLock;
 pub use lock::{
-    LeaseCheck, LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy,
-    LockRole, LockScope, OnLockFailure, PgAdvisoryLock, RowLock, TableLock, TransactionLock,
+    Fencing, LeaseCheck, LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName,
+    LockPolicy, LockRole, LockScope, OnLockFailure, PgAdvisoryLock, Renewal, RowLock, TableLock,
+    TransactionLock,
 };
 pub use outcome::{
     DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,

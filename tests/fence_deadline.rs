@@ -16,8 +16,8 @@ use std::{
 use async_trait::async_trait;
 use entity::node;
 use freshlock::{
-    Error, LeaseLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, LockRole,
-    OnLockFailure, Session, lock_name, testing::TestDatabase,
+    Error, Fencing, LeaseLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy,
+    LockRole, OnLockFailure, Session, lock_name, testing::TestDatabase,
 };
 use migration::Migrator;
 use sea_orm::{DatabaseTransaction, EntityTrait, Set};
@@ -59,8 +59,19 @@ struct SilentGuard {
 
 #[async_trait]
 impl LockGuard for SilentGuard {
-    fn fence(&self) -> Option<u64> {
-        Some(1)
+    fn fencing(&self) -> Option<&dyn Fencing> {
+        Some(self)
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), LockError> {
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Fencing for SilentGuard {
+    fn fence(&self) -> u64 {
+        1
     }
 
     async fn verify(&self, _: &DatabaseTransaction) -> Result<bool, LockError> {
@@ -68,10 +79,6 @@ impl LockGuard for SilentGuard {
             std::future::pending::<()>().await;
         }
         Ok(true)
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), LockError> {
-        Ok(())
     }
 }
 

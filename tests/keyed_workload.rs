@@ -75,16 +75,32 @@ struct Inside {
 
 #[async_trait]
 impl LockGuard for Inside {
-    fn fence(&self) -> Option<u64> {
-        self.inner.as_ref().and_then(|g| g.fence())
+    // Its own fencing, not the inner guard's: only `verify` is passed on, so the lease is never
+    // freed by the write's commit (`verify_and_release_in` keeps its default) and every release
+    // goes through `release` below.
+    fn fencing(&self) -> Option<&dyn freshlock::Fencing> {
+        Some(self)
     }
-    async fn verify(&self, txn: &sea_orm::DatabaseTransaction) -> Result<bool, LockError> {
-        self.inner.as_ref().unwrap().verify(txn).await
-    }
+
     async fn release(mut self: Box<Self>) -> Result<(), LockError> {
         // Leave before the lease is released: the next holder may enter right after.
         self.inside.lock().unwrap().insert(self.name.clone(), false);
         self.inner.take().unwrap().release().await
+    }
+}
+
+#[async_trait]
+impl freshlock::Fencing for Inside {
+    fn fence(&self) -> u64 {
+        let inner = self.inner.as_ref().and_then(|g| g.fencing());
+        inner.map_or(0, |f| f.fence())
+    }
+
+    async fn verify(&self, txn: &sea_orm::DatabaseTransaction) -> Result<bool, LockError> {
+        match self.inner.as_ref() {
+            Some(inner) => inner.verify(txn).await,
+            None => Ok(false),
+        }
     }
 }
 

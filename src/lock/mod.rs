@@ -49,5 +49,6 @@ pub use redis::RedisLock;
 pub use row::RowLock;
 pub use table::TableLock;
 pub use traits::{
-    LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, LockScope, TransactionLock,
+    Fencing, LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, LockScope, Renewal,
+    TransactionLock,
 };

@@ -13,7 +13,7 @@ use super::{
     fence,
     kind::LockKind,
     name::LockName,
-    traits::{LeaseLock, LockBackend, LockGuard, LockRole},
+    traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{
     error::LockError,
@@ -160,12 +160,8 @@ struct MySqlNamedGuard {
 
 #[async_trait]
 impl LockGuard for MySqlNamedGuard {
-    fn fence(&self) -> Option<u64> {
-        Some(self.fence)
-    }
-
-    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    fn fencing(&self) -> Option<&dyn Fencing> {
+        Some(self)
     }
 
     async fn retire(mut self: Box<Self>) -> Result<(), LockError> {
@@ -203,6 +199,17 @@ impl LockGuard for MySqlNamedGuard {
                 Err(MySqlNamedLock::fail(e))
             }
         }
+    }
+}
+
+#[async_trait]
+impl Fencing for MySqlNamedGuard {
+    fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        fence::verify(txn, KIND, &self.fence_name, self.fence).await
     }
 }
 

@@ -12,7 +12,7 @@ use super::{
     fence, holder,
     kind::LockKind,
     name::LockName,
-    traits::{LeaseLock, LockBackend, LockGuard, LockRole},
+    traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
 };
 use crate::{error::LockError, schema::MAX_STORED_NAME};
 
@@ -227,26 +227,12 @@ impl RedisGuard {
 
 #[async_trait]
 impl LockGuard for RedisGuard {
-    fn fence(&self) -> Option<u64> {
-        Some(self.fence)
+    fn fencing(&self) -> Option<&dyn Fencing> {
+        Some(self)
     }
 
-    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
-        let mut redis = self.redis.clone();
-        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
-        let extended: i64 = call(
-            Script::new(EXTEND)
-                .key(&self.key)
-                .arg(&self.token)
-                .arg(ttl_ms)
-                .invoke_async(&mut redis),
-        )
-        .await?;
-        Ok(extended == 1)
-    }
-
-    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    fn renewal(&self) -> Option<&dyn Renewal> {
+        Some(self)
     }
 
     async fn retire(self: Box<Self>) -> Result<(), LockError> {
@@ -262,6 +248,34 @@ impl LockGuard for RedisGuard {
         Self::release_now(self.redis.clone(), &self.key, &self.token)
             .await
             .map(drop)
+    }
+}
+
+#[async_trait]
+impl Fencing for RedisGuard {
+    fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        fence::verify(txn, KIND, &self.fence_name, self.fence).await
+    }
+}
+
+#[async_trait]
+impl Renewal for RedisGuard {
+    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
+        let mut redis = self.redis.clone();
+        let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);
+        let extended: i64 = call(
+            Script::new(EXTEND)
+                .key(&self.key)
+                .arg(&self.token)
+                .arg(ttl_ms)
+                .invoke_async(&mut redis),
+        )
+        .await?;
+        Ok(extended == 1)
     }
 }
 

@@ -14,7 +14,7 @@ use super::{
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
     sql::{for_update, lock_error, millis, now_ms, statement},
-    traits::{LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole},
+    traits::{Fencing, LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
 };
 use crate::{
     db_error::in_doubt,
@@ -191,79 +191,12 @@ impl TableGuard {
 
 #[async_trait]
 impl LockGuard for TableGuard {
-    fn fence(&self) -> Option<u64> {
-        u64::try_from(self.fence).ok()
+    fn fencing(&self) -> Option<&dyn Fencing> {
+        Some(self)
     }
 
-    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
-        let backend = self.db.get_database_backend();
-        let now = now_ms(backend);
-        let sql = format!(
-            "UPDATE {LOCK_TABLE} SET expires_at = {now} + ? \
-             WHERE name = ? AND owner = ? AND expires_at > {now}"
-        );
-        let values = vec![
-            millis(ttl).into(),
-            self.name.clone().into(),
-            self.token.clone().into(),
-        ];
-        let db = autocommit(&self.db);
-        let extend = db.execute_raw(statement(backend, &sql, values));
-        let updated = within(reply_bound(ttl), extend)
-            .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        Ok(updated.rows_affected() == 1)
-    }
-
-    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        let backend = txn.get_database_backend();
-        let now = now_ms(backend);
-        // FOR UPDATE: a takeover of this row waits until our transaction ends, so the lease cannot
-        // be lost between this check and the commit. (SQLite: BEGIN IMMEDIATE already excludes it.)
-        let lock = for_update(backend);
-        let sql = format!(
-            "SELECT fence FROM {LOCK_TABLE} \
-             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}{lock}"
-        );
-        let values = vec![
-            self.name.clone().into(),
-            self.token.clone().into(),
-            self.fence.into(),
-        ];
-        let row = txn
-            .query_one_raw(statement(backend, &sql, values))
-            .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        Ok(row.is_some())
-    }
-
-    /// One UPDATE that checks the grant (as [`verify`](LockGuard::verify)) and frees the row; it
-    /// keeps the row locked until `txn` ends, so a takeover waits for the commit and then finds
-    /// the name free (or, after a rollback, still ours).
-    async fn verify_and_release_in(
-        &self,
-        txn: &DatabaseTransaction,
-    ) -> Result<LeaseCheck, LockError> {
-        let backend = txn.get_database_backend();
-        let now = now_ms(backend);
-        let sql = format!(
-            "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
-             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}"
-        );
-        let values = vec![
-            self.name.clone().into(),
-            self.token.clone().into(),
-            self.fence.into(),
-        ];
-        let updated = txn
-            .execute_raw(statement(backend, &sql, values))
-            .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        Ok(if updated.rows_affected() == 1 {
-            LeaseCheck::HeldReleasedByCommit
-        } else {
-            LeaseCheck::Lost
-        })
+    fn renewal(&self) -> Option<&dyn Renewal> {
+        Some(self)
     }
 
     fn released_by_commit(mut self: Box<Self>) {
@@ -295,6 +228,87 @@ impl LockGuard for TableGuard {
             // The row has history above the floor (or the delete failed): keep it, release.
             Ok(_) | Err(_) => self.release().await,
         }
+    }
+}
+
+#[async_trait]
+impl Fencing for TableGuard {
+    fn fence(&self) -> u64 {
+        u64::try_from(self.fence).unwrap_or_default()
+    }
+
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        let backend = txn.get_database_backend();
+        let now = now_ms(backend);
+        // FOR UPDATE: a takeover of this row waits until our transaction ends, so the lease cannot
+        // be lost between this check and the commit. (SQLite: BEGIN IMMEDIATE already excludes it.)
+        let lock = for_update(backend);
+        let sql = format!(
+            "SELECT fence FROM {LOCK_TABLE} \
+             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}{lock}"
+        );
+        let values = vec![
+            self.name.clone().into(),
+            self.token.clone().into(),
+            self.fence.into(),
+        ];
+        let row = txn
+            .query_one_raw(statement(backend, &sql, values))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        Ok(row.is_some())
+    }
+
+    /// One UPDATE that checks the grant (as [`verify`](Fencing::verify)) and frees the row; it
+    /// keeps the row locked until `txn` ends, so a takeover waits for the commit and then finds
+    /// the name free (or, after a rollback, still ours).
+    async fn verify_and_release_in(
+        &self,
+        txn: &DatabaseTransaction,
+    ) -> Result<LeaseCheck, LockError> {
+        let backend = txn.get_database_backend();
+        let now = now_ms(backend);
+        let sql = format!(
+            "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
+             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}"
+        );
+        let values = vec![
+            self.name.clone().into(),
+            self.token.clone().into(),
+            self.fence.into(),
+        ];
+        let updated = txn
+            .execute_raw(statement(backend, &sql, values))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        Ok(if updated.rows_affected() == 1 {
+            LeaseCheck::HeldReleasedByCommit
+        } else {
+            LeaseCheck::Lost
+        })
+    }
+}
+
+#[async_trait]
+impl Renewal for TableGuard {
+    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
+        let backend = self.db.get_database_backend();
+        let now = now_ms(backend);
+        let sql = format!(
+            "UPDATE {LOCK_TABLE} SET expires_at = {now} + ? \
+             WHERE name = ? AND owner = ? AND expires_at > {now}"
+        );
+        let values = vec![
+            millis(ttl).into(),
+            self.name.clone().into(),
+            self.token.clone().into(),
+        ];
+        let db = autocommit(&self.db);
+        let extend = db.execute_raw(statement(backend, &sql, values));
+        let updated = within(reply_bound(ttl), extend)
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        Ok(updated.rows_affected() == 1)
     }
 }
 

@@ -174,7 +174,7 @@ pub trait TransactionLock: Send + Sync {
     ) -> Result<bool, LockError>;
 }
 
-/// What [`LockGuard::verify_and_release_in`] found of a lease, in the write's transaction.
+/// What [`Fencing::verify_and_release_in`] found of a lease, in the write's transaction.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum LeaseCheck {
@@ -195,65 +195,33 @@ impl LeaseCheck {
     }
 }
 
-/// A held lease lock.
+/// A held lease lock: a core — its release — and what else it can do, exposed the way
+/// [`LockBackend::role`] exposes how a backend locks: [`fencing`](Self::fencing) for grants that
+/// carry a fence token, [`renewal`](Self::renewal) for leases that run out. A guard that has
+/// neither (the in-process lock) implements only [`release`](Self::release). Callers use the
+/// methods on `dyn LockGuard` (`fence`, `verify`, `verify_and_release_in`, `extend`), which ask
+/// the capabilities.
 ///
 /// Release it with [`release`](Self::release) after the transaction it protects has ended. What
 /// dropping it without `release` does depends on the backend: the in-process lock is freed at once;
 /// a lease on a server runs out by its TTL.
 #[async_trait]
 pub trait LockGuard: Send + Sync + fmt::Debug {
-    /// The fence token of this grant, for backends that issue one: it grows with every grant of
-    /// the same name.
-    fn fence(&self) -> Option<u64> {
+    /// The grant's fencing, for backends whose grants carry a fence token (`table`,
+    /// `mysql_named`, `redis`); `None` (the default) for a lock that cannot be lost while held.
+    fn fencing(&self) -> Option<&dyn Fencing> {
         None
     }
 
-    /// Extends the lease to `ttl` from now, only while it is still this holder's. Returns whether
-    /// it was extended (`false`: the lease had expired or was taken over). Locks without a lease
-    /// return `Ok(true)`.
-    ///
-    /// # Errors
-    /// [`LockError`] when the backend could not be asked.
-    async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
-        let _ = ttl;
-        Ok(true)
-    }
-
-    /// Checks, inside the transaction that is about to write, that this grant is still the
-    /// current one (fencing). `locked_update` calls it before its UPDATE and, when it returns
-    /// `false`, rolls back and reports [`crate::UpdateOutcome::LeaseLost`]. Locks that cannot be
-    /// lost while held (the in-process lock) keep the default, `Ok(true)`, which sends nothing.
-    ///
-    /// # Errors
-    /// [`LockError`] when the check could not be made.
-    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        let _ = txn;
-        Ok(true)
-    }
-
-    /// [`verify`](Self::verify), and also release the lease inside `txn`, so that it ends
-    /// exactly when `txn` commits: one statement and one commit fewer than verifying, committing
-    /// and then releasing. On [`LeaseCheck::HeldReleasedByCommit`], once `txn` commits, end the
-    /// guard with [`released_by_commit`](Self::released_by_commit) (nothing is sent); if `txn`
-    /// rolls back, the lease is still held and must be released as usual. The default only
-    /// verifies ([`LeaseCheck::Held`] or [`LeaseCheck::Lost`]).
-    ///
-    /// # Errors
-    /// As [`verify`](Self::verify).
-    async fn verify_and_release_in(
-        &self,
-        txn: &DatabaseTransaction,
-    ) -> Result<LeaseCheck, LockError> {
-        Ok(if self.verify(txn).await? {
-            LeaseCheck::Held
-        } else {
-            LeaseCheck::Lost
-        })
+    /// The lease's renewal, for leases that run out by a TTL (`table`, `redis`); `None` (the
+    /// default) for a lock without one.
+    fn renewal(&self) -> Option<&dyn Renewal> {
+        None
     }
 
     /// Ends a guard whose lease a committed transaction released (see
-    /// [`verify_and_release_in`](Self::verify_and_release_in)): nothing is sent. Only called
-    /// after that method said it released; the default drops the guard.
+    /// [`Fencing::verify_and_release_in`]): nothing is sent. Only called after that method said
+    /// it released; the default drops the guard.
     fn released_by_commit(self: Box<Self>) {}
 
     /// Releases the lock.
@@ -272,5 +240,94 @@ pub trait LockGuard: Send + Sync + fmt::Debug {
     /// As [`release`](Self::release).
     async fn retire(self: Box<Self>) -> Result<(), LockError> {
         self.release().await
+    }
+}
+
+/// A grant's fence token, checked in the transaction of the write it guards.
+#[async_trait]
+pub trait Fencing: Send + Sync {
+    /// The fence token of this grant: it grows with every grant of the same name.
+    fn fence(&self) -> u64;
+
+    /// Checks, inside the transaction that is about to write, that this grant is still the
+    /// current one. `locked_update` calls it before its UPDATE and, when it returns `false`,
+    /// rolls back and reports [`crate::UpdateOutcome::LeaseLost`].
+    ///
+    /// # Errors
+    /// [`LockError`] when the check could not be made.
+    async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError>;
+
+    /// [`verify`](Self::verify), and also release the lease inside `txn`, so that it ends
+    /// exactly when `txn` commits: one statement and one commit fewer than verifying, committing
+    /// and then releasing. On [`LeaseCheck::HeldReleasedByCommit`], once `txn` commits, end the
+    /// guard with [`LockGuard::released_by_commit`] (nothing is sent); if `txn` rolls back, the
+    /// lease is still held and must be released as usual. The default only verifies
+    /// ([`LeaseCheck::Held`] or [`LeaseCheck::Lost`]).
+    ///
+    /// # Errors
+    /// As [`verify`](Self::verify).
+    async fn verify_and_release_in(
+        &self,
+        txn: &DatabaseTransaction,
+    ) -> Result<LeaseCheck, LockError> {
+        Ok(if self.verify(txn).await? {
+            LeaseCheck::Held
+        } else {
+            LeaseCheck::Lost
+        })
+    }
+}
+
+/// A lease that runs out by a TTL, and can be extended by its holder.
+#[async_trait]
+pub trait Renewal: Send + Sync {
+    /// Extends the lease to `ttl` from now, only while it is still this holder's. Returns
+    /// whether it was extended (`false`: the lease had expired or was taken over).
+    ///
+    /// # Errors
+    /// [`LockError`] when the backend could not be asked.
+    async fn extend(&self, ttl: Duration) -> Result<bool, LockError>;
+}
+
+impl dyn LockGuard + '_ {
+    /// The fence token of this grant ([`Fencing::fence`]), for backends that issue one.
+    pub fn fence(&self) -> Option<u64> {
+        self.fencing().map(Fencing::fence)
+    }
+
+    /// [`Fencing::verify`]; `Ok(true)`, sending nothing, for a lock without fencing.
+    ///
+    /// # Errors
+    /// As [`Fencing::verify`].
+    pub async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
+        match self.fencing() {
+            Some(fencing) => fencing.verify(txn).await,
+            None => Ok(true),
+        }
+    }
+
+    /// [`Fencing::verify_and_release_in`]; [`LeaseCheck::Held`] for a lock without fencing.
+    ///
+    /// # Errors
+    /// As [`Fencing::verify`].
+    pub async fn verify_and_release_in(
+        &self,
+        txn: &DatabaseTransaction,
+    ) -> Result<LeaseCheck, LockError> {
+        match self.fencing() {
+            Some(fencing) => fencing.verify_and_release_in(txn).await,
+            None => Ok(LeaseCheck::Held),
+        }
+    }
+
+    /// [`Renewal::extend`]; `Ok(true)` for a lock without a lease to run out.
+    ///
+    /// # Errors
+    /// As [`Renewal::extend`].
+    pub async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
+        match self.renewal() {
+            Some(renewal) => renewal.extend(ttl).await,
+            None => Ok(true),
+        }
     }
 }

@@ -13,7 +13,7 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use crate::{
     error::LockError,
-    lock::{LeaseLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
+    lock::{Fencing, LeaseLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
 };
 
 const KIND: &str = "fake";
@@ -202,8 +202,23 @@ struct FakeGuard {
 
 #[async_trait]
 impl LockGuard for FakeGuard {
-    fn fence(&self) -> Option<u64> {
-        Some(self.fence)
+    fn fencing(&self) -> Option<&dyn Fencing> {
+        Some(self)
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), LockError> {
+        self.state.releases.fetch_add(1, Ordering::SeqCst);
+        if self.state.release_fails.load(Ordering::SeqCst) {
+            return Err(failure("connection reset"));
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Fencing for FakeGuard {
+    fn fence(&self) -> u64 {
+        self.fence
     }
 
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
@@ -220,13 +235,5 @@ impl LockGuard for FakeGuard {
                 .map_err(|e| failure(&format!("interference failed: {e}")))?;
         }
         Ok(!self.state.lease_lost.load(Ordering::SeqCst))
-    }
-
-    async fn release(self: Box<Self>) -> Result<(), LockError> {
-        self.state.releases.fetch_add(1, Ordering::SeqCst);
-        if self.state.release_fails.load(Ordering::SeqCst) {
-            return Err(failure("connection reset"));
-        }
-        Ok(())
     }
 }
