@@ -1,13 +1,15 @@
 //! What every locked write does the same way, written once: the retry of an attempt after a
 //! conflict or a transient error, the fence check before a write, and the release of a section's
 //! locks. `locked_update`'s driver (one row, commit combining, detach on drop) and sections
-//! (`with_lock`, `locked_update_many`, claims' finish) both run on these; neither has a retry
-//! loop, a backoff or a lease check of its own.
+//! (`with_lock`, `locked_update_many`, `locked_update_with`) both run on these; neither has a
+//! retry loop, a backoff or a lease check of its own.
 //!
-//! The rule for cancellation is one too, and lives in the front ends' shared driver
-//! (`detach.rs`): a locked write whose caller is dropped is never cut in half — it rolls back if
-//! the caller had not yet said what to write, and commits otherwise; either way its locks are
-//! released after its transaction ended.
+//! The rule for cancellation is one too (`detach.rs`, stated in the README's Guarantees): a
+//! locked write whose caller is dropped is polled to its end in a task of its own, never cut in
+//! half — it rolls back if the caller had not yet said what to write, and commits otherwise;
+//! either way its locks are released after its transaction ended. The one exception is a
+//! section's `work`, which may borrow from its caller and so cannot move: dropping it rolls the
+//! transaction back and releases the locks.
 
 use std::time::Duration;
 
@@ -47,15 +49,6 @@ impl<T> Tried<T> {
                 attempts: 0,
             },
             conflict: true,
-        }
-    }
-}
-
-impl<T> From<Error> for Tried<T> {
-    fn from(error: Error) -> Self {
-        Self::Failed {
-            error,
-            conflict: false,
         }
     }
 }

@@ -1,6 +1,7 @@
-//! What freshlock knows of a connection pool: its identity, and whether its transactions already
+//! What freshlock keeps of a connection pool ([`PoolState`]): whether its transactions already
 //! run at READ COMMITTED (then `BEGIN` needs no `SET TRANSACTION`: one round trip less per
-//! locked write).
+//! locked write), whether it runs behind a transaction pooler, and commit combining's rooms; and
+//! [`Autocommit`], freshlock's single statements on it.
 
 use std::{
     any::Any,
