@@ -64,6 +64,23 @@ pub struct CacheStats {
     pub len: usize,
 }
 
+/// One change a committed locked write makes to its session's cache. Every locked write records
+/// its changes as these and makes them with [`IdentityMap::apply`] once its transaction
+/// committed (never before: a rolled-back write leaves the cache as it was).
+pub(crate) enum Change {
+    /// The row as the write stored it (or, for a write that changed nothing, as it read it).
+    Cache(Key, Arc<dyn Any + Send + Sync>),
+    /// The row is gone, or what the write left is unknown.
+    Evict(Key),
+}
+
+impl Change {
+    /// Caches `model` under `key`.
+    pub(crate) fn cache<M: Any + Send + Sync>(key: Key, model: Arc<M>) -> Self {
+        Self::Cache(key, model)
+    }
+}
+
 /// Models shared as `Arc<Model>`, keyed by entity type and primary key.
 #[derive(Debug, Default)]
 pub(crate) struct IdentityMap {
@@ -104,6 +121,11 @@ impl IdentityMap {
     /// arbitrary other entry is evicted first (not the least recently used: the bound is a memory
     /// cap, not a cache policy).
     pub(crate) fn insert<M: Any + Send + Sync>(&self, key: Key, model: Arc<M>) {
+        self.insert_erased(key, model);
+    }
+
+    /// [`insert`](Self::insert) of a model whose type is erased.
+    fn insert_erased(&self, key: Key, model: Arc<dyn Any + Send + Sync>) {
         if let Some(capacity) = self.capacity {
             if capacity == 0 {
                 return;
@@ -129,6 +151,18 @@ impl IdentityMap {
             crate::metrics::cache_evictions(1);
         }
         removed
+    }
+
+    /// Makes the changes a committed write recorded, in order.
+    pub(crate) fn apply(&self, changes: impl IntoIterator<Item = Change>) {
+        for change in changes {
+            match change {
+                Change::Cache(key, model) => self.insert_erased(key, model),
+                Change::Evict(key) => {
+                    self.remove(&key);
+                }
+            }
+        }
     }
 
     /// Forgets every entry of one entity type; returns how many there were.

@@ -34,6 +34,7 @@ use crate::{
     detach::Detachable,
     engine::{self, End, Retries, Tried, finish},
     error::{Error, Result, database},
+    identity_map::Change,
     locking::Locking,
     outcome::Report,
     row::{Row, reload_for_update},
@@ -293,7 +294,8 @@ where
         started: tokio::time::Instant,
     ) -> Report<Written<E::Model>> {
         if let Some(stored) = served.stored {
-            self.session.map().insert(self.row.key.clone(), stored);
+            let changes = [Change::cache(self.row.key.clone(), stored)];
+            self.session.map().apply(changes);
         }
         let mut lock = served.lock;
         lock.waited = started.elapsed();
@@ -524,7 +526,9 @@ where
             Err(failed) => return Err(self.failed(txn, failed).await),
         }
         self.commit(txn).await?;
-        self.session.map().remove(&self.row.key);
+        self.session
+            .map()
+            .apply([Change::Evict(self.row.key.clone())]);
         debug!(row = %self.row.name, "deleted");
         Ok(Tried::Done(Written::Deleted(Arc::new(original))))
     }
@@ -542,12 +546,11 @@ where
         .await
     }
 
-    /// Caches `model` as this row's committed state.
+    /// Caches `model` as this row's committed state (its write committed, or wrote nothing).
     fn cache(&self, model: E::Model) -> Arc<E::Model> {
         let model = Arc::new(model);
-        self.session
-            .map()
-            .insert(self.row.key.clone(), Arc::clone(&model));
+        let changes = [Change::cache(self.row.key.clone(), Arc::clone(&model))];
+        self.session.map().apply(changes);
         model
     }
 

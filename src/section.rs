@@ -322,9 +322,7 @@ where
     for locking in lockings.iter_mut() {
         locking.committed();
     }
-    for effect in effects {
-        effect(session.map());
-    }
+    session.map().apply(effects);
     debug!(lock = %label, "section committed");
     Ok(Tried::Done(SectionOutcome::Committed(value)))
 }

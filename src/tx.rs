@@ -34,7 +34,7 @@ use sea_orm::{
 use crate::{
     deadline::within,
     error::{Error, Result, database},
-    identity_map::{IdentityMap, Key},
+    identity_map::{Change, Key},
     outcome::{DeleteOutcome, SaveOutcome},
     row::{PrimaryKeyOf, Row, select_by_key},
     save::{Saved, insert_on, save_on},
@@ -58,9 +58,6 @@ pub enum ForUpdate {
     SkipLocked,
 }
 
-/// One change the commit makes to the session's cache.
-type Effect = Box<dyn FnOnce(&IdentityMap) + Send>;
-
 /// A locked section's transaction.
 ///
 /// Inside [`crate::Session::with_lock`], a [`crate::Section`] or
@@ -79,7 +76,7 @@ pub struct Tx {
     /// Rows this transaction read or wrote, by cache key: the snapshots of its guarded saves.
     seen: Mutex<HashMap<Key, Arc<dyn Any + Send + Sync>>>,
     /// What the commit does to the session's cache, in order.
-    effects: Mutex<Vec<Effect>>,
+    effects: Mutex<Vec<Change>>,
     /// Whether a guarded write of this attempt was refused (a retrying section runs again).
     conflicted: AtomicBool,
 }
@@ -129,7 +126,7 @@ impl Tx {
 
     /// The transaction, the cache changes to make if it commits, and whether a guarded write
     /// was refused.
-    pub(crate) fn into_parts(self) -> (DatabaseTransaction, Vec<Effect>, bool) {
+    pub(crate) fn into_parts(self) -> (DatabaseTransaction, Vec<Change>, bool) {
         let effects = self
             .effects
             .into_inner()
@@ -149,8 +146,7 @@ impl Tx {
             .unwrap_or_else(PoisonError::into_inner)
             .insert(key.clone(), Arc::clone(model) as Arc<dyn Any + Send + Sync>);
         if cache {
-            let (key, model) = (key.clone(), Arc::clone(model));
-            self.effect(Box::new(move |map| map.insert(key, model)));
+            self.effect(Change::cache(key.clone(), Arc::clone(model)));
         }
     }
 
@@ -160,13 +156,10 @@ impl Tx {
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(key);
-        let key = key.clone();
-        self.effect(Box::new(move |map| {
-            map.remove(&key);
-        }));
+        self.effect(Change::Evict(key.clone()));
     }
 
-    fn effect(&self, effect: Effect) {
+    fn effect(&self, effect: Change) {
         self.effects
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
