@@ -145,12 +145,21 @@ impl Cluster {
                 let dir = std::env::temp_dir().join(servers::unique("galera"));
                 let data = dir.join("data");
                 std::fs::create_dir_all(&data).unwrap();
+                // A temporary directory of its own (see `private_mariadb::private_tmpdir`).
+                let tmp = dir.join("tmp");
+                std::fs::create_dir_all(&tmp).unwrap();
+                std::fs::set_permissions(
+                    &tmp,
+                    std::os::unix::fs::PermissionsExt::from_mode(0o1777),
+                )
+                .unwrap();
                 let installed = Command::new("mariadb-install-db")
                     .args([
                         "--user=mysql",
                         &format!("--datadir={}", data.display()),
                         "--auth-root-authentication-method=normal",
                         "--skip-test-db",
+                        &format!("--tmpdir={}", tmp.display()),
                     ])
                     .output()
                     .unwrap();
@@ -165,7 +174,8 @@ impl Cluster {
                     format!(
                         "[mysqld]\nport = {port}\nsocket = {d}/sock\npid-file = {d}/pid\n\
                          datadir = {d}/data\nbind-address = 127.0.0.1\nuser = mysql\n\
-                         log-error = {d}/log\ninnodb_flush_log_at_trx_commit = 2\n\
+                         log-error = {d}/log\ntmpdir = {d}/tmp\n\
+                         innodb_flush_log_at_trx_commit = 2\n\
                          binlog_format = ROW\ninnodb_autoinc_lock_mode = 2\n\
                          default_storage_engine = InnoDB\nwsrep_on = ON\n\
                          wsrep_provider = {PROVIDER}\nwsrep_cluster_name = freshlock\n\

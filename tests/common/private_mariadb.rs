@@ -25,6 +25,10 @@ impl PrivateMariaDb {
         let dir = std::env::temp_dir().join(servers::unique("mariadb"));
         let data = dir.join("data");
         std::fs::create_dir_all(&data).unwrap();
+        // A temporary directory of its own, for the install and the server: with the system's
+        // /tmp, a MariaDB starting elsewhere removes the `#sql-temptable-*` files of an install
+        // running at the same time ("Installation of system tables failed", seen in CI).
+        let tmp = private_tmpdir(&dir);
         // Once more if the first try fails (seen once with 16 installs at a time); its output
         // is in the message if the second fails too.
         let install = || {
@@ -36,6 +40,7 @@ impl PrivateMariaDb {
                     &format!("--datadir={}", data.display()),
                     "--auth-root-authentication-method=normal",
                     "--skip-test-db",
+                    &format!("--tmpdir={}", tmp.display()),
                 ])
                 .output()
                 .unwrap()
@@ -56,7 +61,7 @@ impl PrivateMariaDb {
             format!(
                 "[mysqld]\nport = {port}\nsocket = {d}/sock\npid-file = {d}/pid\n\
                  datadir = {d}/data\nbind-address = 127.0.0.1\nuser = mysql\n\
-                 innodb_flush_log_at_trx_commit = 2\nlog-error = {d}/log\n"
+                 innodb_flush_log_at_trx_commit = 2\nlog-error = {d}/log\ntmpdir = {d}/tmp\n"
             ),
         )
         .unwrap();
@@ -150,4 +155,13 @@ impl Drop for PrivateMariaDb {
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// `dir/tmp`, writable by the server's user: a MariaDB's temporary directory of its own.
+pub fn private_tmpdir(dir: &std::path::Path) -> std::path::PathBuf {
+    use std::os::unix::fs::PermissionsExt;
+    let tmp = dir.join("tmp");
+    std::fs::create_dir_all(&tmp).unwrap();
+    std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(0o1777)).unwrap();
+    tmp
 }
