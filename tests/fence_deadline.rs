@@ -117,6 +117,19 @@ async fn score(db: &TestDatabase, id: i32) -> Option<i32> {
         .and_then(|n| n.score)
 }
 
+/// Awaits `write` (a write whose fence check goes unanswered) and asserts that it fails with
+/// the lock error within [`FROZEN`] instead of hanging.
+async fn assert_unanswered<T: std::fmt::Debug>(
+    what: &str,
+    write: impl std::future::Future<Output = Result<T, Error>>,
+) {
+    let result = tokio::time::timeout(FROZEN, write)
+        .await
+        .unwrap_or_else(|_| panic!("{what} froze on an unanswered fence check"));
+    let error = result.expect_err("an unanswered fence check is an error");
+    assert!(is_unanswered(&error), "{what}: {error:?}");
+}
+
 /// The error of a write whose fence check went unanswered: a lock error, not a hang.
 fn is_unanswered(error: &Error) -> bool {
     matches!(
@@ -145,11 +158,7 @@ async fn a_section_whose_fence_check_never_answers_fails_within_the_deadline() {
             Ok(())
         })
     });
-    let result = tokio::time::timeout(FROZEN, section)
-        .await
-        .expect("the section froze on an unanswered fence check");
-    let error = result.expect_err("an unanswered fence check is an error");
-    assert!(is_unanswered(&error), "{error:?}");
+    assert_unanswered("the section", section).await;
     assert_eq!(score(&db, 1).await, None, "nothing written");
 
     // And several rows, through the same engine.
@@ -160,11 +169,7 @@ async fn a_section_whose_fence_check_never_answers_fails_within_the_deadline() {
         }
         Ok(())
     });
-    let result = tokio::time::timeout(FROZEN, many)
-        .await
-        .expect("locked_update_many froze on an unanswered fence check");
-    let error = result.expect_err("an unanswered fence check is an error");
-    assert!(is_unanswered(&error), "{error:?}");
+    assert_unanswered("locked_update_many", many).await;
     assert_eq!((score(&db, 1).await, score(&db, 2).await), (None, None));
 }
 
@@ -176,11 +181,7 @@ async fn a_locked_update_whose_fence_check_never_answers_fails_within_the_deadli
         n.score = Set(Some(7));
         Ok(())
     });
-    let result = tokio::time::timeout(FROZEN, update)
-        .await
-        .expect("locked_update froze on an unanswered fence check");
-    let error = result.expect_err("an unanswered fence check is an error");
-    assert!(is_unanswered(&error), "{error:?}");
+    assert_unanswered("locked_update", update).await;
     assert_eq!(score(&db, 1).await, None, "nothing written");
 }
 
