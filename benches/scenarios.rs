@@ -854,37 +854,62 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
 }
 
 /// What the crash-safe commit evidence costs a `locked_update` on PostgreSQL (issue 24): the
-/// marker riding in the guarded UPDATE against `commit_markers(false)` (0.1's cost), local lock,
-/// one task, a pool without the checkout ping; 7 interleaved rounds of 3 s (the order swapped
-/// every round), medians. `FRESHLOCK_BENCH_ONLY=evidence` runs it alone.
+/// transaction id checked against the server incarnation (the default with
+/// `freshlock_incarnation`), a marker row riding in the guarded UPDATE (a database without that
+/// table: `freshlock_bench_markers` on the same server), and `commit_markers(false)` (0.1's
+/// cost, no evidence); local lock, one task, pools without the checkout ping; 7 interleaved
+/// rounds of 3 s (the order rotated every round), medians. `FRESHLOCK_BENCH_ONLY=evidence`
+/// runs it alone.
 #[cfg(feature = "postgres")]
 async fn evidence_cost(url: &str) {
     let rounds = if quick() { 1 } else { 7 };
     let _ = database(url, 2, 2).await;
     let quiet = common::connect_with(url, 20, false).await;
-    let (mut marked, mut unmarked) = (Vec::new(), Vec::new());
+    // The same tables in a database of their own, without `freshlock_incarnation`.
+    let (server, _) = url.rsplit_once('/').expect("a database URL");
+    let markers_url = format!("{server}/freshlock_bench_markers");
+    let admin = common::connect_with(url, 1, false).await;
+    let _ = admin
+        .execute_unprepared("CREATE DATABASE freshlock_bench_markers")
+        .await;
+    admin.close().await.ok();
+    let _ = database(&markers_url, 2, 2).await;
+    common::connect_with(&markers_url, 1, false)
+        .await
+        .execute_unprepared("DROP TABLE IF EXISTS freshlock_incarnation")
+        .await
+        .expect("drop freshlock_incarnation");
+    let quiet_markers = common::connect_with(&markers_url, 20, false).await;
+    let (mut xid, mut marked, mut unmarked) = (Vec::new(), Vec::new(), Vec::new());
     for round in 0..rounds {
-        let pair = [Floored::Backend(LockKind::Local), Floored::Unmarked];
-        for i in 0..2 {
-            let what = pair[(i + round) % 2];
-            let rate = what.rate(&quiet, url, None, 3.0).await;
-            match what {
-                Floored::Unmarked => unmarked.push(rate),
-                _ => marked.push(rate),
+        for i in 0..3 {
+            match (i + round) % 3 {
+                0 => {
+                    let what = Floored::Backend(LockKind::Local);
+                    xid.push(what.rate(&quiet, url, None, 3.0).await);
+                }
+                1 => {
+                    let what = Floored::Backend(LockKind::Local);
+                    marked.push(what.rate(&quiet_markers, &markers_url, None, 3.0).await);
+                }
+                _ => unmarked.push(Floored::Unmarked.rate(&quiet, url, None, 3.0).await),
             }
         }
     }
-    let (marked, unmarked) = (median(&mut marked), median(&mut unmarked));
+    let (xid, marked, unmarked) = (median(&mut xid), median(&mut marked), median(&mut unmarked));
     println!(
-        "\n| on PostgreSQL, one row, no ping (medians of {rounds} interleaved rounds of 3 s) | updates/s |"
+        "\n| on PostgreSQL, one row, no ping (medians of {rounds} interleaved rounds of 3 s) | updates/s | cost |"
     );
-    println!("|---|---|");
-    println!("| `locked_update` (local), marker in the UPDATE | {marked:.0} |");
-    println!("| `locked_update` (local), commit markers off | {unmarked:.0} |");
+    println!("|---|---|---|");
     println!(
-        "| cost of the evidence | {:.1} % |",
+        "| `locked_update` (local), transaction id + incarnation | {xid:.0} | {:.1} % |",
+        100.0 * (1.0 - xid / unmarked)
+    );
+    println!(
+        "| `locked_update` (local), marker in the UPDATE | {marked:.0} | {:.1} % |",
         100.0 * (1.0 - marked / unmarked)
     );
+    println!("| `locked_update` (local), commit markers off | {unmarked:.0} | |");
 }
 
 /// The MariaDB floor: the same four statements in a minimal sqlx loop (prepared statements,

@@ -14,7 +14,8 @@
 //! finish with [`Claims::finish_with`].
 //!
 //! A claim or finish whose `COMMIT` reply is lost is resolved like a locked write's (see
-//! [`crate::SessionBuilder::commit_markers`]): each commits with a commit marker, so the outcome
+//! [`crate::SessionBuilder::commit_markers`]): each commits with evidence (a commit marker; the
+//! transaction id within the server incarnation on PostgreSQL), so the outcome
 //! is read back on another connection — `Claimed` / `Finished` when it committed, a transient
 //! error (nothing was written: call again) when it provably did not, and
 //! [`Error::CommitUnknown`] when the database did not answer in time. A claim is never left held
@@ -54,7 +55,7 @@ use crate::{
 /// finish with [`Claims::finish_with`].
 ///
 /// A claim or finish whose `COMMIT` reply is lost is resolved like a locked write's (see
-/// [`crate::SessionBuilder::commit_markers`]): each commits with a commit marker, so the outcome
+/// [`crate::SessionBuilder::commit_markers`]): each commits with its commit evidence, so the outcome
 /// is read back on another connection — `Claimed` / `Finished` when it committed, a transient
 /// error (nothing was written: call again) when it provably did not, and
 /// [`Error::CommitUnknown`] when the database did not answer in time. A claim is never left held

@@ -2,9 +2,12 @@
 //!
 //! When the connection breaks while `COMMIT` is in flight, the transaction may or may not have
 //! committed, and running the write again would apply it twice if it had. So every locked write
-//! inserts a **commit marker** — a row with a token no other write has — into `freshlock_commit`
-//! in its own transaction, just before `COMMIT`. If the reply is lost, the outcome is resolved on
-//! another connection by inserting the *same* token:
+//! carries **evidence** of its commit ([`Evidence`]), and a lost reply is resolved on another
+//! connection with it.
+//!
+//! **A commit marker** (MySQL/MariaDB; PostgreSQL without `freshlock_incarnation`): a row with a
+//! token no other write has, inserted into `freshlock_commit` in the write's own transaction,
+//! just before `COMMIT`. It is resolved by inserting the *same* token:
 //!
 //! - the insert fails on the key and the row is the writer's → the write committed: report it;
 //! - the insert succeeds → the write did not commit, and now never can (its own insert of the
@@ -15,31 +18,46 @@
 //!   unique-key check waits for the transaction that inserted the same key, on PostgreSQL,
 //!   InnoDB and SQLite alike), so the answer is never read too early.
 //!
-//! If the database does not answer within [`RESOLVE_WITHIN`], the outcome stays unknown and the
-//! caller gets [`Error::CommitUnknown`] — never a second `apply`. A marker is one short INSERT in
-//! the transaction that commits anyway (no extra flush); markers older than [`KEEP_MARKERS`] are
-//! deleted now and then by the writers themselves.
+//! A marker is one short INSERT in the transaction that commits anyway (no extra flush);
+//! markers older than [`KEEP_MARKERS`] are deleted now and then by the writers themselves. A
+//! marker row is durable exactly when the write is: it is in the same transaction, so crash
+//! recovery keeps both or neither. On PostgreSQL it rides in the guarded UPDATE's own statement
+//! (a data-modifying CTE): no round trip, but a second row, index entry and later deletion per
+//! write (6–12 % of a `locked_update`'s rate, BENCHMARKS.md §7).
 //!
-//! On PostgreSQL, `locked_update`'s marker rides in the guarded UPDATE's own statement (a
-//! data-modifying CTE, `WITH freshlock_marker AS (INSERT …) UPDATE …`): no round trip of its
-//! own. The transaction's id (`txid_current()` / `txid_status`) is **not** used as evidence: a
-//! transaction whose WAL never reached disk before a crash leaves no trace of its id, and after
-//! crash recovery the server hands the same id to a new transaction — once that one commits,
-//! `txid_status` says `committed` for a write that never was (measured: 8 of 8 tries after a
-//! `kill -9` of a backend). A marker row is durable exactly when the write is: it is in the
-//! same transaction, so crash recovery keeps both or neither.
+//! **The transaction id within a server incarnation** (PostgreSQL with `freshlock_incarnation`):
+//! `txid_current()`, returned by the guarded UPDATE beside the row (or one `SELECT` before the
+//! commit of a section), resolved by `txid_status` — waiting while the transaction is still in
+//! progress. The id alone is not evidence: a transaction whose WAL never reached disk before a
+//! crash leaves no trace of its id, and after crash recovery the server hands the same id to a
+//! new transaction — once that one commits, `txid_status` says `committed` for a write that never
+//! was (measured: 8 of 8 tries after a `kill -9` of a backend). Ids are given out twice only
+//! across crash recovery (or a failover to a standby), and those empty every `UNLOGGED` table.
+//! So the server's incarnation is the token in `freshlock_incarnation`'s one row, an `UNLOGGED`
+//! table (`schema::IncarnationMigration`): a pool sees the token (`pool::incarnation`) before it
+//! begins the write, hence before the id is given out; the resolution asks `txid_status` in the
+//! same statement that checks the token is still there — then no crash recovery happened since
+//! the id was given out, and the answer is this write's. A token gone means the answer is
+//! unknown: [`Error::CommitUnknown`], never a guess. A write that finds the table empty (new, or
+//! just emptied by crash recovery) carries a marker instead and starts the new incarnation.
+//!
+//! If the database does not answer within [`RESOLVE_WITHIN`], the outcome stays unknown and the
+//! caller gets [`Error::CommitUnknown`] — never a second `apply`.
 //!
 //! Why a token rather than the version column or the lease's fence: both can be moved on by a
 //! later writer (an ABA: version v+1 may be someone else's write from v when ours did not
 //! commit), so they cannot prove that *this* write committed. A token can.
 
 use std::{
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
     sea_query::{ExprTrait, Query},
 };
 use tracing::{info, warn};
@@ -49,8 +67,8 @@ use crate::{
     deadline::within,
     error::{Error, database},
     lock::holder,
-    pool::autocommit,
-    schema::COMMIT_TABLE,
+    pool::{autocommit, forget_incarnation, incarnation, saw_incarnation},
+    schema::{COMMIT_TABLE, INCARNATION_TABLE},
 };
 
 /// How long a lost commit reply is resolved for (the database may be restarting) before the
@@ -118,11 +136,149 @@ impl Marker {
             .map(drop)
     }
 
-    /// After a lost commit reply: whether the write committed, on another connection of `db`.
+    /// One try at resolving a lost reply with this marker, on `db`.
+    async fn try_resolve(&self, db: &DatabaseConnection, target: &str) -> Try {
+        let insert = self.insert(db.get_database_backend(), false);
+        match autocommit(db).execute(&insert).await {
+            Ok(_) => {
+                info!(target, token = %self.token, "lost commit reply: the write did not commit; running it again");
+                Try::Answer(Resolution::Absent)
+            }
+            Err(e) if crate::db_error::is_unique_violation(&e) => {
+                match self.written_by_writer(db).await {
+                    Ok(Some(true)) => {
+                        info!(target, token = %self.token, "lost commit reply: the write committed");
+                        Try::Answer(Resolution::Committed)
+                    }
+                    Ok(Some(false)) => {
+                        info!(target, token = %self.token, "lost commit reply: the write did not commit (found our own resolution)");
+                        Try::Answer(Resolution::Absent)
+                    }
+                    // Gone since the insert failed: only our own resolution's row can be
+                    // swept that soon (a writer's is minutes younger than the sweep's
+                    // cutoff), so try again.
+                    Ok(None) => Try::Again("the marker was swept meanwhile".into()),
+                    Err(e) => Try::Again(Box::new(e)),
+                }
+            }
+            Err(e) if classify(&e).is_transient() => Try::Again(Box::new(e)),
+            Err(e) => Try::Unknown(Box::new(e)),
+        }
+    }
+}
+
+/// The evidence a write's lost commit reply is resolved with (see the module docs).
+#[derive(Debug)]
+pub(crate) enum Evidence {
+    /// A marker row written in the write's transaction.
+    Marker(Marker),
+    /// PostgreSQL with `freshlock_incarnation`: the write's transaction id, and the token of the
+    /// server incarnation that gave it out (read in the same transaction).
+    Xid {
+        /// `txid_current()` of the write's transaction (with its epoch: never wraps).
+        xid: i64,
+        /// The incarnation token seen before the transaction's id was given out.
+        incarnation: Arc<str>,
+    },
+}
+
+/// The transaction's id and the incarnation's token (`NULL` when the table is empty), as
+/// columns `freshlock_xid` and `freshlock_incarnation`. Also the expressions that
+/// `locked_update`'s UPDATE returns beside the row.
+pub(crate) const XID_AND_INCARNATION: [&str; 2] = [
+    "txid_current() AS freshlock_xid",
+    "(SELECT token FROM freshlock_incarnation WHERE id = 1) AS freshlock_incarnation",
+];
+
+impl Evidence {
+    /// Takes the evidence in `txn` (a transaction on `db`), just before its `COMMIT`: on
+    /// PostgreSQL with `freshlock_incarnation`, one SELECT of the transaction's id and the
+    /// incarnation's token, which writes nothing; elsewhere a marker row.
+    ///
+    /// The token a pool knows may have been seen after this transaction got its id (another
+    /// write refreshed it meanwhile). That is still sound: the token was in the table before
+    /// this SELECT, which runs on the transaction's own connection; a crash since the id was
+    /// given out would have ended that connection (so no evidence, no commit), and a crash after
+    /// this SELECT empties the table of the token (so the resolution answers "unknown").
+    pub(crate) async fn take(
+        txn: &DatabaseTransaction,
+        db: &DatabaseConnection,
+    ) -> Result<Self, DbErr> {
+        if let Some(known) = incarnation(db, txn).await.known() {
+            let stamps = &XID_AND_INCARNATION[..if known.is_some() { 1 } else { 2 }];
+            let select = format!("SELECT {}", stamps.join(", "));
+            let row = txn
+                .query_one_raw(Statement::from_string(DbBackend::Postgres, select))
+                .await?
+                .ok_or_else(|| DbErr::Custom("SELECT txid_current() returned no row".into()))?;
+            let (xid, seen) = Self::read(&row, known.is_none())?;
+            return Self::stamped(txn, db, xid, known, seen).await;
+        }
+        let marker = Marker::new();
+        marker.write(txn).await?;
+        Ok(Self::Marker(marker))
+    }
+
+    /// The transaction id and (with `incarnation`) the incarnation token of a row that has
+    /// [`XID_AND_INCARNATION`] (the first of them, without `incarnation`).
+    pub(crate) fn read(
+        row: &sea_orm::QueryResult,
+        incarnation: bool,
+    ) -> Result<(i64, Option<String>), DbErr> {
+        let xid = row.try_get::<i64>("", "freshlock_xid")?;
+        if !incarnation {
+            return Ok((xid, None));
+        }
+        Ok((
+            xid,
+            row.try_get::<Option<String>>("", "freshlock_incarnation")?,
+        ))
+    }
+
+    /// The evidence of a transaction on `db` with id `xid`, begun while the incarnation
+    /// `known` was the server's (see `pool::incarnation`), or (without `known`) that read the
+    /// incarnation `seen` itself. When it saw none (the table was just made, or crash recovery
+    /// emptied it), the transaction id proves nothing: the write gets a marker instead, and
+    /// starts the new incarnation, in `txn`.
+    pub(crate) async fn stamped(
+        txn: &DatabaseTransaction,
+        db: &DatabaseConnection,
+        xid: i64,
+        known: Option<Arc<str>>,
+        seen: Option<String>,
+    ) -> Result<Self, DbErr> {
+        if let Some(incarnation) = known {
+            return Ok(Self::Xid { xid, incarnation });
+        }
+        if let Some(seen) = seen {
+            saw_incarnation(db, &seen);
+            return Ok(Self::Xid {
+                xid,
+                incarnation: seen.into(),
+            });
+        }
+        let marker = Marker::new();
+        marker.write(txn).await?;
+        let token = holder::new_token();
+        info!(%token, "freshlock_incarnation is empty (new, or emptied by crash recovery): starting a new incarnation");
+        txn.execute_raw(Statement::from_sql_and_values(
+            DbBackend::Postgres,
+            format!(
+                "INSERT INTO {INCARNATION_TABLE} (id, token) VALUES (1, $1) ON CONFLICT (id) DO NOTHING"
+            ),
+            [token.into()],
+        ))
+        .await?;
+        Ok(Self::Marker(marker))
+    }
+
+    /// After a lost commit reply: whether the write committed, asked on other connections of
+    /// `db`.
     ///
     /// # Errors
-    /// [`Error::CommitUnknown`] when no answer could be had within [`RESOLVE_WITHIN`].
-    /// Each attempt waits at most `reply` (a resolver's connection can be cut off too): one
+    /// [`Error::CommitUnknown`] when no answer could be had within [`RESOLVE_WITHIN`], or the
+    /// evidence cannot answer (the server recovered from a crash since the write began).
+    /// Each try waits at most `reply` (a resolver's connection can be cut off too): one
     /// without an answer is tried again on another connection, until [`RESOLVE_WITHIN`].
     pub(crate) async fn resolve(
         &self,
@@ -130,49 +286,98 @@ impl Marker {
         target: &str,
         reply: Duration,
     ) -> Result<Resolution, Error> {
-        let backend = db.get_database_backend();
-        let insert = self.insert(backend, false);
-        let pool = db;
-        let db = &autocommit(db);
         let deadline = tokio::time::Instant::now() + RESOLVE_WITHIN;
         let mut delay = Duration::from_millis(20);
         loop {
             let attempt = deadline.min(tokio::time::Instant::now() + reply);
-            let tried = tokio::time::timeout_at(attempt, db.execute(&insert)).await;
+            let tried = match self {
+                Self::Marker(marker) => {
+                    tokio::time::timeout_at(attempt, marker.try_resolve(db, target)).await
+                }
+                Self::Xid { xid, incarnation } => {
+                    let tried = try_resolve_xid(db, target, *xid, incarnation.as_ref());
+                    tokio::time::timeout_at(attempt, tried).await
+                }
+            };
             let error = match tried {
-                Ok(Ok(_)) => {
-                    info!(target, token = %self.token, "lost commit reply: the write did not commit; running it again");
-                    return Ok(Resolution::Absent);
-                }
-                Ok(Err(e)) if crate::db_error::is_unique_violation(&e) => {
-                    match within(reply, self.written_by_writer(pool)).await {
-                        Ok(Some(true)) => {
-                            info!(target, token = %self.token, "lost commit reply: the write committed");
-                            return Ok(Resolution::Committed);
-                        }
-                        Ok(Some(false)) => {
-                            info!(target, token = %self.token, "lost commit reply: the write did not commit (found our own resolution)");
-                            return Ok(Resolution::Absent);
-                        }
-                        // Gone since the insert failed: only our own resolution's row can be
-                        // swept that soon (a writer's is minutes younger than the sweep's
-                        // cutoff), so try again at once.
-                        Ok(None) => continue,
-                        Err(e) => e,
-                    }
-                }
-                Ok(Err(e)) if classify(&e).is_transient() => e,
-                Ok(Err(e)) => return Err(unknown(target, Box::new(e))),
-                Err(_) if attempt < deadline => crate::deadline::no_reply(reply),
+                Ok(Try::Answer(resolution)) => return Ok(resolution),
+                Ok(Try::Again(error)) => error,
+                Ok(Try::Unknown(error)) => return Err(unknown(target, error)),
+                Err(_) if attempt < deadline => Box::new(crate::deadline::no_reply(reply)),
                 Err(_) => return Err(unknown(target, "no answer from the database".into())),
             };
-            warn!(target, %error, "lost commit reply: the database is not answering yet");
+            warn!(target, %error, "lost commit reply: no answer yet");
             if tokio::time::Instant::now() + delay >= deadline {
-                return Err(unknown(target, Box::new(error)));
+                return Err(unknown(target, error));
             }
             tokio::time::sleep(delay).await;
             delay = (delay * 2).min(Duration::from_millis(250));
         }
+    }
+}
+
+/// One try at resolving a lost reply.
+enum Try {
+    /// The outcome.
+    Answer(Resolution),
+    /// No answer yet (the database is not answering, or the transaction is still running).
+    Again(crate::error::BoxError),
+    /// The outcome cannot be known.
+    Unknown(crate::error::BoxError),
+}
+
+/// One try at resolving the commit of transaction `xid`, which saw incarnation `incarnation`:
+/// `txid_status(xid)`, asked only while the incarnation is still the server's (in the same
+/// statement). After crash recovery the incarnation's row is gone, and the id may belong to
+/// another transaction: the outcome is then unknown.
+async fn try_resolve_xid(
+    db: &DatabaseConnection,
+    target: &str,
+    xid: i64,
+    incarnation: &str,
+) -> Try {
+    let select = Statement::from_sql_and_values(
+        DbBackend::Postgres,
+        format!(
+            "SELECT CASE WHEN EXISTS (SELECT 1 FROM {INCARNATION_TABLE} WHERE id = 1 AND token = $1) \
+             THEN txid_status($2) ELSE 'recovered' END AS status"
+        ),
+        [incarnation.into(), xid.into()],
+    );
+    let status = match autocommit(db).query_one_raw(select).await {
+        Ok(row) => row.map(|row| row.try_get::<Option<String>>("", "status")),
+        Err(e) if classify(&e).is_transient() => return Try::Again(Box::new(e)),
+        Err(e) => return Try::Unknown(Box::new(e)),
+    };
+    match status {
+        Some(Ok(Some(status))) => match status.as_str() {
+            "committed" => {
+                info!(target, xid, "lost commit reply: the write committed");
+                Try::Answer(Resolution::Committed)
+            }
+            "aborted" => {
+                info!(
+                    target,
+                    xid, "lost commit reply: the write did not commit; running it again"
+                );
+                Try::Answer(Resolution::Absent)
+            }
+            "in progress" => Try::Again(format!("transaction {xid} is still in progress").into()),
+            "recovered" => {
+                forget_incarnation(db);
+                Try::Unknown(
+                "the server recovered from a crash since the write began: its transaction id may \
+                 have been given to another transaction"
+                    .into(),
+                )
+            }
+            other => Try::Unknown(format!("txid_status answered {other:?}").into()),
+        },
+        Some(Ok(None)) => {
+            Try::Unknown(format!("transaction {xid} is too old to be looked up").into())
+        }
+        Some(Err(e)) => Try::Unknown(Box::new(e)),
+        None => Try::Unknown("the resolution returned no row".into()),
     }
 }
 
@@ -213,14 +418,14 @@ fn unknown(target: &str, source: crate::error::BoxError) -> Error {
     }
 }
 
-/// Commits the transaction of a write. With `markers`, it first writes a commit marker, so a
-/// lost reply is resolved (see the module docs); without, a lost reply is
-/// [`Error::CommitUnknown`].
+/// Commits the transaction of a write. With `markers`, it first takes the evidence of its commit
+/// ([`Evidence::take`]: the transaction id on PostgreSQL, a commit marker elsewhere), so a lost
+/// reply is resolved (see the module docs); without, a lost reply is [`Error::CommitUnknown`].
 ///
 /// Each round trip waits at most `reply` (see `deadline.rs`).
 ///
 /// # Errors
-/// As [`commit`]; [`Error::Database`] when the marker cannot be written (rolled back, nothing
+/// As [`commit`]; [`Error::Database`] when the evidence cannot be taken (rolled back, nothing
 /// committed — a missing `freshlock_commit` table means freshlock's migrations were not run).
 pub(crate) async fn commit_write(
     txn: DatabaseTransaction,
@@ -234,12 +439,14 @@ pub(crate) async fn commit_write(
             .await
             .map_err(|e| write_error("committing", target, e));
     }
-    let marker = Marker::new();
-    if let Err(e) = within(reply, marker.write(&txn)).await {
-        rollback(txn, reply).await;
-        return Err(database("marking the commit of", &target, e));
-    }
-    commit(txn, &marker, db, target, reply).await
+    let evidence = match within(reply, Evidence::take(&txn, db)).await {
+        Ok(evidence) => evidence,
+        Err(e) => {
+            rollback(txn, reply).await;
+            return Err(database("marking the commit of", &target, e));
+        }
+    };
+    commit(txn, &evidence, db, target, reply).await
 }
 
 /// Rolls `txn` back, waiting at most `reply` (a connection whose reply does not come is dropped,
@@ -251,9 +458,9 @@ pub(crate) async fn rollback(txn: DatabaseTransaction, reply: Duration) {
     }
 }
 
-/// Commits `txn` (which holds `marker`): `Ok` when it committed — also when the reply was lost
-/// and the marker shows the commit happened. For writes that put the marker in the transaction
-/// themselves (on PostgreSQL, in the guarded UPDATE's own statement: one round trip less).
+/// Commits `txn` (which holds `evidence`): `Ok` when it committed — also when the reply was lost
+/// and the evidence shows the commit happened. For writes that take the evidence themselves (on
+/// PostgreSQL, in the guarded UPDATE's own statement: one round trip less).
 ///
 /// # Errors
 /// - A transient [`Error::Database`] when the commit provably did not happen (run the write
@@ -261,7 +468,7 @@ pub(crate) async fn rollback(txn: DatabaseTransaction, reply: Duration) {
 /// - [`Error::CommitUnknown`] when the outcome cannot be resolved.
 pub(crate) async fn commit(
     txn: DatabaseTransaction,
-    marker: &Marker,
+    evidence: &Evidence,
     db: &DatabaseConnection,
     target: &str,
     reply: Duration,
@@ -269,14 +476,16 @@ pub(crate) async fn commit(
     // A reply that does not come within `reply` is a lost one (see `deadline.rs`).
     let lost = match within(reply, txn.commit()).await {
         Ok(()) => {
-            sweep(db, marker).await;
+            if let Evidence::Marker(marker) = evidence {
+                sweep(db, marker).await;
+            }
             return Ok(());
         }
         Err(e) if in_doubt(&e) => e,
         Err(e) => return Err(database("committing", &target, e)),
     };
     warn!(target, error = %lost, "the commit's reply was lost: resolving on another connection");
-    match marker.resolve(db, target, reply).await? {
+    match evidence.resolve(db, target, reply).await? {
         Resolution::Committed => Ok(()),
         // The lost connection, as it is: transient, so the write runs again.
         Resolution::Absent => Err(database("committing", &target, lost)),

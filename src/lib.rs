@@ -45,7 +45,8 @@
 //!   backend), found by the object's identity and held weakly.
 //! - `transaction_pooler.rs` — `transaction_pooler` (feature `postgres`): PgBouncer in
 //!   transaction mode.
-//! - `commit.rs` — commit markers: a commit whose reply was lost is resolved, never run twice.
+//! - `commit.rs` — commit evidence (markers; PostgreSQL's transaction id within a server
+//!   incarnation): a commit whose reply was lost is resolved, never run twice.
 //! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
 //! - `deadline.rs` — every round trip of a locked write has a deadline (a reply that never
 //!   comes reads as a lost connection).

@@ -19,17 +19,14 @@ use std::{
     time::Duration,
 };
 
-use sea_orm::{
-    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IdenStatic,
-    IntoActiveModel, ModelTrait,
-};
+use sea_orm::{DatabaseTransaction, DbErr, EntityTrait, IdenStatic, IntoActiveModel, ModelTrait};
 use tokio::sync::mpsc;
 use tracing::{Instrument, debug, field, info_span};
 
 pub(crate) use crate::decision::{Decision, Written};
 use crate::{
     combine::{self, Batch, Call, Followed, RoomKey, Seat, Served},
-    commit::{self, Marker},
+    commit,
     deadline::within,
     detach::Detachable,
     engine::{self, End, Retries, Tried, finish},
@@ -405,26 +402,19 @@ where
                 column: version.map_or("", |c| c.as_str()),
             });
         };
-        // The evidence a lost commit reply is resolved with: a marker row with a token of this
-        // write's own (see `commit.rs`). On PostgreSQL it rides in the UPDATE's own statement;
-        // elsewhere it is one INSERT first.
-        let marker = self.session.commit_markers().then(Marker::new);
-        let backend = txn.get_database_backend();
-        let reply = self.reply();
-        let update = || write::update_returning::<E, _>(&txn, &original, &changes, &expected);
-        let written = match &marker {
-            Some(marker) if backend == DbBackend::Postgres => {
-                let insert = marker.insert(backend, true);
-                let update = write::update_returning_marked::<E, _>(
-                    &txn, &original, &changes, &expected, insert,
-                );
-                within(reply, update).await
+        // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
+        // statement where the database allows (see `commit.rs`).
+        let (db, reply) = (self.session.connection(), self.reply());
+        let markers = self.session.commit_markers();
+        let update = write::update_with_evidence::<E>(
+            &txn, db, markers, &original, &changes, &expected, reply,
+        );
+        let (written, evidence) = match update.await {
+            Ok((written, evidence)) => (Ok(written), evidence),
+            Err((write::Step::Evidence, e)) => {
+                return Err(self.rolled_back(txn, "marking the commit of", e).await);
             }
-            Some(marker) => match within(reply, marker.write(&txn)).await {
-                Ok(()) => within(reply, update()).await,
-                Err(e) => return Err(self.rolled_back(txn, "marking the commit of", e).await),
-            },
-            None => within(reply, update()).await,
+            Err((write::Step::Update, e)) => (Err(e), None),
         };
         let stored = match written {
             Ok(Some(stored)) => stored,
@@ -449,9 +439,9 @@ where
                 }
             },
         };
-        let (db, target) = (self.session.connection(), self.row.name.as_str());
-        let committed = match &marker {
-            Some(marker) => commit::commit(txn, marker, db, target, reply).await,
+        let target = self.row.name.as_str();
+        let committed = match &evidence {
+            Some(evidence) => commit::commit(txn, evidence, db, target, reply).await,
             None => commit::commit_write(txn, false, db, target, reply).await,
         };
         if committed.is_ok() {

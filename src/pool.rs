@@ -6,9 +6,10 @@
 use std::{
     any::Any,
     sync::{
-        Arc, OnceLock,
+        Arc, Mutex, OnceLock,
         atomic::{AtomicBool, Ordering},
     },
+    time::{Duration, Instant},
 };
 
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
@@ -25,6 +26,10 @@ use crate::registry::Registry;
 pub(crate) struct PoolState {
     /// Whether the pool's transactions run at READ COMMITTED by default, once read.
     read_committed: OnceLock<bool>,
+    /// Whether the database has `freshlock_incarnation` (PostgreSQL), once read.
+    incarnation_table: OnceLock<bool>,
+    /// The server incarnation's token as last seen in `freshlock_incarnation`, and when.
+    incarnation: Mutex<Option<(Arc<str>, Instant)>>,
     /// Declared to run behind a transaction pooler (see `crate::transaction_pooler`).
     pooled: AtomicBool,
     /// Commit combining's rooms on this pool (see `combine.rs`), made on first use.
@@ -97,6 +102,125 @@ pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
         level.eq_ignore_ascii_case("read committed") || level.eq_ignore_ascii_case("READ-COMMITTED")
     });
     *state.read_committed.get_or_init(|| answer)
+}
+
+/// How long a seen incarnation token is used without looking again: a write within this of the
+/// last look returns only its transaction id; the first one after it also reads the token (see
+/// [`incarnation`]).
+pub(crate) const INCARNATION_FRESH: Duration = Duration::from_secs(1);
+
+/// What a PostgreSQL write on a pool knows of the server's incarnation (see `commit.rs`).
+#[derive(Debug)]
+pub(crate) enum Incarnation {
+    /// Not PostgreSQL, no `freshlock_incarnation` table, or not a sqlx pool: commit markers.
+    Unsupported,
+    /// The token was seen within [`INCARNATION_FRESH`]: the write need not read it.
+    Known(Arc<str>),
+    /// Not seen lately: the write reads it in its own statement.
+    Unseen,
+}
+
+impl Incarnation {
+    /// `None` when unsupported; else the token when it is known.
+    pub(crate) fn known(self) -> Option<Option<Arc<str>>> {
+        match self {
+            Self::Unsupported => None,
+            Self::Known(token) => Some(Some(token)),
+            Self::Unseen => Some(None),
+        }
+    }
+}
+
+/// What `db`'s pool knows of the server incarnation (see [`Incarnation`]). `on` is where to
+/// ask the first time: the write's own transaction, never another connection of the pool (a
+/// pool whose every connection is in a write that waits for one more would wait for good).
+///
+/// Whether the database has `freshlock_incarnation` ([`crate::schema::IncarnationMigration`])
+/// is read once per pool: `Unsupported` while the database cannot be asked (asked again next
+/// time), and for good when the table is missing — such a pool keeps writing commit markers
+/// until the process restarts, so run the migrations before the first write.
+///
+/// Why a token seen earlier (not in the write's own transaction) is evidence enough: the
+/// write's transaction id is given out after the token was seen, so after its row was
+/// created. While the row is still there no crash recovery has happened since (it would have
+/// emptied the table; tokens are never used again), so neither since the id was given out:
+/// `txid_status` speaks of this write. A token gone stale by a crash only makes a resolution
+/// answer "unknown"; the stale token is forgotten then ([`forget_incarnation`]), and within
+/// [`INCARNATION_FRESH`] anyway.
+pub(crate) async fn incarnation(db: &DatabaseConnection, on: &impl ConnectionTrait) -> Incarnation {
+    let backend = db.get_database_backend();
+    if backend != DbBackend::Postgres {
+        return Incarnation::Unsupported;
+    }
+    let Some(state) = state(db) else {
+        return Incarnation::Unsupported;
+    };
+    if !has_incarnation_table(on, &state).await {
+        return Incarnation::Unsupported;
+    }
+    let seen = state
+        .incarnation
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    match &*seen {
+        Some((token, at)) if at.elapsed() < INCARNATION_FRESH => {
+            Incarnation::Known(Arc::clone(token))
+        }
+        _ => Incarnation::Unseen,
+    }
+}
+
+/// Remembers that `token` is the server incarnation now (read from `freshlock_incarnation`).
+pub(crate) fn saw_incarnation(db: &DatabaseConnection, token: &str) {
+    if let Some(state) = state(db) {
+        let mut seen = state
+            .incarnation
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        match &mut *seen {
+            Some((known, at)) if **known == *token => *at = Instant::now(),
+            _ => *seen = Some((Arc::from(token), Instant::now())),
+        }
+    }
+}
+
+/// Forgets the incarnation token: it was found gone (the server recovered from a crash).
+pub(crate) fn forget_incarnation(db: &DatabaseConnection) {
+    if let Some(state) = state(db) {
+        *state
+            .incarnation
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = None;
+    }
+}
+
+/// Whether the database (PostgreSQL, whose pool's state is `state`) has `freshlock_incarnation`:
+/// asked on `on` once per pool.
+async fn has_incarnation_table(on: &impl ConnectionTrait, state: &PoolState) -> bool {
+    if let Some(answer) = state.incarnation_table.get() {
+        return *answer;
+    }
+    let query = format!(
+        "SELECT to_regclass('{}') IS NOT NULL AS present",
+        crate::schema::INCARNATION_TABLE
+    );
+    let answer = match on
+        .query_one_raw(Statement::from_string(DbBackend::Postgres, query))
+        .await
+    {
+        Ok(row) => row.is_some_and(|row| row.try_get::<bool>("", "present").unwrap_or(false)),
+        Err(error) => {
+            debug!(%error, "looking for freshlock_incarnation failed; writing commit markers");
+            return false;
+        }
+    };
+    if !answer {
+        tracing::warn!(
+            "freshlock_incarnation is missing (freshlock::schema::IncarnationMigration): \
+             locked writes on this pool write commit markers, which cost more"
+        );
+    }
+    *state.incarnation_table.get_or_init(|| answer)
 }
 
 /// Whether any pool of this process was declared to run behind a transaction pooler: until one

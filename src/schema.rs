@@ -12,6 +12,10 @@
 //!   [`RowLock`](crate::RowLock) backend (the Django report's `HamLock`).
 //! - `freshlock_commit` — commit markers: one row per recent locked write, so that a commit whose
 //!   reply was lost can be resolved instead of run twice ([`CommitMigration`]).
+//! - `freshlock_incarnation` — PostgreSQL only, an `UNLOGGED` table of one row: the token of the
+//!   server's current incarnation. Crash recovery empties unlogged tables, so the row's token
+//!   changes exactly when transaction ids may have been handed out twice; with it, a write's
+//!   transaction id is evidence of its commit ([`IncarnationMigration`], `commit.rs`).
 //!
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
@@ -31,6 +35,8 @@ pub const ROW_LOCK_TABLE: &str = "freshlock_row_lock";
 pub const CLAIM_TABLE: &str = "freshlock_claim";
 /// The name of the commit-marker table (see [`CommitMigration`]).
 pub const COMMIT_TABLE: &str = "freshlock_commit";
+/// The name of PostgreSQL's server-incarnation table (see [`IncarnationMigration`]).
+pub const INCARNATION_TABLE: &str = "freshlock_incarnation";
 /// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
 pub(crate) const FLOOR_NAME: &str = "";
 /// The name of the migration that creates them, as it appears in `seaql_migrations`.
@@ -316,6 +322,56 @@ pub(crate) async fn insert_floor(db: &impl ConnectionTrait) -> Result<(), DbErr>
         .map(drop)
 }
 
+/// The name of the migration that adds PostgreSQL's server-incarnation table.
+pub const INCARNATION_MIGRATION_NAME: &str = "m20261201_000500_freshlock_incarnation";
+
+/// On PostgreSQL, the migration that creates `freshlock_incarnation`: an `UNLOGGED` table that
+/// holds one row, the token of the server's current incarnation (written by the first locked
+/// write that finds it empty). PostgreSQL empties unlogged tables in crash recovery (and a
+/// promoted standby starts with them empty), which are exactly the events after which a
+/// transaction id can be handed out a second time. A write whose transaction saw token `t` and
+/// got id `x` is therefore resolved by `txid_status(x)` only while `t` is still the row's token;
+/// afterwards its outcome is unknown, never guessed. With this table a PostgreSQL write needs
+/// no marker row (see `freshlock::commit` in the crate's source); without it, writes keep
+/// writing markers. Nothing on MySQL/MariaDB and SQLite.
+pub struct IncarnationMigration;
+
+impl MigrationName for IncarnationMigration {
+    fn name(&self) -> &str {
+        INCARNATION_MIGRATION_NAME
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for IncarnationMigration {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        create_incarnation_table(manager.get_connection()).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        let db = manager.get_connection();
+        if db.get_database_backend() != sea_orm::DbBackend::Postgres {
+            return Ok(());
+        }
+        db.execute_unprepared(&format!("DROP TABLE IF EXISTS {INCARNATION_TABLE}"))
+            .await
+            .map(drop)
+    }
+}
+
+/// `CREATE UNLOGGED TABLE IF NOT EXISTS freshlock_incarnation` on PostgreSQL; nothing elsewhere.
+async fn create_incarnation_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+    if db.get_database_backend() != sea_orm::DbBackend::Postgres {
+        return Ok(());
+    }
+    db.execute_unprepared(&format!(
+        "CREATE UNLOGGED TABLE IF NOT EXISTS {INCARNATION_TABLE} \
+         (id INTEGER PRIMARY KEY CHECK (id = 1), token VARCHAR(64) NOT NULL)"
+    ))
+    .await
+    .map(drop)
+}
+
 /// All of freshlock's migrations, oldest first: append them to your `Migrator`'s list.
 pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
     vec![
@@ -323,6 +379,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(ClaimMigration),
         Box::new(CommitMigration),
         Box::new(FloorMigration),
+        Box::new(IncarnationMigration),
     ]
 }
 
@@ -337,7 +394,8 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&claim_table()).await?;
     db.execute(&commit_table()).await?;
     exact_names(db).await?;
-    insert_floor(db).await
+    insert_floor(db).await?;
+    create_incarnation_table(db).await
 }
 
 /// `INSERT … ` that does nothing when the key exists.

@@ -58,8 +58,8 @@ impl Session {
     /// Runs `work` in one short transaction under the lock `lock` (for example
     /// [`crate::lock_name::<ham::Entity>(ham_id)`](crate::lock_name)): take the lock under the
     /// session's policy → begin (`BEGIN IMMEDIATE` / `READ COMMITTED`; transaction-scoped
-    /// backends lock in it) → `work(&tx)` → check the lease's fence → commit (with a commit
-    /// marker) → apply the section's writes to the cache → release. For work that is not a
+    /// backends lock in it) → `work(&tx)` → check the lease's fence → commit (with its commit
+    /// evidence) → apply the section's writes to the cache → release. For work that is not a
     /// single-row update; keep heavy work outside.
     ///
     /// `work` gets the section's [`Tx`]: a sea-orm connection, and [`Tx::repository`] for

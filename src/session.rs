@@ -137,7 +137,7 @@ impl Session {
         self.inner.optimistic_first
     }
 
-    /// Whether locked writes write a commit marker (see [`SessionBuilder::commit_markers`]).
+    /// Whether locked writes carry commit evidence (see [`SessionBuilder::commit_markers`]).
     pub(crate) fn combine_commits(&self) -> bool {
         self.inner.combine_commits
     }
@@ -202,17 +202,21 @@ impl SessionBuilder {
     }
 
     /// Whether locked writes (`locked_update`, `locked_delete`, `get_or_insert`,
-    /// `update_or_insert`, [`Session::with_lock`]) insert a commit marker into `freshlock_commit`
-    /// in their transaction, so that a commit whose reply was lost (the connection broke while
-    /// `COMMIT` was in flight) is resolved on another connection: reported as done if it
-    /// committed, run again only if it provably did not. Without markers such a write returns
-    /// [`crate::Error::CommitUnknown`] and is never run again. On PostgreSQL an update by
-    /// `locked_update` / `update_or_insert` writes its marker in the UPDATE's own statement (a
-    /// data-modifying CTE), so it costs no round trip. The marker is a row, not the transaction's
-    /// id: an id can be handed out again after a crash, a committed row cannot vanish.
+    /// `update_or_insert`, [`Session::with_lock`]) carry evidence of their commit, so that a
+    /// commit whose reply was lost (the connection broke while `COMMIT` was in flight) is
+    /// resolved on another connection: reported as done if it committed, run again only if it
+    /// provably did not. Without it such a write returns [`crate::Error::CommitUnknown`] and is
+    /// never run again. The evidence is a commit marker (a row in `freshlock_commit`, written in
+    /// the write's transaction) on MySQL/MariaDB; on PostgreSQL it is the transaction's id
+    /// within the server's incarnation ([`crate::schema::IncarnationMigration`]), returned by
+    /// `locked_update`'s own UPDATE: nothing written, no round trip. An id alone is not enough
+    /// (one can be handed out again after a crash): a write whose server recovered from a crash
+    /// before its lost reply was resolved returns [`crate::Error::CommitUnknown`]. See the
+    /// README's *Guarantees*.
     ///
-    /// Default: on for PostgreSQL and MySQL/MariaDB (needs
-    /// [`crate::schema::CommitMigration`], part of [`crate::schema::migrations`]), off for
+    /// Default: on for PostgreSQL and MySQL/MariaDB (needs [`crate::schema::CommitMigration`]
+    /// and, on PostgreSQL, [`crate::schema::IncarnationMigration`] — without it markers are
+    /// written there too; both are part of [`crate::schema::migrations`]), off for
     /// SQLite, whose commits do not cross a network.
     pub fn commit_markers(mut self, on: bool) -> Self {
         self.commit_markers = Some(on);

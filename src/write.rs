@@ -1,18 +1,26 @@
 //! The write primitives every write path shares: which columns changed, what the UPDATE checks,
 //! the guarded UPDATE that returns the row as the database stores it, and sea-orm's hooks.
 //!
-//! This module sits below the repository, the locked driver and sections: it knows entities and
-//! SQL, nothing of sessions, caches or locks.
+//! This module sits below the repository, the locked driver and sections: it knows entities,
+//! SQL and the commit's evidence (`commit.rs`), nothing of sessions, caches or locks.
+
+use std::time::Duration;
 
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
-    DbErr, EntityTrait, FromQueryResult, IdenStatic, IntoActiveModel, Iterable, ModelTrait,
-    PrimaryKeyToColumn, QueryFilter, QueryTrait, Value,
-    sea_query::{Alias, CommonTableExpression, InsertStatement, Query, ValueTuple, WithClause},
+    DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, EntityTrait, FromQueryResult,
+    IdenStatic, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryTrait,
+    Value,
+    sea_query::{
+        Alias, CommonTableExpression, Expr, InsertStatement, Query, ValueTuple, WithClause,
+    },
 };
 
 use crate::{
+    commit::{Evidence, Marker},
+    deadline::within,
     error::Error,
+    pool,
     row::{Row, select_by_key},
 };
 
@@ -134,17 +142,107 @@ where
     }
 }
 
-/// [`update_returning`] on PostgreSQL with `marker` (an INSERT, the write's commit marker) run
-/// by the same statement, as a data-modifying CTE: `WITH freshlock_marker AS (INSERT …) UPDATE …
-/// RETURNING …`. The marker is then in the transaction without a round trip of its own. The CTE
-/// runs whether or not the UPDATE matches a row; a refused write rolls back, marker and all.
-pub(crate) async fn update_returning_marked<E, C>(
+/// Which step of [`update_with_evidence`] failed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Step {
+    /// Taking the commit evidence (a marker's INSERT, the new incarnation's).
+    Evidence,
+    /// The guarded UPDATE.
+    Update,
+}
+
+/// The guarded UPDATE of a locked write (as [`update_returning`]), with the evidence of its
+/// commit when `markers` asks for it, taken in the fewest round trips the database allows (see
+/// `commit.rs`): on PostgreSQL the UPDATE returns its transaction id (and the server
+/// incarnation's token when the pool has not seen it lately), or writes a marker in its own
+/// statement without `freshlock_incarnation`; elsewhere a marker's INSERT goes first. Each round
+/// trip waits at most `reply`.
+///
+/// # Errors
+/// The failed step and its error; the transaction is to be rolled back.
+pub(crate) async fn update_with_evidence<E>(
+    txn: &DatabaseTransaction,
+    db: &DatabaseConnection,
+    markers: bool,
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+    reply: Duration,
+) -> Result<(Option<E::Model>, Option<Evidence>), (Step, DbErr)>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    let update = || {
+        within(
+            reply,
+            update_returning::<E, _>(txn, original, changes, expected),
+        )
+    };
+    let stamped = |stamp| {
+        let update = update_returning_stamped::<E, _>(txn, original, changes, expected, stamp);
+        within(reply, update)
+    };
+    fn updated<T>(row: Result<T, DbErr>) -> Result<T, (Step, DbErr)> {
+        row.map_err(|e| (Step::Update, e))
+    }
+    if !markers {
+        return Ok((updated(update().await)?, None));
+    }
+    if txn.get_database_backend() != DbBackend::Postgres {
+        let marker = Marker::new();
+        within(reply, marker.write(txn))
+            .await
+            .map_err(|e| (Step::Evidence, e))?;
+        return Ok((updated(update().await)?, Some(Evidence::Marker(marker))));
+    }
+    let Some(known) = pool::incarnation(db, txn).await.known() else {
+        let marker = Marker::new();
+        let insert = Box::new(marker.insert(DbBackend::Postgres, true));
+        let stored = stamped(Stamp::Marker(insert)).await;
+        let stored = updated(stored.map(|row| row.map(|(stored, _)| stored)))?;
+        return Ok((stored, Some(Evidence::Marker(marker))));
+    };
+    let incarnation = known.is_none();
+    match updated(stamped(Stamp::Xid { incarnation }).await)? {
+        Some((stored, Some((xid, seen)))) => {
+            let evidence = within(reply, Evidence::stamped(txn, db, xid, known, seen))
+                .await
+                .map_err(|e| (Step::Evidence, e))?;
+            Ok((Some(stored), Some(evidence)))
+        }
+        Some((stored, None)) => Ok((Some(stored), None)),
+        None => Ok((None, None)),
+    }
+}
+
+/// What [`update_returning_stamped`] carries besides the row (see `commit.rs`).
+pub(crate) enum Stamp {
+    /// An INSERT, the write's commit marker, run by the same statement as a data-modifying
+    /// CTE: `WITH freshlock_marker AS (INSERT …) UPDATE … RETURNING …`. The CTE runs whether
+    /// or not the UPDATE matches a row; a refused write rolls back, marker and all.
+    Marker(Box<InsertStatement>),
+    /// The transaction's id returned beside the row (`RETURNING …, txid_current()`), and with
+    /// `incarnation` the server incarnation's token too (`(SELECT token FROM
+    /// freshlock_incarnation …)`, a second table read by the statement): nothing more is
+    /// written.
+    Xid {
+        /// Whether the statement also reads the incarnation's token.
+        incarnation: bool,
+    },
+}
+
+/// [`update_returning`] on PostgreSQL, with the write's evidence of commit taken by the same
+/// statement (`stamp`): no round trip of its own. Returns the stored row, and with
+/// [`Stamp::Xid`] the transaction's id and, when asked for, the incarnation token (`None` when
+/// not asked for or the table is empty).
+pub(crate) async fn update_returning_stamped<E, C>(
     db: &C,
     original: &E::Model,
     changes: &[ColumnValue<E>],
     expected: &[ColumnValue<E>],
-    marker: InsertStatement,
-) -> Result<Option<E::Model>, DbErr>
+    stamp: Stamp,
+) -> Result<Option<(E::Model, Option<(i64, Option<String>)>)>, DbErr>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
@@ -154,16 +252,32 @@ where
     let mut query = guarded_update::<E>(original, changes, expected)?.into_query();
     // As sea-orm's own `exec` returns the row: each column as it selects it.
     let columns = E::Column::iter().map(|c| c.select_as(c.into_returning_expr(backend)));
-    query.returning(Query::returning().exprs(columns));
-    let cte = CommonTableExpression::new()
-        .table_name(Alias::new("freshlock_marker"))
-        .query(marker)
-        .to_owned();
-    let query = query.with(WithClause::new().cte(cte).to_owned());
-    let Some(row) = db.query_one(&query).await? else {
+    let (row, xid) = match stamp {
+        Stamp::Marker(marker) => {
+            query.returning(Query::returning().exprs(columns));
+            let cte = CommonTableExpression::new()
+                .table_name(Alias::new("freshlock_marker"))
+                .query(*marker)
+                .to_owned();
+            let query = query.with(WithClause::new().cte(cte).to_owned());
+            (db.query_one(&query).await?, None)
+        }
+        Stamp::Xid { incarnation } => {
+            let stamps = &crate::commit::XID_AND_INCARNATION[..if incarnation { 2 } else { 1 }];
+            let stamps = stamps.iter().map(|stamp| Expr::cust(*stamp));
+            query.returning(Query::returning().exprs(columns.chain(stamps)));
+            (db.query_one(&query).await?, Some(incarnation))
+        }
+    };
+    let Some(row) = row else {
         return Ok(None);
     };
-    Ok(Some(E::Model::from_query_result(&row, "")?))
+    let model = E::Model::from_query_result(&row, "")?;
+    let xid = match xid {
+        Some(incarnation) => Some(crate::commit::Evidence::read(&row, incarnation)?),
+        None => None,
+    };
+    Ok(Some((model, xid)))
 }
 
 /// The guarded UPDATE of `original`'s row, as sea-orm builds it.

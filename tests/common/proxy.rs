@@ -127,9 +127,10 @@ impl Proxy {
         self.counters.every.store(n, Ordering::SeqCst);
     }
 
-    /// Cuts after the next matching message only.
+    /// Cuts after the next matching message only (then no more, until called again).
     pub fn cut_once(&self) {
-        self.counters.limit.store(1, Ordering::SeqCst);
+        let cuts = self.counters.cuts.load(Ordering::SeqCst);
+        self.counters.limit.store(cuts + 1, Ordering::SeqCst);
         self.cut_every(1);
     }
 
