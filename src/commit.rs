@@ -37,9 +37,11 @@
 //! table (`schema::IncarnationMigration`): a pool sees the token (`pool::incarnation`) before it
 //! begins the write, hence before the id is given out; the resolution asks `txid_status` in the
 //! same statement that checks the token is still there — then no crash recovery happened since
-//! the id was given out, and the answer is this write's. A token gone means the answer is
-//! unknown: [`Error::CommitUnknown`], never a guess. A write that finds the table empty (new, or
-//! just emptied by crash recovery) carries a marker instead and starts the new incarnation.
+//! the id was given out, and the answer is this write's. With the token gone only `committed`
+//! is ambiguous (the id may be another transaction's): [`Error::CommitUnknown`], never a guess;
+//! `aborted` or an id "in the future" still prove the write absent (see `try_resolve_xid`). A
+//! write that finds the table empty (new, or just emptied by crash recovery) carries a marker
+//! instead and starts the new incarnation.
 //!
 //! If the database does not answer within [`RESOLVE_WITHIN`], the outcome stays unknown and the
 //! caller gets [`Error::CommitUnknown`] — never a second `apply`.
@@ -326,10 +328,19 @@ enum Try {
     Unknown(crate::error::BoxError),
 }
 
-/// One try at resolving the commit of transaction `xid`, which saw incarnation `incarnation`:
-/// `txid_status(xid)`, asked only while the incarnation is still the server's (in the same
-/// statement). After crash recovery the incarnation's row is gone, and the id may belong to
-/// another transaction: the outcome is then unknown.
+/// One try at resolving the commit of transaction `xid`, begun while `incarnation` was the
+/// server's: `txid_status(xid)` and whether the incarnation still is, in one statement.
+///
+/// - Same incarnation: no crash recovery since the id was given out, so the status is this
+///   write's: `committed`, `aborted` (run it again), `in progress` (ask again).
+/// - Incarnation gone (crash recovery, a promoted standby, or the table emptied by hand): the id
+///   may have been given out again. Only `committed` is then ambiguous (this write's durable
+///   commit, or another transaction's) → unknown. Every other answer proves this write is not
+///   committed here and never will be: a durable commit of it would be in the WAL, and replaying
+///   it keeps the id taken and its status `committed`; its session did not survive a crash.
+///   So `aborted` → absent, and an id "in the future" (not given out since recovery) → absent.
+///   `in progress` there is another transaction's, or (table emptied by hand, no crash) maybe
+///   this one's → unknown, not waited for.
 async fn try_resolve_xid(
     db: &DatabaseConnection,
     target: &str,
@@ -339,45 +350,61 @@ async fn try_resolve_xid(
     let select = Statement::from_sql_and_values(
         DbBackend::Postgres,
         format!(
-            "SELECT CASE WHEN EXISTS (SELECT 1 FROM {INCARNATION_TABLE} WHERE id = 1 AND token = $1) \
-             THEN txid_status($2) ELSE 'recovered' END AS status"
+            "SELECT EXISTS (SELECT 1 FROM {INCARNATION_TABLE} WHERE id = 1 AND token = $1) AS same, \
+             txid_status($2) AS status"
         ),
         [incarnation.into(), xid.into()],
     );
-    let status = match autocommit(db).query_one_raw(select).await {
-        Ok(row) => row.map(|row| row.try_get::<Option<String>>("", "status")),
+    let row = match autocommit(db).query_one_raw(select).await {
+        Ok(Some(row)) => row,
+        Ok(None) => return Try::Unknown("the resolution returned no row".into()),
+        Err(e) if crate::db_error::is_future_xid(&e) => {
+            forget_incarnation(db);
+            info!(
+                target,
+                xid,
+                "lost commit reply: the server recovered and never gave out the write's \
+                 transaction id again: it did not commit; running it again"
+            );
+            return Try::Answer(Resolution::Absent);
+        }
         Err(e) if classify(&e).is_transient() => return Try::Again(Box::new(e)),
         Err(e) => return Try::Unknown(Box::new(e)),
     };
-    match status {
-        Some(Ok(Some(status))) => match status.as_str() {
-            "committed" => {
-                info!(target, xid, "lost commit reply: the write committed");
-                Try::Answer(Resolution::Committed)
-            }
-            "aborted" => {
-                info!(
-                    target,
-                    xid, "lost commit reply: the write did not commit; running it again"
-                );
-                Try::Answer(Resolution::Absent)
-            }
-            "in progress" => Try::Again(format!("transaction {xid} is still in progress").into()),
-            "recovered" => {
-                forget_incarnation(db);
-                Try::Unknown(
-                "the server recovered from a crash since the write began: its transaction id may \
-                 have been given to another transaction"
-                    .into(),
-                )
-            }
-            other => Try::Unknown(format!("txid_status answered {other:?}").into()),
-        },
-        Some(Ok(None)) => {
-            Try::Unknown(format!("transaction {xid} is too old to be looked up").into())
+    let answer = row
+        .try_get::<bool>("", "same")
+        .and_then(|same| Ok((same, row.try_get::<Option<String>>("", "status")?)));
+    let (same, status) = match answer {
+        Ok(answer) => answer,
+        Err(e) => return Try::Unknown(Box::new(e)),
+    };
+    if !same {
+        forget_incarnation(db);
+    }
+    match (same, status.as_deref()) {
+        (true, Some("committed")) => {
+            info!(target, xid, "lost commit reply: the write committed");
+            Try::Answer(Resolution::Committed)
         }
-        Some(Err(e)) => Try::Unknown(Box::new(e)),
-        None => Try::Unknown("the resolution returned no row".into()),
+        (_, Some("aborted")) => {
+            info!(
+                target,
+                xid,
+                same_incarnation = same,
+                "lost commit reply: the write did not commit; running it again"
+            );
+            Try::Answer(Resolution::Absent)
+        }
+        (true, Some("in progress")) => {
+            Try::Again(format!("transaction {xid} is still in progress").into())
+        }
+        (false, Some("committed" | "in progress")) => Try::Unknown(
+            "the server recovered from a crash since the write began, and its transaction id \
+             may have been given to another transaction"
+                .into(),
+        ),
+        (_, None) => Try::Unknown(format!("transaction {xid} is too old to be looked up").into()),
+        (_, Some(other)) => Try::Unknown(format!("txid_status answered {other:?}").into()),
     }
 }
 

@@ -100,6 +100,18 @@ pub(crate) fn in_doubt(err: &DbErr) -> bool {
     classify(err) == Failure::ConnectionLost
 }
 
+/// Whether `err` is PostgreSQL's "transaction ID … is in the future" (`txid_status` of an id the
+/// server has not given out: after crash recovery, one whose assignment never reached the WAL).
+pub(crate) fn is_future_xid(err: &DbErr) -> bool {
+    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
+    else {
+        return false;
+    };
+    e.as_database_error().is_some_and(|db| {
+        db.code().as_deref() == Some("22023") && db.message().contains("in the future")
+    })
+}
+
 /// Whether `err` is a unique-key violation (a concurrent creator won).
 pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
     matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))

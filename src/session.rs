@@ -211,8 +211,8 @@ impl SessionBuilder {
     /// within the server's incarnation ([`crate::schema::IncarnationMigration`]), returned by
     /// `locked_update`'s own UPDATE: nothing written, no round trip. An id alone is not enough
     /// (one can be handed out again after a crash): a write whose server recovered from a crash
-    /// before its lost reply was resolved returns [`crate::Error::CommitUnknown`]. See the
-    /// README's *Guarantees*.
+    /// before its lost reply was resolved, and whose id then reads `committed`, returns
+    /// [`crate::Error::CommitUnknown`]. See the README's *Guarantees*.
     ///
     /// Default: on for PostgreSQL and MySQL/MariaDB (needs [`crate::schema::CommitMigration`]
     /// and, on PostgreSQL, [`crate::schema::IncarnationMigration`] — without it markers are

@@ -33,6 +33,11 @@ use servers::{TestDb, databases};
 /// recovery between the write and the resolution of its lost reply.
 static NEW_INCARNATION: AtomicBool = AtomicBool::new(false);
 
+/// While set, an item's `after_save` replaces the server incarnation on another connection
+/// (`OUTSIDE`, autocommit): the change stands even when the write's transaction rolls back.
+static NEW_INCARNATION_OUTSIDE: AtomicBool = AtomicBool::new(false);
+static OUTSIDE: std::sync::OnceLock<DatabaseConnection> = std::sync::OnceLock::new();
+
 mod item {
     use sea_orm::entity::prelude::*;
 
@@ -54,11 +59,14 @@ mod item {
             db: &C,
             _insert: bool,
         ) -> Result<Model, DbErr> {
+            let replace = "UPDATE freshlock_incarnation SET token = 'after-a-crash' WHERE id = 1";
             if super::NEW_INCARNATION.load(std::sync::atomic::Ordering::SeqCst) {
-                db.execute_unprepared(
-                    "UPDATE freshlock_incarnation SET token = 'after-a-crash' WHERE id = 1",
-                )
-                .await?;
+                db.execute_unprepared(replace).await?;
+            }
+            if super::NEW_INCARNATION_OUTSIDE.load(std::sync::atomic::Ordering::SeqCst)
+                && let Some(outside) = super::OUTSIDE.get()
+            {
+                outside.execute_unprepared(replace).await?;
             }
             Ok(model)
         }
@@ -232,6 +240,53 @@ async fn a_lost_reply_is_resolved_within_an_incarnation_and_unknown_across_two()
         "across incarnations the outcome is unknown: {lost:?}"
     );
     assert_eq!(stored_n(&db.db).await, 3, "the write committed once");
+}
+
+/// A write whose `COMMIT` fails on the server (a deferred unique check) and whose reply is lost,
+/// while the incarnation changes: its id reads `aborted`, which proves it absent in any
+/// incarnation (a durable commit would read `committed`), so it is run again — and fails
+/// again, now with the database's own error — rather than reported unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_aborted_commit_is_absent_even_across_incarnations() {
+    let Some(db) = databases::postgres("evidence_aborted").await else {
+        return;
+    };
+    db.db
+        .execute_unprepared(
+            "CREATE TABLE evidence_item (id INTEGER PRIMARY KEY, n INTEGER NOT NULL \
+             UNIQUE DEFERRABLE INITIALLY DEFERRED); \
+             INSERT INTO evidence_item VALUES (1, 0), (2, 5)",
+        )
+        .await
+        .unwrap();
+    OUTSIDE.set(db.db.clone()).unwrap();
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let proxied = through(&proxy, &db).await;
+    let items = Session::new(proxied).repository::<item::Entity>();
+    items
+        .locked_update(1, |i| {
+            i.n = Set(1);
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert!(incarnation(&db.db).await.is_some());
+
+    NEW_INCARNATION_OUTSIDE.store(true, Ordering::SeqCst);
+    proxy.cut_once();
+    let failed = items
+        .locked_update(1, |i| {
+            i.n = Set(5); // row 2's value: the deferred check fails at COMMIT
+            Ok(())
+        })
+        .await;
+    NEW_INCARNATION_OUTSIDE.store(false, Ordering::SeqCst);
+    assert_eq!(proxy.cuts(), 1, "the failed commit's reply was cut");
+    assert!(
+        matches!(failed, Err(Error::Database { .. })),
+        "resolved as absent, run again, refused by the database: {failed:?}"
+    );
+    assert_eq!(stored_n(&db.db).await, 1, "nothing written");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
