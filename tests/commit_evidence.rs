@@ -38,6 +38,11 @@ static NEW_INCARNATION: AtomicBool = AtomicBool::new(false);
 static NEW_INCARNATION_OUTSIDE: AtomicBool = AtomicBool::new(false);
 static OUTSIDE: std::sync::OnceLock<DatabaseConnection> = std::sync::OnceLock::new();
 
+/// The flags above are process-wide, and `cargo test` runs a binary's tests on threads of one
+/// process: each test holds this for its whole run, so no hook sees another test's flag (with
+/// both flags on, the hook's own transaction and `OUTSIDE` would wait on each other's row).
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 mod item {
     use sea_orm::entity::prelude::*;
 
@@ -125,6 +130,7 @@ async fn through(proxy: &Proxy, db: &TestDb) -> DatabaseConnection {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn postgres_writes_leave_no_marker_rows_within_an_incarnation() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let Some(db) = databases::postgres("evidence_markers").await else {
         return;
     };
@@ -201,6 +207,7 @@ async fn postgres_writes_leave_no_marker_rows_within_an_incarnation() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_reply_is_resolved_within_an_incarnation_and_unknown_across_two() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let Some(db) = databases::postgres("evidence_lost").await else {
         return;
     };
@@ -248,6 +255,7 @@ async fn a_lost_reply_is_resolved_within_an_incarnation_and_unknown_across_two()
 /// again, now with the database's own error — rather than reported unknown.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_aborted_commit_is_absent_even_across_incarnations() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let Some(db) = databases::postgres("evidence_aborted").await else {
         return;
     };
@@ -291,6 +299,7 @@ async fn an_aborted_commit_is_absent_even_across_incarnations() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_incarnation_table_writes_keep_their_markers() {
+    let _serial = ONE_AT_A_TIME.lock().await;
     let Some(db) = databases::postgres("evidence_no_table").await else {
         return;
     };
