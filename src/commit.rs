@@ -69,7 +69,7 @@ use crate::{
     deadline::within,
     error::{Error, database},
     lock::holder,
-    pool::{autocommit, forget_incarnation, incarnation, saw_incarnation},
+    pool::{Incarnation, autocommit, forget_incarnation, incarnation, saw_incarnation},
     schema::{COMMIT_TABLE, INCARNATION_TABLE},
 };
 
@@ -175,7 +175,7 @@ pub(crate) enum Evidence {
     /// A marker row written in the write's transaction.
     Marker(Marker),
     /// PostgreSQL with `freshlock_incarnation`: the write's transaction id, and the token of the
-    /// server incarnation that gave it out (read in the same transaction).
+    /// server incarnation that gave it out (known to the pool before the write, or read by it).
     Xid {
         /// `txid_current()` of the write's transaction (with its epoch: never wraps).
         xid: i64,
@@ -187,10 +187,17 @@ pub(crate) enum Evidence {
 /// The transaction's id and the incarnation's token (`NULL` when the table is empty), as
 /// columns `freshlock_xid` and `freshlock_incarnation`. Also the expressions that
 /// `locked_update`'s UPDATE returns beside the row.
-pub(crate) const XID_AND_INCARNATION: [&str; 2] = [
+const XID_AND_INCARNATION: [&str; 2] = [
     "txid_current() AS freshlock_xid",
     "(SELECT token FROM freshlock_incarnation WHERE id = 1) AS freshlock_incarnation",
 ];
+
+/// The expressions a write returns as its evidence: the transaction id, and the incarnation's
+/// token too when `incarnation` (the pool has not seen it lately). Read back with
+/// [`Evidence::read`].
+pub(crate) fn stamps(incarnation: bool) -> &'static [&'static str] {
+    &XID_AND_INCARNATION[..if incarnation { 2 } else { 1 }]
+}
 
 impl Evidence {
     /// Takes the evidence in `txn` (a transaction on `db`), just before its `COMMIT`: on
@@ -201,28 +208,31 @@ impl Evidence {
     /// write refreshed it meanwhile). That is still sound: the token was in the table before
     /// this SELECT, which runs on the transaction's own connection; a crash since the id was
     /// given out would have ended that connection (so no evidence, no commit), and a crash after
-    /// this SELECT empties the table of the token (so the resolution answers "unknown").
+    /// this SELECT empties the table of the token (so the resolution does not trust `committed`).
     pub(crate) async fn take(
         txn: &DatabaseTransaction,
         db: &DatabaseConnection,
     ) -> Result<Self, DbErr> {
-        if let Some(known) = incarnation(db, txn).await.known() {
-            let stamps = &XID_AND_INCARNATION[..if known.is_some() { 1 } else { 2 }];
-            let select = format!("SELECT {}", stamps.join(", "));
-            let row = txn
-                .query_one_raw(Statement::from_string(DbBackend::Postgres, select))
-                .await?
-                .ok_or_else(|| DbErr::Custom("SELECT txid_current() returned no row".into()))?;
-            let (xid, seen) = Self::read(&row, known.is_none())?;
-            return Self::stamped(txn, db, xid, known, seen).await;
-        }
-        let marker = Marker::new();
-        marker.write(txn).await?;
-        Ok(Self::Marker(marker))
+        let known = match incarnation(db, txn).await {
+            Incarnation::Known(token) => Some(token),
+            Incarnation::Unseen => None,
+            Incarnation::Unsupported => {
+                let marker = Marker::new();
+                marker.write(txn).await?;
+                return Ok(Self::Marker(marker));
+            }
+        };
+        let select = format!("SELECT {}", stamps(known.is_none()).join(", "));
+        let row = txn
+            .query_one_raw(Statement::from_string(DbBackend::Postgres, select))
+            .await?
+            .ok_or_else(|| DbErr::Custom("SELECT txid_current() returned no row".into()))?;
+        let (xid, seen) = Self::read(&row, known.is_none())?;
+        Self::stamped(txn, db, xid, known, seen).await
     }
 
-    /// The transaction id and (with `incarnation`) the incarnation token of a row that has
-    /// [`XID_AND_INCARNATION`] (the first of them, without `incarnation`).
+    /// The transaction id and (with `incarnation`) the incarnation token of a row that returned
+    /// [`stamps`]`(incarnation)`.
     pub(crate) fn read(
         row: &sea_orm::QueryResult,
         incarnation: bool,

@@ -120,17 +120,6 @@ pub(crate) enum Incarnation {
     Unseen,
 }
 
-impl Incarnation {
-    /// `None` when unsupported; else the token when it is known.
-    pub(crate) fn known(self) -> Option<Option<Arc<str>>> {
-        match self {
-            Self::Unsupported => None,
-            Self::Known(token) => Some(Some(token)),
-            Self::Unseen => Some(None),
-        }
-    }
-}
-
 /// What `db`'s pool knows of the server incarnation (see [`Incarnation`]). `on` is where to
 /// ask the first time: the write's own transaction, never another connection of the pool (a
 /// pool whose every connection is in a write that waits for one more would wait for good).
@@ -144,9 +133,9 @@ impl Incarnation {
 /// write's transaction id is given out after the token was seen, so after its row was
 /// created. While the row is still there no crash recovery has happened since (it would have
 /// emptied the table; tokens are never used again), so neither since the id was given out:
-/// `txid_status` speaks of this write. A token gone stale by a crash only makes a resolution
-/// answer "unknown"; the stale token is forgotten then ([`forget_incarnation`]), and within
-/// [`INCARNATION_FRESH`] anyway.
+/// `txid_status` speaks of this write. A token gone stale by a crash only keeps a resolution
+/// from trusting `committed`; the stale token is forgotten then ([`forget_incarnation`]), and
+/// within [`INCARNATION_FRESH`] anyway.
 pub(crate) async fn incarnation(db: &DatabaseConnection, on: &impl ConnectionTrait) -> Incarnation {
     let backend = db.get_database_backend();
     if backend != DbBackend::Postgres {

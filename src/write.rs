@@ -196,12 +196,16 @@ where
             .map_err(|e| (Step::Evidence, e))?;
         return Ok((updated(update().await)?, Some(Evidence::Marker(marker))));
     }
-    let Some(known) = pool::incarnation(db, txn).await.known() else {
-        let marker = Marker::new();
-        let insert = Box::new(marker.insert(DbBackend::Postgres, true));
-        let stored = stamped(Stamp::Marker(insert)).await;
-        let stored = updated(stored.map(|row| row.map(|(stored, _)| stored)))?;
-        return Ok((stored, Some(Evidence::Marker(marker))));
+    let known = match pool::incarnation(db, txn).await {
+        pool::Incarnation::Known(token) => Some(token),
+        pool::Incarnation::Unseen => None,
+        pool::Incarnation::Unsupported => {
+            let marker = Marker::new();
+            let insert = Box::new(marker.insert(DbBackend::Postgres, true));
+            let stored = stamped(Stamp::Marker(insert)).await;
+            let stored = updated(stored.map(|row| row.map(|(stored, _)| stored)))?;
+            return Ok((stored, Some(Evidence::Marker(marker))));
+        }
     };
     let incarnation = known.is_none();
     match updated(stamped(Stamp::Xid { incarnation }).await)? {
@@ -263,8 +267,9 @@ where
             (db.query_one(&query).await?, None)
         }
         Stamp::Xid { incarnation } => {
-            let stamps = &crate::commit::XID_AND_INCARNATION[..if incarnation { 2 } else { 1 }];
-            let stamps = stamps.iter().map(|stamp| Expr::cust(*stamp));
+            let stamps = crate::commit::stamps(incarnation)
+                .iter()
+                .map(|stamp| Expr::cust(*stamp));
             query.returning(Query::returning().exprs(columns.chain(stamps)));
             (db.query_one(&query).await?, Some(incarnation))
         }
