@@ -1,8 +1,16 @@
-//! What every locked write does the same way, written once: the retry of an attempt after a
-//! conflict or a transient error, the fence check before a write, and the release of a section's
-//! locks. `locked_update`'s driver (one row, commit combining, detach on drop) and sections
-//! (`with_lock`, `locked_update_many`, `locked_update_with`) both run on these; neither has a
-//! retry loop, a backoff or a lease check of its own.
+//! The one engine every locked write runs on: under the locks a front end took, it runs
+//! *attempts* — begin the transaction (transaction-scoped locks are taken in it), run the write's
+//! [`Step`], check every lease's fence, commit with the in-doubt evidence, apply the cache effects
+//! — and runs them again after a conflict or a transient error ([`Retries`]), then releases the
+//! locks ([`release_all`]). A step only says what it did in the transaction ([`Worked`]); the
+//! fence check, the commit and its evidence, the cache and the retry each exist once, here.
+//!
+//! The steps: a section's work (`section.rs`: [`Session::with_lock`](crate::Session::with_lock),
+//! sections, `locked_update_many`, `locked_update_with`) and a row's reload-decide-write
+//! (`row_step.rs`: `locked_update`, `locked_delete`, `get_or_insert`, `update_or_insert`). The
+//! front ends differ only in how they take their locks: a section takes all of its own in one
+//! canonical order; `locked_update`'s driver takes its row's lock while seated in the row's room,
+//! where commit combining (`combine.rs`) may serve it instead.
 //!
 //! The rule for cancellation is one too (`detach.rs`, stated in the README's Guarantees): a
 //! locked write whose caller is dropped is polled to its end in a task of its own, never cut in
@@ -11,19 +19,20 @@
 //! section's `work`, which may borrow from its caller and so cannot move: dropping it rolls the
 //! transaction back and releases the locks.
 
-use std::time::Duration;
+use std::{future::Future, time::Duration};
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
-use sea_orm::DatabaseTransaction;
+use sea_orm::{DatabaseConnection, DatabaseTransaction};
 use tracing::{debug, warn};
 
 use crate::{
+    commit::{self, Evidence},
     deadline::within,
     decision::Written,
     error::{Error, Result, database},
+    identity_map::{Change, IdentityMap},
     locking::Locking,
     outcome::{LockReport, Report},
-    row::Row,
 };
 
 /// How one attempt of a locked write ended, for [`Retries::settle`].
@@ -40,6 +49,14 @@ pub(crate) enum Tried<T> {
 }
 
 impl<T> Tried<T> {
+    /// The attempt failed with `error` (run again if it is transient, when retrying).
+    pub(crate) fn failed(error: Error) -> Self {
+        Self::Failed {
+            error,
+            conflict: false,
+        }
+    }
+
     /// A guard refused the attempt's write of `target`. The count in the error is filled in by
     /// [`Retries::settle`] when no attempt is left.
     pub(crate) fn conflict(target: String) -> Self {
@@ -136,29 +153,34 @@ impl Retries {
     }
 }
 
-/// The fence check of `locking` in the write's transaction, before anything is written: whether
-/// its lease (if any) is still this write's. `releasing`: a backend that can also releases the
-/// lease in `txn`, so the commit ends it (see [`Locking::verify`]). A lost lease is logged and
-/// counted here; the caller rolls back and reports it.
-pub(crate) async fn fence(
+/// The fence check of every lock in `lockings`, in the write's transaction, before its commit:
+/// whether each lease (if any) is still this write's. `releasing`: a backend that can also
+/// releases the lease in `txn`, so the commit ends it (see [`Locking::verify`]). A lost lease is
+/// logged and counted here; the caller rolls back and reports it.
+pub(crate) async fn fences(
     txn: &DatabaseTransaction,
-    locking: &mut Locking,
+    lockings: &mut [Locking],
     releasing: bool,
     target: &str,
 ) -> Result<bool> {
-    match locking.verify(txn, releasing).await {
-        Ok(true) => Ok(true),
-        Ok(false) => {
-            let fence = locking.report.fence;
-            warn!(%target, lock = %locking.report.name, fence, "lease lost before the write; nothing written");
-            crate::metrics::lease_lost(locking.report.backend.as_str());
-            Ok(false)
+    for locking in lockings.iter_mut() {
+        match locking.verify(txn, releasing).await {
+            Ok(true) => {}
+            Ok(false) => {
+                let fence = locking.report.fence;
+                warn!(%target, lock = %locking.report.name, fence, "lease lost before the write; nothing written");
+                crate::metrics::lease_lost(locking.report.backend.as_str());
+                return Ok(false);
+            }
+            Err(source) => {
+                return Err(Error::Lock {
+                    target: target.to_owned(),
+                    source,
+                });
+            }
         }
-        Err(source) => Err(Error::Lock {
-            target: target.to_owned(),
-            source,
-        }),
     }
+    Ok(true)
 }
 
 /// Releases every lock (last taken first), after the transaction ended; their reports in the
@@ -193,24 +215,159 @@ pub(crate) fn record<M>(entity: &'static str, result: &Result<Report<Written<M>>
     crate::metrics::update(entity, outcome);
 }
 
-/// How [`finish`] ends a transaction that wrote nothing.
+/// How a transaction that wrote nothing ends.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
 pub(crate) enum End {
     Commit,
     RollBack,
 }
 
-/// Ends a transaction that wrote nothing as `end` says, waiting at most `reply` (see
-/// `deadline.rs`).
-pub(crate) async fn finish(
-    txn: DatabaseTransaction,
-    end: End,
-    row: &Row,
-    reply: Duration,
-) -> Result<()> {
-    let ended = match end {
-        End::Commit => within(reply, txn.commit()).await,
-        End::RollBack => within(reply, txn.rollback()).await,
+/// Whether the leases are checked before a step's commit, and how.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Fence {
+    /// Every lease is checked and, where its backend can, released in the transaction, so the
+    /// commit ends it.
+    Releasing,
+    /// Checked by the step itself with [`fences`], before it wrote (a row write: a lost lease
+    /// sends no UPDATE).
+    Checked,
+    /// Not checked: the write cannot overwrite anything (an insert; a concurrent creator makes
+    /// it fail on the key).
+    Unchecked,
+}
+
+/// What a [`Step`] did in the attempt's transaction, for the engine to end it.
+pub(crate) enum Worked<T> {
+    /// It wrote (or may have): check the fences as `fence` says, commit with `evidence` (taken
+    /// at the commit, as the session's `commit_markers` says, when `None`), then make `effects`
+    /// in the cache; `value` is the attempt's result.
+    Write {
+        value: T,
+        evidence: Option<Evidence>,
+        fence: Fence,
+        effects: Vec<Change>,
+    },
+    /// It wrote nothing: end the transaction as `end` says (no fence check, no evidence), then
+    /// make `effects`.
+    Kept {
+        value: T,
+        end: End,
+        effects: Vec<Change>,
+    },
+    /// Roll the transaction back; the attempt ended as this says.
+    Undone(Tried<T>),
+}
+
+/// One locked write's work in a transaction, run by [`run`] once per attempt.
+pub(crate) trait Step: Send {
+    /// What an attempt that ended gives.
+    type Output: Send;
+
+    /// Runs the write in `txn` (begun under `lockings`) and hands the transaction back with what
+    /// it did.
+    fn run(
+        &mut self,
+        txn: DatabaseTransaction,
+        lockings: &mut [Locking],
+    ) -> impl Future<Output = (DatabaseTransaction, Worked<Self::Output>)> + Send;
+
+    /// The result when a lease was lost before the commit (rolled back, nothing written).
+    fn lease_lost(&mut self) -> Self::Output;
+
+    /// The transaction of a [`Worked::Write`] or [`Worked::Kept`] ended as `ended` says (after
+    /// the cache effects of a commit; before any lock is released).
+    fn ended(&mut self, _lockings: &[Locking], _ended: &Result<()>) {}
+}
+
+/// What the engine needs of the session a write runs in: its connection, its cache, and whether
+/// it takes commit markers (the bound on each reply is the locks' policy's).
+#[derive(Clone, Copy)]
+pub(crate) struct Engine<'a> {
+    pub(crate) db: &'a DatabaseConnection,
+    pub(crate) map: &'a IdentityMap,
+    pub(crate) markers: bool,
+}
+
+/// Runs `step`'s attempts under `lockings` (taken by the caller, who releases them after) until
+/// one settles, as `retries` says; `label` names the write in logs and errors. `detached`: each
+/// `BEGIN` runs in a task of its own (for callers that may be dropped; see
+/// [`Locking::begin_all`]).
+pub(crate) async fn run<S: Step>(
+    engine: Engine<'_>,
+    lockings: &mut [Locking],
+    retries: &mut Retries,
+    label: &str,
+    detached: bool,
+    step: &mut S,
+) -> Result<S::Output> {
+    loop {
+        retries.start();
+        let tried = attempt(engine, lockings, label, detached, step).await;
+        if let Some(result) = retries.settle(tried).await {
+            return result;
+        }
+    }
+}
+
+/// One attempt: begin (locking in the transaction where the backend does), the step, the fence
+/// checks, the commit with its evidence, the cache effects.
+async fn attempt<S: Step>(
+    engine: Engine<'_>,
+    lockings: &mut [Locking],
+    label: &str,
+    detached: bool,
+    step: &mut S,
+) -> Result<Tried<S::Output>> {
+    let db = engine.db;
+    let reply = (lockings.first()).map_or(crate::deadline::DEFAULT_REPLY, |l| l.reply);
+    let txn = Locking::begin_all(lockings, db, detached).await?;
+    let (txn, worked) = step.run(txn, lockings).await;
+    let (value, ended, effects) = match worked {
+        Worked::Undone(tried) => {
+            commit::rollback(txn, reply).await;
+            return Ok(tried);
+        }
+        Worked::Kept {
+            value,
+            end,
+            effects,
+        } => {
+            let ended = match end {
+                End::Commit => within(reply, txn.commit()).await,
+                End::RollBack => within(reply, txn.rollback()).await,
+            };
+            (
+                value,
+                ended.map_err(|e| database("committing", &label, e)),
+                effects,
+            )
+        }
+        Worked::Write {
+            value,
+            evidence,
+            fence,
+            effects,
+        } => {
+            if fence == Fence::Releasing {
+                let held = fences(&txn, lockings, true, label).await;
+                if !matches!(held, Ok(true)) {
+                    commit::rollback(txn, reply).await;
+                    return held.map(|_| Tried::Done(step.lease_lost()));
+                }
+            }
+            let committed = match &evidence {
+                Some(evidence) => commit::commit(txn, evidence, db, label, reply).await,
+                None => commit::commit_write(txn, engine.markers, db, label, reply).await,
+            };
+            if committed.is_ok() {
+                lockings.iter_mut().for_each(Locking::committed);
+            }
+            (value, committed, effects)
+        }
     };
-    ended.map_err(|e| database("committing", row, e))
+    if ended.is_ok() {
+        engine.map.apply(effects);
+    }
+    step.ended(lockings, &ended);
+    ended.map(|()| Tried::Done(value))
 }

@@ -11,11 +11,14 @@
 //!   `optimistic_first`'s one-statement write.
 //! - `save.rs` — the statements of one save and one insert, shared by [`Repository`] and
 //!   [`TxRepository`].
-//! - `engine.rs` — what every locked write does the same way, once: retries with backoff, the
-//!   fence check before a write, ending a transaction within its deadline, releasing locks.
-//! - `locked_update.rs` — the one-row driver on the engine behind `locked_update`,
-//!   `locked_delete`, `get_or_insert` and `update_or_insert` (polled in place, detached on
-//!   cancel, combining commits when asked).
+//! - `engine.rs` — the one engine every locked write runs on: under the locks a front end took,
+//!   attempts of a *step* (begin, the step, fence checks, commit with its evidence, cache
+//!   effects), retried with backoff, and the release.
+//! - `row_step.rs` — one row's reload, the caller's decision and its write (update serving a
+//!   combined batch, insert, delete) as a step of the engine.
+//! - `locked_update.rs` — the front end behind `locked_update`, `locked_delete`, `get_or_insert`
+//!   and `update_or_insert`: takes the row's lock (seated in its room when combining), runs the
+//!   row step on the engine, polled in place and detached on cancel.
 //! - `write.rs` — the row write steps below every write path, written once: changed columns, the
 //!   optimistic guard (version column), the guarded UPDATE that returns the stored row, insert
 //!   and delete with sea-orm's hooks.
@@ -26,7 +29,8 @@
 //! - `combine.rs` — commit combining, a layer on the driver: the waiters of a hot row sit in its
 //!   room and are served by the holder's transaction (rooms, seats, the holder's batch, the
 //!   waiter's side).
-//! - `section.rs` — [`Session::with_lock`]: a short transaction under a keyed lock.
+//! - `section.rs` — [`Session::with_lock`] and [`Session::section`]: a section takes its locks
+//!   in one canonical order and runs its work as a step of the engine.
 //! - `tx.rs` — [`Tx`] and [`TxRepository`]: a section's transaction and the repositories bound
 //!   to it.
 //! - `many.rs` — locked writes built on a retrying section: several rows in one transaction
@@ -93,6 +97,7 @@ mod pool;
 mod registry;
 mod repository;
 mod row;
+mod row_step;
 mod save;
 pub mod schema;
 mod section;

@@ -9,34 +9,32 @@
 //! a task of its own ([`Detachable`]) instead of being cut in half: it notices the closed
 //! channel, rolls back (or, past the point of no return, commits) and releases the lock after the
 //! transaction ended. `apply` need not be `'static`, since it never leaves the caller.
-//! Retries, the fence check and the release are the engine's (`engine.rs`), the row write steps
-//! `write.rs`'s, the combining protocol `combine.rs`'s: the driver only orders them.
+//! The driver only takes the row's lock (seated in the row's room when it may combine, see
+//! [`crate::combine`]) and releases it: the attempts — transaction, fence check, commit with its
+//! evidence, cache, retries — are the engine's (`engine.rs`), the reload and the write a step of
+//! it (`row_step.rs`).
 
 use std::{
     any::TypeId,
     panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
-    sync::Arc,
-    time::Duration,
 };
 
-use sea_orm::{DatabaseTransaction, DbErr, EntityTrait, IdenStatic, IntoActiveModel, ModelTrait};
+use sea_orm::{EntityTrait, IntoActiveModel};
 use tokio::sync::mpsc;
-use tracing::{Instrument, debug, field, info_span};
+use tracing::{Instrument, field, info_span};
 
 pub(crate) use crate::decision::{Decision, Written};
 use crate::{
-    combine::{self, Batch, Call, Followed, RoomKey, Seat, Served},
-    commit,
-    deadline::within,
+    combine::{self, Call, Followed, RoomKey, Seat, Served},
     detach::Detachable,
-    engine::{self, End, Retries, Tried, finish},
-    error::{Error, Result, database},
+    engine::{self, Engine, Retries},
+    error::Result,
     identity_map::Change,
     locking::Locking,
     outcome::Report,
-    row::{Row, reload_for_update},
+    row::Row,
+    row_step::RowStep,
     session::Session,
-    write::{self, Inserted},
 };
 
 /// Runs one locked write of `row`: `decide` is called in the caller with the row as reloaded
@@ -86,13 +84,7 @@ where
         })
         .flatten();
     let driver = Driver::<E> {
-        session: session.clone(),
-        row,
-        reloaded: reloaded_tx,
-        decisions: decisions_rx,
-        room,
-        batch: None,
-        committed: 1,
+        step: RowStep::new(session.clone(), row, reloaded_tx, decisions_rx, room),
     };
     let mut driver = Detachable::new(driver.run().instrument(span));
 
@@ -131,16 +123,8 @@ where
 
 /// The task that owns the lock and the transaction of one locked write.
 struct Driver<E: EntityTrait> {
-    session: Session,
-    row: Row,
-    reloaded: mpsc::Sender<Option<E::Model>>,
-    decisions: mpsc::Receiver<Decision<E>>,
-    /// The row's room when this write may share a commit (see [`crate::combine`]).
-    room: Option<RoomKey>,
-    /// The waiters this holder serves (taken on its first attempt that writes), when combining.
-    batch: Option<Batch<E>>,
-    /// How many writes the committed transaction carried (1 unless combined).
-    committed: u32,
+    /// The row write, run by the engine under the lock.
+    step: RowStep<E>,
 }
 
 /// What woke a seated waiter first.
@@ -165,13 +149,13 @@ where
     }
 
     async fn run_locked(mut self) -> Result<Report<Written<E::Model>>> {
-        let policy = self.session.policy().clone();
+        let policy = self.step.session.policy().clone();
         let started = tokio::time::Instant::now();
         // A combining write waits for the lock and, at the same time, for a holder to serve it.
         // Seated before it counts as in flight: a section counted is a seat taken.
-        let mut seat = self.room.clone().map(Seat::<E>::sit);
-        let _in_flight = self.session.section_started();
-        let mut locking = loop {
+        let mut seat = self.step.room.clone().map(Seat::<E>::sit);
+        let _in_flight = self.step.session.section_started();
+        let locking = loop {
             let woke = match seat.as_mut() {
                 None => Woke::Taken(self.take(&policy).await),
                 Some(seated) => tokio::select! {
@@ -214,27 +198,36 @@ where
             drop(seat.take());
             match taken? {
                 Some(locking) => break locking,
-                None => return Err(self.interrupted()), // The caller gave up while we waited.
+                // The caller gave up while we waited.
+                None => return Err(self.step.interrupted()),
             }
         };
-        let mut retries = Retries::new(
-            self.row.to_string(),
-            policy.write_attempts,
-            true,
-            Some(E::default().table_name()),
-        );
-        let result = loop {
-            retries.start();
-            let tried = self.section(&mut locking).await;
-            if let Some(result) = retries.settle(tried).await {
-                break result;
-            }
+        let label = self.step.row.name.clone();
+        let entity = Some(E::default().table_name());
+        let mut retries = Retries::new(label.to_string(), policy.write_attempts, true, entity);
+        let mut lockings = [locking];
+        let session = self.step.session.clone();
+        let engine = Engine {
+            db: session.connection(),
+            map: session.map(),
+            markers: session.commit_markers(),
         };
+        let step = &mut self.step;
+        let result = engine::run(
+            engine,
+            &mut lockings,
+            &mut retries,
+            label.as_str(),
+            false,
+            step,
+        )
+        .await;
 
         // Waiters of the batch that were not finished were not written: they take the lock
         // themselves, after us (before the release, so none of them can take it first).
-        drop(self.batch.take());
-        let batch = self.committed;
+        drop(self.step.batch.take());
+        let batch = self.step.committed;
+        let [locking] = lockings;
         // Only now, after commit or rollback. A key that does not exist leaves no lock row.
         let report = if matches!(result, Ok(Written::NotFound)) {
             locking.retire().await
@@ -252,13 +245,14 @@ where
 
     /// Takes the lock (the in-process queue, then the backend's), as the policy says.
     async fn take(&self, policy: &crate::lock::LockPolicy) -> Result<Option<Locking>> {
+        let (row, reloaded) = (&self.step.row, &self.step.reloaded);
         Locking::take(
-            self.session.lock_backend(),
+            self.step.session.lock_backend(),
             policy,
-            &self.row.lock,
-            self.row.name.clone(),
-            self.reloaded.closed(),
-            || self.reloaded.is_closed(),
+            &row.lock,
+            row.name.clone(),
+            reloaded.closed(),
+            || reloaded.is_closed(),
         )
         .await
     }
@@ -271,15 +265,16 @@ where
         calls: &mut mpsc::UnboundedReceiver<Call<E>>,
         started: tokio::time::Instant,
     ) -> Option<Result<Report<Written<E::Model>>>> {
-        let (session, key) = (&self.session, &self.row.key);
+        let step = &mut self.step;
+        let (session, key) = (&step.session, &step.row.key);
         let evict = || {
             session.map().remove(key);
         };
         let followed =
-            combine::follow(first, calls, &self.reloaded, &mut self.decisions, evict).await;
+            combine::follow(first, calls, &step.reloaded, &mut step.decisions, evict).await;
         match followed {
             Followed::Again => None,
-            Followed::Gone => Some(Err(self.interrupted())),
+            Followed::Gone => Some(Err(self.step.interrupted())),
             Followed::Finished(result) => Some(result.map(|served| self.served(served, started))),
         }
     }
@@ -291,8 +286,8 @@ where
         started: tokio::time::Instant,
     ) -> Report<Written<E::Model>> {
         if let Some(stored) = served.stored {
-            let changes = [Change::cache(self.row.key.clone(), stored)];
-            self.session.map().apply(changes);
+            let changes = [Change::cache(self.step.row.key.clone(), stored)];
+            self.step.session.map().apply(changes);
         }
         let mut lock = served.lock;
         lock.waited = started.elapsed();
@@ -302,278 +297,6 @@ where
             attempts: 1,
             conflicts: 0,
             batch: served.batch,
-        }
-    }
-
-    /// Evict, begin, reload, hand over to the caller, write what it decided, commit, cache.
-    async fn section(&mut self, locking: &mut Locking) -> Result<Tried<Written<E::Model>>> {
-        let db = self.session.connection();
-        self.session.map().remove(&self.row.key);
-        let txn = locking.begin(db).await?;
-
-        let found = match within(self.reply(), reload_for_update::<E>(&txn, self.row.pk())).await {
-            Ok(found) => found,
-            Err(e) => return Err(self.rolled_back(txn, "reloading", e).await),
-        };
-        if self.reloaded.send(found).await.is_err() {
-            return Err(self.abandoned(txn).await);
-        }
-        let Some(decision) = self.decisions.recv().await else {
-            return Err(self.abandoned(txn).await);
-        };
-        match decision {
-            Decision::NotFound => {
-                finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                Ok(Tried::Done(Written::NotFound))
-            }
-            Decision::Keep(original) => {
-                finish(txn, End::Commit, &self.row, self.reply()).await?;
-                debug!(row = %self.row.name, "unchanged");
-                Ok(Tried::Done(Written::Unchanged(self.cache(original))))
-            }
-            Decision::Update { original, draft } => {
-                self.update(txn, locking, original, draft).await
-            }
-            Decision::Insert(draft) => self.insert(txn, draft).await,
-            Decision::Delete(original) => self.delete(txn, locking, original).await,
-        }
-    }
-
-    /// `before_save`, the waiters of the batch served (when combining), the guarded UPDATE
-    /// (fence checked first), `after_save`, commit, and every served waiter told.
-    async fn update(
-        &mut self,
-        txn: DatabaseTransaction,
-        locking: &mut Locking,
-        original: E::Model,
-        draft: E::ActiveModel,
-    ) -> Result<Tried<Written<E::Model>>> {
-        let mut draft = match write::before_save::<E, _>(draft, &txn, false).await {
-            Ok(draft) => draft,
-            Err(e) => return Err(self.rolled_back(txn, "running before_save for", e).await),
-        };
-        let mut changes = write::changed_columns::<E>(&original, &mut draft);
-        if changes
-            .iter()
-            .any(|(column, _)| write::is_primary_key::<E>(column))
-        {
-            let _ = txn.rollback().await;
-            return Err(Error::PrimaryKeyChanged {
-                target: self.row.to_string(),
-            });
-        }
-        // Only a holder that excludes the process's other writers of the row may serve them.
-        if let Some(room) = self.room.as_ref().filter(|_| locking.excludes_process()) {
-            let batch = self.batch.get_or_insert_with(|| Batch::take(room));
-            match batch.serve(&txn, &original, &mut changes, &self.row).await {
-                Ok(true) => {}
-                Ok(false) => {
-                    let _ = txn.rollback().await;
-                    return Ok(Tried::Uncounted);
-                }
-                Err(e) => return Err(self.rolled_back(txn, "combining writes of", e).await),
-            }
-        }
-        if changes.is_empty() {
-            finish(txn, End::Commit, &self.row, self.reply()).await?;
-            let row = self.cache(original);
-            self.tell_committed(locking, &row, Vec::new());
-            return Ok(Tried::Done(Written::Unchanged(row)));
-        }
-        // The lease (table backend) is released in this transaction: the commit ends it.
-        if !engine::fence(&txn, locking, true, self.row.name.as_str()).await? {
-            let _ = txn.rollback().await;
-            return Ok(Tried::Done(Written::LeaseLost));
-        }
-        // The optimistic guard: the UPDATE also checks that the row still holds what was read
-        // (its version column when one is declared, else the changed columns), so a write made
-        // without the lock can never overwrite a change it did not see.
-        let version = self.session.version_of::<E>();
-        let read = version.map(|column| (column, original.get(column)));
-        let unversioned = |changes: &[write::ColumnValue<E>]| {
-            (changes.iter())
-                .map(|(column, _)| (*column, original.get(*column)))
-                .collect()
-        };
-        let Some(expected) = write::guard::<E>(read, &mut changes, unversioned) else {
-            let _ = txn.rollback().await;
-            return Err(Error::VersionColumn {
-                entity: E::default().table_name(),
-                column: version.map_or("", |c| c.as_str()),
-            });
-        };
-        // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
-        // statement where the database allows (see `commit.rs`).
-        let (db, reply) = (self.session.connection(), self.reply());
-        let markers = self.session.commit_markers();
-        let update = write::update_with_evidence::<E>(
-            &txn, db, markers, &original, &changes, &expected, reply,
-        );
-        let (written, evidence) = match update.await {
-            Ok((written, evidence)) => (Ok(written), evidence),
-            Err((write::Step::Evidence, e)) => {
-                return Err(self.rolled_back(txn, "marking the commit of", e).await);
-            }
-            Err((write::Step::Update, e)) => (Err(e), None),
-        };
-        let stored = match written {
-            Ok(Some(stored)) => stored,
-            Ok(None) => {
-                finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                return Ok(Tried::conflict(self.row.to_string()));
-            }
-            Err(e) => return Err(self.rolled_back(txn, "writing", e).await),
-        };
-        let reported = match write::after_save::<E, _>(stored.clone(), &txn, false).await {
-            Ok(reported) => reported,
-            Err(e) => return Err(self.rolled_back(txn, "running after_save for", e).await),
-        };
-        // Each served waiter that changed something gets its own `after_save`.
-        let theirs = match self.batch.as_mut() {
-            None => Vec::new(),
-            Some(batch) => match batch.after_saves(&stored, &txn, &self.row).await {
-                Some(theirs) => theirs,
-                None => {
-                    let _ = txn.rollback().await;
-                    return Ok(Tried::Uncounted);
-                }
-            },
-        };
-        let target = self.row.name.as_str();
-        let committed = match &evidence {
-            Some(evidence) => commit::commit(txn, evidence, db, target, reply).await,
-            None => commit::commit_write(txn, false, db, target, reply).await,
-        };
-        if committed.is_ok() {
-            locking.committed();
-        }
-        if let Err(error) = committed {
-            if let (Error::CommitUnknown { source, .. }, Some(batch)) = (&error, &mut self.batch) {
-                batch.in_doubt(&self.row, &source.to_string());
-            }
-            return Err(error);
-        }
-        let stored = self.cache(stored);
-        self.tell_committed(locking, &stored, theirs);
-        debug!(row = %self.row.name, batch = self.committed, "updated");
-        Ok(Tried::Done(Written::Updated(Arc::new(reported))))
-    }
-
-    /// After the commit: every waiter merged into it gets its report (see
-    /// [`Batch::committed`]).
-    fn tell_committed(
-        &mut self,
-        locking: &Locking,
-        stored: &Arc<E::Model>,
-        theirs: Vec<(usize, E::Model)>,
-    ) {
-        if let Some(batch) = self.batch.as_mut() {
-            self.committed = batch.committed(&locking.report, stored, theirs);
-        }
-    }
-
-    /// `before_save`, INSERT … RETURNING, `after_save`, commit. No fence check: an insert cannot
-    /// overwrite anything, and a concurrent creator makes it fail on the key (a conflict: the
-    /// next attempt finds the winner's row).
-    async fn insert(
-        &self,
-        txn: DatabaseTransaction,
-        draft: E::ActiveModel,
-    ) -> Result<Tried<Written<E::Model>>> {
-        let (stored, reported) = match write::insert_row::<E, _>(&txn, draft).await {
-            Ok(Inserted::Stored { stored, reported }) => (stored, reported),
-            Ok(Inserted::Taken(_)) => {
-                finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                return Ok(Tried::conflict(self.row.to_string()));
-            }
-            Err(failed) => return Err(self.failed(txn, failed).await),
-        };
-        self.commit(txn).await?;
-        self.cache(stored);
-        debug!(row = %self.row.name, "inserted");
-        Ok(Tried::Done(Written::Inserted(Arc::new(reported))))
-    }
-
-    /// Fence, `before_delete`, DELETE (guarded by the version column when one is declared),
-    /// `after_delete`, commit, evict.
-    async fn delete(
-        &self,
-        txn: DatabaseTransaction,
-        locking: &mut Locking,
-        original: E::Model,
-    ) -> Result<Tried<Written<E::Model>>> {
-        if !engine::fence(&txn, locking, false, self.row.name.as_str()).await? {
-            let _ = txn.rollback().await;
-            return Ok(Tried::Done(Written::LeaseLost));
-        }
-        let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
-        match write::delete_row::<E, _>(&txn, &original, self.row.pk(), &expected).await {
-            Ok(true) => {}
-            Ok(false) => {
-                finish(txn, End::RollBack, &self.row, self.reply()).await?;
-                return Ok(Tried::conflict(self.row.to_string()));
-            }
-            Err(failed) => return Err(self.failed(txn, failed).await),
-        }
-        self.commit(txn).await?;
-        self.session
-            .map()
-            .apply([Change::Evict(self.row.key.clone())]);
-        debug!(row = %self.row.name, "deleted");
-        Ok(Tried::Done(Written::Deleted(Arc::new(original))))
-    }
-
-    /// Commits a write, with a commit marker when the session writes them: a lost reply is
-    /// resolved, never run twice blindly.
-    async fn commit(&self, txn: DatabaseTransaction) -> Result<()> {
-        crate::commit::commit_write(
-            txn,
-            self.session.commit_markers(),
-            self.session.connection(),
-            self.row.name.as_str(),
-            self.reply(),
-        )
-        .await
-    }
-
-    /// Caches `model` as this row's committed state (its write committed, or wrote nothing).
-    fn cache(&self, model: E::Model) -> Arc<E::Model> {
-        let model = Arc::new(model);
-        let changes = [Change::cache(self.row.key.clone(), Arc::clone(&model))];
-        self.session.map().apply(changes);
-        model
-    }
-
-    /// The caller is gone or aborted: roll back, and report (to nobody, or to a caller that
-    /// returns its own error instead).
-    async fn abandoned(&self, txn: DatabaseTransaction) -> Error {
-        commit::rollback(txn, self.reply()).await;
-        self.interrupted()
-    }
-
-    /// A step of the row write failed: roll back, and the error.
-    async fn failed(&self, txn: DatabaseTransaction, failed: write::Failed) -> Error {
-        self.rolled_back(txn, failed.operation, failed.error).await
-    }
-
-    async fn rolled_back(
-        &self,
-        txn: DatabaseTransaction,
-        operation: &'static str,
-        e: DbErr,
-    ) -> Error {
-        commit::rollback(txn, self.reply()).await;
-        database(operation, &self.row, e)
-    }
-
-    /// The bound on each round trip of this write (see `deadline.rs`).
-    fn reply(&self) -> Duration {
-        self.session.policy().reply_deadline()
-    }
-
-    fn interrupted(&self) -> Error {
-        Error::Interrupted {
-            target: self.row.to_string(),
         }
     }
 }

@@ -34,7 +34,7 @@ pub(crate) struct Locking {
     /// Whether to take a transaction-scoped lock in each transaction.
     in_transaction: bool,
     /// The bound on one reply of the database (see `deadline.rs`).
-    reply: std::time::Duration,
+    pub(crate) reply: std::time::Duration,
     /// The current transaction also releases the lease (see [`Self::verify`]).
     release_rides: bool,
     /// A committed transaction released the lease: nothing to send at the end.
@@ -181,23 +181,20 @@ impl Locking {
         }
     }
 
-    /// Begins the section's transaction and, for transaction-scoped backends, takes the lock in
-    /// it. A timed-out lock wait aborts a PostgreSQL transaction: it is ended either way, and a
-    /// clean one begun if the policy says to go on without the lock.
-    pub(crate) async fn begin(&mut self, db: &DatabaseConnection) -> Result<DatabaseTransaction> {
-        Self::begin_all(std::slice::from_mut(self), db, false).await
-    }
-
-    /// [`begin`](Self::begin) for several locks (in their order, which callers make canonical):
-    /// one transaction, every transaction-scoped lock taken in it. When one cannot be had and the
-    /// policy says to go on, the transaction is begun again without it (and the ones before it
-    /// taken again). `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]),
+    /// Begins the section's transaction under `lockings` (in their order, which callers make
+    /// canonical), every transaction-scoped lock taken in it. A timed-out lock wait aborts a
+    /// PostgreSQL transaction: when one cannot be had and the policy says to go on, the
+    /// transaction is ended and begun again without it (and the ones before it taken again). `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]),
     /// for callers that may be dropped while it runs.
     pub(crate) async fn begin_all(
         lockings: &mut [Locking],
         db: &DatabaseConnection,
         detached: bool,
     ) -> Result<DatabaseTransaction> {
+        // A lease released in an earlier attempt's transaction was not released by this one's.
+        for locking in lockings.iter_mut() {
+            locking.release_rides = false;
+        }
         let mut skipped = vec![false; lockings.len()];
         'again: loop {
             let reply = lockings

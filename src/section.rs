@@ -3,11 +3,11 @@
 
 use std::{future::Future, pin::Pin};
 
-use sea_orm::DbErr;
-use tracing::{Instrument, debug, info_span};
+use sea_orm::{DatabaseTransaction, DbErr};
+use tracing::{Instrument, info_span};
 
 use crate::{
-    engine::{self, Retries, Tried},
+    engine::{self, Engine, Fence, Retries, Step, Tried, Worked},
     error::{ApplyError, Error, Result, database},
     lock::LockName,
     locking::Locking,
@@ -194,7 +194,7 @@ impl Section<'_> {
             .join("+")
     }
 
-    async fn attempts<T, F>(self, retrying: bool, mut work: F) -> Result<SectionReport<T>>
+    async fn attempts<T, F>(self, retrying: bool, work: F) -> Result<SectionReport<T>>
     where
         T: Send,
         F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
@@ -239,13 +239,18 @@ impl Section<'_> {
                 retrying,
                 None,
             );
-            let result = loop {
-                retries.start();
-                let tried = attempt(session, &mut lockings, &label, &mut work).await;
-                if let Some(result) = retries.settle(tried).await {
-                    break result;
-                }
+            let mut step = Work {
+                session,
+                label: &label,
+                work,
             };
+            let engine = Engine {
+                db: session.connection(),
+                map: session.map(),
+                markers: session.commit_markers(),
+            };
+            let result =
+                engine::run(engine, &mut lockings, &mut retries, &label, true, &mut step).await;
             // Only now, after commit or rollback.
             let locks = engine::release_all(lockings).await;
             let outcome = result?;
@@ -265,66 +270,53 @@ impl Section<'_> {
     }
 }
 
-/// One attempt: begin (locking in the transaction where the backend does), work, fences,
-/// commit, cache.
-async fn attempt<T, F>(
-    session: &Session,
-    lockings: &mut [Locking],
-    label: &str,
-    work: &mut F,
-) -> Result<Tried<SectionOutcome<T>>>
+/// A section's work as the engine's [`Step`]: the work runs on a [`Tx`] made of the attempt's
+/// transaction; what it wrote is committed with the evidence the session takes, every lease
+/// checked (and released by the commit where its backend can).
+struct Work<'a, F> {
+    session: &'a Session,
+    label: &'a str,
+    work: F,
+}
+
+impl<T, F> Step for Work<'_, F>
 where
     T: Send,
     F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
 {
-    let db = session.connection();
-    let txn = Locking::begin_all(lockings, db, true).await?;
-    let tx = Tx::new(txn, session.clone());
-    let worked = match work(&tx) {
-        Some(work) => work.await,
-        None => Err(ApplyError::from(Error::Interrupted {
-            target: label.to_owned(),
-        })),
-    };
-    let (txn, effects, conflicted) = tx.into_parts();
-    let value = match worked {
-        Ok(value) => value,
-        Err(source) => {
-            let _ = txn.rollback().await;
-            return Ok(Tried::Failed {
-                error: section_error(label, source),
+    type Output = SectionOutcome<T>;
+
+    async fn run(
+        &mut self,
+        txn: DatabaseTransaction,
+        _lockings: &mut [Locking],
+    ) -> (DatabaseTransaction, Worked<SectionOutcome<T>>) {
+        let tx = Tx::new(txn, self.session.clone());
+        let worked = match (self.work)(&tx) {
+            Some(work) => work.await,
+            None => Err(ApplyError::from(Error::Interrupted {
+                target: self.label.to_owned(),
+            })),
+        };
+        let (txn, effects, conflicted) = tx.into_parts();
+        let worked = match worked {
+            Ok(value) => Worked::Write {
+                value: SectionOutcome::Committed(value),
+                evidence: None,
+                fence: Fence::Releasing,
+                effects,
+            },
+            Err(source) => Worked::Undone(Tried::Failed {
+                error: section_error(self.label, source),
                 conflict: conflicted,
-            });
-        }
-    };
-    // Every lease is checked before the commit and, where its backend can, released by it.
-    for locking in lockings.iter_mut() {
-        match engine::fence(&txn, locking, true, label).await {
-            Ok(true) => {}
-            Ok(false) => {
-                let _ = txn.rollback().await;
-                return Ok(Tried::Done(SectionOutcome::LeaseLost));
-            }
-            Err(error) => {
-                let _ = txn.rollback().await;
-                return Err(error);
-            }
-        }
+            }),
+        };
+        (txn, worked)
     }
-    crate::commit::commit_write(
-        txn,
-        session.commit_markers(),
-        db,
-        label,
-        session.policy().reply_deadline(),
-    )
-    .await?;
-    for locking in lockings.iter_mut() {
-        locking.committed();
+
+    fn lease_lost(&mut self) -> SectionOutcome<T> {
+        SectionOutcome::LeaseLost
     }
-    session.map().apply(effects);
-    debug!(lock = %label, "section committed");
-    Ok(Tried::Done(SectionOutcome::Committed(value)))
 }
 
 /// The error a section's work returned, as the caller gets it: freshlock's own errors and

@@ -1,0 +1,327 @@
+//! One row's locked write as a step of the engine (`engine.rs`): evict, reload under the lock,
+//! hand the row to the caller, and write what it decided — update (serving the seated waiters of
+//! a combined batch), insert or delete, with the hooks and the version guard of `write.rs`. The
+//! fence check, the commit with its evidence, the cache effects and the retries are the
+//! engine's: this file only says what the attempt wrote.
+
+use std::{sync::Arc, time::Duration};
+
+use sea_orm::{DatabaseTransaction, DbErr, EntityTrait, IdenStatic, IntoActiveModel, ModelTrait};
+use tokio::sync::mpsc;
+use tracing::debug;
+
+use crate::{
+    combine::{Batch, RoomKey},
+    deadline::within,
+    decision::{Decision, Written},
+    engine::{self, End, Fence, Step, Tried, Worked},
+    error::{Error, Result, database},
+    identity_map::Change,
+    locking::Locking,
+    row::{Row, reload_for_update},
+    session::Session,
+    write::{self, Inserted},
+};
+
+/// The row write of one `locked_update` (or delete, get-or-insert, update-or-insert), talking to
+/// its caller over two channels: the reloaded row out, the caller's [`Decision`] back.
+pub(crate) struct RowStep<E: EntityTrait> {
+    pub(crate) session: Session,
+    pub(crate) row: Row,
+    pub(crate) reloaded: mpsc::Sender<Option<E::Model>>,
+    pub(crate) decisions: mpsc::Receiver<Decision<E>>,
+    /// The row's room when this write may share a commit (see [`crate::combine`]).
+    pub(crate) room: Option<RoomKey>,
+    /// The waiters this holder serves (taken on its first attempt that writes), when combining.
+    pub(crate) batch: Option<Batch<E>>,
+    /// How many writes the committed transaction carried (1 unless combined).
+    pub(crate) committed: u32,
+    /// What the served waiters are told once this attempt's transaction committed: the stored
+    /// row and the rows their own `after_save` returned.
+    telling: Option<Telling<E::Model>>,
+}
+
+/// The stored row of a combined write and, by member index, the rows the served waiters' own
+/// `after_save` returned.
+type Telling<M> = (Arc<M>, Vec<(usize, M)>);
+
+/// What an attempt of a row write gives the engine.
+type Attempted<E> = (
+    DatabaseTransaction,
+    Worked<Written<<E as EntityTrait>::Model>>,
+);
+
+impl<E> RowStep<E>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+{
+    pub(crate) fn new(
+        session: Session,
+        row: Row,
+        reloaded: mpsc::Sender<Option<E::Model>>,
+        decisions: mpsc::Receiver<Decision<E>>,
+        room: Option<RoomKey>,
+    ) -> Self {
+        Self {
+            session,
+            row,
+            reloaded,
+            decisions,
+            room,
+            batch: None,
+            committed: 1,
+            telling: None,
+        }
+    }
+
+    /// `before_save`, the waiters of the batch served (when combining), the fence check, the
+    /// guarded UPDATE with its commit evidence, `after_save` (the holder's and each served
+    /// waiter's).
+    async fn update(
+        &mut self,
+        txn: DatabaseTransaction,
+        lockings: &mut [Locking],
+        original: E::Model,
+        draft: E::ActiveModel,
+    ) -> Attempted<E> {
+        let mut draft = match write::before_save::<E, _>(draft, &txn, false).await {
+            Ok(draft) => draft,
+            Err(e) => return self.failed(txn, "running before_save for", e),
+        };
+        let mut changes = write::changed_columns::<E>(&original, &mut draft);
+        if changes
+            .iter()
+            .any(|(column, _)| write::is_primary_key::<E>(column))
+        {
+            let error = Error::PrimaryKeyChanged {
+                target: self.row.to_string(),
+            };
+            return (txn, Worked::Undone(Tried::failed(error)));
+        }
+        // Only a holder that excludes the process's other writers of the row may serve them.
+        let excludes = lockings.iter().all(Locking::excludes_process);
+        if let Some(room) = self.room.as_ref().filter(|_| excludes) {
+            let batch = self.batch.get_or_insert_with(|| Batch::take(room));
+            match batch.serve(&txn, &original, &mut changes, &self.row).await {
+                Ok(true) => {}
+                Ok(false) => return (txn, Worked::Undone(Tried::Uncounted)),
+                Err(e) => return self.failed(txn, "combining writes of", e),
+            }
+        }
+        if changes.is_empty() {
+            let original = Arc::new(original);
+            self.telling = Some((Arc::clone(&original), Vec::new()));
+            let worked = Worked::Kept {
+                effects: vec![self.cached(&original)],
+                value: Written::Unchanged(original),
+                end: End::Commit,
+            };
+            return (txn, worked);
+        }
+        // Checked before the UPDATE, so a lost lease sends none; the lease (table backend) is
+        // released in this transaction: the commit ends it.
+        match engine::fences(&txn, lockings, true, self.row.name.as_str()).await {
+            Ok(true) => {}
+            Ok(false) => return (txn, Worked::Undone(Tried::Done(Written::LeaseLost))),
+            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
+        }
+        // The optimistic guard: the UPDATE also checks that the row still holds what was read
+        // (its version column when one is declared, else the changed columns), so a write made
+        // without the lock can never overwrite a change it did not see.
+        let version = self.session.version_of::<E>();
+        let read = version.map(|column| (column, original.get(column)));
+        let unversioned = |changes: &[write::ColumnValue<E>]| {
+            (changes.iter())
+                .map(|(column, _)| (*column, original.get(*column)))
+                .collect()
+        };
+        let Some(expected) = write::guard::<E>(read, &mut changes, unversioned) else {
+            let error = Error::VersionColumn {
+                entity: E::default().table_name(),
+                column: version.map_or("", |c| c.as_str()),
+            };
+            return (txn, Worked::Undone(Tried::failed(error)));
+        };
+        // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
+        // statement where the database allows (see `commit.rs`).
+        let (db, reply) = (self.session.connection(), self.reply());
+        let markers = self.session.commit_markers();
+        let update = write::update_with_evidence::<E>(
+            &txn, db, markers, &original, &changes, &expected, reply,
+        );
+        let (stored, evidence) = match update.await {
+            Ok((Some(stored), evidence)) => (stored, evidence),
+            Ok((None, _)) => {
+                let conflict = Tried::conflict(self.row.to_string());
+                return (txn, Worked::Undone(conflict));
+            }
+            Err((write::Step::Evidence, e)) => return self.failed(txn, "marking the commit of", e),
+            Err((write::Step::Update, e)) => return self.failed(txn, "writing", e),
+        };
+        let reported = match write::after_save::<E, _>(stored.clone(), &txn, false).await {
+            Ok(reported) => reported,
+            Err(e) => return self.failed(txn, "running after_save for", e),
+        };
+        // Each served waiter that changed something gets its own `after_save`.
+        let theirs = match self.batch.as_mut() {
+            None => Vec::new(),
+            Some(batch) => match batch.after_saves(&stored, &txn, &self.row).await {
+                Some(theirs) => theirs,
+                None => return (txn, Worked::Undone(Tried::Uncounted)),
+            },
+        };
+        let stored = Arc::new(stored);
+        self.telling = Some((Arc::clone(&stored), theirs));
+        let worked = Worked::Write {
+            value: Written::Updated(Arc::new(reported)),
+            evidence,
+            fence: Fence::Checked,
+            effects: vec![self.cached(&stored)],
+        };
+        (txn, worked)
+    }
+
+    /// `before_save`, INSERT … RETURNING, `after_save`. No fence check: an insert cannot
+    /// overwrite anything, and a concurrent creator makes it fail on the key (a conflict: the
+    /// next attempt finds the winner's row).
+    async fn insert(&self, txn: DatabaseTransaction, draft: E::ActiveModel) -> Attempted<E> {
+        let worked = match write::insert_row::<E, _>(&txn, draft).await {
+            Ok(Inserted::Stored { stored, reported }) => Worked::Write {
+                value: Written::Inserted(Arc::new(reported)),
+                evidence: None,
+                fence: Fence::Unchecked,
+                effects: vec![self.cached(&Arc::new(stored))],
+            },
+            Ok(Inserted::Taken(_)) => Worked::Undone(Tried::conflict(self.row.to_string())),
+            Err(failed) => return self.failed(txn, failed.operation, failed.error),
+        };
+        (txn, worked)
+    }
+
+    /// The fence check, `before_delete`, DELETE (guarded by the version column when one is
+    /// declared), `after_delete`; the commit evicts the row.
+    async fn delete(
+        &self,
+        txn: DatabaseTransaction,
+        lockings: &mut [Locking],
+        original: E::Model,
+    ) -> Attempted<E> {
+        match engine::fences(&txn, lockings, false, self.row.name.as_str()).await {
+            Ok(true) => {}
+            Ok(false) => return (txn, Worked::Undone(Tried::Done(Written::LeaseLost))),
+            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
+        }
+        let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
+        let deleted = write::delete_row::<E, _>(&txn, &original, self.row.pk(), &expected).await;
+        let worked = match deleted {
+            Ok(true) => Worked::Write {
+                value: Written::Deleted(Arc::new(original)),
+                evidence: None,
+                fence: Fence::Checked,
+                effects: vec![Change::Evict(self.row.key.clone())],
+            },
+            Ok(false) => Worked::Undone(Tried::conflict(self.row.to_string())),
+            Err(failed) => return self.failed(txn, failed.operation, failed.error),
+        };
+        (txn, worked)
+    }
+
+    /// The cache change that records `model` as this row's committed state.
+    fn cached(&self, model: &Arc<E::Model>) -> Change {
+        Change::cache(self.row.key.clone(), Arc::clone(model))
+    }
+
+    /// A step of the write failed: the engine rolls back, and this is the error.
+    fn failed(&self, txn: DatabaseTransaction, operation: &'static str, e: DbErr) -> Attempted<E> {
+        let error = database(operation, &self.row, e);
+        (txn, Worked::Undone(Tried::failed(error)))
+    }
+
+    /// The bound on each round trip of this write (see `deadline.rs`).
+    fn reply(&self) -> Duration {
+        self.session.policy().reply_deadline()
+    }
+
+    pub(crate) fn interrupted(&self) -> Error {
+        Error::Interrupted {
+            target: self.row.to_string(),
+        }
+    }
+}
+
+impl<E> Step for RowStep<E>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
+    E::ActiveModel: Send,
+{
+    type Output = Written<E::Model>;
+
+    /// Evict, reload, hand over to the caller, write what it decided.
+    async fn run(&mut self, txn: DatabaseTransaction, lockings: &mut [Locking]) -> Attempted<E> {
+        self.telling = None;
+        self.session.map().remove(&self.row.key);
+        let reload = reload_for_update::<E>(&txn, self.row.pk());
+        let found = match within(self.reply(), reload).await {
+            Ok(found) => found,
+            Err(e) => return self.failed(txn, "reloading", e),
+        };
+        // A caller that is gone or aborted closed its channel: roll back, and report (to
+        // nobody, or to a caller that returns its own error instead).
+        if self.reloaded.send(found).await.is_err() {
+            return (txn, Worked::Undone(Tried::failed(self.interrupted())));
+        }
+        let Some(decision) = self.decisions.recv().await else {
+            return (txn, Worked::Undone(Tried::failed(self.interrupted())));
+        };
+        match decision {
+            Decision::NotFound => {
+                let worked = Worked::Kept {
+                    value: Written::NotFound,
+                    end: End::RollBack,
+                    effects: Vec::new(),
+                };
+                (txn, worked)
+            }
+            Decision::Keep(original) => {
+                debug!(row = %self.row.name, "unchanged");
+                let original = Arc::new(original);
+                let worked = Worked::Kept {
+                    effects: vec![self.cached(&original)],
+                    value: Written::Unchanged(original),
+                    end: End::Commit,
+                };
+                (txn, worked)
+            }
+            Decision::Update { original, draft } => {
+                self.update(txn, lockings, original, draft).await
+            }
+            Decision::Insert(draft) => self.insert(txn, draft).await,
+            Decision::Delete(original) => self.delete(txn, lockings, original).await,
+        }
+    }
+
+    fn lease_lost(&mut self) -> Written<E::Model> {
+        Written::LeaseLost
+    }
+
+    /// After the commit, every waiter merged into it gets its report (see
+    /// [`Batch::committed`]); after a commit whose outcome is unknown, each is told so.
+    fn ended(&mut self, lockings: &[Locking], ended: &Result<()>) {
+        let (Some(batch), Some((stored, theirs))) = (self.batch.as_mut(), self.telling.take())
+        else {
+            return;
+        };
+        match (ended, lockings.first()) {
+            (Ok(()), Some(locking)) => {
+                self.committed = batch.committed(&locking.report, &stored, theirs);
+            }
+            (Err(Error::CommitUnknown { source, .. }), _) => {
+                batch.in_doubt(&self.row, &source.to_string());
+            }
+            _ => {}
+        }
+    }
+}
