@@ -6,7 +6,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use sea_orm::{DatabaseTransaction, DbErr, EntityTrait, IdenStatic, IntoActiveModel, ModelTrait};
+use sea_orm::{DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, ModelTrait};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -137,12 +137,9 @@ where
                 .map(|(column, _)| (*column, original.get(*column)))
                 .collect()
         };
-        let Some(expected) = write::guard::<E>(read, &mut changes, unversioned) else {
-            let error = Error::VersionColumn {
-                entity: E::default().table_name(),
-                column: version.map_or("", |c| c.as_str()),
-            };
-            return (txn, Worked::Undone(Tried::failed(error)));
+        let expected = match write::guard::<E>(read, &mut changes, unversioned) {
+            Ok(expected) => expected,
+            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
         };
         // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
         // statement where the database allows (see `commit.rs`).

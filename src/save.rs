@@ -2,13 +2,12 @@
 //! the repository's own, a section's): written once for `Repository` and `TxRepository`.
 
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ConnectionTrait, EntityTrait, IdenStatic, IntoActiveModel,
-    ModelTrait,
+    ActiveModelTrait, ActiveValue, ConnectionTrait, EntityTrait, IntoActiveModel, ModelTrait,
 };
 
 use crate::{
     commit,
-    error::{Error, Result, database},
+    error::{Result, database},
     row::{Row, select_by_key},
     write::{self, Inserted, reject_set_primary_key},
 };
@@ -73,12 +72,7 @@ where
             .map(|(column, _)| (*column, snapshot.get(*column)))
             .collect()
     };
-    let Some(expected) = write::guard::<E>(read, &mut changes, unversioned) else {
-        return Err(Error::VersionColumn {
-            entity: E::default().table_name(),
-            column: version.map_or("", |column| column.as_str()),
-        });
-    };
+    let expected = write::guard::<E>(read, &mut changes, unversioned)?;
     let stored = if changes.is_empty() {
         write::select_holding::<E, _>(db, row.pk(), &expected)
             .await

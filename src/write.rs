@@ -349,23 +349,29 @@ where
 ///
 /// With a declared version column (`version`: the column and the value the write read), the
 /// write checks that the version still holds that value and, when it changes anything, sets it
-/// to the next one; `None` when that value is NULL or not an integer. Without one, it checks
-/// what `unversioned` makes of the changes: that the columns still hold what was read (the
-/// changed columns for a locked write, every column a save sets for a save).
+/// to the next one. Without one, it checks what `unversioned` makes of the changes: that the
+/// columns still hold what was read (the changed columns for a locked write, every column a save
+/// sets for a save).
+///
+/// # Errors
+/// [`Error::VersionColumn`] when the version read is NULL or not an integer.
 pub(crate) fn guard<E: EntityTrait>(
     version: Option<(E::Column, Value)>,
     changes: &mut Vec<ColumnValue<E>>,
     unversioned: impl FnOnce(&[ColumnValue<E>]) -> Vec<ColumnValue<E>>,
-) -> Option<Vec<ColumnValue<E>>> {
+) -> Result<Vec<ColumnValue<E>>, Error> {
     let Some((column, read)) = version else {
-        return Some(unversioned(changes));
+        return Ok(unversioned(changes));
     };
-    let next = next_version(&read)?;
+    let next = next_version(&read).ok_or_else(|| Error::VersionColumn {
+        entity: E::default().table_name(),
+        column: column.as_str(),
+    })?;
     if !changes.is_empty() {
         changes.retain(|(changed, _)| changed.as_str() != column.as_str());
         changes.push((column, next));
     }
-    Some(vec![(column, read)])
+    Ok(vec![(column, read)])
 }
 
 /// What a guarded delete of `original` checks: its version column (`version`, the session's for
