@@ -42,9 +42,10 @@ pub(crate) enum Tried<T> {
     /// Failed. `conflict`: an optimistic guard refused a write of the attempt (the error may
     /// also be [`Error::Conflict`] itself).
     Failed { error: Error, conflict: bool },
-    /// Not an attempt of this write: a combined waiter's hook failed after it may have written
-    /// in the transaction; it got its own error, and the attempt runs again without it (neither
-    /// counted nor delayed).
+    /// Not an attempt of this write, rolled back and run again at once (neither counted nor
+    /// delayed): a combined waiter's hook failed after it may have written in the transaction
+    /// (it got its own error, and the attempt runs without it), or a lock tried in the step's
+    /// first statement was not had (the attempt takes it with a statement of its own).
     Uncounted,
 }
 
@@ -274,6 +275,12 @@ pub(crate) trait Step: Send {
     /// The result when a lease was lost before the commit (rolled back, nothing written).
     fn lease_lost(&mut self) -> Self::Output;
 
+    /// Whether the step's first statement tries a single `pg_advisory` lock itself (see
+    /// [`Locking::folding_key`]): then `BEGIN` sends no lock statement of its own.
+    fn folds_lock(&self) -> bool {
+        false
+    }
+
     /// The transaction of a [`Worked::Write`] or [`Worked::Kept`] ended as `ended` says (after
     /// the cache effects of a commit; before any lock is released).
     fn ended(&mut self, _lockings: &[Locking], _ended: &Result<()>) {}
@@ -320,7 +327,7 @@ async fn attempt<S: Step>(
 ) -> Result<Tried<S::Output>> {
     let db = engine.db;
     let reply = (lockings.first()).map_or(crate::deadline::DEFAULT_REPLY, |l| l.reply);
-    let txn = Locking::begin_all(lockings, db, detached).await?;
+    let txn = Locking::begin_all(lockings, db, detached, step.folds_lock()).await?;
     let (txn, worked) = step.run(txn, lockings).await;
     let (value, ended, effects) = match worked {
         Worked::Undone(tried) => {

@@ -84,7 +84,16 @@ where
         })
         .flatten();
     let driver = Driver::<E> {
-        step: RowStep::new(session.clone(), row, reloaded_tx, decisions_rx, room),
+        // A write that only updates an existing row tries a `pg_advisory` lock in its reload
+        // (one round trip less); one that may find no row would only pay for a second try.
+        step: RowStep::new(
+            session.clone(),
+            row,
+            reloaded_tx,
+            decisions_rx,
+            room,
+            combinable,
+        ),
     };
     let mut driver = Detachable::new(driver.run().instrument(span));
 

@@ -13,12 +13,24 @@ use crate::{
     deadline::within,
     error::{Error, LockError, Result, database},
     lock::{
-        LeaseCheck, LocalLock, LockBackend, LockGuard, LockName, LockPolicy, LockRole,
+        LeaseCheck, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole,
         OnLockFailure,
     },
     outcome::LockReport,
     registry::Registry,
 };
+
+/// Whether a transaction-scoped lock is taken by the step's first statement instead of a
+/// statement of its own after `BEGIN` (one round trip less).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Fold {
+    /// It is not (a lease, another backend, another database, or a try there failed).
+    Never,
+    /// It may be (`pg_advisory` on PostgreSQL), in a transaction begun to fold it.
+    Allowed,
+    /// This transaction's lock is to be tried by the step's first statement.
+    Pending,
+}
 
 /// The lock of one locked section while it runs.
 pub(crate) struct Locking {
@@ -33,6 +45,8 @@ pub(crate) struct Locking {
     pub(crate) guard: Option<Box<dyn LockGuard>>,
     /// Whether to take a transaction-scoped lock in each transaction.
     in_transaction: bool,
+    /// Whether that lock may ride on the step's first statement (see [`Self::folding_key`]).
+    fold: Fold,
     /// The bound on one reply of the database (see `deadline.rs`).
     pub(crate) reply: std::time::Duration,
     /// The current transaction also releases the lease (see [`Self::verify`]).
@@ -62,6 +76,7 @@ impl Locking {
             queue: None,
             guard: None,
             in_transaction: false,
+            fold: Fold::Never,
             reply: policy.reply_deadline(),
             release_rides: false,
             released_by_commit: false,
@@ -100,7 +115,12 @@ impl Locking {
 
         let backend = Arc::clone(&locking.backend);
         match backend.role() {
-            LockRole::Transaction(_) => locking.in_transaction = true,
+            LockRole::Transaction(_) => {
+                locking.in_transaction = true;
+                if locking.report.backend == LockKind::PgAdvisory {
+                    locking.fold = Fold::Allowed;
+                }
+            }
             LockRole::Lease(lease) => {
                 // Not raced against cancellation: dropping a backend's acquire mid-statement could
                 // leave a lease taken that nobody releases (until its TTL). The queue above bounds
@@ -184,16 +204,23 @@ impl Locking {
     /// Begins the section's transaction under `lockings` (in their order, which callers make
     /// canonical), every transaction-scoped lock taken in it. A timed-out lock wait aborts a
     /// PostgreSQL transaction: when one cannot be had and the policy says to go on, the
-    /// transaction is ended and begun again without it (and the ones before it taken again). `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]),
-    /// for callers that may be dropped while it runs.
+    /// transaction is ended and begun again without it (and the ones before it taken again).
+    /// `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]), for callers
+    /// that may be dropped while it runs. `fold`: the caller's first statement tries the lock of
+    /// a single `pg_advisory` locking itself (see [`Self::folding_key`]), so none is sent here.
     pub(crate) async fn begin_all(
         lockings: &mut [Locking],
         db: &DatabaseConnection,
         detached: bool,
+        fold: bool,
     ) -> Result<DatabaseTransaction> {
+        let folds = fold && lockings.len() == 1 && db.get_database_backend() == DbBackend::Postgres;
         // A lease released in an earlier attempt's transaction was not released by this one's.
         for locking in lockings.iter_mut() {
             locking.release_rides = false;
+            if locking.fold == Fold::Pending {
+                locking.fold = Fold::Allowed;
+            }
         }
         let mut skipped = vec![false; lockings.len()];
         'again: loop {
@@ -218,6 +245,10 @@ impl Locking {
                 if !locking.in_transaction || *skipped {
                     continue;
                 }
+                if folds && locking.fold == Fold::Allowed {
+                    locking.fold = Fold::Pending;
+                    continue;
+                }
                 if let Err(failure) = locking.lock_in(&txn).await {
                     let _ = txn.rollback().await;
                     locking.unavailable(failure)?;
@@ -226,6 +257,27 @@ impl Locking {
                 }
             }
             return Ok(txn);
+        }
+    }
+
+    /// The `pg_advisory_xact_lock` key the step's first statement is to try (`(SELECT
+    /// pg_try_advisory_xact_lock(key))` in its `WHERE`: a one-time filter, evaluated before any
+    /// row is read or locked), when [`begin_all`](Self::begin_all) left this lock to it.
+    pub(crate) fn folding_key(&self) -> Option<i64> {
+        (self.fold == Fold::Pending).then(|| crate::lock::PgAdvisoryLock::key(&self.report.name))
+    }
+
+    /// How the try of [`folding_key`](Self::folding_key) went (`waited`: the statement's time).
+    /// Not held — the lock is busy, or the statement found no row and so cannot tell — means
+    /// the attempt is to be run again, the lock then taken by a statement of its own.
+    pub(crate) fn folded(&mut self, held: bool, waited: Duration) {
+        self.report.tries = 1;
+        self.report.waited += waited;
+        if held {
+            self.report.held = true;
+            self.fold = Fold::Allowed;
+        } else {
+            self.fold = Fold::Never;
         }
     }
 

@@ -114,12 +114,19 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
 }
 
 /// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
-/// already excludes other writers).
+/// already excludes other writers). With `advisory` (PostgreSQL), the same statement first
+/// tries that `pg_advisory_xact_lock` key, as a one-time filter evaluated before any row is read
+/// or locked: no row comes back unless the lock was had (see `Locking::folding_key`).
 pub(crate) async fn reload_for_update<E: EntityTrait>(
     txn: &DatabaseTransaction,
     pk: &ValueTuple,
+    advisory: Option<i64>,
 ) -> Result<Option<E::Model>, DbErr> {
     let mut reload = select_by_key::<E>(pk);
+    if let Some(key) = advisory {
+        let try_lock = "(SELECT pg_try_advisory_xact_lock($1))";
+        reload = reload.filter(sea_orm::sea_query::Expr::cust_with_values(try_lock, [key]));
+    }
     if txn.get_database_backend() != DbBackend::Sqlite {
         reload = reload.lock_exclusive();
     }

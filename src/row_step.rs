@@ -39,6 +39,9 @@ pub(crate) struct RowStep<E: EntityTrait> {
     /// What the served waiters are told once this attempt's transaction committed: the stored
     /// row and the rows their own `after_save` returned.
     telling: Option<Telling<E::Model>>,
+    /// Whether the reload tries a `pg_advisory` lock itself (see `Locking::folding_key`): for
+    /// writes that only update a row that exists, until a try fails.
+    fold: bool,
 }
 
 /// The stored row of a combined write and, by member index, the rows the served waiters' own
@@ -63,6 +66,7 @@ where
         reloaded: mpsc::Sender<Option<E::Model>>,
         decisions: mpsc::Receiver<Decision<E>>,
         room: Option<RoomKey>,
+        fold: bool,
     ) -> Self {
         Self {
             session,
@@ -73,6 +77,7 @@ where
             batch: None,
             committed: 1,
             telling: None,
+            fold,
         }
     }
 
@@ -260,11 +265,25 @@ where
     async fn run(&mut self, txn: DatabaseTransaction, lockings: &mut [Locking]) -> Attempted<E> {
         self.telling = None;
         self.session.map().remove(&self.row.key);
-        let reload = reload_for_update::<E>(&txn, self.row.pk());
+        let advisory = lockings.first().and_then(Locking::folding_key);
+        let started = tokio::time::Instant::now();
+        let reload = reload_for_update::<E>(&txn, self.row.pk(), advisory);
         let found = match within(self.reply(), reload).await {
             Ok(found) => found,
             Err(e) => return self.failed(txn, "reloading", e),
         };
+        if advisory.is_some() {
+            let held = found.is_some();
+            if let Some(locking) = lockings.first_mut() {
+                locking.folded(held, started.elapsed());
+            }
+            if !held {
+                // The lock is busy (or there is no row, which the statement cannot tell apart):
+                // nothing was read or locked. Again, the lock taken by a statement of its own.
+                self.fold = false;
+                return (txn, Worked::Undone(Tried::Uncounted));
+            }
+        }
         // A caller that is gone or aborted closed its channel: roll back, and report (to
         // nobody, or to a caller that returns its own error instead).
         if self.reloaded.send(found).await.is_err() {
@@ -302,6 +321,10 @@ where
 
     fn lease_lost(&mut self) -> Written<E::Model> {
         Written::LeaseLost
+    }
+
+    fn folds_lock(&self) -> bool {
+        self.fold
     }
 
     /// After the commit, every waiter merged into it gets its report (see

@@ -19,7 +19,8 @@ const KIND: &str = "pg_advisory";
 /// `pg_advisory_xact_lock` on the 64-bit [`LockName::stable_hash`] of the name, inside the
 /// `locked_update` transaction: released by its commit or rollback, so it can neither leak onto a
 /// pooled connection nor outlive a crashed holder, and needs no table. The wait is bounded with
-/// `lock_timeout`. Uncontended, it costs one statement (`pg_try_advisory_xact_lock`).
+/// `lock_timeout`. Uncontended, it costs one statement (`pg_try_advisory_xact_lock`), and none
+/// for `locked_update`, whose reload tries it in its own `WHERE`.
 ///
 /// PostgreSQL only: on other databases it fails with [`LockError::Unsupported`]. Two names
 /// with the same 64-bit hash share a lock (harmless: they only serialize more).

@@ -61,6 +61,10 @@ struct Counters {
     every: AtomicU32,
     seen: AtomicU32,
     cuts: AtomicU32,
+    /// Round trips of the clients' statements: their first message after each reply of the
+    /// server (messages a client sends without waiting in between are one round trip), not
+    /// counting PostgreSQL pings (a `Sync` alone).
+    messages: AtomicU32,
     /// Instead of cutting, black-hole the connection: after the message, nothing passes either
     /// way and both sockets stay open (no FIN, no RST), as behind a firewall that forgot it.
     hole: std::sync::atomic::AtomicBool,
@@ -93,6 +97,7 @@ impl Proxy {
             every: AtomicU32::new(0),
             seen: AtomicU32::new(0),
             cuts: AtomicU32::new(0),
+            messages: AtomicU32::new(0),
             hole: std::sync::atomic::AtomicBool::new(false),
             limit: AtomicU32::new(u32::MAX),
         });
@@ -144,6 +149,11 @@ impl Proxy {
         self.counters.down.send_replace(down);
     }
 
+    /// How many round trips the clients' statements made so far (see `Counters::messages`).
+    pub fn round_trips(&self) -> u32 {
+        self.counters.messages.load(Ordering::SeqCst)
+    }
+
     /// How many connections were cut.
     pub fn cuts(&self) -> u32 {
         self.counters.cuts.load(Ordering::SeqCst)
@@ -178,6 +188,8 @@ async fn forward(
     let mut outage = counters.down.subscribe();
     // A grant was prepared: cut after the next client message (its execution).
     let mut armed = false;
+    // The server answered since the client last wrote (see `Counters::messages`).
+    let mut replied = true;
     loop {
         tokio::select! {
             changed = outage.changed() => {
@@ -191,6 +203,12 @@ async fn forward(
                     return Ok(());
                 }
                 let chunk = &up[..n];
+                // A round trip starts with the client's first message after a reply.
+                // A PostgreSQL `Sync` alone is sqlx's ping (it pings every connection it is given
+                // back, in a task of its own): not a statement.
+                if std::mem::take(&mut replied) && chunk != b"S\0\0\0\x04" {
+                    counters.messages.fetch_add(1, Ordering::SeqCst);
+                }
                 let every = counters.every.load(Ordering::SeqCst);
                 let under_limit =
                     counters.cuts.load(Ordering::SeqCst) < counters.limit.load(Ordering::SeqCst);
@@ -238,6 +256,7 @@ async fn forward(
                     return Ok(());
                 }
                 client.write_all(&down[..n]).await?;
+                replied = true;
             }
         }
     }

@@ -1,0 +1,163 @@
+//! Round trips of a `locked_update` under `pg_advisory` on PostgreSQL, counted by a proxy between
+//! the pool and the server: the advisory lock is tried by the reload itself (`WHERE … AND (SELECT
+//! pg_try_advisory_xact_lock(key))`, a one-time filter), so the write sends `BEGIN`, the reload,
+//! the UPDATE and `COMMIT` — four, as under the in-process lock — instead of a fifth statement
+//! for the lock. When the try fails (the lock is busy in another process, or there is no row),
+//! nothing was read or locked: the attempt runs again with the lock taken by a statement of its
+//! own, and the write's outcome and counts are those of any other write.
+//!
+//! PostgreSQL only (the shared server, a schema of the test's own).
+
+#[path = "common/proxy.rs"]
+mod proxy;
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{sync::Arc, time::Duration};
+
+use entity::node;
+use freshlock::{LockPolicy, PgAdvisoryLock, Session, UpdateOutcome, lock_name};
+use proxy::{CutAfter, Proxy};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Set};
+use servers::TestDb;
+
+/// Calls measured after the warm-up (prepared statements, the incarnation token).
+const CALLS: u32 = 40;
+
+async fn proxied(db: &TestDb, proxy: &Proxy) -> DatabaseConnection {
+    let mut options = sea_orm::ConnectOptions::new(proxy.url(&db.url));
+    // One connection, no checkout ping: every message the proxy sees is a statement of a call.
+    options
+        .max_connections(1)
+        .min_connections(1)
+        .test_before_acquire(false)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = &db.schema {
+        options.set_schema_search_path(schema);
+    }
+    sea_orm::Database::connect(options).await.expect("connect")
+}
+
+fn session(pool: &DatabaseConnection) -> Session {
+    Session::builder(pool.clone())
+        .lock(Arc::new(PgAdvisoryLock::new()))
+        .policy(LockPolicy::default().with_wait_per_try(Duration::from_secs(30)))
+        .build()
+        .expect("session")
+}
+
+async fn increment(session: &Session, id: i32) -> freshlock::UpdateReport<node::Model> {
+    session
+        .repository::<node::Entity>()
+        .locked_update(id, |n| {
+            n.score = Set(Some(n.score.as_ref().unwrap_or(0) + 1));
+            Ok(())
+        })
+        .await
+        .expect("locked_update")
+}
+
+#[tokio::test]
+async fn an_advisory_update_takes_its_lock_in_the_reload_four_round_trips() {
+    let Some(db) = servers::postgres("round_trips_four").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session(&pool);
+    for _ in 0..5 {
+        increment(&session, 1).await;
+    }
+    let before = proxy.round_trips();
+    for _ in 0..CALLS {
+        let report = increment(&session, 1).await;
+        assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
+        assert!(report.lock.held, "the lock was had by the reload's try");
+        assert_eq!((report.attempts, report.conflicts), (1, 0));
+    }
+    let sent = proxy.round_trips() - before;
+    // Four per call (BEGIN, reload, UPDATE, COMMIT); a lock statement of its own makes five.
+    // (sqlx also pings each connection it is given back, a round trip of its own off the
+    // caller's path, which the proxy does not count.)
+    assert_eq!(sent, CALLS * 4, "round trips for {CALLS} calls");
+    assert_eq!(db.score(1).await, Some(5 + CALLS as i32));
+}
+
+#[tokio::test]
+async fn a_busy_advisory_lock_is_waited_for_in_a_second_try_and_counted_once() {
+    let Some(db) = servers::postgres("round_trips_busy").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session(&pool);
+    // Another process holds the row's advisory lock (a session-level lock on a connection of
+    // its own).
+    let key = PgAdvisoryLock::key(&lock_name::<node::Entity>(1).expect("name"));
+    let other = servers::connect(&db.url, db.schema.as_deref(), 1).await;
+    let holder = sea_orm::Statement::from_string(
+        sea_orm::DbBackend::Postgres,
+        format!("SELECT pg_advisory_lock({key})"),
+    );
+    other.execute_raw(holder).await.expect("hold the lock");
+
+    let writer = tokio::spawn(async move { increment(&session, 1).await });
+    // The write's try in the reload failed; its second attempt waits in `pg_advisory_xact_lock`.
+    let waiting = format!(
+        "SELECT count(*)::int AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+         AND ((classid::bigint << 32) | objid::bigint) = {key}"
+    );
+    let mut polls = 0;
+    while db
+        .query_one(&waiting)
+        .await
+        .try_get::<i32>("", "n")
+        .unwrap()
+        == 0
+    {
+        polls += 1;
+        assert!(polls < 3000, "the write never waited for the lock");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let row = db.score(1).await;
+    assert_eq!(
+        row, None,
+        "nothing written while the lock is held elsewhere"
+    );
+    let release = sea_orm::Statement::from_string(
+        sea_orm::DbBackend::Postgres,
+        format!("SELECT pg_advisory_unlock({key})"),
+    );
+    other.execute_raw(release).await.expect("release");
+
+    let report = writer.await.expect("writer");
+    assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
+    assert!(report.lock.held);
+    // The failed try is not an attempt of the write: nothing was read or written in it.
+    assert_eq!((report.attempts, report.conflicts), (1, 0));
+    assert_eq!(db.score(1).await, Some(1));
+}
+
+#[tokio::test]
+async fn an_advisory_update_of_a_missing_row_is_not_found_once() {
+    let Some(db) = servers::postgres("round_trips_missing").await else {
+        return;
+    };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session(&pool);
+    let report = session
+        .repository::<node::Entity>()
+        .locked_update(404, |n| {
+            n.score = Set(Some(1));
+            Ok(())
+        })
+        .await
+        .expect("locked_update");
+    assert!(matches!(report.outcome, UpdateOutcome::NotFound));
+    assert_eq!(report.attempts, 1);
+    assert!(db.all_nodes().await.is_empty());
+}
