@@ -16,7 +16,10 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use entity::node;
-use freshlock::{LockPolicy, PgAdvisoryLock, Session, UpdateOutcome, lock_name};
+use freshlock::{
+    LocalLock, LockBackend, LockPolicy, PgAdvisoryLock, RowLock, Session, TableLock, UpdateOutcome,
+    lock_name,
+};
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Set};
 use servers::TestDb;
@@ -40,8 +43,12 @@ async fn proxied(db: &TestDb, proxy: &Proxy) -> DatabaseConnection {
 }
 
 fn session(pool: &DatabaseConnection) -> Session {
+    session_with(pool, Arc::new(PgAdvisoryLock::new()))
+}
+
+fn session_with(pool: &DatabaseConnection, lock: Arc<dyn LockBackend>) -> Session {
     Session::builder(pool.clone())
-        .lock(Arc::new(PgAdvisoryLock::new()))
+        .lock(lock)
         .policy(LockPolicy::default().with_wait_per_try(Duration::from_secs(30)))
         .build()
         .expect("session")
@@ -83,6 +90,44 @@ async fn an_advisory_update_takes_its_lock_in_the_reload_four_round_trips() {
     // caller's path, which the proxy does not count.)
     assert_eq!(sent, CALLS * 4, "round trips for {CALLS} calls");
     assert_eq!(db.score(1).await, Some(5 + CALLS as i32));
+}
+
+/// The statements of one uncontended `locked_update` per backend, as a guard on the hot path:
+/// a statement added to it fails here. `row` locks its lock row with a statement of its own;
+/// `table` grants its lease before the transaction and checks (and frees) it in it.
+#[tokio::test]
+async fn every_backend_sends_the_statements_it_documents() {
+    let Some(db) = servers::postgres("round_trips_backends").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let backends: [(&str, Arc<dyn LockBackend>, u32); 4] = [
+        ("local", Arc::new(LocalLock::new()), 4),
+        ("pg_advisory", Arc::new(PgAdvisoryLock::new()), 4),
+        ("row", Arc::new(RowLock::new(pool.clone())), 5),
+        ("table", Arc::new(TableLock::new(pool.clone())), 6),
+    ];
+    let mut done = 0;
+    for (name, lock, statements) in backends {
+        let session = session_with(&pool, lock);
+        for _ in 0..5 {
+            increment(&session, 1).await;
+        }
+        let before = proxy.round_trips();
+        for _ in 0..CALLS {
+            increment(&session, 1).await;
+        }
+        done += 5 + CALLS as i32;
+        let sent = proxy.round_trips() - before;
+        assert_eq!(
+            sent,
+            CALLS * statements,
+            "{name}: round trips for {CALLS} calls"
+        );
+    }
+    assert_eq!(db.score(1).await, Some(done));
 }
 
 #[tokio::test]
