@@ -127,10 +127,8 @@ where
         }
         // Checked before the UPDATE, so a lost lease sends none; the lease (table backend) is
         // released in this transaction: the commit ends it.
-        match engine::fences(&txn, lockings, true, self.row.name.as_str()).await {
-            Ok(true) => {}
-            Ok(false) => return (txn, Worked::Undone(Tried::Done(Written::LeaseLost))),
-            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
+        if let Some(refused) = self.fence(&txn, lockings, true).await {
+            return (txn, refused);
         }
         // The optimistic guard: the UPDATE also checks that the row still holds what was read
         // (its version column when one is declared, else the changed columns), so a write made
@@ -210,10 +208,8 @@ where
         lockings: &mut [Locking],
         original: E::Model,
     ) -> Attempted<E> {
-        match engine::fences(&txn, lockings, false, self.row.name.as_str()).await {
-            Ok(true) => {}
-            Ok(false) => return (txn, Worked::Undone(Tried::Done(Written::LeaseLost))),
-            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
+        if let Some(refused) = self.fence(&txn, lockings, false).await {
+            return (txn, refused);
         }
         let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
         let deleted = write::delete_row::<E, _>(&txn, &original, self.row.pk(), &expected).await;
@@ -228,6 +224,21 @@ where
             Err(failed) => return self.failed(txn, failed.operation, failed.error),
         };
         (txn, worked)
+    }
+
+    /// The fence check before the write (see [`engine::fences`]): `Some` with how the attempt
+    /// ends when the lease is lost or cannot be checked, so that no write is sent.
+    async fn fence(
+        &self,
+        txn: &DatabaseTransaction,
+        lockings: &mut [Locking],
+        releasing: bool,
+    ) -> Option<Worked<Written<E::Model>>> {
+        match engine::fences(txn, lockings, releasing, self.row.name.as_str()).await {
+            Ok(true) => None,
+            Ok(false) => Some(Worked::Undone(Tried::Done(Written::LeaseLost))),
+            Err(error) => Some(Worked::Undone(Tried::failed(error))),
+        }
     }
 
     /// The cache change that records `model` as this row's committed state.

@@ -65,36 +65,29 @@ async fn increment(session: &Session, id: i32) -> freshlock::UpdateReport<node::
         .expect("locked_update")
 }
 
-#[tokio::test]
-async fn an_advisory_update_takes_its_lock_in_the_reload_four_round_trips() {
-    let Some(db) = servers::postgres("round_trips_four").await else {
-        return;
-    };
-    db.seed_nodes(1).await;
-    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
-    let pool = proxied(&db, &proxy).await;
-    let session = session(&pool);
+/// Statement round trips of `CALLS` uncontended increments of node 1 (after a warm-up of 5:
+/// prepared statements, the incarnation token), each of them updated under its lock in one
+/// attempt.
+async fn round_trips_of(session: &Session, proxy: &Proxy) -> u32 {
     for _ in 0..5 {
-        increment(&session, 1).await;
+        increment(session, 1).await;
     }
     let before = proxy.round_trips();
     for _ in 0..CALLS {
-        let report = increment(&session, 1).await;
+        let report = increment(session, 1).await;
         assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
-        assert!(report.lock.held, "the lock was had by the reload's try");
+        assert!(report.lock.held, "the lock was had");
         assert_eq!((report.attempts, report.conflicts), (1, 0));
     }
-    let sent = proxy.round_trips() - before;
-    // Four per call (BEGIN, reload, UPDATE, COMMIT); a lock statement of its own makes five.
-    // (sqlx also pings each connection it is given back, a round trip of its own off the
-    // caller's path, which the proxy does not count.)
-    assert_eq!(sent, CALLS * 4, "round trips for {CALLS} calls");
-    assert_eq!(db.score(1).await, Some(5 + CALLS as i32));
+    proxy.round_trips() - before
 }
 
 /// The statements of one uncontended `locked_update` per backend, as a guard on the hot path:
-/// a statement added to it fails here. `row` locks its lock row with a statement of its own;
-/// `table` grants its lease before the transaction and checks (and frees) it in it.
+/// a statement added to it fails here. `local` and `pg_advisory` send four (BEGIN, reload,
+/// UPDATE, COMMIT: `pg_advisory` tries its lock in the reload; a lock statement of its own made
+/// five); `row` locks its lock row with a statement of its own; `table` grants its lease before
+/// the transaction and checks (and frees) it in it. sqlx also pings each connection it is given
+/// back, a round trip off the caller's path, which the proxy does not count.
 #[tokio::test]
 async fn every_backend_sends_the_statements_it_documents() {
     let Some(db) = servers::postgres("round_trips_backends").await else {
@@ -111,16 +104,8 @@ async fn every_backend_sends_the_statements_it_documents() {
     ];
     let mut done = 0;
     for (name, lock, statements) in backends {
-        let session = session_with(&pool, lock);
-        for _ in 0..5 {
-            increment(&session, 1).await;
-        }
-        let before = proxy.round_trips();
-        for _ in 0..CALLS {
-            increment(&session, 1).await;
-        }
+        let sent = round_trips_of(&session_with(&pool, lock), &proxy).await;
         done += 5 + CALLS as i32;
-        let sent = proxy.round_trips() - before;
         assert_eq!(
             sent,
             CALLS * statements,
