@@ -135,6 +135,14 @@ pub enum Error {
         /// Why the key was rejected.
         reason: String,
     },
+    /// A job that cannot be enqueued (its payload does not serialize).
+    #[error("invalid job of kind {kind:?}: {reason}")]
+    InvalidJob {
+        /// The job's kind.
+        kind: String,
+        /// Why the job was rejected.
+        reason: String,
+    },
     /// A claim's lease must be at least a millisecond long.
     #[error("invalid lease {lease:?}: a claim's lease must be at least 1 ms")]
     InvalidLease {

@@ -86,6 +86,7 @@ mod engine;
 mod error;
 mod identity_map;
 pub mod inspect;
+pub mod jobs;
 mod live;
 mod lock;
 mod locked_update;

@@ -1,0 +1,158 @@
+//! Keyed jobs: a job queue in the application's own database, on the same engine as locked
+//! writes — the Django field report's Celery tasks, with its "twice" guard and its skew built in.
+//!
+//! - **Enqueue inside your transaction** ([`enqueue`]): on a section's [`Tx`](crate::Tx), its
+//!   [`Tx::transaction`](crate::Tx::transaction), any sea-orm transaction or a plain connection.
+//!   A job whose transaction rolls back never exists; one whose transaction commits is never
+//!   lost.
+//! - **Per-key order, no waiting workers.** Jobs that share a serialization key
+//!   ([`NewJob::key`]) run one at a time, in enqueue order. A worker takes the first due job
+//!   whose key has no earlier unfinished job, with `FOR UPDATE SKIP LOCKED`: the job of a busy
+//!   key is locked by the worker running it, so other workers skip the whole key and take
+//!   another key's job. A hot key occupies one worker; the rest drain at full speed. (SQLite
+//!   has one writer: there the running job's `BEGIN IMMEDIATE` transaction is the exclusion.)
+//!   A job waiting for its retry keeps its key's place, so order holds through retries.
+//! - **Exactly-once effects.** A handler runs inside the transaction that locked its job's row
+//!   and is given it as a [`Tx`](crate::Tx) (repositories, `locked_update`-free reads and
+//!   guarded saves, plain sea-orm queries); the job is marked done in that same transaction,
+//!   which the engine commits with the evidence of locked writes. A crash before the commit
+//!   rolls both back and the job runs again as soon as the database has seen its connection go
+//!   (no lease to wait out); a lost `COMMIT` reply is resolved from the evidence, never run
+//!   twice. What a handler does outside the database — an HTTP call — stays at-least-once.
+//! - **Retries as Celery users know them** ([`RetryPolicy`], per kind): attempts, exponential
+//!   backoff with full jitter, which errors retry. The handler's writes of a failed attempt are
+//!   rolled back (it runs in a savepoint); the failure is recorded in the same transaction. After
+//!   the last attempt the job is failed, its error kept.
+//! - **Bad input never stops a worker.** An unknown kind or a payload that does not deserialize
+//!   fails the job at once ([`JobFailure`]); a handler that errors or panics is a failed attempt.
+//!   The worker goes on with the next job.
+//! - **Unique jobs** ([`NewJob::unique`]): enqueuing while a job with the same unique key has
+//!   not finished adds nothing and reports [`Enqueued::Duplicate`].
+//!
+//! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored as
+//! bytes and compared byte for byte on every database (see [`crate::schema::JobMigration`]).
+//! Every worker of one database must know every kind enqueued there: a worker fails a kind it
+//! does not know.
+
+mod store;
+mod worker;
+
+use std::time::Duration;
+
+use sea_orm::ConnectionTrait;
+use serde::Serialize;
+
+pub use worker::{Job, JobFailure, JobOutcome, JobRun, Jobs, RetryPolicy, Worker};
+
+use crate::error::{Error, Result, database};
+
+/// A job's id: its row in `freshlock_job`, growing in enqueue order.
+pub type JobId = i64;
+
+/// A job to enqueue, built with [`NewJob::new`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use = "a job does nothing until it is enqueued"]
+pub struct NewJob {
+    kind: String,
+    payload: String,
+    key: Option<String>,
+    unique: Option<String>,
+    priority: i32,
+    delay: Duration,
+}
+
+impl NewJob {
+    /// A job of `kind` carrying `payload` (serialized as JSON now, deserialized by the handler
+    /// of `kind` when it runs).
+    ///
+    /// # Errors
+    /// [`Error::InvalidJob`] when `payload` does not serialize (a map with non-string keys, a
+    /// `Serialize` impl that fails).
+    pub fn new(kind: impl Into<String>, payload: &impl Serialize) -> Result<Self> {
+        let kind = kind.into();
+        let payload = serde_json::to_string(payload).map_err(|e| Error::InvalidJob {
+            kind: kind.clone(),
+            reason: format!("the payload does not serialize: {e}"),
+        })?;
+        Ok(Self {
+            kind,
+            payload,
+            key: None,
+            unique: None,
+            priority: 0,
+            delay: Duration::ZERO,
+        })
+    }
+
+    /// The serialization key: jobs with the same key run one at a time, in enqueue order (the
+    /// field report's `ham_id`).
+    pub fn key(mut self, key: impl Into<String>) -> Self {
+        self.key = Some(key.into());
+        self
+    }
+
+    /// The unique key: while a job with this unique key has not finished (waiting, running or
+    /// waiting for a retry), enqueuing another adds nothing ([`Enqueued::Duplicate`]).
+    pub fn unique(mut self, unique: impl Into<String>) -> Self {
+        self.unique = Some(unique.into());
+        self
+    }
+
+    /// Higher runs first among due jobs (default 0). Within a key, enqueue order wins.
+    pub fn priority(mut self, priority: i32) -> Self {
+        self.priority = priority;
+        self
+    }
+
+    /// Due `delay` after the enqueue (on the database's clock), instead of at once.
+    pub fn delay(mut self, delay: Duration) -> Self {
+        self.delay = delay;
+        self
+    }
+
+    /// The job's kind.
+    pub fn kind(&self) -> &str {
+        &self.kind
+    }
+}
+
+/// What [`enqueue`] did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Enqueued {
+    /// The job was added (it exists once the caller's transaction commits).
+    Added(JobId),
+    /// A job with the same unique key has not finished: nothing was added. `existing` is that
+    /// job, unless it finished in the meantime.
+    Duplicate {
+        /// The unfinished job that holds the unique key.
+        existing: Option<JobId>,
+    },
+}
+
+/// Enqueues `job` on `db`: a transaction (the job exists when it commits, and never if it rolls
+/// back) or a connection (the job exists when this returns). A duplicate unique key does not
+/// fail the statement, so the caller's transaction goes on either way.
+///
+/// # Errors
+/// [`Error::Database`] when the database fails (a missing `freshlock_job` table means
+/// freshlock's migrations, [`crate::schema::migrations`], were not run).
+pub async fn enqueue(db: &impl ConnectionTrait, job: NewJob) -> Result<Enqueued> {
+    let insert = store::Insert {
+        kind: &job.kind,
+        payload: &job.payload,
+        key: job.key.as_deref(),
+        unique: job.unique.as_deref(),
+        priority: job.priority,
+        delay: job.delay,
+    };
+    let fail = |e| database("enqueuing a job of", &job.kind, e);
+    if let Some(id) = store::insert(db, &insert).await.map_err(fail)? {
+        return Ok(Enqueued::Added(id));
+    }
+    let existing = match job.unique.as_deref() {
+        Some(unique) => store::holder_of(db, unique).await.map_err(fail)?,
+        None => None,
+    };
+    Ok(Enqueued::Duplicate { existing })
+}

@@ -1,0 +1,205 @@
+//! The job table's statements, per dialect (the table itself: `schema.rs`).
+
+use std::time::Duration;
+
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Value};
+use sha2::{Digest, Sha256};
+
+use crate::{
+    lock::sql::{for_update_skip_locked, millis, now_ms, statement},
+    schema::JOB_TABLE,
+};
+
+/// A job's states as stored. `1` is kept for a running job under a lease (not yet used: a job
+/// runs inside the transaction that locked its row, see the module docs of `jobs`).
+pub(crate) const PENDING: i16 = 0;
+pub(crate) const DONE: i16 = 2;
+pub(crate) const FAILED: i16 = 3;
+
+/// Longest error text kept with a job, in characters.
+const MAX_ERROR: usize = 4000;
+
+/// The SHA-256 of a key: what the indexes hold, so that a key of any length is compared byte for
+/// byte through a fixed-size index entry.
+pub(crate) fn hash(key: &str) -> Vec<u8> {
+    Sha256::digest(key.as_bytes()).to_vec()
+}
+
+fn bytes(value: Option<&str>) -> Value {
+    Value::Bytes(value.map(|v| v.as_bytes().to_vec()))
+}
+
+/// What [`insert`] stores.
+pub(crate) struct Insert<'a> {
+    pub(crate) kind: &'a str,
+    pub(crate) payload: &'a str,
+    pub(crate) key: Option<&'a str>,
+    pub(crate) unique: Option<&'a str>,
+    pub(crate) priority: i32,
+    pub(crate) delay: Duration,
+}
+
+/// Inserts the job unless its unique key is taken by a job that has not finished: its id, or
+/// `None` for a duplicate. Never fails on the duplicate itself, so the caller's transaction
+/// goes on (`ON CONFLICT DO NOTHING`; MySQL's `INSERT IGNORE`, harmless here: every column
+/// takes any value of its Rust type, so nothing else can be ignored).
+pub(crate) async fn insert(
+    db: &impl ConnectionTrait,
+    job: &Insert<'_>,
+) -> Result<Option<i64>, DbErr> {
+    let backend = db.get_database_backend();
+    let now = now_ms(backend);
+    let (verb, tail) = match backend {
+        DbBackend::MySql => ("INSERT IGNORE", ""),
+        _ => ("INSERT", " ON CONFLICT DO NOTHING RETURNING id"),
+    };
+    let sql = format!(
+        "{verb} INTO {JOB_TABLE} (kind, payload, job_key, key_hash, unique_key, unique_hash, \
+         priority, run_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}){tail}"
+    );
+    let values = vec![
+        bytes(Some(job.kind)),
+        job.payload.into(),
+        bytes(job.key),
+        Value::Bytes(job.key.map(hash)),
+        bytes(job.unique),
+        Value::Bytes(job.unique.map(hash)),
+        job.priority.into(),
+        millis(job.delay).into(),
+    ];
+    let stmt = statement(backend, &sql, values);
+    if backend == DbBackend::MySql {
+        let done = db.execute_raw(stmt).await?;
+        return Ok((done.rows_affected() == 1)
+            .then(|| i64::try_from(done.last_insert_id()).unwrap_or(i64::MAX)));
+    }
+    match db.query_one_raw(stmt).await? {
+        Some(row) => row.try_get::<i64>("", "id").map(Some),
+        None => Ok(None),
+    }
+}
+
+/// The id of the unfinished job that holds unique key `unique`, if any.
+pub(crate) async fn holder_of(
+    db: &impl ConnectionTrait,
+    unique: &str,
+) -> Result<Option<i64>, DbErr> {
+    let backend = db.get_database_backend();
+    let sql = format!("SELECT id FROM {JOB_TABLE} WHERE unique_hash = ?");
+    let row = db
+        .query_one_raw(statement(
+            backend,
+            &sql,
+            vec![Value::Bytes(Some(hash(unique)))],
+        ))
+        .await?;
+    row.map(|row| row.try_get::<i64>("", "id")).transpose()
+}
+
+/// A job taken by [`take`], its row locked by the transaction.
+pub(crate) struct Taken {
+    pub(crate) id: i64,
+    pub(crate) kind: Vec<u8>,
+    pub(crate) key: Option<Vec<u8>>,
+    pub(crate) payload: String,
+    /// Attempts before this one.
+    pub(crate) attempts: i32,
+}
+
+/// Locks the next job to run, in `txn`: the first by priority, then enqueue order, among those
+/// due whose key has no earlier unfinished job. Rows other workers locked are skipped
+/// (`SKIP LOCKED`; SQLite's `BEGIN IMMEDIATE` already made this the only writer), so a busy
+/// key — its head locked by the worker running it — hands out nothing, and a worker is never
+/// given a job it would wait for.
+pub(crate) async fn take(txn: &DatabaseTransaction) -> Result<Option<Taken>, DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let skip = for_update_skip_locked(backend);
+    // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
+    // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
+    let index = if backend == DbBackend::MySql {
+        " FORCE INDEX (freshlock_job_next)"
+    } else {
+        ""
+    };
+    let sql = format!(
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts FROM {JOB_TABLE} j{index} \
+         WHERE j.state = {PENDING} AND j.run_at <= {now} \
+         AND (j.key_hash IS NULL OR NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h \
+         WHERE h.key_hash = j.key_hash AND h.state IN (0, 1) AND h.id < j.id)) \
+         ORDER BY j.priority DESC, j.id LIMIT 1{skip}"
+    );
+    let Some(row) = txn
+        .query_one_raw(statement(backend, &sql, Vec::new()))
+        .await?
+    else {
+        return Ok(None);
+    };
+    Ok(Some(Taken {
+        id: row.try_get("", "id")?,
+        kind: row.try_get("", "kind")?,
+        key: row.try_get("", "job_key")?,
+        payload: row.try_get("", "payload")?,
+        attempts: row.try_get("", "attempts")?,
+    }))
+}
+
+/// Marks job `id` done, in the transaction that ran it: its unique key is free again.
+pub(crate) async fn complete(
+    txn: &DatabaseTransaction,
+    id: i64,
+    attempts: i32,
+) -> Result<(), DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {DONE}, attempts = ?, finished_at = {now}, \
+         unique_hash = NULL WHERE id = ?"
+    );
+    txn.execute_raw(statement(backend, &sql, vec![attempts.into(), id.into()]))
+        .await
+        .map(drop)
+}
+
+/// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error
+/// kept, its unique key free) when `retry` is `None`.
+pub(crate) async fn failed(
+    txn: &DatabaseTransaction,
+    id: i64,
+    attempts: i32,
+    error: &str,
+    retry: Option<Duration>,
+) -> Result<(), DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    // PostgreSQL's text cannot hold NUL.
+    let error: String = error
+        .chars()
+        .take(MAX_ERROR)
+        .map(|c| if c == '\0' { '\u{fffd}' } else { c })
+        .collect();
+    let (sql, values) = match retry {
+        Some(delay) => (
+            format!(
+                "UPDATE {JOB_TABLE} SET attempts = ?, last_error = ?, run_at = {now} + ? \
+                 WHERE id = ?"
+            ),
+            vec![
+                attempts.into(),
+                error.into(),
+                millis(delay).into(),
+                id.into(),
+            ],
+        ),
+        None => (
+            format!(
+                "UPDATE {JOB_TABLE} SET state = {FAILED}, attempts = ?, last_error = ?, \
+                 finished_at = {now}, unique_hash = NULL WHERE id = ?"
+            ),
+            vec![attempts.into(), error.into(), id.into()],
+        ),
+    };
+    txn.execute_raw(statement(backend, &sql, values))
+        .await
+        .map(drop)
+}

@@ -1,0 +1,654 @@
+//! Keyed jobs (`freshlock::jobs`) on SQLite, PostgreSQL and MariaDB: enqueue in the caller's
+//! transaction, per-key order with no overlap under concurrent workers, every completed job's
+//! effect in the database exactly once, retries, bad input, unique keys, hostile keys.
+
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use freshlock::{
+    Session,
+    jobs::{self, Enqueued, Job, JobFailure, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
+use serde::{Deserialize, Serialize};
+use servers::{TestDb, databases};
+
+/// One multi-threaded test per line `name: scenario, database;`; the scenario skips on `None`.
+macro_rules! on_databases {
+    ($($test:ident: $scenario:ident, $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(databases::$db(stringify!($test)).await).await;
+        }
+    )*};
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct Bump {
+    node: i32,
+    seq: u32,
+}
+
+/// Retries due at once (no backoff), so a test runs them without waiting.
+fn at_once(attempts: u32) -> RetryPolicy {
+    RetryPolicy::default()
+        .with_max_attempts(attempts)
+        .with_backoff(Duration::ZERO, Duration::ZERO)
+}
+
+async fn bump(tx: &freshlock::Tx, node: i32) -> Result<(), sea_orm::DbErr> {
+    let backend = tx.get_database_backend();
+    let sql = if backend == sea_orm::DbBackend::Postgres {
+        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1"
+    } else {
+        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?"
+    };
+    tx.execute_raw(Statement::from_sql_and_values(backend, sql, [node.into()]))
+        .await
+        .map(drop)
+}
+
+async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
+    let row = db
+        .query_one_raw(Statement::from_string(db.get_database_backend(), sql))
+        .await
+        .expect("query")
+        .expect("a row");
+    row.try_get_by_index::<Option<i64>>(0)
+        .expect("a number")
+        .unwrap_or(0)
+}
+
+/// `CAST(… AS BIGINT)`, in the dialect of `db`.
+fn bigint(db: &DatabaseConnection, expr: &str) -> String {
+    match db.get_database_backend() {
+        sea_orm::DbBackend::MySql => format!("CAST({expr} AS SIGNED)"),
+        _ => format!("CAST({expr} AS BIGINT)"),
+    }
+}
+
+async fn total_score(db: &DatabaseConnection) -> i64 {
+    number(
+        db,
+        &format!("SELECT {} FROM node", bigint(db, "SUM(score)")),
+    )
+    .await
+}
+
+async fn jobs_in(db: &DatabaseConnection, state: i16) -> i64 {
+    let sql = format!("SELECT COUNT(*) FROM freshlock_job WHERE state = {state}");
+    number(db, &sql).await
+}
+
+// ------------------------------------------------------------------ enqueue in a transaction
+
+async fn enqueued_with_the_callers_transaction(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
+        .await
+        .unwrap();
+    let job = || NewJob::new("bump", &Bump { node: 1, seq: 0 }).unwrap();
+    // Rolled back: the job never exists.
+    let txn = db.begin().await.unwrap();
+    assert!(matches!(
+        jobs::enqueue(&txn, job()).await.unwrap(),
+        Enqueued::Added(_)
+    ));
+    txn.rollback().await.unwrap();
+    assert_eq!(number(&db, "SELECT COUNT(*) FROM freshlock_job").await, 0);
+    // Committed: it exists, and runs once.
+    let txn = db.begin().await.unwrap();
+    let Enqueued::Added(id) = jobs::enqueue(&txn, job()).await.unwrap() else {
+        panic!("added");
+    };
+    txn.commit().await.unwrap();
+    let worker = Worker::new(Session::new(db.clone()), bump_jobs(RetryPolicy::default()));
+    let runs = worker.run_until_idle().await.unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!((runs[0].id, runs[0].attempt), (id, 1));
+    assert_eq!(runs[0].outcome, JobOutcome::Completed);
+    assert_eq!(total_score(&db).await, 1);
+    assert_eq!(jobs_in(&db, 2).await, 1);
+    assert!(worker.run_one().await.unwrap().is_none());
+}
+
+fn bump_jobs(policy: RetryPolicy) -> Jobs {
+    Jobs::new().handle("bump", policy, |tx, job: Job<Bump>| {
+        Box::pin(async move {
+            bump(tx, job.payload.node).await?;
+            Ok(())
+        })
+    })
+}
+
+on_databases! {
+    enqueue_follows_the_transaction_sqlite: enqueued_with_the_callers_transaction, sqlite;
+    enqueue_follows_the_transaction_postgres: enqueued_with_the_callers_transaction, postgres;
+    enqueue_follows_the_transaction_mysql: enqueued_with_the_callers_transaction, mysql;
+}
+
+#[tokio::test]
+async fn a_section_enqueues_in_its_own_transaction_and_handlers_run_inline_on_memory_sqlite() {
+    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
+        .await
+        .unwrap();
+    let db = test.connection().clone();
+    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
+        .await
+        .unwrap();
+    let session = Session::new(db.clone());
+    let lock = freshlock::LockName::new("ham:1").unwrap();
+    // A section that fails after enqueuing: the job goes with its transaction.
+    let failed: freshlock::Result<freshlock::SectionReport<()>> = session
+        .with_lock(&lock, |tx| {
+            Box::pin(async move {
+                jobs::enqueue(tx, NewJob::new("bump", &Bump { node: 1, seq: 1 })?).await?;
+                Err(freshlock::ApplyError::msg("changed my mind"))
+            })
+        })
+        .await;
+    assert!(failed.is_err());
+    session
+        .with_lock(&lock, |tx| {
+            Box::pin(async move {
+                jobs::enqueue(tx, NewJob::new("bump", &Bump { node: 1, seq: 2 })?).await?;
+                Ok(())
+            })
+        })
+        .await
+        .unwrap();
+    let worker = Worker::new(session, bump_jobs(RetryPolicy::default()));
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 1);
+    assert_eq!(total_score(&db).await, 1);
+}
+
+// ------------------------------------------------------------- concurrent workers, hot keys
+
+/// What the handlers saw: per key, how many run right now and the order they ran in.
+#[derive(Default)]
+struct Seen {
+    running: Mutex<HashMap<String, usize>>,
+    order: Mutex<HashMap<String, Vec<u32>>>,
+    overlaps: AtomicUsize,
+}
+
+async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    const NODES: i32 = 4;
+    const PER_NODE: u32 = 25;
+    const KEYLESS: u32 = 20;
+    db.seed_nodes(NODES + 1).await;
+    let db = db.db;
+    // Node 1 is hot: half the jobs. The keyless jobs bump node NODES + 1.
+    let mut enqueued = 0;
+    for seq in 0..PER_NODE {
+        for node in 1..=NODES {
+            let copies = if node == 1 { NODES - 1 } else { 1 };
+            for _ in 0..copies {
+                let job = NewJob::new("bump", &Bump { node, seq }).unwrap();
+                jobs::enqueue(&db, job.key(format!("node:{node}")))
+                    .await
+                    .unwrap();
+                enqueued += 1;
+            }
+        }
+    }
+    for seq in 0..KEYLESS {
+        let job = NewJob::new(
+            "bump",
+            &Bump {
+                node: NODES + 1,
+                seq,
+            },
+        )
+        .unwrap();
+        jobs::enqueue(&db, job).await.unwrap();
+        enqueued += 1;
+    }
+    let seen = Arc::new(Seen::default());
+    let completed = Arc::new(AtomicUsize::new(0));
+    let all_done = Arc::new(tokio::sync::Notify::new());
+    let handlers = {
+        let seen = Arc::clone(&seen);
+        Jobs::new().handle("bump", at_once(5), move |tx, job: Job<Bump>| {
+            let seen = Arc::clone(&seen);
+            Box::pin(async move {
+                let key = job.key.clone().unwrap_or_default();
+                if !key.is_empty() {
+                    let mut running = seen.running.lock().unwrap();
+                    let now = running.entry(key.clone()).or_default();
+                    if *now > 0 {
+                        seen.overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    *now += 1;
+                    let mut order = seen.order.lock().unwrap();
+                    order.entry(key.clone()).or_default().push(job.payload.seq);
+                }
+                // Let the other workers run while this job holds its key.
+                for _ in 0..3 {
+                    tokio::task::yield_now().await;
+                }
+                let bumped = bump(tx, job.payload.node).await;
+                if !key.is_empty() {
+                    *seen.running.lock().unwrap().get_mut(&key).unwrap() -= 1;
+                }
+                bumped?;
+                Ok(())
+            })
+        })
+    };
+    let session = Session::new(db.clone());
+    let mut workers = Vec::new();
+    for _ in 0..4 {
+        let worker = Worker::new(session.clone(), handlers.clone());
+        let (completed, all_done) = (Arc::clone(&completed), Arc::clone(&all_done));
+        workers.push(tokio::spawn(async move {
+            loop {
+                match worker.run_one().await.unwrap() {
+                    Some(run) => {
+                        assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
+                        if completed.fetch_add(1, Ordering::SeqCst) + 1 == enqueued {
+                            all_done.notify_waiters();
+                        }
+                    }
+                    None if completed.load(Ordering::SeqCst) == enqueued => return,
+                    // Every due job's key is busy with another worker: look again.
+                    None => tokio::task::yield_now().await,
+                }
+            }
+        }));
+    }
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    assert_eq!(completed.load(Ordering::SeqCst), enqueued);
+    assert_eq!(
+        seen.overlaps.load(Ordering::SeqCst),
+        0,
+        "same-key jobs overlapped"
+    );
+    let order = seen.order.lock().unwrap().clone();
+    for node in 1..=NODES {
+        let ran = &order[&format!("node:{node}")];
+        let mut sorted = ran.clone();
+        sorted.sort_unstable();
+        assert_eq!(ran, &sorted, "node:{node} ran out of enqueue order");
+    }
+    // Every completed job's effect is in the database exactly once.
+    assert_eq!(total_score(&db).await, enqueued as i64);
+    assert_eq!(jobs_in(&db, 2).await, enqueued as i64);
+}
+
+on_databases! {
+    keyed_jobs_once_in_order_sqlite: keyed_jobs_run_once_in_order_without_overlap, sqlite;
+    keyed_jobs_once_in_order_postgres: keyed_jobs_run_once_in_order_without_overlap, postgres;
+    keyed_jobs_once_in_order_mysql: keyed_jobs_run_once_in_order_without_overlap, mysql;
+}
+
+/// A worker is never handed a job whose key is busy: it takes another key's job, and with only
+/// the busy key's jobs left it finds nothing at once (it does not wait).
+async fn a_busy_key_is_skipped_not_waited_for(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(2).await;
+    let db = db.db;
+    let mut ids = Vec::new();
+    for (node, key) in [(1, "hot"), (1, "hot"), (2, "cold")] {
+        let job = NewJob::new("bump", &Bump { node, seq: 0 }).unwrap();
+        match jobs::enqueue(&db, job.key(key)).await.unwrap() {
+            Enqueued::Added(id) => ids.push(id),
+            other => panic!("added: {other:?}"),
+        }
+    }
+    let first_hot = ids[0];
+    let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
+    let (release_tx, release) = tokio::sync::watch::channel(false);
+    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
+        let (started_tx, mut release) = (started_tx.clone(), release.clone());
+        Box::pin(async move {
+            // Only the hot key's first job holds on, until the test lets it go.
+            if job.id == first_hot {
+                started_tx.send(()).await.unwrap();
+                release.wait_for(|go| *go).await.unwrap();
+            }
+            bump(tx, job.payload.node).await?;
+            Ok(())
+        })
+    });
+    let session = Session::new(db.clone());
+    let first = Worker::new(session.clone(), handlers.clone());
+    let holder = tokio::spawn(async move { first.run_one().await.unwrap() });
+    started.recv().await.unwrap();
+    // The hot key's first job runs and holds its key: the other worker gets the cold job…
+    let other = Worker::new(session, handlers);
+    let bounded = Duration::from_secs(30);
+    let run = tokio::time::timeout(bounded, other.run_one())
+        .await
+        .expect("a busy key is skipped, not waited for")
+        .unwrap()
+        .expect("the cold key's job");
+    assert_eq!((run.id, &run.outcome), (ids[2], &JobOutcome::Completed));
+    assert_eq!(db_score(&db, 2).await, 1);
+    // …then nothing, at once: the hot key's second job waits for its first.
+    let next = tokio::time::timeout(bounded, other.run_one())
+        .await
+        .expect("a busy key is skipped, not waited for")
+        .unwrap();
+    assert!(
+        next.is_none(),
+        "the busy key's second job was handed out: {next:?}"
+    );
+    release_tx.send(true).unwrap();
+    assert_eq!(
+        holder.await.unwrap().unwrap().outcome,
+        JobOutcome::Completed
+    );
+    let run = other
+        .run_one()
+        .await
+        .unwrap()
+        .expect("the hot key's second job");
+    assert_eq!((run.id, &run.outcome), (ids[1], &JobOutcome::Completed));
+    assert_eq!(db_score(&db, 1).await, 2);
+}
+
+async fn db_score(db: &DatabaseConnection, node: i32) -> i64 {
+    let score = bigint(db, "score");
+    number(db, &format!("SELECT {score} FROM node WHERE id = {node}")).await
+}
+
+// SQLite has one writer: there a running job's transaction excludes every other worker (see
+// the module docs), so this scenario is for the databases with row locks.
+on_databases! {
+    a_busy_key_is_skipped_postgres: a_busy_key_is_skipped_not_waited_for, postgres;
+    a_busy_key_is_skipped_mysql: a_busy_key_is_skipped_not_waited_for, mysql;
+}
+
+// ------------------------------------------------------------------ retries and bad input
+
+async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let handlers = Jobs::new()
+        .handle("flaky", at_once(3), |tx, job: Job<Bump>| {
+            Box::pin(async move {
+                // Written, then rolled back with the failed attempt.
+                bump(tx, job.payload.node).await?;
+                Err(freshlock::ApplyError::msg(format!(
+                    "attempt {} failed",
+                    job.attempt
+                )))
+            })
+        })
+        .handle("panics", at_once(2), |_tx, job: Job<Bump>| {
+            Box::pin(async move {
+                assert!(job.attempt > 5, "boom on attempt {}", job.attempt);
+                Ok(())
+            })
+        })
+        .handle(
+            "permanent",
+            at_once(5).retry_if(|e| !e.to_string().contains("permanent")),
+            |_tx, _job: Job<Bump>| {
+                Box::pin(async move { Err(freshlock::ApplyError::msg("a permanent error")) })
+            },
+        )
+        .handle("bump", at_once(1), |tx, job: Job<Bump>| {
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        });
+    let bump_one = Bump { node: 1, seq: 0 };
+    for kind in ["flaky", "panics", "permanent", "nobody-handles-this"] {
+        jobs::enqueue(&db, NewJob::new(kind, &bump_one).unwrap())
+            .await
+            .unwrap();
+    }
+    // A payload of the wrong shape for its kind.
+    jobs::enqueue(&db, NewJob::new("bump", &"not a bump").unwrap())
+        .await
+        .unwrap();
+    // And a good job after all of them: the worker gets there.
+    jobs::enqueue(&db, NewJob::new("bump", &bump_one).unwrap())
+        .await
+        .unwrap();
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let by_kind = |kind: &str| -> Vec<&JobOutcome> {
+        (runs.iter())
+            .filter(|r| r.kind == kind)
+            .map(|r| &r.outcome)
+            .collect()
+    };
+    let flaky = by_kind("flaky");
+    assert_eq!(flaky.len(), 3, "{runs:#?}");
+    assert!(
+        matches!(flaky[0], JobOutcome::Retrying { failure: JobFailure::Handler(m), .. } if m == "attempt 1 failed")
+    );
+    assert!(
+        matches!(flaky[2], JobOutcome::Failed(JobFailure::Handler(m)) if m == "attempt 3 failed")
+    );
+    let panics = by_kind("panics");
+    assert_eq!(panics.len(), 2, "{runs:#?}");
+    assert!(
+        matches!(panics[0], JobOutcome::Retrying { failure: JobFailure::Panicked(m), .. } if m == "boom on attempt 1")
+    );
+    assert!(matches!(
+        panics[1],
+        JobOutcome::Failed(JobFailure::Panicked(_))
+    ));
+    assert!(matches!(
+        by_kind("permanent")[..],
+        [JobOutcome::Failed(JobFailure::Handler(_))]
+    ));
+    assert!(matches!(
+        by_kind("nobody-handles-this")[..],
+        [JobOutcome::Failed(JobFailure::UnknownKind { .. })]
+    ));
+    let bumps = by_kind("bump");
+    assert!(matches!(
+        bumps[0],
+        JobOutcome::Failed(JobFailure::BadPayload { .. })
+    ));
+    assert_eq!(bumps[1], &JobOutcome::Completed);
+    // Only the good job's write is in the database: every failed attempt's was rolled back.
+    assert_eq!(total_score(&db).await, 1);
+    assert_eq!(jobs_in(&db, 3).await, 5);
+    assert_eq!(jobs_in(&db, 2).await, 1);
+    let kept = db
+        .query_one_raw(Statement::from_string(
+            db.get_database_backend(),
+            "SELECT last_error, attempts FROM freshlock_job WHERE state = 3 ORDER BY id LIMIT 1",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    let error: String = kept.try_get("", "last_error").unwrap();
+    assert_eq!(error, "the handler failed: attempt 3 failed");
+    assert_eq!(kept.try_get::<i32>("", "attempts").unwrap(), 3);
+}
+
+on_databases! {
+    failures_retry_then_fail_sqlite: failures_retry_then_fail_and_roll_back_their_writes, sqlite;
+    failures_retry_then_fail_postgres: failures_retry_then_fail_and_roll_back_their_writes, postgres;
+    failures_retry_then_fail_mysql: failures_retry_then_fail_and_roll_back_their_writes, mysql;
+}
+
+#[tokio::test]
+async fn a_retry_waits_for_its_backoff() {
+    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
+        .await
+        .unwrap();
+    let db = test.connection().clone();
+    let policy = RetryPolicy::default()
+        .with_max_attempts(2)
+        .with_backoff(Duration::from_secs(3600), Duration::from_secs(3600));
+    let handlers = Jobs::new().handle("fails", policy, |_tx, _job: Job<()>| {
+        Box::pin(async move { Err(freshlock::ApplyError::msg("no")) })
+    });
+    jobs::enqueue(&db, NewJob::new("fails", &()).unwrap())
+        .await
+        .unwrap();
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let [run] = &runs[..] else {
+        panic!("one attempt: {runs:?}")
+    };
+    let JobOutcome::Retrying { after, .. } = &run.outcome else {
+        panic!("retrying: {run:?}")
+    };
+    assert!(*after <= Duration::from_secs(3600));
+    // The retry is due only after its delay (full jitter: up to an hour; a zero draw is as
+    // likely as any other, so look at the stored due time rather than the reported delay).
+    let due_later = number(
+        &db,
+        "SELECT COUNT(*) FROM freshlock_job WHERE state = 0 AND attempts = 1",
+    )
+    .await;
+    assert_eq!(due_later, 1);
+    if *after >= Duration::from_secs(1) {
+        assert!(worker.run_one().await.unwrap().is_none());
+    }
+}
+
+// ------------------------------------------------------------------------- unique jobs
+
+async fn a_pending_unique_key_is_a_duplicate(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let job = || {
+        NewJob::new("bump", &Bump { node: 1, seq: 0 })
+            .unwrap()
+            .unique("spam:17")
+    };
+    let Enqueued::Added(first) = jobs::enqueue(&db, job()).await.unwrap() else {
+        panic!("added");
+    };
+    assert_eq!(
+        jobs::enqueue(&db, job()).await.unwrap(),
+        Enqueued::Duplicate {
+            existing: Some(first)
+        }
+    );
+    // A duplicate does not abort the caller's transaction: it goes on and commits.
+    let txn = db.begin().await.unwrap();
+    assert!(matches!(
+        jobs::enqueue(&txn, job()).await.unwrap(),
+        Enqueued::Duplicate { .. }
+    ));
+    let other = NewJob::new("bump", &Bump { node: 1, seq: 1 })
+        .unwrap()
+        .unique("spam:18");
+    assert!(matches!(
+        jobs::enqueue(&txn, other).await.unwrap(),
+        Enqueued::Added(_)
+    ));
+    txn.commit().await.unwrap();
+    let worker = Worker::new(Session::new(db.clone()), bump_jobs(RetryPolicy::default()));
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 2);
+    assert_eq!(total_score(&db).await, 2);
+    // Finished: the unique key is free again.
+    assert!(matches!(
+        jobs::enqueue(&db, job()).await.unwrap(),
+        Enqueued::Added(id) if id != first
+    ));
+}
+
+on_databases! {
+    unique_jobs_sqlite: a_pending_unique_key_is_a_duplicate, sqlite;
+    unique_jobs_postgres: a_pending_unique_key_is_a_duplicate, postgres;
+    unique_jobs_mysql: a_pending_unique_key_is_a_duplicate, mysql;
+}
+
+// ------------------------------------------------------------------------- hostile strings
+
+fn hostile() -> Vec<String> {
+    vec![
+        "a".to_owned(),
+        "A".to_owned(),
+        "a ".to_owned(),
+        "a\0b".to_owned(),
+        "a\0c".to_owned(),
+        "'; DROP TABLE freshlock_job; --".to_owned(),
+        "\"\\`%_?$1".to_owned(),
+        "é".to_owned(),
+        "e\u{301}".to_owned(),
+        "🦀".to_owned(),
+        "x".repeat(10_000),
+        format!("{}y", "x".repeat(9_999)),
+    ]
+}
+
+async fn keys_kinds_and_unique_keys_are_byte_exact(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    // (kind, key, payload) as each handler got them.
+    type Got = (String, Option<String>, String);
+    let seen: Arc<Mutex<Vec<Got>>> = Arc::default();
+    let mut handlers = Jobs::new();
+    for kind in hostile() {
+        let (seen, name) = (Arc::clone(&seen), kind.clone());
+        handlers = handlers.handle(kind, at_once(1), move |_tx, job: Job<String>| {
+            let (seen, name) = (Arc::clone(&seen), name.clone());
+            Box::pin(async move {
+                seen.lock().unwrap().push((name, job.key, job.payload));
+                Ok(())
+            })
+        });
+    }
+    for value in hostile() {
+        let job = NewJob::new(value.clone(), &value)
+            .unwrap()
+            .key(value.clone())
+            .unique(value.clone());
+        assert!(matches!(
+            jobs::enqueue(&db, job.clone()).await.unwrap(),
+            Enqueued::Added(_)
+        ));
+        // Each unique key is distinct from every other byte for byte, and equal to itself.
+        assert!(matches!(
+            jobs::enqueue(&db, job).await.unwrap(),
+            Enqueued::Duplicate { existing: Some(_) }
+        ));
+    }
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    assert!(
+        runs.iter().all(|r| r.outcome == JobOutcome::Completed),
+        "{runs:#?}"
+    );
+    let seen = seen.lock().unwrap();
+    assert_eq!(seen.len(), hostile().len());
+    for (kind, key, payload) in seen.iter() {
+        assert_eq!(Some(kind), key.as_ref());
+        assert_eq!(kind, payload);
+    }
+}
+
+on_databases! {
+    hostile_strings_sqlite: keys_kinds_and_unique_keys_are_byte_exact, sqlite;
+    hostile_strings_postgres: keys_kinds_and_unique_keys_are_byte_exact, postgres;
+    hostile_strings_mysql: keys_kinds_and_unique_keys_are_byte_exact, mysql;
+}
+
+#[test]
+fn a_payload_that_does_not_serialize_is_a_typed_error() {
+    let mut map = HashMap::new();
+    map.insert((1, 2), "tuple keys are not JSON object keys");
+    assert!(matches!(
+        NewJob::new("k", &map),
+        Err(freshlock::Error::InvalidJob { kind, .. }) if kind == "k"
+    ));
+}
