@@ -652,3 +652,54 @@ fn a_payload_that_does_not_serialize_is_a_typed_error() {
         Err(freshlock::Error::InvalidJob { kind, .. }) if kind == "k"
     ));
 }
+
+// ------------------------------------------------------------------------ graceful shutdown
+
+/// A shutdown that comes while a job runs lets it finish (its write and completion commit),
+/// and nothing new is taken after it.
+#[tokio::test]
+async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
+    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
+        .await
+        .unwrap();
+    let db = test.connection().clone();
+    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
+        .await
+        .unwrap();
+    for seq in 0..2 {
+        jobs::enqueue(&db, NewJob::new("bump", &Bump { node: 1, seq }).unwrap())
+            .await
+            .unwrap();
+    }
+    let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
+    let (release_tx, release) = tokio::sync::watch::channel(false);
+    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
+        let (started_tx, mut release) = (started_tx.clone(), release.clone());
+        Box::pin(async move {
+            started_tx.send(()).await.unwrap();
+            release.wait_for(|go| *go).await.unwrap();
+            bump(tx, job.payload.node).await?;
+            Ok(())
+        })
+    });
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run(async move {
+                let _ = stop.await;
+            })
+            .await
+    });
+    started.recv().await.unwrap();
+    stop_tx.send(()).unwrap();
+    release_tx.send(true).unwrap();
+    assert_eq!(
+        running.await.unwrap(),
+        1,
+        "the running job finished; no other was taken"
+    );
+    assert_eq!(total_score(&db).await, 1);
+    assert_eq!(jobs_in(&db, 2).await, 1);
+    assert_eq!(jobs_in(&db, 0).await, 1);
+}

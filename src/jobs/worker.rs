@@ -328,12 +328,13 @@ impl Worker {
         let mut ran = 0;
         let mut idle = MIN_IDLE;
         loop {
-            let next = tokio::select! {
+            // Looked at between jobs only: a running job is never cut short.
+            tokio::select! {
                 biased;
                 () = &mut shutdown => return ran,
-                next = self.run_one() => next,
-            };
-            match next {
+                () = std::future::ready(()) => {}
+            }
+            match self.run_one().await {
                 Ok(Some(_)) => {
                     ran += 1;
                     idle = MIN_IDLE;

@@ -1,0 +1,192 @@
+//! Keyed jobs through a TCP proxy that cuts connections: a lost `COMMIT` reply (the server
+//! committed the job and its write, the worker never heard) is resolved from the commit's
+//! evidence, never run twice; a connection cut right after a job was taken rolls the take back
+//! and the job runs on another connection. Every acknowledged completion is a done job, and
+//! every done job's effect is in the database exactly once. PostgreSQL and MariaDB (only this
+//! test's own connections are cut).
+
+#[path = "common/proxy.rs"]
+mod proxy;
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicU32, Ordering},
+    },
+    time::Duration,
+};
+
+use freshlock::{
+    Error, Session,
+    jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
+};
+use proxy::{CutAfter, Proxy};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
+use servers::{TestDb, databases};
+use tokio::sync::Barrier;
+
+const JOBS: i32 = 60;
+const WORKERS: usize = 4;
+
+/// A pool through `proxy` to the test's database, without a statement cache when `uncached`
+/// (so that every statement's text crosses the proxy and the take can be recognized).
+async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> DatabaseConnection {
+    let mut options = sea_orm::ConnectOptions::new(proxy.url(&db.url));
+    options
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = &db.schema {
+        options
+            .set_schema_search_path(schema)
+            .set_application_name(schema);
+    }
+    if uncached {
+        #[cfg(feature = "postgres")]
+        options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0));
+        #[cfg(feature = "mysql")]
+        options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
+    }
+    sea_orm::Database::connect(options).await.expect("connect")
+}
+
+async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
+    let row = db
+        .query_one_raw(Statement::from_string(db.get_database_backend(), sql))
+        .await
+        .unwrap()
+        .unwrap();
+    row.try_get_by_index::<Option<i64>>(0).unwrap().unwrap_or(0)
+}
+
+async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
+    let Some(db) = db else { return };
+    db.seed_nodes(5).await;
+    for seq in 0..JOBS {
+        let node = seq % 5 + 1;
+        let job = NewJob::new("bump", &node).unwrap();
+        let job = if node < 5 {
+            job.key(format!("node:{node}"))
+        } else {
+            job
+        };
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    let proxy = Proxy::start(proxy::target(&db.url), cut).await;
+    let proxied = through(&proxy, &db, cut == CutAfter::Reload).await;
+    proxy.cut_every(every);
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<i32>| {
+        Box::pin(async move {
+            let backend = tx.get_database_backend();
+            let sql = if backend == sea_orm::DbBackend::Postgres {
+                "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1"
+            } else {
+                "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?"
+            };
+            tx.execute_raw(Statement::from_sql_and_values(
+                backend,
+                sql,
+                [job.payload.into()],
+            ))
+            .await?;
+            Ok(())
+        })
+    });
+    let session = Session::new(proxied);
+    let acknowledged = Arc::new(AtomicU32::new(0));
+    let unknown = Arc::new(AtomicU32::new(0));
+    let start = Arc::new(Barrier::new(WORKERS));
+    let done_sql = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let worker = Worker::new(session.clone(), handlers.clone());
+            let (acknowledged, unknown, start) = (
+                Arc::clone(&acknowledged),
+                Arc::clone(&unknown),
+                Arc::clone(&start),
+            );
+            let direct = db.db.clone();
+            tokio::spawn(async move {
+                start.wait().await;
+                let deadline = tokio::time::Instant::now() + Duration::from_secs(60);
+                loop {
+                    assert!(
+                        tokio::time::Instant::now() < deadline,
+                        "the jobs did not finish"
+                    );
+                    match worker.run_one().await {
+                        Ok(Some(run)) => {
+                            assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
+                            acknowledged.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Ok(None) => {
+                            if number(&direct, done_sql).await == i64::from(JOBS) {
+                                return;
+                            }
+                            tokio::task::yield_now().await;
+                        }
+                        Err(Error::CommitUnknown { .. }) => {
+                            unknown.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(e) if e.is_transient() => {}
+                        Err(e) => panic!("{e}"),
+                    }
+                }
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let sum = if db.db.get_database_backend() == sea_orm::DbBackend::MySql {
+        "SELECT CAST(SUM(score) AS SIGNED) FROM node"
+    } else {
+        "SELECT CAST(SUM(score) AS BIGINT) FROM node"
+    };
+    let (acknowledged, unknown) = (
+        acknowledged.load(Ordering::SeqCst),
+        unknown.load(Ordering::SeqCst),
+    );
+    eprintln!(
+        "{cut:?}: {} cut; {acknowledged} acknowledged, {unknown} unknown",
+        proxy.cuts()
+    );
+    assert!(proxy.cuts() >= 5, "the proxy cut connections");
+    assert_eq!(unknown, 0, "every lost reply was resolved");
+    assert_eq!(number(&db.db, done_sql).await, i64::from(JOBS));
+    assert_eq!(
+        acknowledged, JOBS as u32,
+        "each job acknowledged exactly once"
+    );
+    assert_eq!(
+        number(&db.db, sum).await,
+        i64::from(JOBS),
+        "every job's effect is in the database exactly once"
+    );
+}
+
+async fn lost_commit_replies(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Commit, 7).await;
+}
+
+async fn cut_after_the_take(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Reload, 5).await;
+}
+
+macro_rules! on_databases {
+    ($($test:ident: $scenario:ident, $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            $scenario(databases::$db(stringify!($test)).await).await;
+        }
+    )*};
+}
+
+on_databases! {
+    job_commit_replies_lost_postgres: lost_commit_replies, postgres;
+    job_commit_replies_lost_mysql: lost_commit_replies, mysql;
+    job_takes_cut_postgres: cut_after_the_take, postgres;
+    job_takes_cut_mysql: cut_after_the_take, mysql;
+}

@@ -1,0 +1,284 @@
+//! Keyed jobs across real OS processes: worker processes killed with `-9` in the middle of a
+//! job, on SQLite (a file), PostgreSQL and MariaDB. The test binary re-runs itself as a worker
+//! (`job_worker_process`, ignored in normal runs).
+//!
+//! Three worker processes run 60 jobs over 4 keys (and keyless ones). Every 15th job's handler
+//! says so and hangs, after its write: the parent kills that process with `-9` and starts a
+//! fresh one in its place. The killed job's transaction dies with its connection, so its write
+//! is gone, and it runs again at once — its key is free again, the jobs behind it run. At the
+//! end every job is done exactly once: the node scores add up to the job count. The workers
+//! are stopped by closing their stdin, a graceful shutdown: each finishes its job and exits 0.
+
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    io::{BufRead, BufReader, Write},
+    process::{Child, ChildStdout, Command, Stdio},
+    time::Duration,
+};
+
+use freshlock::{
+    Session,
+    jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker},
+};
+use sea_orm::{ConnectionTrait, Statement};
+use serde::{Deserialize, Serialize};
+use servers::{TestDb, databases};
+
+const ENV_URL: &str = "FRESHLOCK_JOB_WORKER_URL";
+const ENV_SCHEMA: &str = "FRESHLOCK_JOB_WORKER_SCHEMA";
+const ENV_MARKS: &str = "FRESHLOCK_JOB_WORKER_MARKS";
+const JOBS: i32 = 60;
+const HANG_EVERY: i32 = 15;
+
+#[derive(Debug, Serialize, Deserialize)]
+struct Bump {
+    node: i32,
+    seq: i32,
+}
+
+// ---------------------------------------------------------------- the worker (child side)
+
+#[test]
+#[ignore = "run by the job process tests as a child process"]
+fn job_worker_process() {
+    let Ok(url) = std::env::var(ENV_URL) else {
+        return;
+    };
+    let schema = std::env::var(ENV_SCHEMA).ok();
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        let db = servers::connect(&url, schema.as_deref(), 4).await;
+        let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<Bump>| {
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                // A job that hangs the first time it runs, after its write: the parent
+                // kills this process right here.
+                let hangs = job.payload.seq % HANG_EVERY == HANG_EVERY - 1;
+                if hangs && job.attempt == 1 && !already_hung(job.id) {
+                    say(&format!("hanging {}", job.id));
+                    std::future::pending::<()>().await;
+                }
+                Ok(())
+            })
+        });
+        let worker = Worker::new(Session::new(db), handlers);
+        say("ready");
+        // Closing stdin is the graceful shutdown.
+        let shutdown = async {
+            tokio::task::spawn_blocking(|| {
+                let mut line = String::new();
+                while std::io::stdin().read_line(&mut line).unwrap_or(0) > 0 {
+                    line.clear();
+                }
+            })
+            .await
+            .unwrap();
+        };
+        let ran = worker.run(shutdown).await;
+        say(&format!("stopped after {ran}"));
+    });
+}
+
+/// Whether job `id` hung in an earlier process: a killed process's writes rolled back, so the
+/// mark is a file (in the directory the parent names), made outside any transaction.
+fn already_hung(id: i64) -> bool {
+    let dir = std::env::var(ENV_MARKS).unwrap();
+    let mark = std::path::Path::new(&dir).join(format!("hung-{id}"));
+    std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(mark)
+        .is_err()
+}
+
+async fn bump(tx: &freshlock::Tx, node: i32) -> Result<(), sea_orm::DbErr> {
+    let backend = tx.get_database_backend();
+    let sql = if backend == sea_orm::DbBackend::Postgres {
+        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1"
+    } else {
+        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?"
+    };
+    tx.execute_raw(Statement::from_sql_and_values(backend, sql, [node.into()]))
+        .await
+        .map(drop)
+}
+
+/// Tells the parent `what` (it reads `FRESHLOCK:` lines), at once.
+fn say(what: &str) {
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "FRESHLOCK:{what}").unwrap();
+    out.flush().unwrap();
+}
+
+// ---------------------------------------------------------------- the parent side
+
+struct Process {
+    child: Child,
+    /// Lines the child says, read off the runtime.
+    said: tokio::sync::mpsc::UnboundedReceiver<String>,
+}
+
+impl Process {
+    fn spawn(
+        db: &TestDb,
+        marks: &std::path::Path,
+        tag: usize,
+        events: tokio::sync::mpsc::UnboundedSender<(usize, String)>,
+    ) -> Self {
+        let mut command = Command::new(std::env::current_exe().unwrap());
+        command
+            .args([
+                "--exact",
+                "job_worker_process",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(ENV_URL, &db.url)
+            .env(ENV_MARKS, marks)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped());
+        if let Some(schema) = &db.schema {
+            command.env(ENV_SCHEMA, schema);
+        }
+        let mut child = command.spawn().unwrap();
+        let stdout = BufReader::new(child.stdout.take().unwrap());
+        let (tx, said) = tokio::sync::mpsc::unbounded_channel();
+        std::thread::spawn(move || read_lines(stdout, tag, &tx, &events));
+        Self { child, said }
+    }
+
+    fn kill(mut self) {
+        let status = Command::new("kill")
+            .args(["-9", &self.child.id().to_string()])
+            .status()
+            .unwrap();
+        assert!(status.success());
+        let _ = self.child.wait();
+    }
+
+    /// Closes stdin (the graceful shutdown) and waits for a clean exit.
+    async fn stop(mut self) -> String {
+        drop(self.child.stdin.take());
+        let mut last = String::new();
+        while let Some(line) = self.said.recv().await {
+            last = line;
+        }
+        let status = tokio::task::spawn_blocking(move || self.child.wait().unwrap())
+            .await
+            .unwrap();
+        assert!(status.success(), "worker failed: {status}");
+        last
+    }
+}
+
+fn read_lines(
+    stdout: BufReader<ChildStdout>,
+    tag: usize,
+    said: &tokio::sync::mpsc::UnboundedSender<String>,
+    events: &tokio::sync::mpsc::UnboundedSender<(usize, String)>,
+) {
+    for line in stdout.lines() {
+        let Ok(line) = line else { return };
+        // The harness may have printed "test job_worker_process ... " on the same line.
+        if let Some((_, what)) = line.split_once("FRESHLOCK:") {
+            let _ = said.send(what.to_owned());
+            let _ = events.send((tag, what.to_owned()));
+        }
+    }
+}
+
+async fn number(db: &TestDb, sql: &str) -> i64 {
+    let row = db
+        .db
+        .query_one_raw(Statement::from_string(db.db.get_database_backend(), sql))
+        .await
+        .unwrap()
+        .unwrap();
+    row.try_get_by_index::<Option<i64>>(0).unwrap().unwrap_or(0)
+}
+
+async fn killed_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(5).await;
+    let marks = std::env::temp_dir().join(servers::unique("job-marks"));
+    std::fs::create_dir_all(&marks).unwrap();
+    for seq in 0..JOBS {
+        let node = seq % 5 + 1;
+        let job = NewJob::new("bump", &Bump { node, seq }).unwrap();
+        // Nodes 1–4 are keys; node 5's jobs have none.
+        let job = if node < 5 {
+            job.key(format!("node:{node}"))
+        } else {
+            job
+        };
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let mut processes: Vec<Option<Process>> = (0..3)
+        .map(|tag| Some(Process::spawn(&db, &marks, tag, events_tx.clone())))
+        .collect();
+    let done_sql = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    let mut killed = 0;
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(120);
+    while number(&db, done_sql).await < i64::from(JOBS) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the jobs did not finish"
+        );
+        let event = tokio::time::timeout(Duration::from_millis(200), events.recv()).await;
+        let Ok(Some((tag, what))) = event else {
+            continue;
+        };
+        if what.starts_with("hanging") {
+            processes[tag].take().unwrap().kill();
+            killed += 1;
+            let tag = processes.len();
+            processes.push(Some(Process::spawn(&db, &marks, tag, events_tx.clone())));
+        }
+    }
+    for process in processes.into_iter().flatten() {
+        let last = process.stop().await;
+        assert!(last.starts_with("stopped after"), "{last}");
+    }
+    let backend = db.db.get_database_backend();
+    let sum = if backend == sea_orm::DbBackend::MySql {
+        "SELECT CAST(SUM(score) AS SIGNED) FROM node"
+    } else {
+        "SELECT CAST(SUM(score) AS BIGINT) FROM node"
+    };
+    eprintln!("{backend:?}: {killed} worker processes killed mid-job");
+    assert_eq!(
+        killed,
+        JOBS / HANG_EVERY,
+        "every hanging job's worker was killed"
+    );
+    assert_eq!(number(&db, done_sql).await, i64::from(JOBS));
+    assert_eq!(
+        number(&db, sum).await,
+        i64::from(JOBS),
+        "every job's effect is in the database exactly once"
+    );
+    let _ = std::fs::remove_dir_all(&marks);
+}
+
+macro_rules! on_databases {
+    ($($test:ident: $db:ident;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            killed_workers_never_lose_or_double_a_job(databases::$db(stringify!($test)).await).await;
+        }
+    )*};
+}
+
+on_databases! {
+    killed_job_workers_sqlite: sqlite;
+    killed_job_workers_postgres: postgres;
+    killed_job_workers_mysql: mysql;
+}
