@@ -12,6 +12,12 @@
 //! | [`STALE_TAKEOVERS`] | counter | `backend` | expired leases taken over from a dead or slow holder |
 //! | [`UPDATES`] | counter | `entity`, `outcome` | calls of the locked driver (`locked_update`, `locked_delete`, `get_or_insert`, `update_or_insert`) by outcome: `updated`, `unchanged`, `inserted`, `deleted`, `not_found`, `lease_lost`, or the error — `conflict`, `lock_not_acquired`, `interrupted`, `error` |
 //! | [`CACHE_HITS`] / [`CACHE_MISSES`] / [`CACHE_EVICTIONS`] | counter | — | identity-map lookups answered from memory / from the database, entries dropped |
+//! | [`JOBS`] | counter | `kind`, `outcome` (`completed`/`retrying`/`failed`) | job attempts a worker ran, by how they ended ([`crate::jobs`]) |
+//! | [`JOB_WAIT`] | histogram (seconds) | `kind` | from a job's due time to its start (database clock) |
+//! | [`JOB_RUN`] | histogram (seconds) | `kind` | a job's handler, from start to end |
+//! | [`JOB_ATTEMPTS`] | histogram | `kind` | the attempt a job ended on (completed or failed for good) |
+//!
+//! A queue's depth per kind and per key is a query, not a metric: [`crate::jobs::depth`].
 //!
 //! Call [`describe`] once after installing the recorder to give exporters units and help texts.
 //!
@@ -38,6 +44,15 @@ pub const CACHE_HITS: &str = "freshlock_cache_hits_total";
 pub const CACHE_MISSES: &str = "freshlock_cache_misses_total";
 /// Counter: identity-map entries evicted (reset, capacity, before a locked reload).
 pub const CACHE_EVICTIONS: &str = "freshlock_cache_evictions_total";
+
+/// Counter: job attempts by kind and outcome (`completed`, `retrying`, `failed`).
+pub const JOBS: &str = "freshlock_jobs_total";
+/// Histogram: seconds from a job's due time to its start.
+pub const JOB_WAIT: &str = "freshlock_job_wait_seconds";
+/// Histogram: seconds a job's handler ran.
+pub const JOB_RUN: &str = "freshlock_job_run_seconds";
+/// Histogram: the attempt a job ended on.
+pub const JOB_ATTEMPTS: &str = "freshlock_job_attempts";
 
 /// Registers units and descriptions of freshlock's metrics with the installed recorder (does
 /// nothing without the `metrics` feature).
@@ -68,6 +83,14 @@ fn describe_all() {
         "Identity-map lookups that went to the database"
     );
     describe_counter!(CACHE_EVICTIONS, "Identity-map entries evicted");
+    describe_counter!(JOBS, "Job attempts by kind and outcome");
+    describe_histogram!(
+        JOB_WAIT,
+        Unit::Seconds,
+        "From a job's due time to its start"
+    );
+    describe_histogram!(JOB_RUN, Unit::Seconds, "How long a job's handler ran");
+    describe_histogram!(JOB_ATTEMPTS, "The attempt a job ended on");
 }
 
 #[cfg(feature = "metrics")]
@@ -118,6 +141,17 @@ mod record {
             counter!(super::CACHE_EVICTIONS).increment(n);
         }
     }
+
+    pub(crate) fn job(kind: &str, outcome: &'static str, waited: Duration, ran: Duration) {
+        let kind = kind.to_owned();
+        counter!(super::JOBS, "kind" => kind.clone(), "outcome" => outcome).increment(1);
+        histogram!(super::JOB_WAIT, "kind" => kind.clone()).record(waited.as_secs_f64());
+        histogram!(super::JOB_RUN, "kind" => kind).record(ran.as_secs_f64());
+    }
+
+    pub(crate) fn job_ended(kind: &str, attempt: u32) {
+        histogram!(super::JOB_ATTEMPTS, "kind" => kind.to_owned()).record(f64::from(attempt));
+    }
 }
 
 /// Without the feature every recording is an empty inline function.
@@ -144,6 +178,10 @@ mod record {
     pub(crate) fn cache_miss() {}
     #[inline(always)]
     pub(crate) fn cache_evictions(_: u64) {}
+    #[inline(always)]
+    pub(crate) fn job(_: &str, _: &'static str, _: Duration, _: Duration) {}
+    #[inline(always)]
+    pub(crate) fn job_ended(_: &str, _: u32) {}
 }
 
 pub(crate) use record::*;

@@ -703,3 +703,137 @@ async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
     assert_eq!(jobs_in(&db, 2).await, 1);
     assert_eq!(jobs_in(&db, 0).await, 1);
 }
+
+// ------------------------------------------------------------------------- the operator
+
+async fn depth_list_retry_and_discard(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let bump_one = || NewJob::new("bump", &Bump { node: 1, seq: 0 }).unwrap();
+    for key in ["ham:1", "ham:1", "ham:2"] {
+        jobs::enqueue(&db, bump_one().key(key)).await.unwrap();
+    }
+    jobs::enqueue(&db, bump_one().delay(Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    let Enqueued::Added(doomed) =
+        jobs::enqueue(&db, NewJob::new("fails", &()).unwrap().unique("u"))
+            .await
+            .unwrap()
+    else {
+        panic!("added");
+    };
+    let Enqueued::Added(dropped) = jobs::enqueue(
+        &db,
+        NewJob::new("bump", &Bump { node: 1, seq: 9 })
+            .unwrap()
+            .unique("d"),
+    )
+    .await
+    .unwrap() else {
+        panic!("added");
+    };
+    let depth = jobs::depth(&db).await.unwrap();
+    let of = |kind: &str, key: Option<&str>| {
+        let row = depth
+            .iter()
+            .find(|d| d.kind == kind && d.key.as_deref() == key)
+            .unwrap_or_else(|| panic!("{kind} {key:?} in {depth:#?}"));
+        (row.waiting, row.due, row.failed)
+    };
+    assert_eq!(of("bump", Some("ham:1")), (2, 2, 0));
+    assert_eq!(of("bump", Some("ham:2")), (1, 1, 0));
+    assert_eq!(
+        of("bump", None),
+        (2, 1, 0),
+        "one keyless job is due in an hour"
+    );
+    assert_eq!(of("fails", None), (1, 1, 0));
+    // Discarded before it ran: never runs, its unique key is free again.
+    assert!(jobs::discard(&db, dropped).await.unwrap());
+    assert!(!jobs::discard(&db, dropped).await.unwrap());
+    assert!(matches!(
+        jobs::enqueue(&db, NewJob::new("other", &()).unwrap().unique("d"))
+            .await
+            .unwrap(),
+        Enqueued::Added(_)
+    ));
+    let handlers = bump_jobs(at_once(1))
+        .handle("fails", at_once(1), |_tx, job: Job<()>| {
+            Box::pin(async move {
+                if job.attempt == 1 {
+                    return Err(freshlock::ApplyError::msg("first time"));
+                }
+                Ok(())
+            })
+        })
+        .handle("other", at_once(1), |_tx, _job: Job<()>| {
+            Box::pin(async move { Ok(()) })
+        });
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    worker.run_until_idle().await.unwrap();
+    assert_eq!(total_score(&db).await, 3, "the discarded job did not run");
+    let failed = jobs::list(&db, jobs::JobState::Failed, 10).await.unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!((failed[0].id, failed[0].attempts), (doomed, 1));
+    assert_eq!(failed[0].unique.as_deref(), Some("u"));
+    assert_eq!(
+        failed[0].last_error.as_deref(),
+        Some("the handler failed: first time")
+    );
+    assert_eq!(
+        jobs::depth(&db)
+            .await
+            .unwrap()
+            .iter()
+            .map(|d| d.failed)
+            .sum::<u64>(),
+        1
+    );
+    // A failed job's unique key is free: another job takes it, and the retry must wait.
+    let Enqueued::Added(taker) = jobs::enqueue(&db, NewJob::new("other", &()).unwrap().unique("u"))
+        .await
+        .unwrap()
+    else {
+        panic!("added");
+    };
+    assert_eq!(
+        jobs::retry(&db, doomed).await.unwrap(),
+        jobs::Retried::Duplicate
+    );
+    assert!(jobs::discard(&db, taker).await.unwrap());
+    assert_eq!(
+        jobs::retry(&db, doomed).await.unwrap(),
+        jobs::Retried::Waiting
+    );
+    assert_eq!(
+        jobs::retry(&db, doomed).await.unwrap(),
+        jobs::Retried::NotFailed
+    );
+    // Waiting again, it holds its unique key again, and runs (attempts counted from zero).
+    assert!(matches!(
+        jobs::enqueue(&db, NewJob::new("fails", &()).unwrap().unique("u"))
+            .await
+            .unwrap(),
+        Enqueued::Duplicate { existing: Some(id) } if id == doomed
+    ));
+    let runs = worker.run_until_idle().await.unwrap();
+    assert!(
+        matches!(&runs[..], [run] if run.id == doomed && run.attempt == 1
+        && run.outcome == JobOutcome::Failed(JobFailure::Handler("first time".into())))
+    );
+    let discarded = jobs::list(&db, jobs::JobState::Discarded, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        discarded.iter().map(|j| j.id).collect::<Vec<_>>(),
+        [dropped, taker]
+    );
+}
+
+on_databases! {
+    operator_sqlite: depth_list_retry_and_discard, sqlite;
+    operator_postgres: depth_list_retry_and_discard, postgres;
+    operator_mysql: depth_list_retry_and_discard, mysql;
+}

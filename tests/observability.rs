@@ -451,6 +451,56 @@ mod metrics_facade {
         );
     }
 
+    /// A job that completes on its second attempt and one of an unknown kind: two attempts
+    /// counted per outcome, the attempt each ended on, their waits and run times.
+    #[test]
+    fn jobs_are_counted_by_kind_and_outcome() {
+        let recorder = DebuggingRecorder::new();
+        metrics::with_local_recorder(&recorder, || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(jobs_workload())
+        });
+        let m = &Recorded::of(&recorder);
+        let c = |key: &str| m.counter(key);
+        assert_eq!(
+            c("freshlock_jobs_total{kind=twice,outcome=retrying}"),
+            1,
+            "{:#?}",
+            m.counters
+        );
+        assert_eq!(c("freshlock_jobs_total{kind=twice,outcome=completed}"), 1);
+        assert_eq!(c("freshlock_jobs_total{kind=nobody,outcome=failed}"), 1);
+        assert_eq!(m.samples("freshlock_job_wait_seconds{kind=twice}"), 2);
+        assert_eq!(m.samples("freshlock_job_run_seconds{kind=twice}"), 2);
+        assert_eq!(m.samples("freshlock_job_attempts{kind=twice}"), 1);
+        assert_eq!(m.samples("freshlock_job_attempts{kind=nobody}"), 1);
+    }
+
+    async fn jobs_workload() {
+        use freshlock::jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker};
+        let db = test_db().await;
+        let zero = std::time::Duration::ZERO;
+        let policy = RetryPolicy::default().with_backoff(zero, zero);
+        let handlers = Jobs::new().handle("twice", policy, |_tx, job: Job<()>| {
+            Box::pin(async move {
+                if job.attempt == 1 {
+                    return Err(freshlock::ApplyError::msg("not yet"));
+                }
+                Ok(())
+            })
+        });
+        for kind in ["twice", "nobody"] {
+            jobs::enqueue(db.connection(), NewJob::new(kind, &()).unwrap())
+                .await
+                .unwrap();
+        }
+        let worker = Worker::new(db.session(), handlers);
+        assert_eq!(worker.run_until_idle().await.unwrap().len(), 3);
+    }
+
     async fn workload() {
         freshlock::metrics::describe();
         let db = test_db().await;

@@ -25,7 +25,7 @@ use serde::Serialize;
 #[command(
     name = "freshlock",
     version,
-    about = "Inspect and clear freshlock's leases"
+    about = "Inspect and clear freshlock's leases and jobs; run the field reports' demo"
 )]
 struct Cli {
     /// The database holding `freshlock_lock` (SQLite, PostgreSQL or MySQL/MariaDB URL). For
@@ -69,6 +69,12 @@ enum Command {
         #[arg(long)]
         expired: bool,
     },
+    /// The job queue (`freshlock::jobs`): its depth per kind and key; `list`, `retry`,
+    /// `discard` for single jobs.
+    Jobs {
+        #[command(subcommand)]
+        action: Option<JobsAction>,
+    },
     /// Clear leases that have run out, and delete lock rows nobody needs (live leases are
     /// never touched).
     #[command(group = clap::ArgGroup::new("what").required(true).multiple(true).args(["stale", "compact"]))]
@@ -85,6 +91,66 @@ enum Command {
         #[arg(long, default_value_t = 600, requires = "compact")]
         idle_secs: u64,
     },
+}
+
+#[derive(Subcommand, Debug)]
+enum JobsAction {
+    /// The jobs in one state, oldest first.
+    List {
+        /// waiting, done, failed or discarded.
+        #[arg(long, default_value = "failed", value_parser = parse_state)]
+        state: freshlock::jobs::JobState,
+        /// At most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: u64,
+    },
+    /// Make a failed job wait again, due now, its attempts counted from zero.
+    Retry {
+        /// The job's id.
+        id: i64,
+    },
+    /// Discard a waiting job before it runs.
+    Discard {
+        /// The job's id.
+        id: i64,
+    },
+}
+
+fn parse_state(text: &str) -> Result<freshlock::jobs::JobState, String> {
+    use freshlock::jobs::JobState;
+    [
+        JobState::Waiting,
+        JobState::Done,
+        JobState::Failed,
+        JobState::Discarded,
+    ]
+    .into_iter()
+    .find(|s| s.as_str() == text)
+    .ok_or_else(|| format!("{text:?}: expected waiting, done, failed or discarded"))
+}
+
+/// `jobs --json`: the depth per kind and key.
+#[derive(Serialize)]
+struct DepthRow<'a> {
+    kind: &'a str,
+    key: Option<&'a str>,
+    waiting: u64,
+    due: u64,
+    failed: u64,
+}
+
+/// `jobs list --json`: one job.
+#[derive(Serialize)]
+struct JobRow<'a> {
+    id: i64,
+    kind: &'a str,
+    key: Option<&'a str>,
+    unique: Option<&'a str>,
+    state: &'static str,
+    attempts: i32,
+    priority: i32,
+    run_at_ms: i64,
+    last_error: Option<&'a str>,
 }
 
 /// `locks --json`: `{"locks": [...]}`.
@@ -244,6 +310,7 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
             }
         }
         Command::Demo { .. } => {}
+        Command::Jobs { action } => jobs(&db, action, cli.json).await?,
         Command::Release {
             stale,
             compact,
@@ -272,6 +339,110 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
             if cli.json {
                 println!("{}", serde_json::to_string(&report)?);
             }
+        }
+    }
+    Ok(())
+}
+
+/// `freshlock jobs …`.
+async fn jobs(
+    db: &sea_orm::DatabaseConnection,
+    action: Option<JobsAction>,
+    json: bool,
+) -> Result<(), Box<dyn std::error::Error>> {
+    use freshlock::jobs;
+    let or_dash = |v: Option<&str>| v.unwrap_or("-").to_owned();
+    match action {
+        None => {
+            let depth = jobs::depth(db).await?;
+            let rows: Vec<_> = (depth.iter())
+                .map(|d| DepthRow {
+                    kind: &d.kind,
+                    key: d.key.as_deref(),
+                    waiting: d.waiting,
+                    due: d.due,
+                    failed: d.failed,
+                })
+                .collect();
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+                return Ok(());
+            }
+            let mut table = Table::new();
+            table
+                .load_preset(NOTHING)
+                .set_header(["KIND", "KEY", "WAITING", "DUE", "FAILED"]);
+            for r in &rows {
+                table.add_row([
+                    r.kind.to_owned(),
+                    or_dash(r.key),
+                    r.waiting.to_string(),
+                    r.due.to_string(),
+                    r.failed.to_string(),
+                ]);
+            }
+            println!("{table}");
+        }
+        Some(JobsAction::List { state, limit }) => {
+            let listed = jobs::list(db, state, limit).await?;
+            let rows: Vec<_> = (listed.iter())
+                .map(|j| JobRow {
+                    id: j.id,
+                    kind: &j.kind,
+                    key: j.key.as_deref(),
+                    unique: j.unique.as_deref(),
+                    state: j.state.as_str(),
+                    attempts: j.attempts,
+                    priority: j.priority,
+                    run_at_ms: j.run_at_ms,
+                    last_error: j.last_error.as_deref(),
+                })
+                .collect();
+            if json {
+                println!("{}", serde_json::to_string(&rows)?);
+                return Ok(());
+            }
+            let mut table = Table::new();
+            table.load_preset(NOTHING).set_header([
+                "ID",
+                "KIND",
+                "KEY",
+                "STATE",
+                "ATTEMPTS",
+                "RUN_AT_MS",
+                "LAST_ERROR",
+            ]);
+            for r in &rows {
+                table.add_row([
+                    r.id.to_string(),
+                    r.kind.to_owned(),
+                    or_dash(r.key),
+                    r.state.to_owned(),
+                    r.attempts.to_string(),
+                    r.run_at_ms.to_string(),
+                    or_dash(r.last_error),
+                ]);
+            }
+            println!("{table}");
+        }
+        Some(JobsAction::Retry { id }) => {
+            let said = match jobs::retry(db, id).await? {
+                jobs::Retried::Waiting => "waiting again",
+                jobs::Retried::Duplicate => {
+                    return Err(format!(
+                        "job {id} was left failed: another unfinished job holds its unique key"
+                    )
+                    .into());
+                }
+                _ => return Err(format!("no failed job has id {id}").into()),
+            };
+            println!("job {id}: {said}");
+        }
+        Some(JobsAction::Discard { id }) => {
+            if !jobs::discard(db, id).await? {
+                return Err(format!("no waiting job has id {id}").into());
+            }
+            println!("job {id}: discarded");
         }
     }
     Ok(())

@@ -34,6 +34,7 @@
 //! Every worker of one database must know every kind enqueued there: a worker fails a kind it
 //! does not know.
 
+mod admin;
 mod store;
 mod worker;
 
@@ -42,6 +43,7 @@ use std::time::Duration;
 use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
+pub use admin::{Depth, JobInfo, JobState, Retried, depth, discard, list, retry};
 pub use worker::{Job, JobFailure, JobOutcome, JobRun, Jobs, RetryPolicy, Worker};
 
 use crate::error::{Error, Result, database};

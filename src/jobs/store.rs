@@ -15,6 +15,7 @@ use crate::{
 pub(crate) const PENDING: i16 = 0;
 pub(crate) const DONE: i16 = 2;
 pub(crate) const FAILED: i16 = 3;
+pub(crate) const DISCARDED: i16 = 4;
 
 /// Longest error text kept with a job, in characters.
 const MAX_ERROR: usize = 4000;
@@ -104,6 +105,8 @@ pub(crate) struct Taken {
     pub(crate) payload: String,
     /// Attempts before this one.
     pub(crate) attempts: i32,
+    /// Milliseconds since the job was due (database clock).
+    pub(crate) waited: i64,
 }
 
 /// Locks the next job to run, in `txn`: the first by priority, then enqueue order, among those
@@ -123,7 +126,8 @@ pub(crate) async fn take(txn: &DatabaseTransaction) -> Result<Option<Taken>, DbE
         ""
     };
     let sql = format!(
-        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts FROM {JOB_TABLE} j{index} \
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited \
+         FROM {JOB_TABLE} j{index} \
          WHERE j.state = {PENDING} AND j.run_at <= {now} \
          AND (j.key_hash IS NULL OR NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h \
          WHERE h.key_hash = j.key_hash AND h.state IN (0, 1) AND h.id < j.id)) \
@@ -141,6 +145,7 @@ pub(crate) async fn take(txn: &DatabaseTransaction) -> Result<Option<Taken>, DbE
         key: row.try_get("", "job_key")?,
         payload: row.try_get("", "payload")?,
         attempts: row.try_get("", "attempts")?,
+        waited: row.try_get("", "waited")?,
     }))
 }
 

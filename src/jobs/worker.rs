@@ -302,7 +302,10 @@ impl Worker {
         };
         let attempts = session.policy().write_attempts;
         let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
-        let mut step = JobStep { worker: self };
+        let mut step = JobStep {
+            worker: self,
+            measured: None,
+        };
         engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await
     }
 
@@ -360,6 +363,7 @@ impl Worker {
 /// One attempt of the engine: take a job, run it, record how it ended.
 struct JobStep<'w> {
     worker: &'w Worker,
+    measured: Option<Measured>,
 }
 
 type Attempted = (DatabaseTransaction, Worked<Option<JobRun>>);
@@ -389,6 +393,7 @@ impl Step for JobStep<'_> {
         let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
         let kind = String::from_utf8_lossy(&taken.kind).into_owned();
         let span = info_span!("freshlock.job", id = taken.id, kind = %kind, attempt, outcome = tracing::field::Empty);
+        let started = tokio::time::Instant::now();
         let ran = self
             .attempt(&txn, &taken, attempt, &kind)
             .instrument(span.clone())
@@ -412,7 +417,16 @@ impl Step for JobStep<'_> {
         if let Err(e) = recorded {
             return undone(txn, "recording how a job ended in", e);
         }
-        span.record("outcome", outcome_name(&outcome));
+        let name = outcome_name(&outcome);
+        span.record("outcome", name);
+        let waited = Duration::from_millis(u64::try_from(taken.waited).unwrap_or(0));
+        self.measured = Some(Measured {
+            kind: kind.clone(),
+            outcome: name,
+            waited,
+            ran: started.elapsed(),
+            ended_on: (!matches!(outcome, JobOutcome::Retrying { .. })).then_some(attempt),
+        });
         let worked = Worked::Write {
             value: Some(JobRun {
                 id: taken.id,
@@ -431,6 +445,37 @@ impl Step for JobStep<'_> {
         // A job holds no lease: its row's lock lasts as long as its transaction.
         None
     }
+
+    /// The attempt's metrics, once its transaction committed (an attempt run again after a
+    /// failed commit is counted once).
+    fn ended(&mut self, _lockings: &[Locking], ended: &Result<()>) {
+        let Some(measured) = self.measured.take() else {
+            return;
+        };
+        if ended.is_ok() {
+            let Measured {
+                kind,
+                outcome,
+                waited,
+                ran,
+                ended_on,
+            } = measured;
+            crate::metrics::job(&kind, outcome, waited, ran);
+            if let Some(attempt) = ended_on {
+                crate::metrics::job_ended(&kind, attempt);
+            }
+        }
+    }
+}
+
+/// What an attempt records in the metrics when it commits.
+struct Measured {
+    kind: String,
+    outcome: &'static str,
+    waited: Duration,
+    ran: Duration,
+    /// The attempt the job ended on (completed or failed for good).
+    ended_on: Option<u32>,
 }
 
 impl JobStep<'_> {

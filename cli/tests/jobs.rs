@@ -1,0 +1,136 @@
+//! `freshlock jobs` on SQLite, PostgreSQL and MariaDB: the depth per kind and key, the failed
+//! jobs with their errors, a retry and a discard.
+
+mod common;
+
+use std::process::Command;
+
+use freshlock::{
+    Session,
+    jobs::{self, Enqueued, Job, Jobs, NewJob, RetryPolicy, Worker},
+};
+use migration::{Migrator, MigratorTrait};
+
+fn freshlock(url: &str, args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_freshlock"))
+        .args(["--database-url", url, "--json"])
+        .args(args)
+        .output()
+        .expect("run freshlock")
+}
+
+fn json(url: &str, args: &[&str]) -> serde_json::Value {
+    let output = freshlock(url, args);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    serde_json::from_slice(&output.stdout).expect("JSON on stdout")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_on_sqlite() {
+    let path = std::env::temp_dir().join(format!("{}.db", common::unique("cli-jobs")));
+    let url = format!("sqlite://{}?mode=rwc", path.display());
+    inspect_retry_discard(&url).await;
+    let _ = std::fs::remove_file(&path);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_on_postgres() {
+    if let Some(fresh) = common::fresh_database("postgres", "cli_jobs").await {
+        inspect_retry_discard(&fresh.url).await;
+        fresh.drop_database().await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_on_mariadb() {
+    if let Some(fresh) = common::fresh_database("mysql", "cli_jobs").await {
+        inspect_retry_discard(&fresh.url).await;
+        fresh.drop_database().await;
+    }
+}
+
+async fn inspect_retry_discard(url: &str) {
+    let db = common::connect(url).await;
+    Migrator::up(&db, None).await.unwrap();
+    for key in ["ham:1", "ham:1", "ham:2"] {
+        let job = NewJob::new("spam", &0).unwrap().key(key);
+        jobs::enqueue(&db, job).await.unwrap();
+    }
+    let Enqueued::Added(failing) = jobs::enqueue(&db, NewJob::new("broken", &"x").unwrap())
+        .await
+        .unwrap()
+    else {
+        panic!("added");
+    };
+    // The handler of "broken" takes a number: its string payload fails the job at once. (The
+    // spam jobs are discarded below, before the worker runs: it knows no "spam" kind.)
+    let handlers = Jobs::new().handle("broken", RetryPolicy::default(), |_tx, _job: Job<i32>| {
+        Box::pin(async move { Ok(()) })
+    });
+    let depth = json(url, &["jobs"]);
+    let rows = depth.as_array().unwrap();
+    let of = |kind: &str, key: &str| {
+        rows.iter()
+            .find(|r| r["kind"] == kind && r["key"] == key)
+            .map(|r| r["waiting"].as_u64().unwrap())
+    };
+    assert_eq!(of("spam", "ham:1"), Some(2), "{depth}");
+    assert_eq!(of("spam", "ham:2"), Some(1), "{depth}");
+    let waiting = json(url, &["jobs", "list", "--state", "waiting"]);
+    for job in waiting.as_array().unwrap() {
+        if job["kind"] == "spam" {
+            let id = job["id"].as_i64().unwrap().to_string();
+            json_or_text(url, &["jobs", "discard", &id]);
+        }
+    }
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    assert_eq!(runs.len(), 1);
+    let failed = json(url, &["jobs", "list", "--state", "failed"]);
+    let failed = failed.as_array().unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0]["id"], failing);
+    assert!(
+        failed[0]["last_error"]
+            .as_str()
+            .unwrap()
+            .contains("does not deserialize"),
+        "{failed:?}"
+    );
+    let id = failing.to_string();
+    json_or_text(url, &["jobs", "retry", &id]);
+    let again = freshlock(url, &["jobs", "retry", &id]);
+    assert!(
+        !again.status.success(),
+        "a job that is not failed cannot be retried"
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("no failed job has id"));
+    let discarded = json(url, &["jobs", "list", "--state", "discarded"]);
+    assert_eq!(discarded.as_array().unwrap().len(), 3);
+    let waiting = json(url, &["jobs", "list", "--state", "waiting"]);
+    assert_eq!(
+        waiting.as_array().unwrap().len(),
+        1,
+        "the retried job waits"
+    );
+    let bad = freshlock(url, &["jobs", "list", "--state", "stuck"]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr)
+            .contains("expected waiting, done, failed or discarded")
+    );
+}
+
+/// Runs a command that prints a line of text and must succeed.
+fn json_or_text(url: &str, args: &[&str]) {
+    let output = freshlock(url, args);
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+}

@@ -1,0 +1,255 @@
+//! What an operator does with the queue (`freshlock jobs`): its depth per kind and key, the
+//! jobs in a state, and retrying or discarding one.
+
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
+
+use super::{JobId, store};
+use crate::{
+    error::{Result, database},
+    lock::sql::{now_ms, statement},
+    schema::JOB_TABLE,
+};
+
+/// A job's state as stored.
+#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum JobState {
+    /// Waiting to run (also while it runs: its row is locked by the worker's transaction, and
+    /// a job waiting for a retry).
+    Waiting,
+    /// Completed: its handler's writes committed with it.
+    Done,
+    /// Failed for good, its error kept ([`retry`] makes it wait again).
+    Failed,
+    /// Discarded by an operator before it ran ([`discard`]).
+    Discarded,
+}
+
+impl JobState {
+    fn stored(self) -> i16 {
+        match self {
+            Self::Waiting => store::PENDING,
+            Self::Done => store::DONE,
+            Self::Failed => store::FAILED,
+            Self::Discarded => store::DISCARDED,
+        }
+    }
+
+    fn from_stored(state: i16) -> Option<Self> {
+        [Self::Waiting, Self::Done, Self::Failed, Self::Discarded]
+            .into_iter()
+            .find(|s| s.stored() == state)
+    }
+
+    /// The state's name: `waiting`, `done`, `failed`, `discarded`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Waiting => "waiting",
+            Self::Done => "done",
+            Self::Failed => "failed",
+            Self::Discarded => "discarded",
+        }
+    }
+}
+
+/// The queue's depth for one kind and key.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Depth {
+    /// The jobs' kind.
+    pub kind: String,
+    /// Their serialization key (`None`: jobs without one).
+    pub key: Option<String>,
+    /// Jobs waiting to run (due or not, running included).
+    pub waiting: u64,
+    /// Of those, the ones due now.
+    pub due: u64,
+    /// Jobs failed for good.
+    pub failed: u64,
+}
+
+/// One job, as [`list`] shows it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct JobInfo {
+    /// The job's id.
+    pub id: JobId,
+    /// Its kind.
+    pub kind: String,
+    /// Its serialization key.
+    pub key: Option<String>,
+    /// Its unique key.
+    pub unique: Option<String>,
+    /// Its state.
+    pub state: JobState,
+    /// Attempts made.
+    pub attempts: i32,
+    /// Its priority.
+    pub priority: i32,
+    /// When it is (or was) due, in milliseconds since the Unix epoch (database clock).
+    pub run_at_ms: i64,
+    /// The error of its last failed attempt.
+    pub last_error: Option<String>,
+}
+
+fn text(bytes: Option<Vec<u8>>) -> Option<String> {
+    bytes.map(|b| String::from_utf8_lossy(&b).into_owned())
+}
+
+fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
+    let n: Option<i64> = row.try_get("", column)?;
+    Ok(u64::try_from(n.unwrap_or(0)).unwrap_or(0))
+}
+
+/// The depth of the queue per kind and key: jobs waiting (and due) and failed, by kind, then
+/// by key. (On MySQL/MariaDB two kinds longer than `max_sort_length`, 1,024 bytes, that share
+/// their first 1,024 bytes are counted together; keys never are.)
+///
+/// # Errors
+/// [`crate::Error::Database`] when the query fails.
+pub async fn depth(db: &impl ConnectionTrait) -> Result<Vec<Depth>> {
+    let backend = db.get_database_backend();
+    let now = now_ms(backend);
+    let bigint = if backend == DbBackend::MySql {
+        "SIGNED"
+    } else {
+        "BIGINT"
+    };
+    let (pending, failed) = (store::PENDING, store::FAILED);
+    let sum =
+        |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS {bigint})");
+    let sql = format!(
+        "SELECT kind, job_key, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
+         FROM {JOB_TABLE} WHERE state IN ({pending}, {failed}) \
+         GROUP BY kind, key_hash, job_key ORDER BY kind, key_hash",
+        waiting = sum(&format!("state = {pending}")),
+        due = sum(&format!("state = {pending} AND run_at <= {now}")),
+        failed_n = sum(&format!("state = {failed}")),
+    );
+    let fail = |e| database("reading the depth of", &JOB_TABLE, e);
+    let rows = db
+        .query_all_raw(statement(backend, &sql, Vec::new()))
+        .await
+        .map_err(fail)?;
+    rows.iter()
+        .map(|row| {
+            Ok(Depth {
+                kind: text(row.try_get("", "kind")?).unwrap_or_default(),
+                key: text(row.try_get("", "job_key")?),
+                waiting: count(row, "waiting")?,
+                due: count(row, "due")?,
+                failed: count(row, "failed")?,
+            })
+        })
+        .collect::<std::result::Result<_, DbErr>>()
+        .map_err(fail)
+}
+
+/// Up to `limit` jobs in `state`, oldest first.
+///
+/// # Errors
+/// [`crate::Error::Database`] when the query fails.
+pub async fn list(db: &impl ConnectionTrait, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
+    let backend = db.get_database_backend();
+    let sql = format!(
+        "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
+         FROM {JOB_TABLE} WHERE state = ? ORDER BY id LIMIT ?"
+    );
+    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+    let values = vec![state.stored().into(), limit.into()];
+    let fail = |e| database("listing", &JOB_TABLE, e);
+    let rows = db
+        .query_all_raw(statement(backend, &sql, values))
+        .await
+        .map_err(fail)?;
+    rows.iter()
+        .map(|row| {
+            let stored: i16 = row.try_get("", "state")?;
+            Ok(JobInfo {
+                id: row.try_get("", "id")?,
+                kind: text(row.try_get("", "kind")?).unwrap_or_default(),
+                key: text(row.try_get("", "job_key")?),
+                unique: text(row.try_get("", "unique_key")?),
+                state: JobState::from_stored(stored).unwrap_or(state),
+                attempts: row.try_get("", "attempts")?,
+                priority: row.try_get("", "priority")?,
+                run_at_ms: row.try_get("", "run_at")?,
+                last_error: row.try_get("", "last_error")?,
+            })
+        })
+        .collect::<std::result::Result<_, DbErr>>()
+        .map_err(fail)
+}
+
+/// What [`retry`] did.
+#[derive(Copy, Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Retried {
+    /// The failed job waits again, due now, with its attempts counted from zero.
+    Waiting,
+    /// No failed job has this id.
+    NotFailed,
+    /// Its unique key is held by another job that has not finished: it was left failed.
+    Duplicate,
+}
+
+/// Makes failed job `id` wait again, due now, its attempts counted from zero (its last error
+/// is kept until it runs). Its unique key is taken back, unless another unfinished job holds it.
+///
+/// # Errors
+/// [`crate::Error::Database`] when the database fails.
+pub async fn retry(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
+    let backend = db.get_database_backend();
+    let fail = |e| database("retrying a job of", &JOB_TABLE, e);
+    let read = format!("SELECT unique_key FROM {JOB_TABLE} WHERE id = ? AND state = ?");
+    let values = vec![id.into(), store::FAILED.into()];
+    let Some(row) = db
+        .query_one_raw(statement(backend, &read, values))
+        .await
+        .map_err(fail)?
+    else {
+        return Ok(Retried::NotFailed);
+    };
+    let unique: Option<String> = text(row.try_get("", "unique_key").map_err(fail)?);
+    if let Some(unique) = &unique
+        && store::holder_of(db, unique).await.map_err(fail)?.is_some()
+    {
+        return Ok(Retried::Duplicate);
+    }
+    let now = now_ms(backend);
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {pending}, attempts = 0, run_at = {now}, \
+         finished_at = NULL, unique_hash = ? WHERE id = ? AND state = {failed}",
+        pending = store::PENDING,
+        failed = store::FAILED,
+    );
+    let values = vec![Value::Bytes(unique.as_deref().map(store::hash)), id.into()];
+    match db.execute_raw(statement(backend, &sql, values)).await {
+        Ok(done) if done.rows_affected() == 1 => Ok(Retried::Waiting),
+        Ok(_) => Ok(Retried::NotFailed),
+        // Taken by a job enqueued between the two statements.
+        Err(e) if crate::db_error::is_unique_violation(&e) => Ok(Retried::Duplicate),
+        Err(e) => Err(fail(e)),
+    }
+}
+
+/// Discards waiting job `id` before it runs: `true` when it was waiting (a job that is running
+/// now is waited for; if it completes, it is not discarded). Its unique key is free again.
+///
+/// # Errors
+/// [`crate::Error::Database`] when the database fails.
+pub async fn discard(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
+    let backend = db.get_database_backend();
+    let now = now_ms(backend);
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {discarded}, finished_at = {now}, unique_hash = NULL \
+         WHERE id = ? AND state = {pending}",
+        discarded = store::DISCARDED,
+        pending = store::PENDING,
+    );
+    let done = db
+        .execute_raw(statement(backend, &sql, vec![id.into()]))
+        .await
+        .map_err(|e| database("discarding a job of", &JOB_TABLE, e))?;
+    Ok(done.rows_affected() == 1)
+}
