@@ -217,7 +217,6 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
     }
     let seen = Arc::new(Seen::default());
     let completed = Arc::new(AtomicUsize::new(0));
-    let all_done = Arc::new(tokio::sync::Notify::new());
     let handlers = {
         let seen = Arc::clone(&seen);
         Jobs::new().handle("bump", at_once(5), move |tx, job: Job<Bump>| {
@@ -249,21 +248,24 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
     };
     let session = Session::new(db.clone());
     let mut workers = Vec::new();
-    for _ in 0..4 {
-        let worker = Worker::new(session.clone(), handlers.clone());
-        let (completed, all_done) = (Arc::clone(&completed), Arc::clone(&all_done));
+    // Two workers take one job at a time, two take batches of up to 8 (never two jobs of one
+    // key in a batch).
+    for batch in [1, 8, 1, 8] {
+        let worker = Worker::new(session.clone(), handlers.clone()).with_batch(batch);
+        let completed = Arc::clone(&completed);
         workers.push(tokio::spawn(async move {
             loop {
-                match worker.run_one().await.unwrap() {
-                    Some(run) => {
-                        assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
-                        if completed.fetch_add(1, Ordering::SeqCst) + 1 == enqueued {
-                            all_done.notify_waiters();
-                        }
+                let runs = worker.run_batch().await.unwrap();
+                for run in &runs {
+                    assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
+                    completed.fetch_add(1, Ordering::SeqCst);
+                }
+                if runs.is_empty() {
+                    if completed.load(Ordering::SeqCst) == enqueued {
+                        return;
                     }
-                    None if completed.load(Ordering::SeqCst) == enqueued => return,
                     // Every due job's key is busy with another worker: look again.
-                    None => tokio::task::yield_now().await,
+                    tokio::task::yield_now().await;
                 }
             }
         }));
@@ -423,7 +425,8 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
     jobs::enqueue(&db, NewJob::new("bump", &bump_one).unwrap())
         .await
         .unwrap();
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    // In batches: each failing job rolls back alone, the others of its batch commit.
+    let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(4);
     let runs = worker.run_until_idle().await.unwrap();
     let by_kind = |kind: &str| -> Vec<&JobOutcome> {
         (runs.iter())

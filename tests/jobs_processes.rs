@@ -2,7 +2,7 @@
 //! job, on SQLite (a file), PostgreSQL and MariaDB. The test binary re-runs itself as a worker
 //! (`job_worker_process`, ignored in normal runs).
 //!
-//! Three worker processes run 60 jobs over 4 keys (and keyless ones). Every 15th job's handler
+//! Three worker processes (batches of up to 4 jobs) run 60 jobs over 4 keys (and keyless ones). Every 15th job's handler
 //! says so and hangs, after its write: the parent kills that process with `-9` and starts a
 //! fresh one in its place. The killed job's transaction dies with its connection, so its write
 //! is gone, and it runs again at once — its key is free again, the jobs behind it run. At the
@@ -67,7 +67,9 @@ fn job_worker_process() {
                 Ok(())
             })
         });
-        let worker = Worker::new(Session::new(db), handlers);
+        // Batches of up to 4: a killed process rolls back its whole batch, every job of which
+        // runs again.
+        let worker = Worker::new(Session::new(db), handlers).with_batch(4);
         say("ready");
         // Closing stdin is the graceful shutdown.
         let shutdown = async {

@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Value};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
 use sha2::{Digest, Sha256};
 
 use crate::{
@@ -109,12 +109,12 @@ pub(crate) struct Taken {
     pub(crate) waited: i64,
 }
 
-/// Locks the next job to run, in `txn`: the first by priority, then enqueue order, among those
-/// due whose key has no earlier unfinished job. Rows other workers locked are skipped
+/// Locks the next `limit` jobs to run, in `txn`: the first by priority, then enqueue order,
+/// among those due whose key has no earlier unfinished job (so never two jobs of one key). Rows other workers locked are skipped
 /// (`SKIP LOCKED`; SQLite's `BEGIN IMMEDIATE` already made this the only writer), so a busy
 /// key — its head locked by the worker running it — hands out nothing, and a worker is never
 /// given a job it would wait for.
-pub(crate) async fn take(txn: &DatabaseTransaction) -> Result<Option<Taken>, DbErr> {
+pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Taken>, DbErr> {
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let skip = for_update_skip_locked(backend);
@@ -131,39 +131,49 @@ pub(crate) async fn take(txn: &DatabaseTransaction) -> Result<Option<Taken>, DbE
          WHERE j.state = {PENDING} AND j.run_at <= {now} \
          AND (j.key_hash IS NULL OR NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h \
          WHERE h.key_hash = j.key_hash AND h.state IN (0, 1) AND h.id < j.id)) \
-         ORDER BY j.priority DESC, j.id LIMIT 1{skip}"
+         ORDER BY j.priority DESC, j.id LIMIT {limit}{skip}"
     );
-    let Some(row) = txn
-        .query_one_raw(statement(backend, &sql, Vec::new()))
-        .await?
-    else {
-        return Ok(None);
-    };
-    Ok(Some(Taken {
-        id: row.try_get("", "id")?,
-        kind: row.try_get("", "kind")?,
-        key: row.try_get("", "job_key")?,
-        payload: row.try_get("", "payload")?,
-        attempts: row.try_get("", "attempts")?,
-        waited: row.try_get("", "waited")?,
-    }))
+    let rows = txn
+        .query_all_raw(statement(backend, &sql, Vec::new()))
+        .await?;
+    rows.iter()
+        .map(|row| {
+            Ok(Taken {
+                id: row.try_get("", "id")?,
+                kind: row.try_get("", "kind")?,
+                key: row.try_get("", "job_key")?,
+                payload: row.try_get("", "payload")?,
+                attempts: row.try_get("", "attempts")?,
+                waited: row.try_get("", "waited")?,
+            })
+        })
+        .collect()
 }
 
-/// Marks job `id` done, in the transaction that ran it: its unique key is free again.
+/// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
+/// unique keys free). With `stamps` (PostgreSQL), the statement also returns those expressions —
+/// the commit's evidence, taken by this statement rather than one of its own: the first row.
 pub(crate) async fn complete(
     txn: &DatabaseTransaction,
-    id: i64,
-    attempts: i32,
-) -> Result<(), DbErr> {
+    ids: &[i64],
+    stamps: Option<&[&str]>,
+) -> Result<Option<QueryResult>, DbErr> {
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
-    let sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {DONE}, attempts = ?, finished_at = {now}, \
-         unique_hash = NULL WHERE id = ?"
+    let placeholders = vec!["?"; ids.len()].join(", ");
+    let mut sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {DONE}, attempts = attempts + 1, finished_at = {now}, \
+         unique_hash = NULL WHERE id IN ({placeholders})"
     );
-    txn.execute_raw(statement(backend, &sql, vec![attempts.into(), id.into()]))
-        .await
-        .map(drop)
+    let values = ids.iter().map(|&id| id.into()).collect();
+    let Some(stamps) = stamps else {
+        txn.execute_raw(statement(backend, &sql, values)).await?;
+        return Ok(None);
+    };
+    sql.push_str(" RETURNING ");
+    sql.push_str(&stamps.join(", "));
+    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    Ok(rows.into_iter().next())
 }
 
 /// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error

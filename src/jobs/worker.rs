@@ -20,6 +20,7 @@ use tracing::{Instrument, debug, info_span, warn};
 
 use super::{JobId, store};
 use crate::{
+    commit::Evidence,
     deadline::within,
     engine::{self, End, Engine, Fence, Retries, Step, Tried, Worked},
     error::{BoxError, Result, database},
@@ -266,6 +267,7 @@ impl Jobs {
 pub struct Worker {
     session: Session,
     jobs: Arc<Jobs>,
+    batch: u32,
 }
 
 /// The longest a worker with nothing to do waits before it looks again.
@@ -281,7 +283,19 @@ impl Worker {
         Self {
             session,
             jobs: Arc::new(jobs),
+            batch: 1,
         }
+    }
+
+    /// Takes up to `jobs` jobs at a time (default 1, at least 1) and commits them together:
+    /// one `BEGIN`, one take, one completion and one `COMMIT` for the batch, each job's handler
+    /// in a savepoint of its own, so that a failing job rolls back alone. Never two jobs of one
+    /// key in a batch. The price: a batch's jobs run one after another in one transaction, so
+    /// each job's completion (and its key's next job) waits for the whole batch — keep batches
+    /// small for slow jobs or hot keys, large for many short independent ones.
+    pub fn with_batch(mut self, jobs: u32) -> Self {
+        self.batch = jobs.max(1);
+        self
     }
 
     /// Runs the next due job, if any: `None` when none is due (or every due job's key is busy
@@ -294,6 +308,19 @@ impl Worker {
     /// resolved — the job either completed or runs again, never both. A handler's own failure
     /// is not an error here: it is the job's [`JobOutcome`].
     pub async fn run_one(&self) -> Result<Option<JobRun>> {
+        Ok(self.run_up_to(1).await?.pop())
+    }
+
+    /// Runs the next batch of due jobs (see [`with_batch`](Self::with_batch)) in one
+    /// transaction: empty when none is due.
+    ///
+    /// # Errors
+    /// As [`run_one`](Self::run_one), for the batch as a whole (it commits or not as one).
+    pub async fn run_batch(&self) -> Result<Vec<JobRun>> {
+        self.run_up_to(self.batch).await
+    }
+
+    async fn run_up_to(&self, limit: u32) -> Result<Vec<JobRun>> {
         let session = &self.session;
         let engine = Engine {
             db: session.connection(),
@@ -304,22 +331,27 @@ impl Worker {
         let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
         let mut step = JobStep {
             worker: self,
-            measured: None,
+            limit,
+            measured: Vec::new(),
         };
         engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await
     }
 
-    /// Runs due jobs until none is left (a retry due later is left): the `testing` way to run
-    /// a user's handlers inline, e.g. against in-memory SQLite. Returns the jobs run.
+    /// Runs due jobs (in batches, see [`with_batch`](Self::with_batch)) until none is left (a
+    /// retry due later is left): the `testing` way to run a user's handlers inline, e.g.
+    /// against in-memory SQLite. Returns the jobs run.
     ///
     /// # Errors
     /// As [`run_one`](Self::run_one), at the first error.
     pub async fn run_until_idle(&self) -> Result<Vec<JobRun>> {
         let mut runs = Vec::new();
-        while let Some(run) = self.run_one().await? {
-            runs.push(run);
+        loop {
+            let batch = self.run_batch().await?;
+            if batch.is_empty() {
+                return Ok(runs);
+            }
+            runs.extend(batch);
         }
-        Ok(runs)
     }
 
     /// Runs jobs until `shutdown` completes, then returns how many ran. A job that is running
@@ -337,13 +369,13 @@ impl Worker {
                 () = &mut shutdown => return ran,
                 () = std::future::ready(()) => {}
             }
-            match self.run_one().await {
-                Ok(Some(_)) => {
-                    ran += 1;
+            match self.run_batch().await {
+                Ok(batch) if !batch.is_empty() => {
+                    ran += batch.len() as u64;
                     idle = MIN_IDLE;
                     continue;
                 }
-                Ok(None) => {}
+                Ok(_) => {}
                 Err(error) => warn!(%error, "running a job failed; waiting before the next"),
             }
             tokio::select! {
@@ -363,10 +395,12 @@ impl Worker {
 /// One attempt of the engine: take a job, run it, record how it ended.
 struct JobStep<'w> {
     worker: &'w Worker,
-    measured: Option<Measured>,
+    /// At most this many jobs per attempt.
+    limit: u32,
+    measured: Vec<Measured>,
 }
 
-type Attempted = (DatabaseTransaction, Worked<Option<JobRun>>);
+type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
 
 fn undone(txn: DatabaseTransaction, operation: &'static str, e: DbErr) -> Attempted {
     let error = database(operation, &JOB_TABLE, e);
@@ -374,85 +408,103 @@ fn undone(txn: DatabaseTransaction, operation: &'static str, e: DbErr) -> Attemp
 }
 
 impl Step for JobStep<'_> {
-    type Output = Option<JobRun>;
+    type Output = Vec<JobRun>;
 
     async fn run(&mut self, txn: DatabaseTransaction, _lockings: &mut [Locking]) -> Attempted {
+        self.measured.clear();
         let reply = self.worker.reply();
-        let taken = match within(reply, store::take(&txn)).await {
-            Ok(Some(taken)) => taken,
-            Ok(None) => {
+        let taken = match within(reply, store::take(&txn, self.limit)).await {
+            Ok(taken) if taken.is_empty() => {
                 let worked = Worked::Kept {
-                    value: None,
+                    value: Vec::new(),
                     end: End::RollBack,
                     effects: Vec::new(),
                 };
                 return (txn, worked);
             }
-            Err(e) => return undone(txn, "taking a job from", e),
+            Ok(taken) => taken,
+            Err(e) => return undone(txn, "taking jobs from", e),
         };
-        let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
-        let kind = String::from_utf8_lossy(&taken.kind).into_owned();
-        let span = info_span!("freshlock.job", id = taken.id, kind = %kind, attempt, outcome = tracing::field::Empty);
-        let started = tokio::time::Instant::now();
-        let ran = self
-            .attempt(&txn, &taken, attempt, &kind)
-            .instrument(span.clone())
-            .await;
-        let (outcome, effects) = match ran {
-            Ok(ran) => ran,
-            Err((operation, e)) => return undone(txn, operation, e),
-        };
-        let stored_attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
-        let recorded = match &outcome {
-            JobOutcome::Completed => store::complete(&txn, taken.id, stored_attempts).await,
-            JobOutcome::Retrying { failure, after } => {
-                let error = failure.to_string();
-                store::failed(&txn, taken.id, stored_attempts, &error, Some(*after)).await
+        let mut runs = Vec::with_capacity(taken.len());
+        let mut effects = Vec::new();
+        let mut completed = Vec::new();
+        for taken in &taken {
+            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
+            let kind = String::from_utf8_lossy(&taken.kind).into_owned();
+            let span = info_span!("freshlock.job", id = taken.id, kind = %kind, attempt, outcome = tracing::field::Empty);
+            let started = tokio::time::Instant::now();
+            let ran = self
+                .attempt(&txn, taken, attempt, &kind)
+                .instrument(span.clone())
+                .await;
+            let (outcome, changes) = match ran {
+                Ok(ran) => ran,
+                // The batch's transaction cannot go on: it rolls back as a whole, and the
+                // engine runs the attempt again when the failure is transient.
+                Err((operation, e)) => return undone(txn, operation, e),
+            };
+            let stored_attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
+            let recorded = match &outcome {
+                JobOutcome::Completed => {
+                    completed.push(taken.id);
+                    Ok(())
+                }
+                JobOutcome::Retrying { failure, after } => {
+                    let error = failure.to_string();
+                    store::failed(&txn, taken.id, stored_attempts, &error, Some(*after)).await
+                }
+                JobOutcome::Failed(failure) => {
+                    let error = failure.to_string();
+                    store::failed(&txn, taken.id, stored_attempts, &error, None).await
+                }
+            };
+            if let Err(e) = recorded {
+                return undone(txn, "recording how a job ended in", e);
             }
-            JobOutcome::Failed(failure) => {
-                let error = failure.to_string();
-                store::failed(&txn, taken.id, stored_attempts, &error, None).await
-            }
-        };
-        if let Err(e) = recorded {
-            return undone(txn, "recording how a job ended in", e);
-        }
-        let name = outcome_name(&outcome);
-        span.record("outcome", name);
-        let waited = Duration::from_millis(u64::try_from(taken.waited).unwrap_or(0));
-        self.measured = Some(Measured {
-            kind: kind.clone(),
-            outcome: name,
-            waited,
-            ran: started.elapsed(),
-            ended_on: (!matches!(outcome, JobOutcome::Retrying { .. })).then_some(attempt),
-        });
-        let worked = Worked::Write {
-            value: Some(JobRun {
+            let name = outcome_name(&outcome);
+            span.record("outcome", name);
+            let waited = Duration::from_millis(u64::try_from(taken.waited).unwrap_or(0));
+            self.measured.push(Measured {
+                kind: kind.clone(),
+                outcome: name,
+                waited,
+                ran: started.elapsed(),
+                ended_on: (!matches!(outcome, JobOutcome::Retrying { .. })).then_some(attempt),
+            });
+            effects.extend(changes);
+            runs.push(JobRun {
                 id: taken.id,
                 kind,
                 attempt,
                 outcome,
-            }),
-            evidence: None,
+            });
+        }
+        let evidence = match self.complete(&txn, &completed).await {
+            Ok(evidence) => evidence,
+            Err((operation, e)) => return undone(txn, operation, e),
+        };
+        let worked = Worked::Write {
+            value: runs,
+            evidence,
             fence: Fence::Unchecked,
             effects,
         };
         (txn, worked)
     }
 
-    fn lease_lost(&mut self) -> Option<JobRun> {
+    fn lease_lost(&mut self) -> Vec<JobRun> {
         // A job holds no lease: its row's lock lasts as long as its transaction.
-        None
+        Vec::new()
     }
 
     /// The attempt's metrics, once its transaction committed (an attempt run again after a
     /// failed commit is counted once).
     fn ended(&mut self, _lockings: &[Locking], ended: &Result<()>) {
-        let Some(measured) = self.measured.take() else {
+        if ended.is_err() {
+            self.measured.clear();
             return;
-        };
-        if ended.is_ok() {
+        }
+        for measured in self.measured.drain(..) {
             let Measured {
                 kind,
                 outcome,
@@ -479,6 +531,48 @@ struct Measured {
 }
 
 impl JobStep<'_> {
+    /// Marks the `completed` jobs done: the commit's evidence when the statement took it (on
+    /// PostgreSQL with `freshlock_incarnation`, by returning the transaction's id: no round
+    /// trip of its own), `None` for the engine to take at the commit.
+    async fn complete(
+        &self,
+        txn: &DatabaseTransaction,
+        completed: &[JobId],
+    ) -> std::result::Result<Option<Evidence>, (&'static str, DbErr)> {
+        const OPERATION: &str = "completing jobs in";
+        if completed.is_empty() {
+            return Ok(None);
+        }
+        let reply = self.worker.reply();
+        let db = self.worker.session.connection();
+        let known = if self.worker.session.commit_markers() {
+            match crate::pool::incarnation(db, txn).await {
+                crate::pool::Incarnation::Known(token) => Some(Some(token)),
+                crate::pool::Incarnation::Unseen => Some(None),
+                crate::pool::Incarnation::Unsupported => None,
+            }
+        } else {
+            None
+        };
+        let Some(known) = known else {
+            within(reply, store::complete(txn, completed, None))
+                .await
+                .map_err(|e| (OPERATION, e))?;
+            return Ok(None);
+        };
+        let incarnation = known.is_none();
+        let stamps = crate::commit::stamps(incarnation);
+        let row = within(reply, store::complete(txn, completed, Some(stamps)))
+            .await
+            .map_err(|e| (OPERATION, e))?
+            .ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
+        let (xid, seen) = Evidence::read(&row, incarnation).map_err(|e| (OPERATION, e))?;
+        within(reply, Evidence::stamped(txn, db, xid, known, seen))
+            .await
+            .map(Some)
+            .map_err(|e| ("marking the commit of", e))
+    }
+
     /// Runs the job's handler in a savepoint of `txn`: how the attempt ended and, when it
     /// succeeded, the cache changes its writes make on commit. `Err` when the database failed
     /// around the handler (the savepoint could not be made or ended).

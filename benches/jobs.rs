@@ -1,0 +1,259 @@
+//! Keyed jobs (`freshlock::jobs`) against the job-queue table of issue 27, on PostgreSQL and
+//! MariaDB (whichever URL is set), one run printing the figures BENCHMARKS.md §10 records:
+//!
+//! - W1: no-op jobs/s with 1 and 8 workers, one job per transaction and batches of 64;
+//! - W2: jobs/s where each job updates one row (its write and its completion commit together:
+//!   exactly once), 8 workers, one job per transaction and batches of 32;
+//! - W3: 2,000 jobs of 10 ms, half on one key, the rest over 50 keys, one job per key at a time,
+//!   10 workers: wall time, the other keys' p50/p99 latency (from the start, when every job is
+//!   already enqueued), same-key overlaps seen by the handlers.
+//!
+//! `cargo bench --bench jobs --all-features` with `DATABASE_URL_POSTGRES` and/or
+//! `DATABASE_URL_MYSQL`; `FRESHLOCK_BENCH_QUICK=1` runs a tenth of each workload. The
+//! databases' `node` and `freshlock_job` tables are emptied first.
+
+mod common;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use freshlock::{
+    Session,
+    jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker},
+};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
+use workload::percentile_ms;
+
+fn quick() -> bool {
+    std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
+}
+
+fn scaled(n: usize) -> usize {
+    if quick() { n / 10 } else { n }
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    if std::env::args().any(|a| a == "--list") {
+        return;
+    }
+    for (name, var) in [
+        ("PostgreSQL", "DATABASE_URL_POSTGRES"),
+        ("MariaDB", "DATABASE_URL_MYSQL"),
+    ] {
+        let Ok(url) = std::env::var(var) else {
+            println!("({name}: skipped: {var} is not set)");
+            continue;
+        };
+        println!("\n## {name}\n");
+        let db = common::database(&url, 1000, 16).await;
+        println!("| workload | workers | batch | jobs | seconds | jobs/s |");
+        println!("|---|---|---|---|---|---|");
+        for (workers, batch, n) in [
+            (1, 1, 5_000),
+            (8, 1, 5_000),
+            (1, 64, 20_000),
+            (8, 64, 20_000),
+        ] {
+            no_ops(&db, scaled(n), workers, batch).await;
+        }
+        for batch in [1, 32] {
+            updates(&db, scaled(5_000), 8, batch).await;
+        }
+        skewed(&db).await;
+    }
+}
+
+/// Empties the queue and enqueues `n` jobs made by `job`, in transactions of 1,000.
+async fn fill(db: &DatabaseConnection, n: usize, job: impl Fn(usize) -> NewJob) {
+    db.execute_unprepared("DELETE FROM freshlock_job")
+        .await
+        .expect("empty the queue");
+    for start in (0..n).step_by(1000) {
+        let txn = db.begin().await.expect("begin");
+        for i in start..(start + 1000).min(n) {
+            jobs::enqueue(&txn, job(i)).await.expect("enqueue");
+        }
+        txn.commit().await.expect("commit");
+    }
+}
+
+/// Runs `workers` workers until `total` jobs completed: the seconds it took, and each job's
+/// completion time from the start, by id.
+async fn drain(
+    db: &DatabaseConnection,
+    handlers: Jobs,
+    workers: usize,
+    batch: u32,
+    total: usize,
+) -> (f64, HashMap<i64, Duration>) {
+    let session = Session::new(db.clone());
+    let done = Arc::new(AtomicUsize::new(0));
+    let finished = Arc::new(Mutex::new(HashMap::new()));
+    let start = Instant::now();
+    let tasks: Vec<_> = (0..workers)
+        .map(|_| {
+            let worker = Worker::new(session.clone(), handlers.clone()).with_batch(batch);
+            let (done, finished) = (Arc::clone(&done), Arc::clone(&finished));
+            tokio::spawn(async move {
+                let mut idle = Duration::from_millis(1);
+                while done.load(Ordering::SeqCst) < total {
+                    let runs = worker.run_batch().await.expect("run jobs");
+                    if runs.is_empty() {
+                        tokio::time::sleep(idle).await;
+                        idle = (idle * 2).min(Duration::from_millis(10));
+                        continue;
+                    }
+                    let at = start.elapsed();
+                    let mut finished = finished.lock().unwrap();
+                    for run in &runs {
+                        finished.insert(run.id, at);
+                    }
+                    done.fetch_add(runs.len(), Ordering::SeqCst);
+                    idle = Duration::from_millis(1);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.expect("worker");
+    }
+    let seconds = start.elapsed().as_secs_f64();
+    let finished = Arc::try_unwrap(finished).unwrap().into_inner().unwrap();
+    (seconds, finished)
+}
+
+fn row(workload: &str, workers: usize, batch: u32, n: usize, seconds: f64) {
+    println!(
+        "| {workload} | {workers} | {batch} | {n} | {seconds:.2} | {:.0} |",
+        n as f64 / seconds
+    );
+}
+
+/// W1: no-op jobs.
+async fn no_ops(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) {
+    fill(db, n, |_| NewJob::new("noop", &()).unwrap()).await;
+    let handlers = Jobs::new().handle("noop", RetryPolicy::default(), |_tx, _job: Job<()>| {
+        Box::pin(async move { Ok(()) })
+    });
+    let (seconds, _) = drain(db, handlers, workers, batch, n).await;
+    row("W1 no-op", workers, batch, n, seconds);
+}
+
+/// W2: each job adds one to a row, in the job's transaction.
+async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) {
+    db.execute_unprepared("UPDATE node SET score = 0")
+        .await
+        .expect("reset");
+    fill(db, n, |i| {
+        NewJob::new("bump", &((i % 1000) as i32 + 1)).unwrap()
+    })
+    .await;
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<i32>| {
+        Box::pin(async move {
+            let backend = tx.get_database_backend();
+            let sql = if backend == sea_orm::DbBackend::Postgres {
+                "UPDATE node SET score = score + 1 WHERE id = $1"
+            } else {
+                "UPDATE node SET score = score + 1 WHERE id = ?"
+            };
+            tx.execute_raw(Statement::from_sql_and_values(
+                backend,
+                sql,
+                [job.payload.into()],
+            ))
+            .await?;
+            Ok(())
+        })
+    });
+    let (seconds, _) = drain(db, handlers, workers, batch, n).await;
+    row("W2 one update each", workers, batch, n, seconds);
+    let sum = if db.get_database_backend() == sea_orm::DbBackend::MySql {
+        "SELECT CAST(SUM(score) AS SIGNED) AS n FROM node"
+    } else {
+        "SELECT CAST(SUM(score) AS BIGINT) AS n FROM node"
+    };
+    let total: i64 = db
+        .query_one_raw(Statement::from_string(db.get_database_backend(), sum))
+        .await
+        .expect("sum")
+        .expect("a row")
+        .try_get("", "n")
+        .expect("a number");
+    assert_eq!(
+        total, n as i64,
+        "every job's update is in the database exactly once"
+    );
+}
+
+/// W3: the skewed workload.
+async fn skewed(db: &DatabaseConnection) {
+    const WORKERS: usize = 10;
+    let n = scaled(2_000);
+    // Even ids are the hot key's; odd ones spread over 50 keys.
+    fill(db, n, |i| {
+        let key = if i % 2 == 0 {
+            "ham:hot".to_owned()
+        } else {
+            format!("ham:{}", i % 50)
+        };
+        NewJob::new("work", &(i % 2 == 0)).unwrap().key(key)
+    })
+    .await;
+    let running: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
+    let overlaps = Arc::new(AtomicUsize::new(0));
+    let handlers = {
+        let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
+        Jobs::new().handle(
+            "work",
+            RetryPolicy::default(),
+            move |_tx, job: Job<bool>| {
+                let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
+                Box::pin(async move {
+                    let key = job.key.unwrap_or_default();
+                    {
+                        let mut running = running.lock().unwrap();
+                        let now = running.entry(key.clone()).or_default();
+                        if *now > 0 {
+                            overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        *now += 1;
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    *running.lock().unwrap().get_mut(&key).unwrap() -= 1;
+                    Ok(())
+                })
+            },
+        )
+    };
+    let (seconds, finished) = drain(db, handlers, WORKERS, 1, n).await;
+    let hot: std::collections::HashSet<i64> = {
+        let sql = "SELECT id FROM freshlock_job WHERE payload = 'true'";
+        let rows = db
+            .query_all_raw(Statement::from_string(db.get_database_backend(), sql))
+            .await
+            .expect("hot ids");
+        rows.iter()
+            .map(|r| r.try_get::<i64>("", "id").expect("id"))
+            .collect()
+    };
+    let mut others: Vec<Duration> = (finished.iter())
+        .filter(|(id, _)| !hot.contains(id))
+        .map(|(_, at)| *at)
+        .collect();
+    println!(
+        "\nW3 ({n} jobs of 10 ms, half on one key, {WORKERS} workers): wall {seconds:.2} s \
+         (the hot key's floor {:.1} s); other keys' p50 {} ms, p99 {} ms; same-key overlaps {}; \
+         worker time waiting on a lock: none (a busy key is skipped, never waited for)",
+        hot.len() as f64 * 0.010,
+        percentile_ms(&mut others, 50),
+        percentile_ms(&mut others, 99),
+        overlaps.load(Ordering::SeqCst),
+    );
+}
