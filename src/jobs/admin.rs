@@ -36,6 +36,9 @@ impl JobState {
     }
 
     fn from_stored(state: i16) -> Option<Self> {
+        if state == store::QUEUED {
+            return Some(Self::Waiting);
+        }
         [Self::Waiting, Self::Done, Self::Failed, Self::Discarded]
             .into_iter()
             .find(|s| s.stored() == state)
@@ -62,7 +65,7 @@ pub struct Depth {
     pub key: Option<String>,
     /// Jobs waiting to run (due or not, running included).
     pub waiting: u64,
-    /// Of those, the ones due now.
+    /// Of those, the ones that can run now: due, and not behind an earlier job of their key.
     pub due: u64,
     /// Jobs failed for good.
     pub failed: u64,
@@ -115,14 +118,14 @@ pub async fn depth(db: &impl ConnectionTrait) -> Result<Vec<Depth>> {
     } else {
         "BIGINT"
     };
-    let (pending, failed) = (store::PENDING, store::FAILED);
+    let (pending, queued, failed) = (store::PENDING, store::QUEUED, store::FAILED);
     let sum =
         |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS {bigint})");
     let sql = format!(
         "SELECT kind, job_key, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
-         FROM {JOB_TABLE} WHERE state IN ({pending}, {failed}) \
+         FROM {JOB_TABLE} WHERE state IN ({pending}, {queued}, {failed}) \
          GROUP BY kind, key_hash, job_key ORDER BY kind, key_hash",
-        waiting = sum(&format!("state = {pending}")),
+        waiting = sum(&format!("state IN ({pending}, {queued})")),
         due = sum(&format!("state = {pending} AND run_at <= {now}")),
         failed_n = sum(&format!("state = {failed}")),
     );
@@ -153,10 +156,16 @@ pub async fn list(db: &impl ConnectionTrait, state: JobState, limit: u64) -> Res
     let backend = db.get_database_backend();
     let sql = format!(
         "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
-         FROM {JOB_TABLE} WHERE state = ? ORDER BY id LIMIT ?"
+         FROM {JOB_TABLE} WHERE state IN (?, ?) ORDER BY id LIMIT ?"
     );
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    let values = vec![state.stored().into(), limit.into()];
+    // A waiting job may be queued behind another of its key.
+    let also = if state == JobState::Waiting {
+        store::QUEUED
+    } else {
+        state.stored()
+    };
+    let values = vec![state.stored().into(), also.into(), limit.into()];
     let fail = |e| database("listing", &JOB_TABLE, e);
     let rows = db
         .query_all_raw(statement(backend, &sql, values))
@@ -241,15 +250,33 @@ pub async fn retry(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
 pub async fn discard(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
+    let fail = |e| database("discarding a job of", &JOB_TABLE, e);
     let sql = format!(
         "UPDATE {JOB_TABLE} SET state = {discarded}, finished_at = {now}, unique_hash = NULL \
-         WHERE id = ? AND state = {pending}",
+         WHERE id = ? AND state IN ({pending}, {queued})",
         discarded = store::DISCARDED,
         pending = store::PENDING,
+        queued = store::QUEUED,
     );
     let done = db
         .execute_raw(statement(backend, &sql, vec![id.into()]))
         .await
-        .map_err(|e| database("discarding a job of", &JOB_TABLE, e))?;
-    Ok(done.rows_affected() == 1)
+        .map_err(fail)?;
+    if done.rows_affected() != 1 {
+        return Ok(false);
+    }
+    // The next job of its key may run now.
+    let read = format!("SELECT key_hash FROM {JOB_TABLE} WHERE id = ?");
+    let row = db
+        .query_one_raw(statement(backend, &read, vec![id.into()]))
+        .await
+        .map_err(fail)?;
+    let key: Option<Vec<u8>> = match row {
+        Some(row) => row.try_get("", "key_hash").map_err(fail)?,
+        None => None,
+    };
+    store::promote(db, key.into_iter().collect())
+        .await
+        .map_err(fail)?;
+    Ok(true)
 }

@@ -10,9 +10,15 @@ use crate::{
     schema::JOB_TABLE,
 };
 
-/// A job's states as stored. `1` is kept for a running job under a lease (not yet used: a job
-/// runs inside the transaction that locked its row, see the module docs of `jobs`).
+/// A job's states as stored. Waiting jobs are `PENDING` (ready: keyless, or first of their key
+/// when enqueued or promoted) or `QUEUED` (behind an unfinished job of their key): a take scans
+/// the ready ones only, so a hot key's backlog costs nothing per take. `QUEUED` is a hint,
+/// never trusted for order: a take still checks that no earlier job of the key is unfinished.
+/// `1` is kept for a job running outside any transaction under a lease (not yet used).
 pub(crate) const PENDING: i16 = 0;
+pub(crate) const QUEUED: i16 = 5;
+/// Every state of a job that has not finished.
+const UNFINISHED: &str = "0, 1, 5";
 pub(crate) const DONE: i16 = 2;
 pub(crate) const FAILED: i16 = 3;
 pub(crate) const DISCARDED: i16 = 4;
@@ -22,8 +28,8 @@ const MAX_ERROR: usize = 4000;
 
 /// The SHA-256 of a key: what the indexes hold, so that a key of any length is compared byte for
 /// byte through a fixed-size index entry.
-pub(crate) fn hash(key: &str) -> Vec<u8> {
-    Sha256::digest(key.as_bytes()).to_vec()
+pub(crate) fn hash(key: impl AsRef<[u8]>) -> Vec<u8> {
+    Sha256::digest(key.as_ref()).to_vec()
 }
 
 fn bytes(value: Option<&str>) -> Value {
@@ -54,9 +60,28 @@ pub(crate) async fn insert(
         DbBackend::MySql => ("INSERT IGNORE", ""),
         _ => ("INSERT", " ON CONFLICT DO NOTHING RETURNING id"),
     };
+    // Behind an unfinished job of its key: queued, not ready (see `QUEUED`).
+    let state = match job.key {
+        Some(key) => {
+            let behind = format!(
+                "SELECT 1 AS one FROM {JOB_TABLE} WHERE key_hash = ? AND state IN ({UNFINISHED}) \
+                 LIMIT 1"
+            );
+            let found = db
+                .query_one_raw(statement(
+                    backend,
+                    &behind,
+                    vec![Value::Bytes(Some(hash(key)))],
+                ))
+                .await?;
+            if found.is_some() { QUEUED } else { PENDING }
+        }
+        None => PENDING,
+    };
     let sql = format!(
         "{verb} INTO {JOB_TABLE} (kind, payload, job_key, key_hash, unique_key, unique_hash, \
-         priority, run_at, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}){tail}"
+         priority, run_at, created_at, state) \
+         VALUES (?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}, {state}){tail}"
     );
     let values = vec![
         bytes(Some(job.kind)),
@@ -130,7 +155,7 @@ pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Ta
          FROM {JOB_TABLE} j{index} \
          WHERE j.state = {PENDING} AND j.run_at <= {now} \
          AND (j.key_hash IS NULL OR NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h \
-         WHERE h.key_hash = j.key_hash AND h.state IN (0, 1) AND h.id < j.id)) \
+         WHERE h.key_hash = j.key_hash AND h.state IN ({UNFINISHED}) AND h.id < j.id)) \
          ORDER BY j.priority DESC, j.id LIMIT {limit}{skip}"
     );
     let rows = txn
@@ -217,4 +242,45 @@ pub(crate) async fn failed(
     txn.execute_raw(statement(backend, &sql, values))
         .await
         .map(drop)
+}
+
+/// Makes the first queued job of each key in `key_hashes` ready (their heads finished in
+/// `txn`).
+pub(crate) async fn promote(
+    txn: &impl ConnectionTrait,
+    key_hashes: Vec<Vec<u8>>,
+) -> Result<(), DbErr> {
+    if key_hashes.is_empty() {
+        return Ok(());
+    }
+    let backend = txn.get_database_backend();
+    let placeholders = vec!["?"; key_hashes.len()].join(", ");
+    // The derived table lets MySQL read the table it updates.
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
+         SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {QUEUED} \
+         AND key_hash IN ({placeholders}) GROUP BY key_hash) heads)"
+    );
+    let values = key_hashes
+        .into_iter()
+        .map(|h| Value::Bytes(Some(h)))
+        .collect();
+    txn.execute_raw(statement(backend, &sql, values))
+        .await
+        .map(drop)
+}
+
+/// Makes ready every queued job with no unfinished job before it in its key: one whose head
+/// finished while its own enqueue had not committed yet, so the promotion did not see it.
+/// Returns how many.
+pub(crate) async fn sweep(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
+    let backend = db.get_database_backend();
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
+         SELECT q.id FROM {JOB_TABLE} q WHERE q.state = {QUEUED} AND NOT EXISTS (\
+         SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = q.key_hash \
+         AND h.state IN ({UNFINISHED}) AND h.id < q.id)) stranded)"
+    );
+    let done = db.execute_raw(statement(backend, &sql, Vec::new())).await?;
+    Ok(done.rows_affected())
 }

@@ -268,7 +268,12 @@ pub struct Worker {
     session: Session,
     jobs: Arc<Jobs>,
     batch: u32,
+    /// When this worker (or a clone) last swept for stranded queued jobs.
+    swept: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
 }
+
+/// How often a worker that found nothing to do looks for stranded queued jobs.
+const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// The longest a worker with nothing to do waits before it looks again.
 const MAX_IDLE: Duration = Duration::from_secs(1);
@@ -284,6 +289,7 @@ impl Worker {
             session,
             jobs: Arc::new(jobs),
             batch: 1,
+            swept: Arc::default(),
         }
     }
 
@@ -334,7 +340,35 @@ impl Worker {
             limit,
             measured: Vec::new(),
         };
-        engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await
+        let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
+        if runs.is_empty() && self.sweep_due() {
+            // A job queued behind one that finished before its enqueue committed is made
+            // ready here (see `store::QUEUED`); a failure is only logged, the next sweep
+            // tries again.
+            match within(self.reply(), store::sweep(session.connection())).await {
+                Ok(0) => {}
+                Ok(readied) => {
+                    debug!(readied, "queued jobs whose key was free made ready");
+                    return Box::pin(self.run_up_to(limit)).await;
+                }
+                Err(error) => warn!(%error, "sweeping for queued jobs failed"),
+            }
+        }
+        Ok(runs)
+    }
+
+    /// Whether this worker should sweep now (at most once per [`SWEEP_EVERY`]).
+    fn sweep_due(&self) -> bool {
+        let now = tokio::time::Instant::now();
+        let mut swept = self
+            .swept
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if swept.is_some_and(|at| now.duration_since(at) < SWEEP_EVERY) {
+            return false;
+        }
+        *swept = Some(now);
+        true
     }
 
     /// Runs due jobs (in batches, see [`with_batch`](Self::with_batch)) until none is left (a
@@ -478,6 +512,14 @@ impl Step for JobStep<'_> {
                 attempt,
                 outcome,
             });
+        }
+        // The next job of each key whose job finished here may run once this commits.
+        let finished_keys: Vec<Vec<u8>> = (taken.iter().zip(&runs))
+            .filter(|(_, run)| !matches!(run.outcome, JobOutcome::Retrying { .. }))
+            .filter_map(|(taken, _)| taken.key.as_ref().map(store::hash))
+            .collect();
+        if let Err(e) = within(reply, store::promote(&txn, finished_keys)).await {
+            return undone(txn, "readying the next jobs of", e);
         }
         let evidence = match self.complete(&txn, &completed).await {
             Ok(evidence) => evidence,
