@@ -42,6 +42,9 @@
 //!   [`LocalLock`].
 //! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
 //! - `inspect.rs` — the lock inspector's functions (held and expired leases, clearing stale ones).
+//! - `jobs/` — [`jobs`]: keyed jobs — enqueue in the caller's transaction (`mod.rs`), the job
+//!   table's statements (`store.rs`), the worker, a step of the engine (`worker.rs`), the
+//!   operator's depth / list / retry / discard (`admin.rs`).
 //! - `schema.rs` — freshlock's tables, as a migration.
 //! - `pool.rs` — what freshlock keeps of a pool (default isolation, whether it runs behind a
 //!   transaction pooler, commit combining's rooms) and `Autocommit`, its single statements.
