@@ -57,15 +57,27 @@ async fn bump(tx: &freshlock::Tx, node: i32) -> Result<(), sea_orm::DbErr> {
         .map(drop)
 }
 
+/// The number `sql` reads (in a transaction: behind a transaction pooler every statement is).
 async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
-    let row = db
+    let txn = db.begin().await.expect("begin");
+    let row = txn
         .query_one_raw(Statement::from_string(db.get_database_backend(), sql))
         .await
         .expect("query")
         .expect("a row");
+    txn.commit().await.expect("commit");
     row.try_get_by_index::<Option<i64>>(0)
         .expect("a number")
         .unwrap_or(0)
+}
+
+/// Enqueues `job` in a transaction of its own (behind a transaction pooler every statement
+/// runs in one).
+async fn add(db: &DatabaseConnection, job: NewJob) -> freshlock::Result<Enqueued> {
+    let txn = db.begin().await.expect("begin");
+    let enqueued = jobs::enqueue(&txn, job).await;
+    txn.commit().await.expect("commit");
+    enqueued
 }
 
 /// `CAST(… AS BIGINT)`, in the dialect of `db`.
@@ -196,9 +208,7 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
             let copies = if node == 1 { NODES - 1 } else { 1 };
             for _ in 0..copies {
                 let job = NewJob::new("bump", &Bump { node, seq }).unwrap();
-                jobs::enqueue(&db, job.key(format!("node:{node}")))
-                    .await
-                    .unwrap();
+                add(&db, job.key(format!("node:{node}"))).await.unwrap();
                 enqueued += 1;
             }
         }
@@ -212,7 +222,7 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
             },
         )
         .unwrap();
-        jobs::enqueue(&db, job).await.unwrap();
+        add(&db, job).await.unwrap();
         enqueued += 1;
     }
     let seen = Arc::new(Seen::default());
@@ -306,7 +316,7 @@ async fn a_busy_key_is_skipped_not_waited_for(db: Option<TestDb>) {
     let mut ids = Vec::new();
     for (node, key) in [(1, "hot"), (1, "hot"), (2, "cold")] {
         let job = NewJob::new("bump", &Bump { node, seq: 0 }).unwrap();
-        match jobs::enqueue(&db, job.key(key)).await.unwrap() {
+        match add(&db, job.key(key)).await.unwrap() {
             Enqueued::Added(id) => ids.push(id),
             other => panic!("added: {other:?}"),
         }
@@ -413,16 +423,16 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
         });
     let bump_one = Bump { node: 1, seq: 0 };
     for kind in ["flaky", "panics", "permanent", "nobody-handles-this"] {
-        jobs::enqueue(&db, NewJob::new(kind, &bump_one).unwrap())
+        add(&db, NewJob::new(kind, &bump_one).unwrap())
             .await
             .unwrap();
     }
     // A payload of the wrong shape for its kind.
-    jobs::enqueue(&db, NewJob::new("bump", &"not a bump").unwrap())
+    add(&db, NewJob::new("bump", &"not a bump").unwrap())
         .await
         .unwrap();
     // And a good job after all of them: the worker gets there.
-    jobs::enqueue(&db, NewJob::new("bump", &bump_one).unwrap())
+    add(&db, NewJob::new("bump", &bump_one).unwrap())
         .await
         .unwrap();
     // In batches: each failing job rolls back alone, the others of its batch commit.
@@ -469,7 +479,8 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
     assert_eq!(total_score(&db).await, 1);
     assert_eq!(jobs_in(&db, 3).await, 5);
     assert_eq!(jobs_in(&db, 2).await, 1);
-    let kept = db
+    let txn = db.begin().await.unwrap();
+    let kept = txn
         .query_one_raw(Statement::from_string(
             db.get_database_backend(),
             "SELECT last_error, attempts FROM freshlock_job WHERE state = 3 ORDER BY id LIMIT 1",
@@ -477,6 +488,7 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
         .await
         .unwrap()
         .unwrap();
+    txn.commit().await.unwrap();
     let error: String = kept.try_get("", "last_error").unwrap();
     assert_eq!(error, "the handler failed: attempt 3 failed");
     assert_eq!(kept.try_get::<i32>("", "attempts").unwrap(), 3);
@@ -500,9 +512,7 @@ async fn a_retry_waits_for_its_backoff() {
     let handlers = Jobs::new().handle("fails", policy, |_tx, _job: Job<()>| {
         Box::pin(async move { Err(freshlock::ApplyError::msg("no")) })
     });
-    jobs::enqueue(&db, NewJob::new("fails", &()).unwrap())
-        .await
-        .unwrap();
+    add(&db, NewJob::new("fails", &()).unwrap()).await.unwrap();
     let worker = Worker::new(Session::new(db.clone()), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     let [run] = &runs[..] else {
@@ -536,11 +546,11 @@ async fn a_pending_unique_key_is_a_duplicate(db: Option<TestDb>) {
             .unwrap()
             .unique("spam:17")
     };
-    let Enqueued::Added(first) = jobs::enqueue(&db, job()).await.unwrap() else {
+    let Enqueued::Added(first) = add(&db, job()).await.unwrap() else {
         panic!("added");
     };
     assert_eq!(
-        jobs::enqueue(&db, job()).await.unwrap(),
+        add(&db, job()).await.unwrap(),
         Enqueued::Duplicate {
             existing: Some(first)
         }
@@ -564,7 +574,7 @@ async fn a_pending_unique_key_is_a_duplicate(db: Option<TestDb>) {
     assert_eq!(total_score(&db).await, 2);
     // Finished: the unique key is free again.
     assert!(matches!(
-        jobs::enqueue(&db, job()).await.unwrap(),
+        add(&db, job()).await.unwrap(),
         Enqueued::Added(id) if id != first
     ));
 }
@@ -617,12 +627,12 @@ async fn keys_kinds_and_unique_keys_are_byte_exact(db: Option<TestDb>) {
             .key(value.clone())
             .unique(value.clone());
         assert!(matches!(
-            jobs::enqueue(&db, job.clone()).await.unwrap(),
+            add(&db, job.clone()).await.unwrap(),
             Enqueued::Added(_)
         ));
         // Each unique key is distinct from every other byte for byte, and equal to itself.
         assert!(matches!(
-            jobs::enqueue(&db, job).await.unwrap(),
+            add(&db, job).await.unwrap(),
             Enqueued::Duplicate { existing: Some(_) }
         ));
     }
@@ -670,7 +680,7 @@ async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
         .await
         .unwrap();
     for seq in 0..2 {
-        jobs::enqueue(&db, NewJob::new("bump", &Bump { node: 1, seq }).unwrap())
+        add(&db, NewJob::new("bump", &Bump { node: 1, seq }).unwrap())
             .await
             .unwrap();
     }
@@ -715,19 +725,18 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
     let db = db.db;
     let bump_one = || NewJob::new("bump", &Bump { node: 1, seq: 0 }).unwrap();
     for key in ["ham:1", "ham:1", "ham:2"] {
-        jobs::enqueue(&db, bump_one().key(key)).await.unwrap();
+        add(&db, bump_one().key(key)).await.unwrap();
     }
-    jobs::enqueue(&db, bump_one().delay(Duration::from_secs(3600)))
+    add(&db, bump_one().delay(Duration::from_secs(3600)))
         .await
         .unwrap();
-    let Enqueued::Added(doomed) =
-        jobs::enqueue(&db, NewJob::new("fails", &()).unwrap().unique("u"))
-            .await
-            .unwrap()
+    let Enqueued::Added(doomed) = add(&db, NewJob::new("fails", &()).unwrap().unique("u"))
+        .await
+        .unwrap()
     else {
         panic!("added");
     };
-    let Enqueued::Added(dropped) = jobs::enqueue(
+    let Enqueued::Added(dropped) = add(
         &db,
         NewJob::new("bump", &Bump { node: 1, seq: 9 })
             .unwrap()
@@ -758,7 +767,7 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
     assert!(jobs::discard(&db, dropped).await.unwrap());
     assert!(!jobs::discard(&db, dropped).await.unwrap());
     assert!(matches!(
-        jobs::enqueue(&db, NewJob::new("other", &()).unwrap().unique("d"))
+        add(&db, NewJob::new("other", &()).unwrap().unique("d"))
             .await
             .unwrap(),
         Enqueued::Added(_)
@@ -796,7 +805,7 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
         1
     );
     // A failed job's unique key is free: another job takes it, and the retry must wait.
-    let Enqueued::Added(taker) = jobs::enqueue(&db, NewJob::new("other", &()).unwrap().unique("u"))
+    let Enqueued::Added(taker) = add(&db, NewJob::new("other", &()).unwrap().unique("u"))
         .await
         .unwrap()
     else {
@@ -817,7 +826,7 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
     );
     // Waiting again, it holds its unique key again, and runs (attempts counted from zero).
     assert!(matches!(
-        jobs::enqueue(&db, NewJob::new("fails", &()).unwrap().unique("u"))
+        add(&db, NewJob::new("fails", &()).unwrap().unique("u"))
             .await
             .unwrap(),
         Enqueued::Duplicate { existing: Some(id) } if id == doomed
@@ -854,7 +863,7 @@ async fn a_job_queued_behind_a_finished_one_still_runs(db: Option<TestDb>) {
             .unwrap()
             .key("ham:1")
     };
-    jobs::enqueue(&db, job(0)).await.unwrap();
+    add(&db, job(0)).await.unwrap();
     let late = db.begin().await.unwrap();
     let Enqueued::Added(second) = jobs::enqueue(&late, job(1)).await.unwrap() else {
         panic!("added");

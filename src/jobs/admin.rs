@@ -1,7 +1,9 @@
 //! What an operator does with the queue (`freshlock jobs`): its depth per kind and key, the
 //! jobs in a state, and retrying or discarding one.
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, QueryResult, TransactionTrait, Value,
+};
 
 use super::{JobId, store};
 use crate::{
@@ -110,7 +112,9 @@ fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
-pub async fn depth(db: &impl ConnectionTrait) -> Result<Vec<Depth>> {
+pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
+    // One statement of its own (in a transaction behind a transaction pooler).
+    let db = &crate::pool::autocommit(db);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let bigint = if backend == DbBackend::MySql {
@@ -152,7 +156,8 @@ pub async fn depth(db: &impl ConnectionTrait) -> Result<Vec<Depth>> {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
-pub async fn list(db: &impl ConnectionTrait, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
+pub async fn list(db: &DatabaseConnection, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
+    let db = &crate::pool::autocommit(db);
     let backend = db.get_database_backend();
     let sql = format!(
         "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
@@ -207,7 +212,21 @@ pub enum Retried {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the database fails.
-pub async fn retry(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
+pub async fn retry(db: &DatabaseConnection, id: JobId) -> Result<Retried> {
+    let fail = |e| database("retrying a job of", &JOB_TABLE, e);
+    let txn = db.begin().await.map_err(fail)?;
+    let retried = retry_in(&txn, id).await;
+    match retried {
+        Ok(Retried::Waiting) => txn.commit().await.map_err(fail)?,
+        _ => {
+            let _ = txn.rollback().await;
+        }
+    }
+    retried
+}
+
+/// [`retry`] in `db`'s transaction.
+async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
     let backend = db.get_database_backend();
     let fail = |e| database("retrying a job of", &JOB_TABLE, e);
     let read = format!("SELECT unique_key FROM {JOB_TABLE} WHERE id = ? AND state = ?");
@@ -247,7 +266,21 @@ pub async fn retry(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the database fails.
-pub async fn discard(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
+pub async fn discard(db: &DatabaseConnection, id: JobId) -> Result<bool> {
+    let fail = |e| database("discarding a job of", &JOB_TABLE, e);
+    let txn = db.begin().await.map_err(fail)?;
+    let discarded = discard_in(&txn, id).await;
+    match discarded {
+        Ok(true) => txn.commit().await.map_err(fail)?,
+        _ => {
+            let _ = txn.rollback().await;
+        }
+    }
+    discarded
+}
+
+/// [`discard`] in `db`'s transaction.
+async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let fail = |e| database("discarding a job of", &JOB_TABLE, e);

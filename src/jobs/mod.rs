@@ -134,7 +134,8 @@ pub enum Enqueued {
 
 /// Enqueues `job` on `db`: a transaction (the job exists when it commits, and never if it rolls
 /// back) or a connection (the job exists when this returns). A duplicate unique key does not
-/// fail the statement, so the caller's transaction goes on either way.
+/// fail the statement, so the caller's transaction goes on either way. Behind a transaction
+/// pooler (PgBouncer in transaction mode) enqueue in a transaction, as every statement there.
 ///
 /// # Errors
 /// [`Error::Database`] when the database fails (a missing `freshlock_job` table means

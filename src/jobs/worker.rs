@@ -345,7 +345,8 @@ impl Worker {
             // A job queued behind one that finished before its enqueue committed is made
             // ready here (see `store::QUEUED`); a failure is only logged, the next sweep
             // tries again.
-            match within(self.reply(), store::sweep(session.connection())).await {
+            let db = crate::pool::autocommit(session.connection());
+            match within(self.reply(), store::sweep(&db)).await {
                 Ok(0) => {}
                 Ok(readied) => {
                     debug!(readied, "queued jobs whose key was free made ready");
