@@ -13,8 +13,8 @@
 //!   has one writer: there the running job's `BEGIN IMMEDIATE` transaction is the exclusion.)
 //!   A job waiting for its retry keeps its key's place, so order holds through retries.
 //! - **Exactly-once effects.** A handler runs inside the transaction that locked its job's row
-//!   and is given it as a [`Tx`](crate::Tx) (repositories, `locked_update`-free reads and
-//!   guarded saves, plain sea-orm queries); the job is marked done in that same transaction,
+//!   and is given it as a [`Tx`](crate::Tx) (its repositories' reads and guarded saves, plain
+//!   sea-orm queries, all in that transaction); the job is marked done in that same transaction,
 //!   which the engine commits with the evidence of locked writes. A crash before the commit
 //!   rolls both back and the job runs again as soon as the database has seen its connection go
 //!   (no lease to wait out); a lost `COMMIT` reply is resolved from the evidence, never run
@@ -28,9 +28,13 @@
 //!   The worker goes on with the next job.
 //! - **Unique jobs** ([`NewJob::unique`]): enqueuing while a job with the same unique key has
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
+//! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
+//!   its commit, each handler in a savepoint of its own, so that a failing job rolls back alone.
+//! - **Operators** ([`depth`], [`list`], [`retry`], [`discard`]; the CLI's `freshlock jobs`).
 //!
-//! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored as
-//! bytes and compared byte for byte on every database (see [`crate::schema::JobMigration`]).
+//! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored whole
+//! as bytes; keys and unique keys are matched through their SHA-256 (a collision is
+//! 2⁻¹²⁸-unlikely), the same on every database (see [`crate::schema::JobMigration`]).
 //! Every worker of one database must know every kind enqueued there: a worker fails a kind it
 //! does not know.
 
