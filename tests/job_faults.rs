@@ -5,6 +5,9 @@
 //! every done job's effect is in the database exactly once. PostgreSQL and MariaDB (only this
 //! test's own connections are cut).
 
+#[macro_use]
+#[path = "common/job_support.rs"]
+mod job_support;
 #[path = "common/proxy.rs"]
 mod proxy;
 #[path = "common/servers.rs"]
@@ -22,6 +25,7 @@ use freshlock::{
     Error, Session,
     jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
+use job_support::bump;
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use servers::{TestDb, databases};
@@ -79,18 +83,7 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
     proxy.cut_every(every);
     let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<i32>| {
         Box::pin(async move {
-            let backend = tx.get_database_backend();
-            let sql = if backend == sea_orm::DbBackend::Postgres {
-                "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1"
-            } else {
-                "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?"
-            };
-            tx.execute_raw(Statement::from_sql_and_values(
-                backend,
-                sql,
-                [job.payload.into()],
-            ))
-            .await?;
+            bump(tx, job.payload).await?;
             Ok(())
         })
     });
@@ -178,15 +171,6 @@ async fn lost_commit_replies(db: Option<TestDb>) {
 
 async fn cut_after_the_take(db: Option<TestDb>) {
     jobs_through_cuts(db, CutAfter::Reload, 5).await;
-}
-
-macro_rules! on_databases {
-    ($($test:ident: $scenario:ident, $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            $scenario(databases::$db(stringify!($test)).await).await;
-        }
-    )*};
 }
 
 on_databases! {

@@ -2,6 +2,9 @@
 //! transaction, per-key order with no overlap under concurrent workers, every completed job's
 //! effect in the database exactly once, retries, bad input, unique keys, hostile keys.
 
+#[macro_use]
+#[path = "common/job_support.rs"]
+mod job_support;
 #[path = "common/servers.rs"]
 mod servers;
 
@@ -18,19 +21,10 @@ use freshlock::{
     Session,
     jobs::{self, Enqueued, Job, JobFailure, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
+use job_support::bump;
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
 use serde::{Deserialize, Serialize};
 use servers::{TestDb, databases};
-
-/// One multi-threaded test per line `name: scenario, database;`; the scenario skips on `None`.
-macro_rules! on_databases {
-    ($($test:ident: $scenario:ident, $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            $scenario(databases::$db(stringify!($test)).await).await;
-        }
-    )*};
-}
 
 #[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 struct Bump {
@@ -43,18 +37,6 @@ fn at_once(attempts: u32) -> RetryPolicy {
     RetryPolicy::default()
         .with_max_attempts(attempts)
         .with_backoff(Duration::ZERO, Duration::ZERO)
-}
-
-async fn bump(tx: &freshlock::Tx, node: i32) -> Result<(), sea_orm::DbErr> {
-    let backend = tx.get_database_backend();
-    let sql = if backend == sea_orm::DbBackend::Postgres {
-        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1"
-    } else {
-        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?"
-    };
-    tx.execute_raw(Statement::from_sql_and_values(backend, sql, [node.into()]))
-        .await
-        .map(drop)
 }
 
 /// The number `sql` reads (in a transaction: behind a transaction pooler every statement is).

@@ -9,6 +9,9 @@
 //! end every job is done exactly once: the node scores add up to the job count. The workers
 //! are stopped by closing their stdin, a graceful shutdown: each finishes its job and exits 0.
 
+#[macro_use]
+#[path = "common/job_support.rs"]
+mod job_support;
 #[path = "common/servers.rs"]
 mod servers;
 
@@ -22,6 +25,7 @@ use freshlock::{
     Session,
     jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker},
 };
+use job_support::bump;
 use sea_orm::{ConnectionTrait, Statement};
 use serde::{Deserialize, Serialize};
 use servers::{TestDb, databases};
@@ -97,18 +101,6 @@ fn already_hung(id: i64) -> bool {
         .create_new(true)
         .open(mark)
         .is_err()
-}
-
-async fn bump(tx: &freshlock::Tx, node: i32) -> Result<(), sea_orm::DbErr> {
-    let backend = tx.get_database_backend();
-    let sql = if backend == sea_orm::DbBackend::Postgres {
-        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = $1"
-    } else {
-        "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = ?"
-    };
-    tx.execute_raw(Statement::from_sql_and_values(backend, sql, [node.into()]))
-        .await
-        .map(drop)
 }
 
 /// Tells the parent `what` (it reads `FRESHLOCK:` lines), at once.
@@ -270,17 +262,8 @@ async fn killed_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
     let _ = std::fs::remove_dir_all(&marks);
 }
 
-macro_rules! on_databases {
-    ($($test:ident: $db:ident;)*) => {$(
-        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-        async fn $test() {
-            killed_workers_never_lose_or_double_a_job(databases::$db(stringify!($test)).await).await;
-        }
-    )*};
-}
-
 on_databases! {
-    killed_job_workers_sqlite: sqlite;
-    killed_job_workers_postgres: postgres;
-    killed_job_workers_mysql: mysql;
+    killed_job_workers_sqlite: killed_workers_never_lose_or_double_a_job, sqlite;
+    killed_job_workers_postgres: killed_workers_never_lose_or_double_a_job, postgres;
+    killed_job_workers_mysql: killed_workers_never_lose_or_double_a_job, mysql;
 }
