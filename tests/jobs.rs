@@ -21,7 +21,7 @@ use freshlock::{
     Session,
     jobs::{self, Enqueued, Job, JobFailure, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
-use job_support::bump;
+use job_support::{add, at_once, bigint, bump, jobs_in, number, total_score};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
 use serde::{Deserialize, Serialize};
 use servers::{TestDb, databases};
@@ -30,57 +30,6 @@ use servers::{TestDb, databases};
 struct Bump {
     node: i32,
     seq: u32,
-}
-
-/// Retries due at once (no backoff), so a test runs them without waiting.
-fn at_once(attempts: u32) -> RetryPolicy {
-    RetryPolicy::default()
-        .with_max_attempts(attempts)
-        .with_backoff(Duration::ZERO, Duration::ZERO)
-}
-
-/// The number `sql` reads (in a transaction: behind a transaction pooler every statement is).
-async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
-    let txn = db.begin().await.expect("begin");
-    let row = txn
-        .query_one_raw(Statement::from_string(db.get_database_backend(), sql))
-        .await
-        .expect("query")
-        .expect("a row");
-    txn.commit().await.expect("commit");
-    row.try_get_by_index::<Option<i64>>(0)
-        .expect("a number")
-        .unwrap_or(0)
-}
-
-/// Enqueues `job` in a transaction of its own (behind a transaction pooler every statement
-/// runs in one).
-async fn add(db: &DatabaseConnection, job: NewJob) -> freshlock::Result<Enqueued> {
-    let txn = db.begin().await.expect("begin");
-    let enqueued = jobs::enqueue(&txn, job).await;
-    txn.commit().await.expect("commit");
-    enqueued
-}
-
-/// `CAST(… AS BIGINT)`, in the dialect of `db`.
-fn bigint(db: &DatabaseConnection, expr: &str) -> String {
-    match db.get_database_backend() {
-        sea_orm::DbBackend::MySql => format!("CAST({expr} AS SIGNED)"),
-        _ => format!("CAST({expr} AS BIGINT)"),
-    }
-}
-
-async fn total_score(db: &DatabaseConnection) -> i64 {
-    number(
-        db,
-        &format!("SELECT {} FROM node", bigint(db, "SUM(score)")),
-    )
-    .await
-}
-
-async fn jobs_in(db: &DatabaseConnection, state: i16) -> i64 {
-    let sql = format!("SELECT COUNT(*) FROM freshlock_job WHERE state = {state}");
-    number(db, &sql).await
 }
 
 // ------------------------------------------------------------------ enqueue in a transaction

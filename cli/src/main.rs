@@ -97,7 +97,7 @@ enum Command {
 enum JobsAction {
     /// The jobs in one state, oldest first.
     List {
-        /// waiting, done, failed or discarded.
+        /// waiting, leased, done, failed or discarded.
         #[arg(long, default_value = "failed", value_parser = parse_state)]
         state: freshlock::jobs::JobState,
         /// At most this many.
@@ -120,13 +120,14 @@ fn parse_state(text: &str) -> Result<freshlock::jobs::JobState, String> {
     use freshlock::jobs::JobState;
     [
         JobState::Waiting,
+        JobState::Leased,
         JobState::Done,
         JobState::Failed,
         JobState::Discarded,
     ]
     .into_iter()
     .find(|s| s.as_str() == text)
-    .ok_or_else(|| format!("{text:?}: expected waiting, done, failed or discarded"))
+    .ok_or_else(|| format!("{text:?}: expected waiting, leased, done, failed or discarded"))
 }
 
 /// `jobs --json`: the depth per kind and key.

@@ -121,7 +121,7 @@ async fn inspect_retry_discard(url: &str) {
     assert!(!bad.status.success());
     assert!(
         String::from_utf8_lossy(&bad.stderr)
-            .contains("expected waiting, done, failed or discarded")
+            .contains("expected waiting, leased, done, failed or discarded")
     );
 }
 

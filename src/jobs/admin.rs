@@ -16,9 +16,13 @@ use crate::{
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum JobState {
-    /// Waiting to run (also while it runs: its row is locked by the worker's transaction, and
-    /// a job waiting for a retry).
+    /// Waiting to run (also while it runs in a worker's transaction, its row locked there, and
+    /// while it waits for a retry).
     Waiting,
+    /// Claimed by a worker under a lease, its work running outside any transaction
+    /// ([`Jobs::handle_leased`](super::Jobs::handle_leased)); it waits again if the lease
+    /// expires.
+    Leased,
     /// Completed: its handler's writes committed with it.
     Done,
     /// Failed for good, its error kept ([`retry`] makes it wait again).
@@ -31,6 +35,7 @@ impl JobState {
     fn stored(self) -> i16 {
         match self {
             Self::Waiting => store::PENDING,
+            Self::Leased => store::LEASED,
             Self::Done => store::DONE,
             Self::Failed => store::FAILED,
             Self::Discarded => store::DISCARDED,
@@ -41,15 +46,22 @@ impl JobState {
         if state == store::QUEUED {
             return Some(Self::Waiting);
         }
-        [Self::Waiting, Self::Done, Self::Failed, Self::Discarded]
-            .into_iter()
-            .find(|s| s.stored() == state)
+        [
+            Self::Waiting,
+            Self::Leased,
+            Self::Done,
+            Self::Failed,
+            Self::Discarded,
+        ]
+        .into_iter()
+        .find(|s| s.stored() == state)
     }
 
-    /// The state's name: `waiting`, `done`, `failed`, `discarded`.
+    /// The state's name: `waiting`, `leased`, `done`, `failed`, `discarded`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Waiting => "waiting",
+            Self::Leased => "leased",
             Self::Done => "done",
             Self::Failed => "failed",
             Self::Discarded => "discarded",
@@ -65,7 +77,7 @@ pub struct Depth {
     pub kind: String,
     /// Their serialization key (`None`: jobs without one).
     pub key: Option<String>,
-    /// Jobs waiting to run (due or not, running included).
+    /// Jobs waiting to run (due or not, running included, leased ones too).
     pub waiting: u64,
     /// Of those, the ones that can run now: due, and not behind an earlier job of their key.
     pub due: u64,
@@ -123,13 +135,14 @@ pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
         "BIGINT"
     };
     let (pending, queued, failed) = (store::PENDING, store::QUEUED, store::FAILED);
+    let leased = store::LEASED;
     let sum =
         |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS {bigint})");
     let sql = format!(
         "SELECT kind, job_key, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
-         FROM {JOB_TABLE} WHERE state IN ({pending}, {queued}, {failed}) \
+         FROM {JOB_TABLE} WHERE state IN ({pending}, {leased}, {queued}, {failed}) \
          GROUP BY kind, key_hash, job_key ORDER BY kind, key_hash",
-        waiting = sum(&format!("state IN ({pending}, {queued})")),
+        waiting = sum(&format!("state IN ({pending}, {leased}, {queued})")),
         due = sum(&format!("state = {pending} AND run_at <= {now}")),
         failed_n = sum(&format!("state = {failed}")),
     );

@@ -19,6 +19,9 @@
 //!   rolls both back and the job runs again as soon as the database has seen its connection go
 //!   (no lease to wait out); a lost `COMMIT` reply is resolved from the evidence, never run
 //!   twice. What a handler does outside the database — an HTTP call — stays at-least-once.
+//! - **Long work outside the database** ([`Jobs::handle_leased`]): claim under a lease, work
+//!   outside any transaction with a heartbeat, finish in a transaction fenced by the claim (a
+//!   late finish after a takeover is refused: [`JobOutcome::LeaseLost`]). See `lease.rs`.
 //! - **Retries as Celery users know them** ([`RetryPolicy`], per kind): attempts, exponential
 //!   backoff with full jitter, which errors retry. The handler's writes of a failed attempt are
 //!   rolled back (it runs in a savepoint); the failure is recorded in the same transaction. After
@@ -39,6 +42,7 @@
 //! does not know.
 
 mod admin;
+mod lease;
 mod store;
 mod worker;
 
@@ -48,6 +52,7 @@ use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
 pub use admin::{Depth, JobInfo, JobState, Retried, depth, discard, list, retry};
+pub use lease::Lease;
 pub use worker::{Job, JobFailure, JobOutcome, JobRun, Jobs, RetryPolicy, Worker};
 
 use crate::error::{Error, Result, database};

@@ -6,7 +6,7 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResul
 use sha2::{Digest, Sha256};
 
 use crate::{
-    lock::sql::{for_update_skip_locked, millis, now_ms, statement},
+    lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
     schema::JOB_TABLE,
 };
 
@@ -14,8 +14,10 @@ use crate::{
 /// when enqueued or promoted) or `QUEUED` (behind an unfinished job of their key): a take scans
 /// the ready ones only, so a hot key's backlog costs nothing per take. `QUEUED` is a hint,
 /// never trusted for order: a take still checks that no earlier job of the key is unfinished.
-/// `1` is kept for a job running outside any transaction under a lease (not yet used).
+/// A job of a leased kind is `LEASED` while it works outside any transaction: `owner` holds
+/// the claim's token and `lease_until` its expiry (database clock); its key stays busy.
 pub(crate) const PENDING: i16 = 0;
+pub(crate) const LEASED: i16 = 1;
 pub(crate) const QUEUED: i16 = 5;
 /// Every state of a job that has not finished.
 const UNFINISHED: &str = "0, 1, 5";
@@ -176,7 +178,7 @@ pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Ta
 }
 
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
-/// unique keys free). With `stamps` (PostgreSQL), the statement also returns those expressions —
+/// unique keys free, a leased one's claim ended). With `stamps` (PostgreSQL), the statement also returns those expressions —
 /// the commit's evidence, taken by this statement rather than one of its own: the first row.
 pub(crate) async fn complete(
     txn: &DatabaseTransaction,
@@ -186,9 +188,13 @@ pub(crate) async fn complete(
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let placeholders = vec!["?"; ids.len()].join(", ");
+    // A leased job's attempt was counted by its claim. (MySQL assigns left to right, each
+    // assignment seeing the ones before it: `attempts` reads `state` before it changes.)
     let mut sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {DONE}, attempts = attempts + 1, finished_at = {now}, \
-         unique_hash = NULL WHERE id IN ({placeholders})"
+        "UPDATE {JOB_TABLE} SET \
+         attempts = attempts + CASE WHEN state = {LEASED} THEN 0 ELSE 1 END, state = {DONE}, \
+         finished_at = {now}, owner = NULL, lease_until = NULL, unique_hash = NULL \
+         WHERE id IN ({placeholders})"
     );
     let values = ids.iter().map(|&id| id.into()).collect();
     let Some(stamps) = stamps else {
@@ -202,7 +208,7 @@ pub(crate) async fn complete(
 }
 
 /// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error
-/// kept, its unique key free) when `retry` is `None`.
+/// kept, its unique key free) when `retry` is `None`. A leased job's claim ends either way.
 pub(crate) async fn failed(
     txn: &DatabaseTransaction,
     id: i64,
@@ -221,8 +227,8 @@ pub(crate) async fn failed(
     let (sql, values) = match retry {
         Some(delay) => (
             format!(
-                "UPDATE {JOB_TABLE} SET attempts = ?, last_error = ?, run_at = {now} + ? \
-                 WHERE id = ?"
+                "UPDATE {JOB_TABLE} SET state = {PENDING}, owner = NULL, lease_until = NULL, \
+                 attempts = ?, last_error = ?, run_at = {now} + ? WHERE id = ?"
             ),
             vec![
                 attempts.into(),
@@ -233,8 +239,8 @@ pub(crate) async fn failed(
         ),
         None => (
             format!(
-                "UPDATE {JOB_TABLE} SET state = {FAILED}, attempts = ?, last_error = ?, \
-                 finished_at = {now}, unique_hash = NULL WHERE id = ?"
+                "UPDATE {JOB_TABLE} SET state = {FAILED}, owner = NULL, lease_until = NULL, \
+                 attempts = ?, last_error = ?, finished_at = {now}, unique_hash = NULL WHERE id = ?"
             ),
             vec![attempts.into(), error.into(), id.into()],
         ),
@@ -282,5 +288,85 @@ pub(crate) async fn sweep(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
          AND h.state IN ({UNFINISHED}) AND h.id < q.id)) stranded)"
     );
     let done = db.execute_raw(statement(backend, &sql, Vec::new())).await?;
+    Ok(done.rows_affected())
+}
+
+/// Claims job `id` (locked by `txn`'s take) for attempt `attempts` under a lease of `lease`
+/// held by `owner`: once `txn` commits, the job works outside any transaction and its key stays
+/// busy until the claim ends ([`hold`], [`complete`], [`failed`]) or expires ([`reclaim`]).
+pub(crate) async fn claim(
+    txn: &DatabaseTransaction,
+    id: i64,
+    attempts: i32,
+    owner: &str,
+    lease: Duration,
+) -> Result<(), DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {LEASED}, owner = ?, lease_until = {now} + ?, \
+         attempts = ? WHERE id = ?"
+    );
+    let values = vec![
+        owner.into(),
+        millis(lease).into(),
+        attempts.into(),
+        id.into(),
+    ];
+    txn.execute_raw(statement(backend, &sql, values))
+        .await
+        .map(drop)
+}
+
+/// Locks job `id` in `txn` if `owner`'s claim on it still holds (the fence of a leased job's
+/// finish): `false` when its lease expired and was reclaimed, whether or not another worker
+/// took it since. An expired lease that nobody reclaimed yet still holds: the row's lock keeps
+/// [`reclaim`] out until `txn` ends.
+pub(crate) async fn hold(txn: &DatabaseTransaction, id: i64, owner: &str) -> Result<bool, DbErr> {
+    let backend = txn.get_database_backend();
+    let lock = for_update(backend);
+    let sql =
+        format!("SELECT id FROM {JOB_TABLE} WHERE id = ? AND state = {LEASED} AND owner = ?{lock}");
+    let row = txn
+        .query_one_raw(statement(backend, &sql, vec![id.into(), owner.into()]))
+        .await?;
+    Ok(row.is_some())
+}
+
+/// Extends `owner`'s lease on job `id` to `lease` from now (a heartbeat): `false` when the
+/// claim no longer holds.
+pub(crate) async fn extend(
+    db: &impl ConnectionTrait,
+    id: i64,
+    owner: &str,
+    lease: Duration,
+) -> Result<bool, DbErr> {
+    let backend = db.get_database_backend();
+    let now = now_ms(backend);
+    // The expiry moves by a third of the lease between beats, so the row always changes (MySQL
+    // counts changed rows only).
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET lease_until = {now} + ? \
+         WHERE id = ? AND state = {LEASED} AND owner = ?"
+    );
+    let values = vec![millis(lease).into(), id.into(), owner.into()];
+    let done = db.execute_raw(statement(backend, &sql, values)).await?;
+    Ok(done.rows_affected() == 1)
+}
+
+/// Makes every leased job whose lease expired wait again, due now (its worker stopped, hung or
+/// lost the database; a late finish is refused by [`hold`]). Returns how many.
+pub(crate) async fn reclaim(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
+    let backend = db.get_database_backend();
+    let now = now_ms(backend);
+    let sql = format!(
+        "UPDATE {JOB_TABLE} SET state = {PENDING}, owner = NULL, lease_until = NULL, \
+         run_at = {now}, last_error = ? WHERE state = {LEASED} AND lease_until < {now}"
+    );
+    let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
+               database)";
+    let done = db
+        .execute_raw(statement(backend, &sql, vec![why.into()]))
+        .await?;
     Ok(done.rows_affected())
 }

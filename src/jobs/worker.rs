@@ -18,13 +18,18 @@ use sea_orm::{DatabaseTransaction, DbErr, TransactionTrait};
 use serde::de::DeserializeOwned;
 use tracing::{Instrument, debug, info_span, warn};
 
-use super::{JobId, store};
+use super::{
+    JobId,
+    lease::{self, Claimed, FinishRunner, Finishing, Lease, Leased, Meta, Output},
+    store,
+};
 use crate::{
     commit::Evidence,
     deadline::within,
     engine::{self, End, Engine, Fence, Retries, Step, Tried, Worked},
     error::{BoxError, Result, database},
     identity_map::Change,
+    lock::holder::new_token,
     locking::Locking,
     schema::JOB_TABLE,
     section::SectionWork,
@@ -53,7 +58,7 @@ pub struct RetryPolicy {
     max_attempts: u32,
     base: Duration,
     cap: Duration,
-    retry_if: Option<Arc<RetryIf>>,
+    pub(super) retry_if: Option<Arc<RetryIf>>,
 }
 
 /// A kind's test of which handler errors retry.
@@ -146,6 +151,13 @@ pub enum JobFailure {
     /// The handler panicked.
     #[error("the handler panicked: {0}")]
     Panicked(String),
+    /// A leased job's last attempt never finished: its lease expired (its worker stopped, hung
+    /// or lost the database), and no attempt is left.
+    #[error("the lease of attempt {attempts} (the last) expired before the job finished")]
+    LeaseExpired {
+        /// The attempts made.
+        attempts: u32,
+    },
 }
 
 /// How one job's attempt ended (committed: the job's row says so too).
@@ -163,6 +175,10 @@ pub enum JobOutcome {
     },
     /// The job failed for good (its error is kept in its row); its writes were rolled back.
     Failed(JobFailure),
+    /// A leased job's claim was gone when its work ended: its lease expired and another worker
+    /// reclaimed the job, which runs (or ran) again there. This attempt's finish was refused
+    /// and rolled back; what its work did outside the database is not undone.
+    LeaseLost,
 }
 
 /// One job a worker ran.
@@ -180,11 +196,11 @@ pub struct JobRun {
 }
 
 /// A job's raw fields, for a kind's type-erased runner.
-struct Raw<'a> {
-    id: JobId,
-    attempt: u32,
-    key: Option<String>,
-    payload: &'a str,
+pub(super) struct Raw<'a> {
+    pub(super) id: JobId,
+    pub(super) attempt: u32,
+    pub(super) key: Option<String>,
+    pub(super) payload: &'a str,
 }
 
 /// A kind's runner: deserializes the payload (or says why not) and starts the handler.
@@ -202,9 +218,38 @@ where
     run
 }
 
-struct Kind {
-    run: Box<Runner>,
-    policy: RetryPolicy,
+/// Makes a closure's future borrow the `Tx` it is given, for a leased kind's finish.
+fn finisher<F>(finish: F) -> F
+where
+    F: for<'t> Fn(&'t Tx, Meta, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
+        + Send
+        + Sync,
+{
+    finish
+}
+
+/// A kind's handler and retry policy.
+pub(super) struct Kind {
+    handler: Handler,
+    pub(super) policy: RetryPolicy,
+}
+
+impl Kind {
+    /// The kind's lease and handlers, when it is leased.
+    pub(super) fn leased(&self) -> Option<(&Leased, &RetryPolicy)> {
+        match &self.handler {
+            Handler::Leased(leased) => Some((leased, &self.policy)),
+            Handler::InTx(_) => None,
+        }
+    }
+}
+
+/// How a kind runs.
+enum Handler {
+    /// In the transaction that took the job.
+    InTx(Box<Runner>),
+    /// Claimed under a lease, worked outside any transaction, finished in a fenced one.
+    Leased(Leased),
 }
 
 /// The handlers of a worker, by kind. Cheap to clone.
@@ -251,12 +296,88 @@ impl Jobs {
             ))
         });
         let runner = Kind {
-            run: Box::new(run),
+            handler: Handler::InTx(Box::new(run)),
             policy,
         };
         self.kinds
             .insert(kind.into().into_bytes(), Arc::new(runner));
         self
+    }
+
+    /// Runs jobs of `kind` in the field report's shape, for work too long to hold a transaction
+    /// open: the worker **claims** the job under a `lease` (a short transaction; the job's key
+    /// stays busy), runs `work` **outside any transaction** while a heartbeat extends the lease
+    /// every third of it, then runs `finish` with `work`'s output in a transaction **fenced by
+    /// the claim**: its writes and the job's completion commit together, and only if the claim
+    /// still holds. A worker that stops or hangs lets its lease expire; another worker makes
+    /// the job wait again and runs it, and the old claim's late finish is refused
+    /// ([`JobOutcome::LeaseLost`]). So `finish`'s writes commit once; `work` itself (an HTTP
+    /// call) runs at least once per attempt — make it idempotent, or watch
+    /// [`Lease::lost`] to stop early.
+    ///
+    /// Retries follow `policy` as for [`handle`](Self::handle): a failing `work` or `finish`
+    /// is a failed attempt. An attempt counts when it is claimed, so a job whose worker dies on
+    /// every attempt fails ([`JobFailure::LeaseExpired`]) once its attempts are used. A lease
+    /// is at least 300 ms.
+    #[must_use]
+    pub fn handle_leased<P, R, W, Fut, F>(
+        mut self,
+        kind: impl Into<String>,
+        policy: RetryPolicy,
+        lease: Duration,
+        work: W,
+        finish: F,
+    ) -> Self
+    where
+        P: DeserializeOwned + Send + 'static,
+        R: Clone + Send + Sync + 'static,
+        W: Fn(Job<P>, Lease) -> Fut + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<R, BoxError>> + Send + 'static,
+        F: for<'t> Fn(&'t Tx, Job<R>) -> SectionWork<'t, ()> + Send + Sync + 'static,
+    {
+        let work = move |raw: Raw<'_>, lease: Lease| {
+            let payload = serde_json::from_str::<P>(raw.payload).map_err(|e| e.to_string())?;
+            let job = Job {
+                id: raw.id,
+                attempt: raw.attempt,
+                key: raw.key,
+                payload,
+            };
+            let worked = work(job, lease);
+            let future: Pin<Box<dyn Future<Output = _> + Send>> =
+                Box::pin(async move { worked.await.map(|output| Arc::new(output) as Output) });
+            Ok(future)
+        };
+        let finish = finisher(move |tx, meta, output| {
+            // The output was made by this kind's `work`, so it is an `R`.
+            let payload = (output.downcast_ref::<R>().cloned())
+                .ok_or_else(|| "the work's output is not the finish's type".to_owned())?;
+            Ok(finish(
+                tx,
+                Job {
+                    id: meta.id,
+                    attempt: meta.attempt,
+                    key: meta.key,
+                    payload,
+                },
+            ))
+        });
+        let leased = Leased {
+            lease: lease.max(lease::MIN_LEASE),
+            work: Box::new(work),
+            finish: Box::new(finish),
+        };
+        let runner = Kind {
+            handler: Handler::Leased(leased),
+            policy,
+        };
+        self.kinds
+            .insert(kind.into().into_bytes(), Arc::new(runner));
+        self
+    }
+
+    fn any_leased(&self) -> bool {
+        (self.kinds.values()).any(|kind| kind.leased().is_some())
     }
 }
 
@@ -270,9 +391,12 @@ pub struct Worker {
     batch: u32,
     /// When this worker (or a clone) last swept for stranded queued jobs.
     swept: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// When this worker (or a clone) last reclaimed expired leases.
+    reclaimed: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
 }
 
-/// How often a worker that found nothing to do looks for stranded queued jobs.
+/// How often a worker that found nothing to do looks for stranded queued jobs, and how often a
+/// worker with leased kinds reclaims expired leases.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
 
 /// The longest a worker with nothing to do waits before it looks again.
@@ -290,6 +414,7 @@ impl Worker {
             jobs: Arc::new(jobs),
             batch: 1,
             swept: Arc::default(),
+            reclaimed: Arc::default(),
         }
     }
 
@@ -327,25 +452,26 @@ impl Worker {
     }
 
     async fn run_up_to(&self, limit: u32) -> Result<Vec<JobRun>> {
-        let session = &self.session;
-        let engine = Engine {
-            db: session.connection(),
-            map: session.map(),
-            markers: session.commit_markers(),
-        };
-        let attempts = session.policy().write_attempts;
-        let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
-        let mut step = JobStep {
-            worker: self,
-            limit,
-            measured: Vec::new(),
-        };
-        let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
-        if runs.is_empty() && self.sweep_due() {
+        if self.jobs.any_leased() && due(&self.reclaimed) {
+            // Leases that expired (their workers stopped or hung) make their jobs wait again; a
+            // failure is only logged, the next reclaim tries again.
+            let db = crate::pool::autocommit(self.session.connection());
+            match within(self.reply(), store::reclaim(&db)).await {
+                Ok(0) => {}
+                Ok(reclaimed) => warn!(reclaimed, "jobs whose lease expired wait again"),
+                Err(error) => warn!(%error, "reclaiming expired job leases failed"),
+            }
+        }
+        let (mut runs, claimed) = self.run_step(Source::Take(limit)).await?;
+        if !claimed.is_empty() {
+            runs.extend(lease::run_all(self, claimed).await?);
+            return Ok(runs);
+        }
+        if runs.is_empty() && due(&self.swept) {
             // A job queued behind one that finished before its enqueue committed is made
             // ready here (see `store::QUEUED`); a failure is only logged, the next sweep
             // tries again.
-            let db = crate::pool::autocommit(session.connection());
+            let db = crate::pool::autocommit(self.session.connection());
             match within(self.reply(), store::sweep(&db)).await {
                 Ok(0) => {}
                 Ok(readied) => {
@@ -358,18 +484,33 @@ impl Worker {
         Ok(runs)
     }
 
-    /// Whether this worker should sweep now (at most once per [`SWEEP_EVERY`]).
-    fn sweep_due(&self) -> bool {
-        let now = tokio::time::Instant::now();
-        let mut swept = self
-            .swept
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if swept.is_some_and(|at| now.duration_since(at) < SWEEP_EVERY) {
-            return false;
-        }
-        *swept = Some(now);
-        true
+    /// One attempt of the engine from `source`, run again on a transient failure: the jobs
+    /// that ended, and those the take claimed under a lease (their work is still to run).
+    pub(super) async fn run_step(&self, source: Source<'_>) -> Result<(Vec<JobRun>, Vec<Claimed>)> {
+        let session = &self.session;
+        let engine = Engine {
+            db: session.connection(),
+            map: session.map(),
+            markers: session.commit_markers(),
+        };
+        let attempts = session.policy().write_attempts;
+        let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
+        let mut step = JobStep {
+            worker: self,
+            source,
+            measured: Vec::new(),
+            claimed: Vec::new(),
+        };
+        let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
+        Ok((runs, step.claimed))
+    }
+
+    pub(super) fn kind(&self, kind: &[u8]) -> Option<Arc<Kind>> {
+        self.jobs.kinds.get(kind).cloned()
+    }
+
+    pub(super) fn session(&self) -> &Session {
+        &self.session
     }
 
     /// Runs due jobs (in batches, see [`with_batch`](Self::with_batch)) until none is left (a
@@ -422,24 +563,75 @@ impl Worker {
         }
     }
 
-    fn reply(&self) -> Duration {
+    pub(super) fn reply(&self) -> Duration {
         self.session.policy().reply_deadline()
     }
 }
 
-/// One attempt of the engine: take a job, run it, record how it ended.
+/// Whether a worker's periodic chore in `slot` is due (at most once per [`SWEEP_EVERY`]),
+/// marking it done now if so.
+fn due(slot: &std::sync::Mutex<Option<tokio::time::Instant>>) -> bool {
+    let now = tokio::time::Instant::now();
+    let mut last = slot
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if last.is_some_and(|at| now.duration_since(at) < SWEEP_EVERY) {
+        return false;
+    }
+    *last = Some(now);
+    true
+}
+
+/// Where an attempt of the engine gets its jobs.
+pub(super) enum Source<'a> {
+    /// Takes up to this many due jobs: runs those of kinds that run in the transaction, claims
+    /// those of leased kinds.
+    Take(u32),
+    /// Finishes a leased job whose work ended, fenced by its claim.
+    Finish(&'a Finishing),
+}
+
+/// One attempt of the engine: take jobs (or a leased job to finish), run them, record how they
+/// ended.
 struct JobStep<'w> {
     worker: &'w Worker,
-    /// At most this many jobs per attempt.
-    limit: u32,
+    source: Source<'w>,
     measured: Vec<Measured>,
+    /// The jobs of leased kinds this attempt claimed: their work runs after its commit.
+    claimed: Vec<Claimed>,
 }
 
 type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
 
-fn undone(txn: DatabaseTransaction, operation: &'static str, e: DbErr) -> Attempted {
+/// The database failed doing `.0` (the attempt rolls back and may run again).
+type Failed = (&'static str, DbErr);
+
+fn undone(txn: DatabaseTransaction, (operation, e): Failed) -> Attempted {
     let error = database(operation, &JOB_TABLE, e);
     (txn, Worked::Undone(Tried::failed(error)))
+}
+
+/// What an attempt did before recording.
+enum Did {
+    /// Nothing to commit: these runs are reported and the transaction rolls back.
+    Nothing(Vec<JobRun>),
+    /// These jobs' attempts ended, to record in the transaction (and maybe some were claimed).
+    Ended(Vec<Ended>),
+}
+
+/// A job whose attempt ended in this transaction, to record there.
+struct Ended {
+    id: JobId,
+    kind: String,
+    key: Option<Vec<u8>>,
+    attempt: u32,
+    /// Milliseconds since it was due, when it was taken.
+    waited: i64,
+    outcome: JobOutcome,
+    /// The cache changes its writes make on commit.
+    effects: Vec<Change>,
+    ran: Duration,
+    span: Option<tracing::Span>,
 }
 
 impl Step for JobStep<'_> {
@@ -447,96 +639,33 @@ impl Step for JobStep<'_> {
 
     async fn run(&mut self, txn: DatabaseTransaction, _lockings: &mut [Locking]) -> Attempted {
         self.measured.clear();
-        let reply = self.worker.reply();
-        let taken = match within(reply, store::take(&txn, self.limit)).await {
-            Ok(taken) if taken.is_empty() => {
+        self.claimed.clear();
+        let did = match self.source {
+            Source::Take(limit) => self.take(&txn, limit).await,
+            Source::Finish(finishing) => self.finish(&txn, finishing).await,
+        };
+        let ended = match did {
+            Ok(Did::Ended(ended)) if !ended.is_empty() || !self.claimed.is_empty() => ended,
+            Ok(Did::Ended(_)) => Vec::new(),
+            Ok(Did::Nothing(runs)) => {
                 let worked = Worked::Kept {
-                    value: Vec::new(),
+                    value: runs,
                     end: End::RollBack,
                     effects: Vec::new(),
                 };
                 return (txn, worked);
             }
-            Ok(taken) => taken,
-            Err(e) => return undone(txn, "taking jobs from", e),
+            Err(failed) => return undone(txn, failed),
         };
-        let mut runs = Vec::with_capacity(taken.len());
-        let mut effects = Vec::new();
-        let mut completed = Vec::new();
-        for taken in &taken {
-            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
-            let kind = String::from_utf8_lossy(&taken.kind).into_owned();
-            let span = info_span!("freshlock.job", id = taken.id, kind = %kind, attempt, outcome = tracing::field::Empty);
-            let started = tokio::time::Instant::now();
-            let ran = self
-                .attempt(&txn, taken, attempt, &kind)
-                .instrument(span.clone())
-                .await;
-            let (outcome, changes) = match ran {
-                Ok(ran) => ran,
-                // The batch's transaction cannot go on: it rolls back as a whole, and the
-                // engine runs the attempt again when the failure is transient.
-                Err((operation, e)) => return undone(txn, operation, e),
-            };
-            let stored_attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
-            let recorded = match &outcome {
-                JobOutcome::Completed => {
-                    completed.push(taken.id);
-                    Ok(())
-                }
-                JobOutcome::Retrying { failure, after } => {
-                    let error = failure.to_string();
-                    store::failed(&txn, taken.id, stored_attempts, &error, Some(*after)).await
-                }
-                JobOutcome::Failed(failure) => {
-                    let error = failure.to_string();
-                    store::failed(&txn, taken.id, stored_attempts, &error, None).await
-                }
-            };
-            if let Err(e) = recorded {
-                return undone(txn, "recording how a job ended in", e);
-            }
-            let name = outcome_name(&outcome);
-            span.record("outcome", name);
-            let waited = Duration::from_millis(u64::try_from(taken.waited).unwrap_or(0));
-            self.measured.push(Measured {
-                kind: kind.clone(),
-                outcome: name,
-                waited,
-                ran: started.elapsed(),
-                ended_on: (!matches!(outcome, JobOutcome::Retrying { .. })).then_some(attempt),
-            });
-            effects.extend(changes);
-            runs.push(JobRun {
-                id: taken.id,
-                kind,
-                attempt,
-                outcome,
-            });
+        match self.record(&txn, ended).await {
+            Ok(worked) => (txn, worked),
+            Err(failed) => undone(txn, failed),
         }
-        // The next job of each key whose job finished here may run once this commits.
-        let finished_keys: Vec<Vec<u8>> = (taken.iter().zip(&runs))
-            .filter(|(_, run)| !matches!(run.outcome, JobOutcome::Retrying { .. }))
-            .filter_map(|(taken, _)| taken.key.as_ref().map(store::hash))
-            .collect();
-        if let Err(e) = within(reply, store::promote(&txn, finished_keys)).await {
-            return undone(txn, "readying the next jobs of", e);
-        }
-        let evidence = match self.complete(&txn, &completed).await {
-            Ok(evidence) => evidence,
-            Err((operation, e)) => return undone(txn, operation, e),
-        };
-        let worked = Worked::Write {
-            value: runs,
-            evidence,
-            fence: Fence::Unchecked,
-            effects,
-        };
-        (txn, worked)
     }
 
     fn lease_lost(&mut self) -> Vec<JobRun> {
-        // A job holds no lease: its row's lock lasts as long as its transaction.
+        // The engine holds no lock for jobs: a job's row lock lasts as long as its transaction,
+        // a leased job's claim is checked by the finish itself.
         Vec::new()
     }
 
@@ -573,7 +702,245 @@ struct Measured {
     ended_on: Option<u32>,
 }
 
+/// Where a handler's work in the job's transaction comes from.
+enum Start<'a> {
+    /// A kind that runs in the transaction.
+    InTx(&'a Runner, Raw<'a>),
+    /// A leased kind's finish, with its work's output.
+    Finish(&'a FinishRunner, Meta, &'a Output),
+}
+
 impl JobStep<'_> {
+    /// Takes due jobs and runs those of in-transaction kinds; claims those of leased kinds.
+    async fn take(
+        &mut self,
+        txn: &DatabaseTransaction,
+        limit: u32,
+    ) -> std::result::Result<Did, Failed> {
+        let reply = self.worker.reply();
+        let taken = within(reply, store::take(txn, limit))
+            .await
+            .map_err(|e| ("taking jobs from", e))?;
+        if taken.is_empty() {
+            return Ok(Did::Nothing(Vec::new()));
+        }
+        let mut ended = Vec::with_capacity(taken.len());
+        for taken in taken {
+            let mut attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
+            let kind_name = String::from_utf8_lossy(&taken.kind).into_owned();
+            let span = info_span!("freshlock.job", id = taken.id, kind = %kind_name, attempt, outcome = tracing::field::Empty);
+            let started = tokio::time::Instant::now();
+            let kind = self.worker.kind(&taken.kind);
+            let (outcome, effects) = match kind.as_deref() {
+                None => {
+                    let failure = JobFailure::UnknownKind {
+                        kind: kind_name.clone(),
+                    };
+                    span.in_scope(|| warn!(%failure, "job failed"));
+                    (JobOutcome::Failed(failure), Vec::new())
+                }
+                Some(kind) => match &kind.handler {
+                    Handler::Leased(_) if attempt > kind.policy.max_attempts => {
+                        // Only an expired lease leaves a job with its attempts used.
+                        attempt -= 1;
+                        let failure = JobFailure::LeaseExpired { attempts: attempt };
+                        span.in_scope(|| warn!(%failure, "job failed"));
+                        (JobOutcome::Failed(failure), Vec::new())
+                    }
+                    Handler::Leased(leased) => {
+                        let owner = new_token();
+                        let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
+                        let claim = store::claim(txn, taken.id, attempts, &owner, leased.lease);
+                        within(reply, claim)
+                            .await
+                            .map_err(|e| ("claiming a job of", e))?;
+                        self.claimed.push(Claimed {
+                            id: taken.id,
+                            kind: taken.kind,
+                            key: taken.key,
+                            payload: taken.payload,
+                            attempt,
+                            owner,
+                            lease: leased.lease,
+                            waited: taken.waited,
+                        });
+                        continue;
+                    }
+                    Handler::InTx(run) => {
+                        let raw = Raw {
+                            id: taken.id,
+                            attempt,
+                            key: (taken.key.as_ref())
+                                .map(|k| String::from_utf8_lossy(k).into_owned()),
+                            payload: &taken.payload,
+                        };
+                        let start = Start::InTx(run, raw);
+                        (self.attempt(txn, kind, &kind_name, taken.id, attempt, start))
+                            .instrument(span.clone())
+                            .await?
+                    }
+                },
+            };
+            ended.push(Ended {
+                id: taken.id,
+                kind: kind_name,
+                key: taken.key,
+                attempt,
+                waited: taken.waited,
+                outcome,
+                effects,
+                ran: started.elapsed(),
+                span: Some(span),
+            });
+        }
+        Ok(Did::Ended(ended))
+    }
+
+    /// Finishes a leased job whose work ended, if its claim still holds: runs its finish (when
+    /// the work succeeded) in a savepoint.
+    async fn finish(
+        &mut self,
+        txn: &DatabaseTransaction,
+        finishing: &Finishing,
+    ) -> std::result::Result<Did, Failed> {
+        let claim = &finishing.claim;
+        let kind_name = claim.kind_name();
+        let held = within(
+            self.worker.reply(),
+            store::hold(txn, claim.id, &claim.owner),
+        )
+        .await
+        .map_err(|e| ("checking the claim on a job of", e))?;
+        if !held {
+            warn!("the job's lease expired and was taken over: its finish is refused");
+            self.measured.push(Measured {
+                kind: kind_name.clone(),
+                outcome: outcome_name(&JobOutcome::LeaseLost),
+                waited: waited(claim.waited),
+                ran: finishing.ran,
+                ended_on: None,
+            });
+            return Ok(Did::Nothing(vec![JobRun {
+                id: claim.id,
+                kind: kind_name,
+                attempt: claim.attempt,
+                outcome: JobOutcome::LeaseLost,
+            }]));
+        }
+        let started = tokio::time::Instant::now();
+        let kind = self.worker.kind(&claim.kind);
+        let leased = kind.as_deref().and_then(Kind::leased);
+        let (outcome, effects) = match (&finishing.worked, leased) {
+            (Ok(output), Some((leased, _))) => {
+                let meta = Meta {
+                    id: claim.id,
+                    attempt: claim.attempt,
+                    key: claim.key_text(),
+                };
+                let start = Start::Finish(&leased.finish, meta, output);
+                let kind = kind
+                    .as_deref()
+                    .unwrap_or_else(|| unreachable!("leased above"));
+                self.attempt(txn, kind, &kind_name, claim.id, claim.attempt, start)
+                    .await?
+            }
+            (Err((failure, retries)), Some((_, policy))) => {
+                let outcome = decide(policy, claim.id, claim.attempt, failure.clone(), *retries);
+                (outcome, Vec::new())
+            }
+            // The work could not start (its kind is not leased here): fails at once.
+            (Err((failure, _)), None) => (JobOutcome::Failed(failure.clone()), Vec::new()),
+            (Ok(_), None) => {
+                let failure = JobFailure::UnknownKind {
+                    kind: kind_name.clone(),
+                };
+                (JobOutcome::Failed(failure), Vec::new())
+            }
+        };
+        Ok(Did::Ended(vec![Ended {
+            id: claim.id,
+            kind: kind_name,
+            key: claim.key.clone(),
+            attempt: claim.attempt,
+            waited: claim.waited,
+            outcome,
+            effects,
+            ran: finishing.ran + started.elapsed(),
+            span: None,
+        }]))
+    }
+
+    /// Records in `txn` how the `ended` jobs' attempts ended, readies the next job of each key
+    /// that finished, and marks the completed ones done (with the commit's evidence when that
+    /// statement can take it).
+    async fn record(
+        &mut self,
+        txn: &DatabaseTransaction,
+        ended: Vec<Ended>,
+    ) -> std::result::Result<Worked<Vec<JobRun>>, Failed> {
+        let reply = self.worker.reply();
+        let mut runs = Vec::with_capacity(ended.len());
+        let mut all_effects = Vec::new();
+        let mut completed = Vec::new();
+        let mut finished_keys = Vec::new();
+        for ended in ended {
+            let stored_attempts = i32::try_from(ended.attempt).unwrap_or(i32::MAX);
+            let recorded = match &ended.outcome {
+                JobOutcome::Completed => {
+                    completed.push(ended.id);
+                    Ok(())
+                }
+                JobOutcome::Retrying { failure, after } => {
+                    let error = failure.to_string();
+                    let failed =
+                        store::failed(txn, ended.id, stored_attempts, &error, Some(*after));
+                    within(reply, failed).await
+                }
+                JobOutcome::Failed(failure) => {
+                    let error = failure.to_string();
+                    let failed = store::failed(txn, ended.id, stored_attempts, &error, None);
+                    within(reply, failed).await
+                }
+                // Reported without recording (`Did::Nothing`).
+                JobOutcome::LeaseLost => Ok(()),
+            };
+            recorded.map_err(|e| ("recording how a job ended in", e))?;
+            let name = outcome_name(&ended.outcome);
+            if let Some(span) = &ended.span {
+                span.record("outcome", name);
+            }
+            let finished = !matches!(ended.outcome, JobOutcome::Retrying { .. });
+            if finished && let Some(key) = &ended.key {
+                finished_keys.push(store::hash(key));
+            }
+            self.measured.push(Measured {
+                kind: ended.kind.clone(),
+                outcome: name,
+                waited: waited(ended.waited),
+                ran: ended.ran,
+                ended_on: finished.then_some(ended.attempt),
+            });
+            all_effects.extend(ended.effects);
+            runs.push(JobRun {
+                id: ended.id,
+                kind: ended.kind,
+                attempt: ended.attempt,
+                outcome: ended.outcome,
+            });
+        }
+        // The next job of each key whose job finished here may run once this commits.
+        within(reply, store::promote(txn, finished_keys))
+            .await
+            .map_err(|e| ("readying the next jobs of", e))?;
+        let evidence = self.complete(txn, &completed).await?;
+        Ok(Worked::Write {
+            value: runs,
+            evidence,
+            fence: Fence::Unchecked,
+            effects: all_effects,
+        })
+    }
+
     /// Marks the `completed` jobs done: the commit's evidence when the statement took it (on
     /// PostgreSQL with `freshlock_incarnation`, by returning the transaction's id: no round
     /// trip of its own), `None` for the engine to take at the commit.
@@ -581,7 +948,7 @@ impl JobStep<'_> {
         &self,
         txn: &DatabaseTransaction,
         completed: &[JobId],
-    ) -> std::result::Result<Option<Evidence>, (&'static str, DbErr)> {
+    ) -> std::result::Result<Option<Evidence>, Failed> {
         const OPERATION: &str = "completing jobs in";
         if completed.is_empty() {
             return Ok(None);
@@ -616,54 +983,46 @@ impl JobStep<'_> {
             .map_err(|e| ("marking the commit of", e))
     }
 
-    /// Runs the job's handler in a savepoint of `txn`: how the attempt ended and, when it
-    /// succeeded, the cache changes its writes make on commit. `Err` when the database failed
-    /// around the handler (the savepoint could not be made or ended).
+    /// Runs a handler's work in the job's transaction, in a savepoint of `txn`: how the attempt
+    /// ended and, when it succeeded, the cache changes its writes make on commit. `Err` when
+    /// the database failed around the handler (the savepoint could not be made or ended).
     async fn attempt(
         &self,
         txn: &DatabaseTransaction,
-        taken: &store::Taken,
+        kind: &Kind,
+        kind_name: &str,
+        id: JobId,
         attempt: u32,
-        kind: &str,
-    ) -> std::result::Result<(JobOutcome, Vec<Change>), (&'static str, DbErr)> {
-        let Some(handler) = self.worker.jobs.kinds.get(&taken.kind) else {
-            let failure = JobFailure::UnknownKind {
-                kind: kind.to_owned(),
-            };
-            warn!(%failure, "job failed");
-            return Ok((JobOutcome::Failed(failure), Vec::new()));
-        };
+        start: Start<'_>,
+    ) -> std::result::Result<(JobOutcome, Vec<Change>), Failed> {
         let savepoint = txn
             .begin()
             .await
             .map_err(|e| ("starting the savepoint of", e))?;
         let tx = Tx::new(savepoint, self.worker.session.clone());
-        let raw = Raw {
-            id: taken.id,
-            attempt,
-            key: taken
-                .key
-                .as_ref()
-                .map(|k| String::from_utf8_lossy(k).into_owned()),
-            payload: &taken.payload,
-        };
-        let ran = match (handler.run)(&tx, raw) {
-            Err(reason) => Err((
-                JobFailure::BadPayload {
-                    kind: kind.to_owned(),
-                    reason,
+        let ran = {
+            let started = match start {
+                Start::InTx(run, raw) => run(&tx, raw),
+                Start::Finish(finish, meta, output) => finish(&tx, meta, output),
+            };
+            match started {
+                Err(reason) => Err((
+                    JobFailure::BadPayload {
+                        kind: kind_name.to_owned(),
+                        reason,
+                    },
+                    None,
+                )),
+                Ok(work) => match (CatchUnwind { inner: work }).await {
+                    Ok(Ok(())) => Ok(()),
+                    Ok(Err(error)) => {
+                        let error = error.into_inner();
+                        let retries = (kind.policy.retry_if.as_ref()).is_none_or(|f| f(&error));
+                        Err((JobFailure::Handler(error.to_string()), Some(retries)))
+                    }
+                    Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Some(true))),
                 },
-                None,
-            )),
-            Ok(work) => match (CatchUnwind { inner: work }).await {
-                Ok(Ok(())) => Ok(()),
-                Ok(Err(error)) => {
-                    let error = error.into_inner();
-                    let retries = (handler.policy.retry_if.as_ref()).is_none_or(|f| f(&error));
-                    Err((JobFailure::Handler(error.to_string()), Some(retries)))
-                }
-                Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Some(true))),
-            },
+            }
         };
         let (savepoint, effects, conflicted) = tx.into_parts();
         let ran = match ran {
@@ -687,29 +1046,50 @@ impl JobStep<'_> {
                     .rollback()
                     .await
                     .map_err(|e| ("rolling back the savepoint of", e))?;
-                let after = retries
-                    .filter(|retries| *retries)
-                    .and_then(|_| handler.policy.retry_after(taken.id, attempt));
-                warn!(%failure, retry_after = ?after, "job attempt failed");
-                Ok(match after {
-                    Some(after) => (JobOutcome::Retrying { failure, after }, Vec::new()),
-                    None => (JobOutcome::Failed(failure), Vec::new()),
-                })
+                Ok((
+                    decide(&kind.policy, id, attempt, failure, retries),
+                    Vec::new(),
+                ))
             }
         }
     }
 }
 
-fn outcome_name(outcome: &JobOutcome) -> &'static str {
+/// How failed attempt `attempt` of job `id` ends under `policy`: retried later, or failed for
+/// good (`retries`: whether the failure retries at all; `None` never does).
+fn decide(
+    policy: &RetryPolicy,
+    id: JobId,
+    attempt: u32,
+    failure: JobFailure,
+    retries: Option<bool>,
+) -> JobOutcome {
+    let after = retries
+        .filter(|retries| *retries)
+        .and_then(|_| policy.retry_after(id, attempt));
+    warn!(%failure, retry_after = ?after, "job attempt failed");
+    match after {
+        Some(after) => JobOutcome::Retrying { failure, after },
+        None => JobOutcome::Failed(failure),
+    }
+}
+
+/// A job's wait as stored (milliseconds) as a duration.
+fn waited(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}
+
+pub(super) fn outcome_name(outcome: &JobOutcome) -> &'static str {
     match outcome {
         JobOutcome::Completed => "completed",
         JobOutcome::Retrying { .. } => "retrying",
         JobOutcome::Failed(_) => "failed",
+        JobOutcome::LeaseLost => "lease_lost",
     }
 }
 
 /// A panic's message, when it has one.
-fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
+pub(super) fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(message) = panic.downcast_ref::<&str>() {
         (*message).to_owned()
     } else if let Some(message) = panic.downcast_ref::<String>() {
@@ -721,16 +1101,16 @@ fn panic_message(panic: &(dyn std::any::Any + Send)) -> String {
 
 /// A handler's future with its panics caught: a panicking job is a failed attempt, and the
 /// worker goes on.
-struct CatchUnwind<'t> {
-    inner: SectionWork<'t, ()>,
+pub(super) struct CatchUnwind<F> {
+    pub(super) inner: F,
 }
 
-impl Future for CatchUnwind<'_> {
-    type Output = std::thread::Result<std::result::Result<(), crate::ApplyError>>;
+impl<F: Future + Unpin> Future for CatchUnwind<F> {
+    type Output = std::thread::Result<F::Output>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let inner = &mut self.get_mut().inner;
-        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.as_mut().poll(cx))) {
+        match std::panic::catch_unwind(AssertUnwindSafe(|| Pin::new(&mut *inner).poll(cx))) {
             Ok(Poll::Pending) => Poll::Pending,
             Ok(Poll::Ready(ready)) => Poll::Ready(Ok(ready)),
             Err(panic) => Poll::Ready(Err(panic)),

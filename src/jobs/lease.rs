@@ -1,0 +1,255 @@
+//! Leased jobs: the field report's shape — claim under a lease, heavy work outside any
+//! transaction while a heartbeat keeps the lease, finish in a transaction fenced by the claim.
+//!
+//! The claim commits with the take (`store::claim`): the job is `LEASED`, its key busy. The
+//! work runs with no transaction and no connection held; every third of the lease a heartbeat
+//! moves the expiry on (`store::extend`). The finish runs on the engine like any job: it locks
+//! the job's row only if the claim still holds (`store::hold`), runs the kind's finish in a
+//! savepoint and completes the job in the same commit. A worker that stops, hangs or loses the
+//! database lets its lease expire; any worker then makes the job wait again (`store::reclaim`,
+//! at most once a second per worker) and it runs again — a late finish of the old claim is
+//! refused ([`JobOutcome::LeaseLost`]) and rolled back, so the effects committed are those of
+//! one attempt. What the work does outside the database runs at least once per attempt.
+
+use std::{any::Any, future::Future, pin::Pin, sync::Arc, time::Duration};
+
+use tokio::{sync::watch, time::MissedTickBehavior};
+use tracing::{Instrument, info_span, warn};
+
+use super::{
+    JobId, store,
+    worker::{CatchUnwind, JobFailure, JobRun, Source, Worker, panic_message},
+};
+use crate::{deadline::within, error::BoxError, error::Result, section::SectionWork, tx::Tx};
+
+/// The shortest lease a kind gets: the heartbeat beats every third of it.
+pub(super) const MIN_LEASE: Duration = Duration::from_millis(300);
+
+/// A leased job's claim, as its work sees it: whether the claim still holds.
+///
+/// The claim is lost when its lease expired (a heartbeat could not reach the database in time,
+/// or the work was stalled longer than the lease) and another worker reclaimed the job: the
+/// job runs again there, and this attempt's finish will be refused. Long work may watch
+/// [`lost`](Self::lost) to stop early.
+#[derive(Clone, Debug)]
+pub struct Lease {
+    id: JobId,
+    lost: watch::Receiver<bool>,
+}
+
+impl Lease {
+    /// The job's id.
+    pub fn job(&self) -> JobId {
+        self.id
+    }
+
+    /// Whether a heartbeat found the claim gone (it never comes back).
+    pub fn is_lost(&self) -> bool {
+        *self.lost.borrow()
+    }
+
+    /// Completes when a heartbeat finds the claim gone; never while it holds.
+    pub async fn lost(&self) {
+        let mut lost = self.lost.clone();
+        if lost.wait_for(|lost| *lost).await.is_err() {
+            // The heartbeat stopped with the claim held: the work has ended.
+            std::future::pending::<()>().await;
+        }
+    }
+}
+
+/// What a leased kind's work gives its finish, type-erased (the kind's `R`).
+pub(super) type Output = Arc<dyn Any + Send + Sync>;
+
+/// A kind's work: deserializes the payload (or says why not) and starts the work.
+pub(super) type WorkRunner = dyn Fn(
+        super::worker::Raw<'_>,
+        Lease,
+    ) -> std::result::Result<
+        Pin<Box<dyn Future<Output = std::result::Result<Output, BoxError>> + Send>>,
+        String,
+    > + Send
+    + Sync;
+
+/// A kind's finish, given the work's output (or why it cannot start).
+pub(super) type FinishRunner = dyn for<'t> Fn(&'t Tx, Meta, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
+    + Send
+    + Sync;
+
+/// A job's fields a finish gets besides the work's output.
+pub(super) struct Meta {
+    pub(super) id: JobId,
+    pub(super) attempt: u32,
+    pub(super) key: Option<String>,
+}
+
+/// A leased kind's handlers.
+pub(super) struct Leased {
+    pub(super) lease: Duration,
+    pub(super) work: Box<WorkRunner>,
+    pub(super) finish: Box<FinishRunner>,
+}
+
+/// A job claimed under a lease by a take that committed.
+pub(super) struct Claimed {
+    pub(super) id: JobId,
+    pub(super) kind: Vec<u8>,
+    pub(super) key: Option<Vec<u8>>,
+    pub(super) payload: String,
+    pub(super) attempt: u32,
+    pub(super) owner: String,
+    pub(super) lease: Duration,
+    /// Milliseconds since the job was due, at the take.
+    pub(super) waited: i64,
+}
+
+impl Claimed {
+    pub(super) fn kind_name(&self) -> String {
+        String::from_utf8_lossy(&self.kind).into_owned()
+    }
+
+    pub(super) fn key_text(&self) -> Option<String> {
+        (self.key.as_ref()).map(|k| String::from_utf8_lossy(k).into_owned())
+    }
+}
+
+/// A claimed job whose work ended, to finish.
+pub(super) struct Finishing {
+    pub(super) claim: Claimed,
+    /// The work's output, or why it failed and whether that retries (`None`: never).
+    pub(super) worked: std::result::Result<Output, (JobFailure, Option<bool>)>,
+    /// How long the work ran.
+    pub(super) ran: Duration,
+}
+
+/// Runs claimed jobs' work, then their finishes: one after another for one job, side by side
+/// (a task each) for several.
+pub(super) async fn run_all(worker: &Worker, claimed: Vec<Claimed>) -> Result<Vec<JobRun>> {
+    if claimed.len() <= 1 {
+        let mut runs = Vec::new();
+        for claim in claimed {
+            runs.push(run(worker, claim).await?);
+        }
+        return Ok(runs);
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    for claim in claimed {
+        let worker = worker.clone();
+        tasks.spawn(async move { run(&worker, claim).await });
+    }
+    let mut runs = Vec::new();
+    let mut failed = None;
+    while let Some(joined) = tasks.join_next().await {
+        match joined {
+            Ok(Ok(run)) => runs.push(run),
+            Ok(Err(error)) => failed = failed.or(Some(error)),
+            // A finish is never cut short by a panic (handlers' panics are caught); a task can
+            // only end so with the runtime shutting down. The job's lease expires.
+            Err(error) => warn!(%error, "a leased job's task ended early"),
+        }
+    }
+    match failed {
+        Some(error) => Err(error),
+        None => {
+            runs.sort_by_key(|run| run.id);
+            Ok(runs)
+        }
+    }
+}
+
+/// Works claimed job `claim` with a heartbeat, then finishes it.
+async fn run(worker: &Worker, claim: Claimed) -> Result<JobRun> {
+    let kind = claim.kind_name();
+    let span = info_span!("freshlock.job", id = claim.id, kind = %kind, attempt = claim.attempt, outcome = tracing::field::Empty);
+    let started = tokio::time::Instant::now();
+    let worked = work(worker, &claim).instrument(span.clone()).await;
+    let finishing = Finishing {
+        claim,
+        worked,
+        ran: started.elapsed(),
+    };
+    let run = worker
+        .run_step(Source::Finish(&finishing))
+        .instrument(span.clone())
+        .await?
+        .0;
+    // The finish always reports its job; this only guards that.
+    let run = run.into_iter().next().ok_or_else(|| {
+        let missing = sea_orm::DbErr::Custom("the finish reported no job".to_owned());
+        crate::error::database(
+            "finishing a leased job of",
+            &crate::schema::JOB_TABLE,
+            missing,
+        )
+    })?;
+    span.record("outcome", super::worker::outcome_name(&run.outcome));
+    Ok(run)
+}
+
+/// Runs `claim`'s work, beating its heartbeat every third of the lease.
+async fn work(
+    worker: &Worker,
+    claim: &Claimed,
+) -> std::result::Result<Output, (JobFailure, Option<bool>)> {
+    let kind = worker.kind(&claim.kind);
+    let Some((leased, policy)) = kind.as_ref().and_then(|k| k.leased()) else {
+        let failure = JobFailure::UnknownKind {
+            kind: claim.kind_name(),
+        };
+        return Err((failure, None));
+    };
+    let (lost_tx, lost_rx) = watch::channel(false);
+    let lease = Lease {
+        id: claim.id,
+        lost: lost_rx,
+    };
+    let raw = super::worker::Raw {
+        id: claim.id,
+        attempt: claim.attempt,
+        key: claim.key_text(),
+        payload: &claim.payload,
+    };
+    let future = match (leased.work)(raw, lease) {
+        Ok(future) => future,
+        Err(reason) => {
+            let failure = JobFailure::BadPayload {
+                kind: claim.kind_name(),
+                reason,
+            };
+            return Err((failure, None));
+        }
+    };
+    let mut future = CatchUnwind { inner: future };
+    let period = claim.lease / 3;
+    let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    beat.set_missed_tick_behavior(MissedTickBehavior::Delay);
+    let mut held = true;
+    let ended = loop {
+        tokio::select! {
+            ended = &mut future => break ended,
+            _ = beat.tick(), if held => {
+                let db = crate::pool::autocommit(worker.session().connection());
+                let extended = store::extend(&db, claim.id, &claim.owner, claim.lease);
+                match within(worker.reply(), extended).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        held = false;
+                        let _ = lost_tx.send(true);
+                        warn!("the job's lease was lost: another worker runs it now");
+                    }
+                    Err(error) => {
+                        warn!(%error, "extending a job's lease failed; the next beat tries again");
+                    }
+                }
+            }
+        }
+    };
+    match ended {
+        Ok(Ok(output)) => Ok(output),
+        Ok(Err(error)) => {
+            let retries = (policy.retry_if.as_ref()).is_none_or(|f| f(&error));
+            Err((JobFailure::Handler(error.to_string()), Some(retries)))
+        }
+        Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Some(true))),
+    }
+}

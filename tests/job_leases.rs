@@ -1,0 +1,497 @@
+//! Leased jobs (`Jobs::handle_leased`) on SQLite, PostgreSQL and MariaDB: the field report's
+//! claim → work outside any transaction → fenced finish. Every finished job's effect is in the
+//! database once; a late finish after a takeover is refused; the heartbeat keeps a long job's
+//! lease; an expired lease makes the job run again, and a job whose every attempt's lease
+//! expired fails.
+
+#[macro_use]
+#[path = "common/job_support.rs"]
+mod job_support;
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use freshlock::{
+    Session,
+    jobs::{self, Job, JobFailure, JobOutcome, JobState, Jobs, Lease, NewJob, RetryPolicy, Worker},
+};
+use job_support::{add, at_once, bigint, bump, jobs_in, number, total_score};
+use sea_orm::{ConnectionTrait, DatabaseConnection};
+use serde::{Deserialize, Serialize};
+use servers::{TestDb, databases};
+use tokio::sync::{mpsc, watch};
+
+const LEASED: i16 = 1;
+const DONE: i16 = 2;
+const FAILED: i16 = 3;
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+struct Analyze {
+    node: i32,
+    seq: u32,
+}
+
+async fn nodes(db: &DatabaseConnection, n: i32) {
+    for id in 1..=n {
+        db.execute_unprepared(&format!(
+            "INSERT INTO node (id, title, changed) VALUES ({id}, 't', 0)"
+        ))
+        .await
+        .unwrap();
+    }
+}
+
+/// The state of job `id` as stored.
+async fn state_of(db: &DatabaseConnection, id: i64) -> i64 {
+    let state = bigint(db, "state");
+    number(
+        db,
+        &format!("SELECT {state} FROM freshlock_job WHERE id = {id}"),
+    )
+    .await
+}
+
+/// Expires every lease now, as if its worker had stopped long ago.
+async fn expire_leases(db: &DatabaseConnection) {
+    let txn = sea_orm::TransactionTrait::begin(db).await.unwrap();
+    txn.execute_unprepared("UPDATE freshlock_job SET lease_until = 0 WHERE state = 1")
+        .await
+        .unwrap();
+    txn.commit().await.unwrap();
+}
+
+/// A finish that bumps the node its work returned.
+fn bump_node(tx: &freshlock::Tx, job: Job<i32>) -> freshlock::SectionWork<'_, ()> {
+    Box::pin(async move {
+        bump(tx, job.payload).await?;
+        Ok(())
+    })
+}
+
+// --------------------------------------------------------- claim, work outside, finish once
+
+/// What the work saw.
+#[derive(Default)]
+struct Seen {
+    /// Works run, per job.
+    works: Mutex<HashMap<u32, usize>>,
+    /// Works that found their job's claim committed (`leased`) while they ran.
+    claimed: AtomicUsize,
+    /// Same-key works running at once.
+    running_hot: AtomicUsize,
+    overlaps: AtomicUsize,
+}
+
+/// 24 leased jobs, a third on one key, run by two workers (one in batches of 4, whose works run
+/// side by side): each job's work runs once with its claim committed (no transaction held), each
+/// finish's write is in the database once, same-key works never overlap.
+async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    nodes(&db, 3).await;
+    let seen = Arc::new(Seen::default());
+    for seq in 0..24 {
+        let node = (seq % 3) as i32 + 1;
+        let mut job = NewJob::new("analyze", &Analyze { node, seq }).unwrap();
+        if node == 1 {
+            job = job.key("ham:1");
+        }
+        add(&db, job).await.unwrap();
+    }
+    let handlers = {
+        let (seen, reader) = (seen.clone(), db.clone());
+        Jobs::new().handle_leased(
+            "analyze",
+            at_once(1),
+            Duration::from_secs(30),
+            move |job: Job<Analyze>, lease: Lease| {
+                let (seen, reader) = (seen.clone(), reader.clone());
+                async move {
+                    assert_eq!(lease.job(), job.id);
+                    let hot = job.key.is_some();
+                    if hot && seen.running_hot.fetch_add(1, Ordering::SeqCst) > 0 {
+                        seen.overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    // The claim committed before the work: another connection sees it.
+                    if state_of(&reader, job.id).await == i64::from(LEASED) {
+                        seen.claimed.fetch_add(1, Ordering::SeqCst);
+                    }
+                    tokio::task::yield_now().await;
+                    if hot {
+                        seen.running_hot.fetch_sub(1, Ordering::SeqCst);
+                    }
+                    *seen
+                        .works
+                        .lock()
+                        .unwrap()
+                        .entry(job.payload.seq)
+                        .or_default() += 1;
+                    Ok::<_, freshlock::BoxError>(job.payload.node)
+                }
+            },
+            bump_node,
+        )
+    };
+    let session = Session::new(db.clone());
+    let single = Worker::new(session.clone(), handlers.clone());
+    let batched = Worker::new(session, handlers).with_batch(4);
+    let (a, b) = tokio::join!(single.run_until_idle(), batched.run_until_idle());
+    let runs: Vec<_> = a.unwrap().into_iter().chain(b.unwrap()).collect();
+    assert_eq!(runs.len(), 24, "{runs:?}");
+    assert!(runs.iter().all(|r| r.outcome == JobOutcome::Completed));
+    assert!(runs.iter().all(|r| r.attempt == 1));
+    let works = seen.works.lock().unwrap().clone();
+    assert_eq!(works.len(), 24);
+    assert!(works.values().all(|&n| n == 1), "{works:?}");
+    assert_eq!(seen.claimed.load(Ordering::SeqCst), 24);
+    assert_eq!(seen.overlaps.load(Ordering::SeqCst), 0);
+    assert_eq!(total_score(&db).await, 24, "every finish's write once");
+    assert_eq!(jobs_in(&db, DONE).await, 24);
+    let sum = bigint(&db, "SUM(attempts)");
+    let attempts = number(&db, &format!("SELECT {sum} FROM freshlock_job")).await;
+    assert_eq!(attempts, 24);
+}
+
+on_databases! {
+    leased_jobs_finish_once_sqlite: leased_jobs_work_outside_and_finish_once, sqlite;
+    leased_jobs_finish_once_postgres: leased_jobs_work_outside_and_finish_once, postgres;
+    leased_jobs_finish_once_mysql: leased_jobs_work_outside_and_finish_once, mysql;
+}
+
+// ------------------------------------------------------------------- a late finish refused
+
+/// Gates for a work: it says when it started, and waits for `release` on its first attempt.
+struct Gate {
+    started: mpsc::Sender<u32>,
+    release: watch::Receiver<bool>,
+}
+
+fn gated_jobs(gate: Gate, lease: Duration, policy: RetryPolicy) -> Jobs {
+    let gate = Arc::new(gate);
+    Jobs::new().handle_leased(
+        "analyze",
+        policy,
+        lease,
+        move |job: Job<Analyze>, lease: Lease| {
+            let gate = gate.clone();
+            async move {
+                gate.started.send(job.attempt).await.unwrap();
+                if job.attempt == 1 {
+                    let mut release = gate.release.clone();
+                    release.wait_for(|go| *go).await.unwrap();
+                }
+                Ok::<_, freshlock::BoxError>((job.payload.node, lease.is_lost()))
+            }
+        },
+        |tx, job: Job<(i32, bool)>| {
+            Box::pin(async move {
+                bump(tx, job.payload.0).await?;
+                Ok(())
+            })
+        },
+    )
+}
+
+/// Worker A claims the job and works; its lease expires; worker B reclaims the job and runs it
+/// to the end; A's late finish is refused and rolls back: one effect, the job done once.
+async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    nodes(&db, 1).await;
+    let id = match add(
+        &db,
+        NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
+    )
+    .await
+    .unwrap()
+    {
+        jobs::Enqueued::Added(id) => id,
+        other => panic!("{other:?}"),
+    };
+    let (started_tx, mut started) = mpsc::channel(4);
+    let (release_tx, release) = watch::channel(false);
+    let gate = Gate {
+        started: started_tx,
+        release,
+    };
+    let handlers = gated_jobs(gate, Duration::from_secs(60), at_once(3));
+    let a = Worker::new(Session::new(db.clone()), handlers.clone());
+    let first = tokio::spawn(async move { a.run_one().await });
+    assert_eq!(started.recv().await, Some(1));
+    // While A works, the job is leased: its key busy, the operator sees it.
+    assert_eq!(state_of(&db, id).await, i64::from(LEASED));
+    let leased = jobs::list(&db, JobState::Leased, 10).await.unwrap();
+    assert_eq!(leased.len(), 1);
+    assert_eq!((leased[0].id, leased[0].attempts), (id, 1));
+    let depth = jobs::depth(&db).await.unwrap();
+    assert_eq!((depth[0].waiting, depth[0].due), (1, 0));
+    // A fresh worker finds nothing while the lease holds ...
+    let b = Worker::new(Session::new(db.clone()), handlers.clone());
+    assert_eq!(b.run_one().await.unwrap(), None);
+    // ... and takes the job over once it expired (a new worker: its reclaim is due at once).
+    expire_leases(&db).await;
+    let b = Worker::new(Session::new(db.clone()), handlers);
+    let second = b.run_one().await.unwrap().expect("the job, reclaimed");
+    assert_eq!(started.recv().await, Some(2));
+    assert_eq!((second.id, second.attempt), (id, 2));
+    assert_eq!(second.outcome, JobOutcome::Completed);
+    release_tx.send(true).unwrap();
+    let late = first.await.unwrap().unwrap().expect("A's run");
+    assert_eq!((late.id, late.attempt), (id, 1));
+    assert_eq!(late.outcome, JobOutcome::LeaseLost);
+    assert_eq!(total_score(&db).await, 1, "B's finish only");
+    assert_eq!(state_of(&db, id).await, i64::from(DONE));
+    let attempts = format!(
+        "SELECT {} FROM freshlock_job WHERE id = {id}",
+        bigint(&db, "attempts")
+    );
+    assert_eq!(number(&db, &attempts).await, 2);
+}
+
+on_databases! {
+    a_late_finish_is_refused_sqlite: a_late_finish_after_a_takeover_is_refused, sqlite;
+    a_late_finish_is_refused_postgres: a_late_finish_after_a_takeover_is_refused, postgres;
+    a_late_finish_is_refused_mysql: a_late_finish_after_a_takeover_is_refused, mysql;
+}
+
+// ------------------------------------------------------------------------- the heartbeat
+
+/// A work that runs longer than its lease keeps it: the heartbeat moves the expiry on, so a
+/// worker that reclaims after the first expiry finds nothing, and the job finishes on its first
+/// attempt. (Without the heartbeat the other worker takes the job over.)
+async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    nodes(&db, 1).await;
+    add(
+        &db,
+        NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
+    )
+    .await
+    .unwrap();
+    let (started_tx, mut started) = mpsc::channel(4);
+    let (release_tx, release) = watch::channel(false);
+    let gate = Gate {
+        started: started_tx,
+        release,
+    };
+    let lease = Duration::from_millis(900);
+    let handlers = gated_jobs(gate, lease, at_once(3));
+    let a = Worker::new(Session::new(db.clone()), handlers.clone());
+    let first = tokio::spawn(async move { a.run_one().await });
+    assert_eq!(started.recv().await, Some(1));
+    let expiry = "SELECT lease_until FROM freshlock_job WHERE state = 1";
+    let claimed_until = number(&db, expiry).await;
+    // Wait (on the database's clock) until the claim's first expiry has passed.
+    let now = match db.get_database_backend() {
+        sea_orm::DbBackend::Postgres => {
+            "SELECT CAST(EXTRACT(EPOCH FROM clock_timestamp()) * 1000 AS BIGINT)"
+        }
+        sea_orm::DbBackend::MySql => "SELECT CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)",
+        _ => "SELECT CAST((julianday('now') - 2440587.5) * 86400000.0 AS INTEGER)",
+    };
+    let waited = tokio::time::timeout(Duration::from_secs(30), async {
+        while number(&db, now).await <= claimed_until + 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    });
+    waited.await.expect("the database clock moves");
+    assert!(
+        number(&db, expiry).await > claimed_until,
+        "the heartbeat extended the lease"
+    );
+    let b = Worker::new(Session::new(db.clone()), handlers);
+    assert_eq!(b.run_one().await.unwrap(), None, "nothing to reclaim");
+    release_tx.send(true).unwrap();
+    let run = first.await.unwrap().unwrap().expect("A's run");
+    assert_eq!((run.attempt, run.outcome), (1, JobOutcome::Completed));
+    assert_eq!(total_score(&db).await, 1);
+}
+
+on_databases! {
+    the_heartbeat_keeps_the_lease_sqlite: the_heartbeat_keeps_a_long_jobs_lease, sqlite;
+    the_heartbeat_keeps_the_lease_postgres: the_heartbeat_keeps_a_long_jobs_lease, postgres;
+    the_heartbeat_keeps_the_lease_mysql: the_heartbeat_keeps_a_long_jobs_lease, mysql;
+}
+
+// ---------------------------------------------------------- stopped workers, used attempts
+
+/// A worker stopped mid-work (its run dropped: no finish, no heartbeat) leaves the job leased
+/// and its key busy until the lease expires; the job then runs again. When every attempt's
+/// worker stopped, the job fails (`LeaseExpired`), its key is free, and the next job of the key
+/// runs.
+async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    nodes(&db, 1).await;
+    for seq in 0..2 {
+        let job = NewJob::new("analyze", &Analyze { node: 1, seq }).unwrap();
+        add(&db, job.key("ham:1").unique(format!("spam:{seq}")))
+            .await
+            .unwrap();
+    }
+    let (started_tx, mut started) = mpsc::channel(8);
+    let (_release_tx, release) = watch::channel(false);
+    let stuck = Arc::new(Gate {
+        started: started_tx,
+        release,
+    });
+    // Every attempt of job 0 hangs; job 1 works.
+    let handlers = Jobs::new().handle_leased(
+        "analyze",
+        at_once(2),
+        Duration::from_secs(60),
+        move |job: Job<Analyze>, _lease: Lease| {
+            let stuck = stuck.clone();
+            async move {
+                if job.payload.seq == 0 {
+                    stuck.started.send(job.attempt).await.unwrap();
+                    let mut release = stuck.release.clone();
+                    release.wait_for(|go| *go).await.unwrap();
+                }
+                Ok::<_, freshlock::BoxError>(job.payload.node)
+            }
+        },
+        bump_node,
+    );
+    for attempt in 1..=2 {
+        let worker = Worker::new(Session::new(db.clone()), handlers.clone());
+        let run = tokio::spawn(async move { worker.run_one().await });
+        assert_eq!(started.recv().await, Some(attempt));
+        run.abort();
+        let _ = run.await;
+        // The key stays busy while the lease holds: job 1 is not handed out.
+        let other = Worker::new(Session::new(db.clone()), handlers.clone());
+        assert_eq!(other.run_one().await.unwrap(), None);
+        assert!(
+            matches!(
+                jobs::enqueue(
+                    &db,
+                    NewJob::new("analyze", &Analyze { node: 1, seq: 0 })
+                        .unwrap()
+                        .unique("spam:0")
+                )
+                .await
+                .unwrap(),
+                jobs::Enqueued::Duplicate { .. }
+            ),
+            "a leased job keeps its unique key"
+        );
+        expire_leases(&db).await;
+    }
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    assert_eq!(runs.len(), 2, "{runs:?}");
+    assert_eq!(
+        runs[0].outcome,
+        JobOutcome::Failed(JobFailure::LeaseExpired { attempts: 2 })
+    );
+    assert_eq!(runs[0].attempt, 2);
+    assert_eq!(runs[1].outcome, JobOutcome::Completed);
+    assert_eq!(jobs_in(&db, FAILED).await, 1);
+    assert_eq!(jobs_in(&db, DONE).await, 1);
+    assert_eq!(total_score(&db).await, 1, "the hung job's finish never ran");
+    let failed = jobs::list(&db, JobState::Failed, 10).await.unwrap();
+    assert!(
+        failed[0].last_error.as_deref().unwrap().contains("lease"),
+        "{failed:?}"
+    );
+}
+
+on_databases! {
+    stopped_workers_leases_expire_sqlite: stopped_workers_leases_expire_and_attempts_are_bounded, sqlite;
+    stopped_workers_leases_expire_postgres: stopped_workers_leases_expire_and_attempts_are_bounded, postgres;
+    stopped_workers_leases_expire_mysql: stopped_workers_leases_expire_and_attempts_are_bounded, mysql;
+}
+
+// ------------------------------------------------------------------ failures and bad input
+
+/// A work that errors or panics and a finish that errors are failed attempts, retried per the
+/// policy (the finish's write rolled back); a payload that does not deserialize fails at once;
+/// a `retry_if` that refuses fails at once. The worker goes on; each completed job's write is
+/// in the database once.
+async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    nodes(&db, 1).await;
+    // seq 1: the work errors once; 2: it panics once; 3: the finish errors once (after its
+    // write); 4: the work errors with "fatal", which does not retry.
+    for seq in 1..=4 {
+        add(
+            &db,
+            NewJob::new("analyze", &Analyze { node: 1, seq }).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    add(&db, NewJob::new("analyze", &"not an Analyze").unwrap())
+        .await
+        .unwrap();
+    let policy = at_once(3).retry_if(|e| !e.to_string().contains("fatal"));
+    let handlers = Jobs::new().handle_leased(
+        "analyze",
+        policy,
+        Duration::from_secs(60),
+        |job: Job<Analyze>, _lease: Lease| async move {
+            let Analyze { node, seq } = job.payload;
+            match (seq, job.attempt) {
+                (1, 1) => Err("the service is down".into()),
+                (2, 1) => panic!("the work panicked"),
+                (4, _) => Err("fatal: no such document".into()),
+                _ => Ok((node, seq)),
+            }
+        },
+        |tx, job: Job<(i32, u32)>| {
+            Box::pin(async move {
+                bump(tx, job.payload.0).await?;
+                if job.payload.1 == 3 && job.attempt == 1 {
+                    return Err(freshlock::ApplyError::msg("the finish failed"));
+                }
+                Ok(())
+            })
+        },
+    );
+    let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(4);
+    let runs = worker.run_until_idle().await.unwrap();
+    let outcomes: Vec<_> = runs.iter().map(|r| (r.id, r.attempt, &r.outcome)).collect();
+    let completed = runs
+        .iter()
+        .filter(|r| r.outcome == JobOutcome::Completed)
+        .count();
+    assert_eq!(completed, 3, "{outcomes:?}");
+    let retried = runs
+        .iter()
+        .filter(|r| matches!(r.outcome, JobOutcome::Retrying { .. }))
+        .count();
+    assert_eq!(retried, 3, "{outcomes:?}");
+    assert!(runs.iter().any(|r| matches!(
+        &r.outcome,
+        JobOutcome::Retrying { failure: JobFailure::Panicked(m), .. } if m.contains("panicked")
+    )));
+    assert!(runs.iter().any(|r| matches!(
+        &r.outcome,
+        JobOutcome::Failed(JobFailure::Handler(m)) if m.contains("fatal")
+    )));
+    assert!(runs.iter().any(|r| matches!(
+        &r.outcome,
+        JobOutcome::Failed(JobFailure::BadPayload { .. })
+    )));
+    assert_eq!(total_score(&db).await, 3, "one write per completed job");
+    assert_eq!(jobs_in(&db, DONE).await, 3);
+    assert_eq!(jobs_in(&db, FAILED).await, 2);
+    assert_eq!(jobs_in(&db, LEASED).await, 0, "every claim ended");
+}
+
+on_databases! {
+    leased_failures_sqlite: leased_failures_retry_and_roll_back, sqlite;
+    leased_failures_postgres: leased_failures_retry_and_roll_back, postgres;
+    leased_failures_mysql: leased_failures_retry_and_roll_back, mysql;
+}
