@@ -25,7 +25,7 @@ use freshlock::{
     Error, Session,
     jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
-use job_support::bump;
+use job_support::bump_node;
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use servers::{TestDb, databases};
@@ -65,7 +65,7 @@ async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
     row.try_get_by_index::<Option<i64>>(0).unwrap().unwrap_or(0)
 }
 
-async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
+async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32, leased: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(5).await;
     for seq in 0..JOBS {
@@ -81,12 +81,14 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
     let proxy = Proxy::start(proxy::target(&db.url), cut).await;
     let proxied = through(&proxy, &db, cut == CutAfter::Reload).await;
     proxy.cut_every(every);
-    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<i32>| {
-        Box::pin(async move {
-            bump(tx, job.payload).await?;
-            Ok(())
-        })
-    });
+    let handlers = if leased {
+        // Claimed under a 1 s lease (its commit cut too), worked outside, finished fenced.
+        let work = |job: Job<i32>, _lease| async move { Ok::<_, freshlock::BoxError>(job.payload) };
+        let lease = Duration::from_secs(1);
+        Jobs::new().handle_leased("bump", RetryPolicy::default(), lease, work, bump_node)
+    } else {
+        Jobs::new().handle("bump", RetryPolicy::default(), bump_node)
+    };
     let session = Session::new(proxied);
     let acknowledged = Arc::new(AtomicU32::new(0));
     let unknown = Arc::new(AtomicU32::new(0));
@@ -115,6 +117,11 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
                     match worker.run_batch().await {
                         Ok(runs) if !runs.is_empty() => {
                             for run in runs {
+                                // A claim whose lease expired while its reply was lost is
+                                // refused at its finish: not acknowledged, run again.
+                                if run.outcome == JobOutcome::LeaseLost {
+                                    continue;
+                                }
                                 assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
                                 acknowledged.fetch_add(1, Ordering::SeqCst);
                             }
@@ -148,7 +155,7 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
         unknown.load(Ordering::SeqCst),
     );
     eprintln!(
-        "{cut:?}: {} cut; {acknowledged} acknowledged, {unknown} unknown",
+        "{cut:?} (leased: {leased}): {} cut; {acknowledged} acknowledged, {unknown} unknown",
         proxy.cuts()
     );
     assert!(proxy.cuts() >= 5, "the proxy cut connections");
@@ -166,11 +173,15 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32) {
 }
 
 async fn lost_commit_replies(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, false).await;
 }
 
 async fn cut_after_the_take(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Reload, 5).await;
+    jobs_through_cuts(db, CutAfter::Reload, 5, false).await;
+}
+
+async fn leased_lost_commit_replies(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Commit, 4, true).await;
 }
 
 on_databases! {
@@ -178,4 +189,6 @@ on_databases! {
     job_commit_replies_lost_mysql: lost_commit_replies, mysql;
     job_takes_cut_postgres: cut_after_the_take, postgres;
     job_takes_cut_mysql: cut_after_the_take, mysql;
+    leased_job_commit_replies_lost_postgres: leased_lost_commit_replies, postgres;
+    leased_job_commit_replies_lost_mysql: leased_lost_commit_replies, mysql;
 }

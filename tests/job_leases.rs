@@ -23,7 +23,7 @@ use freshlock::{
     Session,
     jobs::{self, Job, JobFailure, JobOutcome, JobState, Jobs, Lease, NewJob, RetryPolicy, Worker},
 };
-use job_support::{add, at_once, bigint, bump, jobs_in, number, total_score};
+use job_support::{add, at_once, bigint, bump, bump_node, jobs_in, number, total_score};
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use serde::{Deserialize, Serialize};
 use servers::{TestDb, databases};
@@ -66,14 +66,6 @@ async fn expire_leases(db: &DatabaseConnection) {
         .await
         .unwrap();
     txn.commit().await.unwrap();
-}
-
-/// A finish that bumps the node its work returned.
-fn bump_node(tx: &freshlock::Tx, job: Job<i32>) -> freshlock::SectionWork<'_, ()> {
-    Box::pin(async move {
-        bump(tx, job.payload).await?;
-        Ok(())
-    })
 }
 
 // --------------------------------------------------------- claim, work outside, finish once

@@ -8,6 +8,12 @@
 //! is gone, and it runs again at once — its key is free again, the jobs behind it run. At the
 //! end every job is done exactly once: the node scores add up to the job count. The workers
 //! are stopped by closing their stdin, a graceful shutdown: each finishes its job and exits 0.
+//!
+//! The same with the kind leased (`Jobs::handle_leased`, a 1 s lease): every 15th job hangs in
+//! its work (outside any transaction, its claim committed) or in its finish (after its write, in
+//! the fenced transaction), alternately. A killed claim holds its key until its lease expires;
+//! then another process reclaims the job and runs it again, and its finish's write is in the
+//! database once.
 
 #[macro_use]
 #[path = "common/job_support.rs"]
@@ -33,10 +39,12 @@ use servers::{TestDb, databases};
 const ENV_URL: &str = "FRESHLOCK_JOB_WORKER_URL";
 const ENV_SCHEMA: &str = "FRESHLOCK_JOB_WORKER_SCHEMA";
 const ENV_MARKS: &str = "FRESHLOCK_JOB_WORKER_MARKS";
+/// Set (to anything) for a worker whose kind is leased.
+const ENV_LEASED: &str = "FRESHLOCK_JOB_WORKER_LEASED";
 const JOBS: i32 = 60;
 const HANG_EVERY: i32 = 15;
 
-#[derive(Debug, Serialize, Deserialize)]
+#[derive(Clone, Debug, Serialize, Deserialize)]
 struct Bump {
     node: i32,
     seq: i32,
@@ -58,19 +66,21 @@ fn job_worker_process() {
         .unwrap();
     runtime.block_on(async move {
         let db = servers::connect(&url, schema.as_deref(), 4).await;
-        let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<Bump>| {
-            Box::pin(async move {
-                bump(tx, job.payload.node).await?;
-                // A job that hangs the first time it runs, after its write: the parent
-                // kills this process right here.
-                let hangs = job.payload.seq % HANG_EVERY == HANG_EVERY - 1;
-                if hangs && job.attempt == 1 && !already_hung(job.id) {
-                    say(&format!("hanging {}", job.id));
-                    std::future::pending::<()>().await;
-                }
-                Ok(())
+        let handlers = if std::env::var(ENV_LEASED).is_ok() {
+            leased_handlers()
+        } else {
+            Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<Bump>| {
+                Box::pin(async move {
+                    bump(tx, job.payload.node).await?;
+                    // A job that hangs the first time it runs, after its write: the parent
+                    // kills this process right here.
+                    if hangs(&job) {
+                        hang(job.id).await;
+                    }
+                    Ok(())
+                })
             })
-        });
+        };
         // Batches of up to 4: a killed process rolls back its whole batch, every job of which
         // runs again.
         let worker = Worker::new(Session::new(db), handlers).with_batch(4);
@@ -89,6 +99,44 @@ fn job_worker_process() {
         let ran = worker.run(shutdown).await;
         say(&format!("stopped after {ran}"));
     });
+}
+
+/// The kind leased: every 15th job hangs once, in its work (the claim committed, no
+/// transaction open) or in its finish (after its write), alternately.
+fn leased_handlers() -> Jobs {
+    Jobs::new().handle_leased(
+        "bump",
+        RetryPolicy::default(),
+        Duration::from_secs(1),
+        |job: Job<Bump>, _lease| async move {
+            let in_work = job.payload.seq / HANG_EVERY % 2 == 0;
+            if in_work && hangs(&job) {
+                hang(job.id).await;
+            }
+            Ok::<_, freshlock::BoxError>(job.payload)
+        },
+        |tx, job: Job<Bump>| {
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                let in_finish = job.payload.seq / HANG_EVERY % 2 == 1;
+                if in_finish && hangs(&job) {
+                    hang(job.id).await;
+                }
+                Ok(())
+            })
+        },
+    )
+}
+
+/// Whether `job` is one that hangs (every 15th), on the first run that reaches this point.
+fn hangs(job: &Job<Bump>) -> bool {
+    job.payload.seq % HANG_EVERY == HANG_EVERY - 1 && !already_hung(job.id)
+}
+
+/// Says so and hangs: the parent kills this process here.
+async fn hang(id: i64) {
+    say(&format!("hanging {id}"));
+    std::future::pending::<()>().await;
 }
 
 /// Whether job `id` hung in an earlier process: a killed process's writes rolled back, so the
@@ -122,6 +170,7 @@ impl Process {
     fn spawn(
         db: &TestDb,
         marks: &std::path::Path,
+        leased: bool,
         tag: usize,
         events: tokio::sync::mpsc::UnboundedSender<(usize, String)>,
     ) -> Self {
@@ -140,6 +189,9 @@ impl Process {
             .stdout(Stdio::piped());
         if let Some(schema) = &db.schema {
             command.env(ENV_SCHEMA, schema);
+        }
+        if leased {
+            command.env(ENV_LEASED, "1");
         }
         let mut child = command.spawn().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
@@ -199,6 +251,14 @@ async fn number(db: &TestDb, sql: &str) -> i64 {
 }
 
 async fn killed_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
+    killed_workers(db, false).await;
+}
+
+async fn killed_leased_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
+    killed_workers(db, true).await;
+}
+
+async fn killed_workers(db: Option<TestDb>, leased: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(5).await;
     let marks = std::env::temp_dir().join(servers::unique("job-marks"));
@@ -216,7 +276,7 @@ async fn killed_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
     }
     let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
     let mut processes: Vec<Option<Process>> = (0..3)
-        .map(|tag| Some(Process::spawn(&db, &marks, tag, events_tx.clone())))
+        .map(|tag| Some(Process::spawn(&db, &marks, leased, tag, events_tx.clone())))
         .collect();
     let done_sql = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
     let mut killed = 0;
@@ -234,7 +294,8 @@ async fn killed_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
             processes[tag].take().unwrap().kill();
             killed += 1;
             let tag = processes.len();
-            processes.push(Some(Process::spawn(&db, &marks, tag, events_tx.clone())));
+            let process = Process::spawn(&db, &marks, leased, tag, events_tx.clone());
+            processes.push(Some(process));
         }
     }
     for process in processes.into_iter().flatten() {
@@ -247,7 +308,7 @@ async fn killed_workers_never_lose_or_double_a_job(db: Option<TestDb>) {
     } else {
         "SELECT CAST(SUM(score) AS BIGINT) FROM node"
     };
-    eprintln!("{backend:?}: {killed} worker processes killed mid-job");
+    eprintln!("{backend:?} (leased: {leased}): {killed} worker processes killed mid-job");
     assert_eq!(
         killed,
         JOBS / HANG_EVERY,
@@ -266,4 +327,7 @@ on_databases! {
     killed_job_workers_sqlite: killed_workers_never_lose_or_double_a_job, sqlite;
     killed_job_workers_postgres: killed_workers_never_lose_or_double_a_job, postgres;
     killed_job_workers_mysql: killed_workers_never_lose_or_double_a_job, mysql;
+    killed_leased_job_workers_sqlite: killed_leased_workers_never_lose_or_double_a_job, sqlite;
+    killed_leased_job_workers_postgres: killed_leased_workers_never_lose_or_double_a_job, postgres;
+    killed_leased_job_workers_mysql: killed_leased_workers_never_lose_or_double_a_job, mysql;
 }

@@ -69,6 +69,17 @@ pub fn at_once(attempts: u32) -> freshlock::jobs::RetryPolicy {
         .with_backoff(std::time::Duration::ZERO, std::time::Duration::ZERO)
 }
 
+/// A handler (or a leased kind's finish) that bumps the node its job names.
+pub fn bump_node(
+    tx: &freshlock::Tx,
+    job: freshlock::jobs::Job<i32>,
+) -> freshlock::SectionWork<'_, ()> {
+    Box::pin(async move {
+        bump(tx, job.payload).await?;
+        Ok(())
+    })
+}
+
 /// One multi-threaded test per line `name: scenario, database;`, running
 /// `scenario(databases::database("name").await)`; the scenario skips on `None` (no URL).
 /// Invoke it where `databases` is in scope.
