@@ -365,7 +365,7 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
         assert_eq!(other.run_one().await.unwrap(), None);
         assert!(
             matches!(
-                jobs::enqueue(
+                add(
                     &db,
                     NewJob::new("analyze", &Analyze { node: 1, seq: 0 })
                         .unwrap()

@@ -627,14 +627,7 @@ async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
         })
     });
     let worker = Worker::new(Session::new(db.clone()), handlers);
-    let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run(async move {
-                let _ = stop.await;
-            })
-            .await
-    });
+    let (stop_tx, running) = run_in_background(worker);
     started.recv().await.unwrap();
     stop_tx.send(()).unwrap();
     release_tx.send(true).unwrap();
@@ -646,6 +639,24 @@ async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
     assert_eq!(total_score(&db).await, 1);
     assert_eq!(jobs_in(&db, 2).await, 1);
     assert_eq!(jobs_in(&db, 0).await, 1);
+}
+
+/// `worker.run` in a task of its own: the sender stops it, the task returns how many ran.
+fn run_in_background(
+    worker: Worker,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<u64>,
+) {
+    let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run(async move {
+                let _ = stop.await;
+            })
+            .await
+    });
+    (stop_tx, running)
 }
 
 // ------------------------------------------------------------------------- the operator
@@ -820,4 +831,52 @@ on_databases! {
     queued_behind_a_finished_job_sqlite: a_job_queued_behind_a_finished_one_still_runs, sqlite;
     queued_behind_a_finished_job_postgres: a_job_queued_behind_a_finished_one_still_runs, postgres;
     queued_behind_a_finished_job_mysql: a_job_queued_behind_a_finished_one_still_runs, mysql;
+}
+
+// ------------------------------------------------------------------------------ wakeups
+
+/// On PostgreSQL an enqueue wakes an idle worker at once (`LISTEN`/`NOTIFY`): a worker whose
+/// poll waits an hour still runs a job enqueued while it waits. Behind a transaction pooler
+/// (no `LISTEN` there) workers poll, and this is skipped.
+async fn an_enqueue_wakes_an_idle_worker(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    #[cfg(feature = "postgres")]
+    if freshlock::transaction_pooler::is_adopted(&db) {
+        eprintln!("behind a transaction pooler workers poll: nothing wakes them");
+        return;
+    }
+    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
+        .await
+        .unwrap();
+    let (ran_tx, mut ran) = tokio::sync::mpsc::channel::<u32>(4);
+    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
+        let ran_tx = ran_tx.clone();
+        Box::pin(async move {
+            bump(tx, job.payload.node).await?;
+            ran_tx.send(job.payload.seq).await.unwrap();
+            Ok(())
+        })
+    });
+    let hour = Duration::from_secs(3600);
+    let worker = Worker::new(Session::new(db.clone()), handlers).with_poll(hour, hour);
+    let (stop_tx, running) = run_in_background(worker);
+    for seq in 0..2 {
+        // Time for the worker to find nothing and settle into its hour-long wait. (Were the
+        // job enqueued earlier, its take would find it: the test would pass without a wakeup,
+        // never fail with one.)
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        add(&db, NewJob::new("bump", &Bump { node: 1, seq }).unwrap())
+            .await
+            .unwrap();
+        let woke = tokio::time::timeout(Duration::from_secs(30), ran.recv()).await;
+        assert_eq!(woke.expect("woken by the enqueue"), Some(seq));
+    }
+    stop_tx.send(()).unwrap();
+    assert_eq!(running.await.unwrap(), 2);
+    assert_eq!(total_score(&db).await, 2);
+}
+
+on_databases! {
+    an_enqueue_wakes_an_idle_worker_postgres: an_enqueue_wakes_an_idle_worker, postgres;
 }

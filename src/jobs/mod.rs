@@ -33,6 +33,9 @@
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
 //! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
 //!   its commit, each handler in a savepoint of its own, so that a failing job rolls back alone.
+//! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
+//!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
+//!   ([`Worker::with_poll`]).
 //! - **Operators** ([`depth`], [`list`], [`retry`], [`discard`]; the CLI's `freshlock jobs`).
 //!
 //! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored whole
@@ -44,6 +47,7 @@
 mod admin;
 mod lease;
 mod store;
+mod wake;
 mod worker;
 
 use std::time::Duration;

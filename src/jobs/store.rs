@@ -58,9 +58,23 @@ pub(crate) async fn insert(
 ) -> Result<Option<i64>, DbErr> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
-    let (verb, tail) = match backend {
-        DbBackend::MySql => ("INSERT IGNORE", ""),
-        _ => ("INSERT", " ON CONFLICT DO NOTHING RETURNING id"),
+    // On PostgreSQL the statement also wakes idle workers (`wake.rs`): `NOTIFY` is
+    // transactional, so they hear of the job when it commits, and never of a duplicate.
+    let tail = match backend {
+        DbBackend::Postgres => format!(
+            " ON CONFLICT DO NOTHING RETURNING id, pg_notify('{}', '') AS woke",
+            super::wake::CHANNEL
+        ),
+        _ => " ON CONFLICT DO NOTHING RETURNING id".to_owned(),
+    };
+    let verb = match backend {
+        DbBackend::MySql => "INSERT IGNORE",
+        _ => "INSERT",
+    };
+    let tail = if backend == DbBackend::MySql {
+        ""
+    } else {
+        &tail
     };
     // Behind an unfinished job of its key: queued, not ready (see `QUEUED`).
     let state = match job.key {

@@ -16,6 +16,7 @@ use std::{
 
 use sea_orm::{DatabaseTransaction, DbErr, TransactionTrait};
 use serde::de::DeserializeOwned;
+use tokio::sync::Notify;
 use tracing::{Instrument, debug, info_span, warn};
 
 use super::{
@@ -393,6 +394,10 @@ pub struct Worker {
     swept: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// When this worker (or a clone) last reclaimed expired leases.
     reclaimed: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// The first and the longest wait of [`run`](Self::run) with nothing due.
+    poll: (Duration, Duration),
+    /// What wakes [`run`](Self::run) when a job is enqueued (PostgreSQL), shared by clones.
+    wakeup: Arc<super::wake::Wakeup>,
 }
 
 /// How often a worker that found nothing to do looks for stranded queued jobs, and how often a
@@ -415,7 +420,20 @@ impl Worker {
             batch: 1,
             swept: Arc::default(),
             reclaimed: Arc::default(),
+            poll: (MIN_IDLE, MAX_IDLE),
+            wakeup: Arc::default(),
         }
+    }
+
+    /// How [`run`](Self::run) waits with nothing due: from `first`, doubling up to `longest`
+    /// (default 20 ms to 1 s; `first` is at least 1 ms, `longest` at least `first`). On
+    /// PostgreSQL (not behind a transaction pooler) an enqueue wakes a waiting worker at once,
+    /// so the wait only bounds how late a job that became due by time (a delay, a retry's
+    /// backoff, an expired lease) is taken; elsewhere it is the poll interval.
+    pub fn with_poll(mut self, first: Duration, longest: Duration) -> Self {
+        let first = first.max(Duration::from_millis(1));
+        self.poll = (first, longest.max(first));
+        self
     }
 
     /// Takes up to `jobs` jobs at a time (default 1, at least 1) and commits them together:
@@ -532,12 +550,16 @@ impl Worker {
 
     /// Runs jobs until `shutdown` completes, then returns how many ran. A job that is running
     /// when `shutdown` completes is finished first; nothing new is taken after. With nothing
-    /// due, the worker looks again after a wait that doubles from 20 ms to 1 s. A database
+    /// due, the worker waits as [`with_poll`](Self::with_poll) says (20 ms doubling to 1 s) —
+    /// on PostgreSQL an enqueue wakes it at once (`LISTEN` on a connection of its own, shared
+    /// by the worker's clones; not behind a transaction pooler, where it polls). A database
     /// error is logged and waited out the same way: a worker never stops on its own.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> u64 {
         tokio::pin!(shutdown);
+        let wakeup = self.wakeup.notify(self.session.connection()).await;
+        let (first, longest) = self.poll;
         let mut ran = 0;
-        let mut idle = MIN_IDLE;
+        let mut idle = first;
         loop {
             // Looked at between jobs only: a running job is never cut short.
             tokio::select! {
@@ -545,21 +567,37 @@ impl Worker {
                 () = &mut shutdown => return ran,
                 () = std::future::ready(()) => {}
             }
+            // Listening before the take: a job enqueued after it looked wakes the wait below.
+            let notified = wakeup.as_deref().map(Notify::notified);
+            tokio::pin!(notified);
+            if let Some(notified) = notified.as_mut().as_pin_mut() {
+                notified.enable();
+            }
             match self.run_batch().await {
                 Ok(batch) if !batch.is_empty() => {
                     ran += batch.len() as u64;
-                    idle = MIN_IDLE;
+                    idle = first;
                     continue;
                 }
                 Ok(_) => {}
                 Err(error) => warn!(%error, "running a job failed; waiting before the next"),
             }
+            let woken = async {
+                match notified.as_mut().as_pin_mut() {
+                    Some(notified) => notified.await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 biased;
                 () = &mut shutdown => return ran,
+                () = woken => {
+                    idle = first;
+                    continue;
+                }
                 () = tokio::time::sleep(idle) => {}
             }
-            idle = (idle * 2).min(MAX_IDLE);
+            idle = (idle * 2).min(longest);
         }
     }
 
