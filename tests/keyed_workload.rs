@@ -126,6 +126,7 @@ async fn with_freshlock(db: &TestDb) -> (u32, Probes) {
                     .build()
                     .unwrap(),
                 claims: Claims::new(db.db.clone()).with_label(format!("worker {w}")),
+                work_ms: django::TEST_WORK_MS,
             };
             let (queue, processed) = (Arc::clone(&queue), Arc::clone(&processed));
             tokio::spawn(async move {
@@ -133,7 +134,8 @@ async fn with_freshlock(db: &TestDb) -> (u32, Probes) {
                     let Some(id) = queue.lock().unwrap().pop() else {
                         break;
                     };
-                    if django::task(Strategy::LockRow, &worker, id).await.unwrap() {
+                    let did = django::task(Strategy::LockRow, &worker, id).await.unwrap();
+                    if did.is_some() {
                         processed.fetch_add(1, Ordering::SeqCst);
                     }
                 }
@@ -161,6 +163,7 @@ async fn with_parent_row_lock(db: &TestDb) -> Probes {
                 db: db.db.clone(),
                 session: Session::new(db.db.clone()),
                 claims: Claims::new(db.db.clone()),
+                work_ms: django::TEST_WORK_MS,
             };
             let queue = Arc::clone(&queue);
             tokio::spawn(async move {
@@ -172,6 +175,7 @@ async fn with_parent_row_lock(db: &TestDb) -> Probes {
                         django::task(Strategy::ParentRowLock, &worker, id)
                             .await
                             .unwrap()
+                            .is_some()
                     );
                 }
             })

@@ -1,7 +1,7 @@
 //! `freshlock` — the demo and the lock inspector.
 //!
 //! ```text
-//! freshlock demo [--database-url URL] [--lock KIND] [--nodes N] [--workers N] [--work-ms A-B] [--seed S] [--json]
+//! freshlock demo [--database-url URL] [--lock KIND] [--nodes N] [--workers N] [--work-ms A-B] [--task-ms A-B] [--seed S] [--json]
 //! freshlock --database-url URL locks [--expired] [--json]
 //! freshlock --database-url URL release [--stale] [--compact [--idle-secs N]] [--json]
 //! ```
@@ -59,6 +59,9 @@ enum Command {
         /// Simulated heavy work per task, in ms (the report's 15–60 s, scaled down).
         #[arg(long, default_value = "15-60", value_parser = parse_range)]
         work_ms: (u64, u64),
+        /// The Django tasks' heavy work, in ms (the shape of the report's skew: 10–30 ms).
+        #[arg(long, default_value = "10-30", value_parser = parse_range)]
+        task_ms: (u64, u64),
         /// Seed of the simulated work times (reproducible runs).
         #[arg(long, default_value_t = 42)]
         seed: u64,
@@ -258,6 +261,7 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
         nodes,
         workers,
         work_ms,
+        task_ms,
         seed,
     } = cli.command
     {
@@ -286,6 +290,7 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
             nodes,
             workers,
             work_ms,
+            task_ms,
             seed,
             json: cli.json,
         };

@@ -17,7 +17,11 @@ use std::{
 };
 
 use entity::{ham, spam};
-use freshlock::{ApplyError, ClaimOutcome, Claims, FinishOutcome, LockName, Session, lock_name};
+use freshlock::{
+    ApplyError, ClaimOutcome, Claims, FinishOutcome, LockName, Session,
+    jobs::{self, Enqueued, Job, Jobs, NewJob, RetryPolicy},
+    lock_name,
+};
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr,
     EntityTrait, PaginatorTrait, QueryFilter, QuerySelect, Set, SqliteTransactionMode,
@@ -40,18 +44,28 @@ pub fn ham_of(spam: i32) -> i32 {
     }
 }
 
-/// The heavy work of task `spam`: 1–5 ms, fixed per task.
-pub fn heavy_work(spam: i32) -> Duration {
-    Duration::from_millis(1 + (u64::from(spam.unsigned_abs()) * 7919) % 5)
+/// The heavy work the tests give a task: 1–5 ms (the demo's is `--task-ms`, 10–30 ms).
+pub const TEST_WORK_MS: (u64, u64) = (1, 5);
+
+/// The heavy work of task `spam`, between `low` and `high` ms, fixed per task.
+pub fn heavy_work(spam: i32, (low, high): (u64, u64)) -> Duration {
+    let span = high.saturating_sub(low) + 1;
+    Duration::from_millis(low + (u64::from(spam.unsigned_abs()) * 7919) % span)
 }
 
-/// Empties the Spams, Hams, Ham locks and claims, then inserts [`HAMS`] Hams and Spams
+/// Empties the Spams, Hams, Ham locks, claims and jobs, then inserts [`HAMS`] Hams and Spams
 /// `1..=spams` in state `new`.
 ///
 /// # Errors
 /// The database's.
 pub async fn seed(db: &impl ConnectionTrait, spams: i32) -> Result<(), DbErr> {
-    for table in ["spam", "ham_lock", "ham", "freshlock_claim"] {
+    for table in [
+        "spam",
+        "ham_lock",
+        "ham",
+        "freshlock_claim",
+        "freshlock_job",
+    ] {
         db.execute_unprepared(&format!("DELETE FROM {table}"))
             .await?;
     }
@@ -103,6 +117,9 @@ pub enum Strategy {
     /// freshlock: claim the task (a lease), new → processing under the Ham's key, heavy work
     /// with nothing held, processing → done under the Ham's key, finish the claim.
     LockRow,
+    /// freshlock's keyed jobs: each task a job keyed by its Ham and unique per Spam, run by
+    /// [`jobs`]' handler in the job's transaction (see [`enqueue`]; not run by [`task`]).
+    KeyedJobs,
 }
 
 impl Strategy {
@@ -111,6 +128,7 @@ impl Strategy {
         match self {
             Self::ParentRowLock => "parent-row-lock",
             Self::LockRow => "lock-row",
+            Self::KeyedJobs => "keyed-jobs",
         }
     }
 }
@@ -124,30 +142,41 @@ pub struct Worker {
     pub session: Session,
     /// The worker's claims.
     pub claims: Claims,
+    /// The heavy work's range, in ms ([`heavy_work`]).
+    pub work_ms: (u64, u64),
 }
 
-/// Processes delivery `spam` by `strategy`: `true` when this call did the work, `false` when the
-/// task was done already or claimed by a live worker (a duplicate delivery).
+/// Processes delivery `spam` by `strategy`: `Some(time waited for locks)` when this call did
+/// the work, `None` when the task was done already or claimed by a live worker (a duplicate
+/// delivery).
 ///
 /// # Errors
-/// The database's, the lock's, and a claim found stale at its finish (work done twice).
-pub async fn task(strategy: Strategy, worker: &Worker, spam: i32) -> Result<bool, Failure> {
+/// The database's, the lock's, a claim found stale at its finish (work done twice), and
+/// [`Strategy::KeyedJobs`], whose tasks a job worker runs.
+pub async fn task(
+    strategy: Strategy,
+    worker: &Worker,
+    spam: i32,
+) -> Result<Option<Duration>, Failure> {
     match strategy {
         Strategy::ParentRowLock => {
             let txn = begin_writer(&worker.db).await?;
             let Some(row) = spam::Entity::find_by_id(spam).one(&txn).await? else {
                 txn.rollback().await?;
-                return Ok(false);
+                return Ok(None);
             };
             if row.state != "new" {
                 txn.rollback().await?;
-                return Ok(false);
+                return Ok(None);
             }
+            let asked = Instant::now();
             ham::Entity::find_by_id(row.ham_id)
                 .lock_exclusive()
                 .one(&txn)
                 .await?;
-            tokio::time::sleep(heavy_work(spam)).await; // the report's long transaction
+            let waited = asked.elapsed();
+            // The report's long transaction.
+            tokio::time::sleep(heavy_work(spam, worker.work_ms)).await;
             spam::Entity::update(spam::ActiveModel {
                 id: Set(spam),
                 state: Set("done".into()),
@@ -156,20 +185,20 @@ pub async fn task(strategy: Strategy, worker: &Worker, spam: i32) -> Result<bool
             .exec(&txn)
             .await?;
             txn.commit().await?;
-            Ok(true)
+            Ok(Some(waited))
         }
         Strategy::LockRow => {
             let name = LockName::new(format!("spam-task:{spam}"))?;
             let ClaimOutcome::Claimed(claim) =
                 worker.claims.claim(&name, Duration::from_secs(60)).await?
             else {
-                return Ok(false); // done already, or claimed by a live worker
+                return Ok(None); // done already, or claimed by a live worker
             };
             let spams = worker.session.repository::<spam::Entity>();
             let ham_id = spams.load(spam).await?.ok_or("spam vanished")?.ham_id;
             let ham_key = lock_name::<ham::Entity>(ham_id)?;
             // 1) new → processing, under the Ham's key (not its row).
-            spams
+            let started = spams
                 .locked_update_under(ham_key.clone(), spam, |s| {
                     if s.state.as_ref() != "new" {
                         return Err(ApplyError::msg("not new"));
@@ -179,9 +208,9 @@ pub async fn task(strategy: Strategy, worker: &Worker, spam: i32) -> Result<bool
                 })
                 .await?;
             // 2) heavy work: no transaction, no lock.
-            tokio::time::sleep(heavy_work(spam)).await;
+            tokio::time::sleep(heavy_work(spam, worker.work_ms)).await;
             // 3) processing → done, under the Ham's key; then the claim.
-            spams
+            let finished = spams
                 .locked_update_under(ham_key, spam, |s| {
                     s.state = Set("done".into());
                     Ok(())
@@ -190,9 +219,75 @@ pub async fn task(strategy: Strategy, worker: &Worker, spam: i32) -> Result<bool
             if worker.claims.finish(&claim).await? != FinishOutcome::Finished {
                 return Err("a claim was lost: the task may have been done twice".into());
             }
-            Ok(true)
+            Ok(Some(started.lock.waited + finished.lock.waited))
+        }
+        Strategy::KeyedJobs => Err("keyed jobs are run by a job worker, not by `task`".into()),
+    }
+}
+
+/// Enqueues every delivery of Spams `1..=spams` ([`deliveries`]) as a job of kind `"spam"`, keyed
+/// by its Ham and unique per Spam: a second delivery of a Spam whose job has not run yet is a
+/// duplicate and adds nothing. Returns how many were added.
+///
+/// # Errors
+/// The database's.
+pub async fn enqueue(db: &DatabaseConnection, spams: i32) -> Result<u32, Failure> {
+    let txn = db.begin().await?;
+    let mut added = 0;
+    for spam in deliveries(spams) {
+        let job = NewJob::new("spam", &spam)?
+            .key(format!("ham:{}", ham_of(spam)))
+            .unique(format!("spam:{spam}"));
+        if matches!(jobs::enqueue(&txn, job).await?, Enqueued::Added(_)) {
+            added += 1;
         }
     }
+    txn.commit().await?;
+    Ok(added)
+}
+
+/// The handler of the `"spam"` jobs: in the job's transaction, a Spam still `new` gets its heavy
+/// work (`work_ms`) and is `done`, its `updated_at` counting the times it was processed (a
+/// Spam processed twice would show 2). Each processed Spam is sent to `processed` with the
+/// moment its work ended.
+pub fn jobs(
+    work_ms: (u64, u64),
+    processed: tokio::sync::mpsc::UnboundedSender<(i32, Instant)>,
+) -> Jobs {
+    Jobs::new().handle("spam", RetryPolicy::default(), move |tx, job: Job<i32>| {
+        let processed = processed.clone();
+        Box::pin(async move {
+            let spam = job.payload;
+            let Some(row) = spam::Entity::find_by_id(spam).one(tx).await? else {
+                return Ok(());
+            };
+            if row.state != "new" {
+                return Ok(());
+            }
+            tokio::time::sleep(heavy_work(spam, work_ms)).await;
+            spam::Entity::update(spam::ActiveModel {
+                id: Set(spam),
+                state: Set("done".into()),
+                updated_at: Set(row.updated_at + 1),
+                ..Default::default()
+            })
+            .exec(tx)
+            .await?;
+            let _ = processed.send((spam, Instant::now()));
+            Ok(())
+        })
+    })
+}
+
+/// How many Spams were processed more than once by [`jobs`]' handler (from the database).
+///
+/// # Errors
+/// The database's.
+pub async fn processed_twice(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
+    spam::Entity::find()
+        .filter(spam::Column::UpdatedAt.gt(1))
+        .count(db)
+        .await
 }
 
 /// A writer's transaction: `BEGIN IMMEDIATE` on SQLite (a deferred transaction that reads and
