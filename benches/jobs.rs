@@ -215,13 +215,20 @@ async fn skewed(db: &DatabaseConnection) {
     .await;
     let running: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let overlaps = Arc::new(AtomicUsize::new(0));
+    // When each job's work ended, from the start, by id (its commit follows within a round
+    // trip); the last one stops the workers.
+    let finished: Arc<Mutex<HashMap<i64, Duration>>> = Arc::default();
+    let (stop_tx, stop) = tokio::sync::watch::channel(false);
+    let start = Instant::now();
     let handlers = {
         let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
+        let finished = Arc::clone(&finished);
         Jobs::new().handle(
             "work",
             RetryPolicy::default(),
             move |_tx, job: Job<bool>| {
                 let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
+                let (finished, stop_tx) = (Arc::clone(&finished), stop_tx.clone());
                 Box::pin(async move {
                     let key = job.key.unwrap_or_default();
                     {
@@ -232,14 +239,43 @@ async fn skewed(db: &DatabaseConnection) {
                         }
                         *now += 1;
                     }
-                    tokio::time::sleep(Duration::from_millis(10)).await;
+                    // 10 ms of work off the runtime: tokio's timer rounds a 10 ms sleep up to
+                    // about 11.2 ms here, which would move the floor.
+                    tokio::task::spawn_blocking(|| std::thread::sleep(Duration::from_millis(10)))
+                        .await
+                        .expect("the work");
                     *running.lock().unwrap().get_mut(&key).unwrap() -= 1;
+                    let mut finished = finished.lock().unwrap();
+                    finished.insert(job.id, start.elapsed());
+                    if finished.len() == n {
+                        let _ = stop_tx.send(true);
+                    }
                     Ok(())
                 })
             },
         )
     };
-    let (seconds, finished) = drain(db, handlers, WORKERS, 1, n).await;
+    // The workers as an application runs them: `Worker::run` (woken by enqueues on
+    // PostgreSQL, following a key whose next job it readied).
+    let session = Session::new(db.clone());
+    let workers: Vec<_> = (0..WORKERS)
+        .map(|_| {
+            let worker = Worker::new(session.clone(), handlers.clone());
+            let mut stop = stop.clone();
+            tokio::spawn(async move {
+                worker
+                    .run(async move {
+                        let _ = stop.wait_for(|stop| *stop).await;
+                    })
+                    .await
+            })
+        })
+        .collect();
+    for worker in workers {
+        worker.await.expect("worker");
+    }
+    let finished = finished.lock().unwrap().clone();
+    let seconds = (finished.values().max().copied().unwrap_or_default()).as_secs_f64();
     let hot: std::collections::HashSet<i64> = {
         let sql = "SELECT id FROM freshlock_job WHERE payload = 'true'";
         let rows = db

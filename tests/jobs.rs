@@ -880,3 +880,108 @@ async fn an_enqueue_wakes_an_idle_worker(db: Option<TestDb>) {
 on_databases! {
     an_enqueue_wakes_an_idle_worker_postgres: an_enqueue_wakes_an_idle_worker, postgres;
 }
+
+// ----------------------------------------------------------------------------- deadlocks
+
+/// Two jobs that lock two rows in opposite orders deadlock; the database ends one of the
+/// transactions (MySQL/MariaDB end it whole, savepoint included). The victim's attempt runs
+/// again and both jobs complete, each effect once: a deadlock is never a worker's error.
+async fn a_deadlocked_handler_runs_again(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    for id in 1..=2 {
+        db.execute_unprepared(&format!(
+            "INSERT INTO node (id, title, changed) VALUES ({id}, 't', 0)"
+        ))
+        .await
+        .unwrap();
+    }
+    for (seq, first) in [(0, 1), (1, 2)] {
+        add(
+            &db,
+            NewJob::new("cross", &Bump { node: first, seq }).unwrap(),
+        )
+        .await
+        .unwrap();
+    }
+    // Both handlers hold their first row before either asks for its second (first attempts).
+    let both = Arc::new(tokio::sync::Barrier::new(2));
+    let first_attempts = Arc::new(AtomicUsize::new(0));
+    let handlers = Jobs::new().handle("cross", at_once(3), move |tx, job: Job<Bump>| {
+        let (both, first_attempts) = (Arc::clone(&both), Arc::clone(&first_attempts));
+        Box::pin(async move {
+            let first = job.payload.node;
+            bump(tx, first).await?;
+            if first_attempts.fetch_add(1, Ordering::SeqCst) < 2 {
+                both.wait().await;
+            }
+            bump(tx, 3 - first).await?;
+            Ok(())
+        })
+    });
+    let session = Session::new(db.clone());
+    let one = Worker::new(session.clone(), handlers.clone());
+    let two = Worker::new(session, handlers);
+    let (a, b) = tokio::join!(one.run_until_idle(), two.run_until_idle());
+    let runs: Vec<_> = (a.expect("no worker error"))
+        .into_iter()
+        .chain(b.expect("no worker error"))
+        .collect();
+    let completed = runs
+        .iter()
+        .filter(|r| r.outcome == JobOutcome::Completed)
+        .count();
+    assert_eq!(completed, 2, "{runs:?}");
+    assert_eq!(
+        total_score(&db).await,
+        4,
+        "two rows bumped by each job, once"
+    );
+    assert_eq!(jobs_in(&db, 2).await, 2);
+}
+
+on_databases! {
+    a_deadlocked_handler_runs_again_postgres: a_deadlocked_handler_runs_again, postgres;
+    a_deadlocked_handler_runs_again_mysql: a_deadlocked_handler_runs_again, mysql;
+}
+
+// ------------------------------------------------------------------------ key following
+
+/// A worker that finished a key's job and readied the key's next takes that one first, so a
+/// hot key's chain never waits for a free worker: enqueued a1, b1, a2, one worker runs a1, a2,
+/// b1 (by id alone it would run a1, b1, a2). `run_batch` alone does not follow.
+#[tokio::test]
+async fn a_worker_follows_the_key_whose_next_job_it_readied() {
+    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
+        .await
+        .unwrap();
+    let db = test.connection().clone();
+    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
+        .await
+        .unwrap();
+    let enqueue_three = || async {
+        for (seq, key) in [(0, "a"), (1, "b"), (2, "a")] {
+            add(
+                &db,
+                NewJob::new("bump", &Bump { node: 1, seq })
+                    .unwrap()
+                    .key(key),
+            )
+            .await
+            .unwrap();
+        }
+    };
+    let worker = Worker::new(Session::new(db.clone()), bump_jobs(at_once(1)));
+    enqueue_three().await;
+    let ids: Vec<_> = (worker.run_until_idle().await.unwrap())
+        .iter()
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(ids, [1, 3, 2], "a1, then a2 (followed), then b1");
+    enqueue_three().await;
+    let mut by_batch = Vec::new();
+    while let Some(run) = worker.run_one().await.unwrap() {
+        by_batch.push(run.id);
+    }
+    assert_eq!(by_batch, [4, 5, 6], "by id");
+}

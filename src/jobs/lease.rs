@@ -172,7 +172,7 @@ async fn run(worker: &Worker, claim: Claimed) -> Result<JobRun> {
         .run_step(Source::Finish(&finishing))
         .instrument(span.clone())
         .await?
-        .0;
+        .runs;
     // The finish always reports its job; this only guards that.
     let run = run.into_iter().next().ok_or_else(|| {
         let missing = sea_orm::DbErr::Custom("the finish reported no job".to_owned());

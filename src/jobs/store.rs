@@ -156,27 +156,70 @@ pub(crate) struct Taken {
 /// key — its head locked by the worker running it — hands out nothing, and a worker is never
 /// given a job it would wait for.
 pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Taken>, DbErr> {
+    // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
+    // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
+    let scan = Scan {
+        index: "freshlock_job_next",
+        filter: "(j.key_hash IS NULL OR {head})",
+        order: "j.priority DESC, j.id",
+        limit,
+    };
+    lock_due(txn, &scan, Vec::new()).await
+}
+
+/// Locks the next job of key `key_hash` (its SHA-256) to run, if it is due and its key's head:
+/// the worker that just finished the key's job follows the key with it, so that a hot key's
+/// chain never waits for a free worker (`Worker::run`).
+pub(crate) async fn take_key(
+    txn: &DatabaseTransaction,
+    key_hash: &[u8],
+) -> Result<Vec<Taken>, DbErr> {
+    let scan = Scan {
+        index: "freshlock_job_key",
+        filter: "j.key_hash = ? AND {head}",
+        order: "j.id",
+        limit: 1,
+    };
+    lock_due(txn, &scan, vec![Value::Bytes(Some(key_hash.to_vec()))]).await
+}
+
+/// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
+/// being due (`{head}` stands for [`head`]), its order and how many.
+struct Scan {
+    index: &'static str,
+    filter: &'static str,
+    order: &'static str,
+    limit: u32,
+}
+
+/// Locks the due jobs `scan` finds (`values` fill its placeholders), skipping locked rows.
+async fn lock_due(
+    txn: &DatabaseTransaction,
+    scan: &Scan,
+    values: Vec<Value>,
+) -> Result<Vec<Taken>, DbErr> {
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let skip = for_update_skip_locked(backend);
-    // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
-    // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
     let index = if backend == DbBackend::MySql {
-        " FORCE INDEX (freshlock_job_next)"
+        format!(" FORCE INDEX ({})", scan.index)
     } else {
-        ""
+        String::new()
     };
+    let Scan {
+        filter,
+        order,
+        limit,
+        ..
+    } = scan;
+    let filter = filter.replace("{head}", &head());
     let sql = format!(
         "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited \
          FROM {JOB_TABLE} j{index} \
-         WHERE j.state = {PENDING} AND j.run_at <= {now} \
-         AND (j.key_hash IS NULL OR NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h \
-         WHERE h.key_hash = j.key_hash AND h.state IN ({UNFINISHED}) AND h.id < j.id)) \
-         ORDER BY j.priority DESC, j.id LIMIT {limit}{skip}"
+         WHERE j.state = {PENDING} AND j.run_at <= {now} AND {filter} \
+         ORDER BY {order} LIMIT {limit}{skip}"
     );
-    let rows = txn
-        .query_all_raw(statement(backend, &sql, Vec::new()))
-        .await?;
+    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
     rows.iter()
         .map(|row| {
             Ok(Taken {
@@ -189,6 +232,14 @@ pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Ta
             })
         })
         .collect()
+}
+
+/// Keyed job `j` is its key's head: no earlier job of its key is unfinished.
+fn head() -> String {
+    format!(
+        "NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
+         AND h.state IN ({UNFINISHED}) AND h.id < j.id)"
+    )
 }
 
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
@@ -265,13 +316,13 @@ pub(crate) async fn failed(
 }
 
 /// Makes the first queued job of each key in `key_hashes` ready (their heads finished in
-/// `txn`).
+/// `txn`): how many.
 pub(crate) async fn promote(
     txn: &impl ConnectionTrait,
     key_hashes: Vec<Vec<u8>>,
-) -> Result<(), DbErr> {
+) -> Result<u64, DbErr> {
     if key_hashes.is_empty() {
-        return Ok(());
+        return Ok(0);
     }
     let backend = txn.get_database_backend();
     let placeholders = vec!["?"; key_hashes.len()].join(", ");
@@ -287,7 +338,7 @@ pub(crate) async fn promote(
         .collect();
     txn.execute_raw(statement(backend, &sql, values))
         .await
-        .map(drop)
+        .map(|done| done.rows_affected())
 }
 
 /// Makes ready every queued job with no unfinished job before it in its key: one whose head

@@ -457,7 +457,7 @@ impl Worker {
     /// resolved — the job either completed or runs again, never both. A handler's own failure
     /// is not an error here: it is the job's [`JobOutcome`].
     pub async fn run_one(&self) -> Result<Option<JobRun>> {
-        Ok(self.run_up_to(1).await?.pop())
+        Ok(self.run_up_to(1, &mut None).await?.pop())
     }
 
     /// Runs the next batch of due jobs (see [`with_batch`](Self::with_batch)) in one
@@ -466,10 +466,13 @@ impl Worker {
     /// # Errors
     /// As [`run_one`](Self::run_one), for the batch as a whole (it commits or not as one).
     pub async fn run_batch(&self) -> Result<Vec<JobRun>> {
-        self.run_up_to(self.batch).await
+        self.run_up_to(self.batch, &mut None).await
     }
 
-    async fn run_up_to(&self, limit: u32) -> Result<Vec<JobRun>> {
+    /// Runs up to `limit` due jobs, the next job of key `follow` (a key hash) first when it
+    /// is due; `follow` is left as the key whose next job this run readied (one job run, not
+    /// leased), for the caller's next run.
+    async fn run_up_to(&self, limit: u32, follow: &mut Option<Vec<u8>>) -> Result<Vec<JobRun>> {
         if self.jobs.any_leased() && due(&self.reclaimed) {
             // Leases that expired (their workers stopped or hung) make their jobs wait again; a
             // failure is only logged, the next reclaim tries again.
@@ -480,7 +483,17 @@ impl Worker {
                 Err(error) => warn!(%error, "reclaiming expired job leases failed"),
             }
         }
-        let (mut runs, claimed) = self.run_step(Source::Take(limit)).await?;
+        let following = follow.take();
+        let take = Source::Take {
+            limit,
+            follow: following.as_deref(),
+        };
+        let Stepped {
+            mut runs,
+            claimed,
+            follow: next,
+        } = self.run_step(take).await?;
+        *follow = next;
         if !claimed.is_empty() {
             runs.extend(lease::run_all(self, claimed).await?);
             return Ok(runs);
@@ -494,7 +507,7 @@ impl Worker {
                 Ok(0) => {}
                 Ok(readied) => {
                     debug!(readied, "queued jobs whose key was free made ready");
-                    return Box::pin(self.run_up_to(limit)).await;
+                    return Box::pin(self.run_up_to(limit, follow)).await;
                 }
                 Err(error) => warn!(%error, "sweeping for queued jobs failed"),
             }
@@ -502,9 +515,8 @@ impl Worker {
         Ok(runs)
     }
 
-    /// One attempt of the engine from `source`, run again on a transient failure: the jobs
-    /// that ended, and those the take claimed under a lease (their work is still to run).
-    pub(super) async fn run_step(&self, source: Source<'_>) -> Result<(Vec<JobRun>, Vec<Claimed>)> {
+    /// One attempt of the engine from `source`, run again on a transient failure.
+    pub(super) async fn run_step(&self, source: Source<'_>) -> Result<Stepped> {
         let session = &self.session;
         let engine = Engine {
             db: session.connection(),
@@ -518,9 +530,14 @@ impl Worker {
             source,
             measured: Vec::new(),
             claimed: Vec::new(),
+            follow: None,
         };
         let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
-        Ok((runs, step.claimed))
+        Ok(Stepped {
+            runs,
+            claimed: step.claimed,
+            follow: step.follow,
+        })
     }
 
     pub(super) fn kind(&self, kind: &[u8]) -> Option<Arc<Kind>> {
@@ -539,8 +556,9 @@ impl Worker {
     /// As [`run_one`](Self::run_one), at the first error.
     pub async fn run_until_idle(&self) -> Result<Vec<JobRun>> {
         let mut runs = Vec::new();
+        let mut follow = None;
         loop {
-            let batch = self.run_batch().await?;
+            let batch = self.run_up_to(self.batch, &mut follow).await?;
             if batch.is_empty() {
                 return Ok(runs);
             }
@@ -560,6 +578,7 @@ impl Worker {
         let (first, longest) = self.poll;
         let mut ran = 0;
         let mut idle = first;
+        let mut follow = None;
         loop {
             // Looked at between jobs only: a running job is never cut short.
             tokio::select! {
@@ -573,7 +592,7 @@ impl Worker {
             if let Some(notified) = notified.as_mut().as_pin_mut() {
                 notified.enable();
             }
-            match self.run_batch().await {
+            match self.run_up_to(self.batch, &mut follow).await {
                 Ok(batch) if !batch.is_empty() => {
                     ran += batch.len() as u64;
                     idle = first;
@@ -620,11 +639,25 @@ fn due(slot: &std::sync::Mutex<Option<tokio::time::Instant>>) -> bool {
     true
 }
 
+/// What one attempt of the engine did: the jobs that ended, those the take claimed under a
+/// lease (their work is still to run), and the key whose next job it readied (see
+/// `Source::Take`'s `follow`).
+pub(super) struct Stepped {
+    pub(super) runs: Vec<JobRun>,
+    pub(super) claimed: Vec<Claimed>,
+    follow: Option<Vec<u8>>,
+}
+
 /// Where an attempt of the engine gets its jobs.
 pub(super) enum Source<'a> {
-    /// Takes up to this many due jobs: runs those of kinds that run in the transaction, claims
-    /// those of leased kinds.
-    Take(u32),
+    /// Takes up to `limit` due jobs: runs those of kinds that run in the transaction, claims
+    /// those of leased kinds. With `follow` (a key hash) and a limit of one, the next job of
+    /// that key comes first when it is due: a worker follows the key whose job it just
+    /// finished, so a hot key's chain never waits for a free worker.
+    Take {
+        limit: u32,
+        follow: Option<&'a [u8]>,
+    },
     /// Finishes a leased job whose work ended, fenced by its claim.
     Finish(&'a Finishing),
 }
@@ -637,6 +670,8 @@ struct JobStep<'w> {
     measured: Vec<Measured>,
     /// The jobs of leased kinds this attempt claimed: their work runs after its commit.
     claimed: Vec<Claimed>,
+    /// The key whose next job this attempt readied, for the worker to follow.
+    follow: Option<Vec<u8>>,
 }
 
 type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
@@ -678,8 +713,9 @@ impl Step for JobStep<'_> {
     async fn run(&mut self, txn: DatabaseTransaction, _lockings: &mut [Locking]) -> Attempted {
         self.measured.clear();
         self.claimed.clear();
+        self.follow = None;
         let did = match self.source {
-            Source::Take(limit) => self.take(&txn, limit).await,
+            Source::Take { limit, follow } => self.take(&txn, limit, follow).await,
             Source::Finish(finishing) => self.finish(&txn, finishing).await,
         };
         let ended = match did {
@@ -754,11 +790,19 @@ impl JobStep<'_> {
         &mut self,
         txn: &DatabaseTransaction,
         limit: u32,
+        follow: Option<&[u8]>,
     ) -> std::result::Result<Did, Failed> {
         let reply = self.worker.reply();
-        let taken = within(reply, store::take(txn, limit))
-            .await
-            .map_err(|e| ("taking jobs from", e))?;
+        let fail = |e| ("taking jobs from", e);
+        let mut taken = Vec::new();
+        if let Some(key) = follow.filter(|_| limit == 1) {
+            taken = within(reply, store::take_key(txn, key))
+                .await
+                .map_err(fail)?;
+        }
+        if taken.is_empty() {
+            taken = within(reply, store::take(txn, limit)).await.map_err(fail)?;
+        }
         if taken.is_empty() {
             return Ok(Did::Nothing(Vec::new()));
         }
@@ -966,10 +1010,16 @@ impl JobStep<'_> {
                 outcome: ended.outcome,
             });
         }
-        // The next job of each key whose job finished here may run once this commits.
-        within(reply, store::promote(txn, finished_keys))
+        // The next job of each key whose job finished here may run once this commits; a
+        // worker that ran one job follows its key (see `Source::Take`).
+        let single = match (&self.source, finished_keys.as_slice()) {
+            (Source::Take { limit: 1, .. }, [key]) => Some(key.clone()),
+            _ => None,
+        };
+        let readied = within(reply, store::promote(txn, finished_keys))
             .await
             .map_err(|e| ("readying the next jobs of", e))?;
+        self.follow = single.filter(|_| readied == 1);
         let evidence = self.complete(txn, &completed).await?;
         Ok(Worked::Write {
             value: runs,
@@ -1038,6 +1088,9 @@ impl JobStep<'_> {
             .await
             .map_err(|e| ("starting the savepoint of", e))?;
         let tx = Tx::new(savepoint, self.worker.session.clone());
+        // The handler's own database error, if it failed with one: what a savepoint that cannot
+        // be rolled back reports instead (MySQL ends the whole transaction on a deadlock).
+        let mut database_error = None;
         let ran = {
             let started = match start {
                 Start::InTx(run, raw) => run(&tx, raw),
@@ -1056,7 +1109,9 @@ impl JobStep<'_> {
                     Ok(Err(error)) => {
                         let error = error.into_inner();
                         let retries = (kind.policy.retry_if.as_ref()).is_none_or(|f| f(&error));
-                        Err((JobFailure::Handler(error.to_string()), Some(retries)))
+                        let failure = JobFailure::Handler(error.to_string());
+                        database_error = error.downcast::<DbErr>().ok().map(|e| *e);
+                        Err((failure, Some(retries)))
                     }
                     Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Some(true))),
                 },
@@ -1080,10 +1135,16 @@ impl JobStep<'_> {
                 Ok((JobOutcome::Completed, effects))
             }
             Err((failure, retries)) => {
+                // When the database ended the whole transaction (a deadlock on MySQL), the
+                // savepoint is gone: the attempt fails with the handler's error, and the engine
+                // runs it again if that error is transient.
                 savepoint
                     .rollback()
                     .await
-                    .map_err(|e| ("rolling back the savepoint of", e))?;
+                    .map_err(|e| match database_error {
+                        Some(handler) => ("running a job's handler in", handler),
+                        None => ("rolling back the savepoint of", e),
+                    })?;
                 Ok((
                     decide(&kind.policy, id, attempt, failure, retries),
                     Vec::new(),
