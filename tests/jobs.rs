@@ -32,6 +32,19 @@ struct Bump {
     seq: u32,
 }
 
+/// An in-memory SQLite database with the migrations run and node 1 (keep the first value alive
+/// as long as the database is used).
+async fn memory_with_node() -> (freshlock::testing::TestDatabase, DatabaseConnection) {
+    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
+        .await
+        .unwrap();
+    let db = test.connection().clone();
+    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
+        .await
+        .unwrap();
+    (test, db)
+}
+
 // ------------------------------------------------------------------ enqueue in a transaction
 
 async fn enqueued_with_the_callers_transaction(db: Option<TestDb>) {
@@ -82,13 +95,7 @@ on_databases! {
 
 #[tokio::test]
 async fn a_section_enqueues_in_its_own_transaction_and_handlers_run_inline_on_memory_sqlite() {
-    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
-        .await
-        .unwrap();
-    let db = test.connection().clone();
-    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
-        .await
-        .unwrap();
+    let (_test, db) = memory_with_node().await;
     let session = Session::new(db.clone());
     let lock = freshlock::LockName::new("ham:1").unwrap();
     // A section that fails after enqueuing: the job goes with its transaction.
@@ -603,13 +610,7 @@ fn a_payload_that_does_not_serialize_is_a_typed_error() {
 /// and nothing new is taken after it.
 #[tokio::test]
 async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
-    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
-        .await
-        .unwrap();
-    let db = test.connection().clone();
-    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
-        .await
-        .unwrap();
+    let (_test, db) = memory_with_node().await;
     for seq in 0..2 {
         add(&db, NewJob::new("bump", &Bump { node: 1, seq }).unwrap())
             .await
@@ -952,13 +953,7 @@ on_databases! {
 /// b1 (by id alone it would run a1, b1, a2). `run_batch` alone does not follow.
 #[tokio::test]
 async fn a_worker_follows_the_key_whose_next_job_it_readied() {
-    let test = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>()
-        .await
-        .unwrap();
-    let db = test.connection().clone();
-    db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
-        .await
-        .unwrap();
+    let (_test, db) = memory_with_node().await;
     let enqueue_three = || async {
         for (seq, key) in [(0, "a"), (1, "b"), (2, "a")] {
             add(
