@@ -118,7 +118,7 @@ pub enum Strategy {
     /// with nothing held, processing → done under the Ham's key, finish the claim.
     LockRow,
     /// freshlock's keyed jobs: each task a job keyed by its Ham and unique per Spam, run by
-    /// [`jobs`]' handler in the job's transaction (see [`enqueue`]; not run by [`task`]).
+    /// [`jobs()`]' handler in the job's transaction (see [`enqueue`]; not run by [`task`]).
     KeyedJobs,
 }
 
@@ -279,7 +279,7 @@ pub fn jobs(
     })
 }
 
-/// How many Spams were processed more than once by [`jobs`]' handler (from the database).
+/// How many Spams were processed more than once by [`jobs()`]' handler (from the database).
 ///
 /// # Errors
 /// The database's.
