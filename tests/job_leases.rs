@@ -39,16 +39,6 @@ struct Analyze {
     seq: u32,
 }
 
-async fn nodes(db: &DatabaseConnection, n: i32) {
-    for id in 1..=n {
-        db.execute_unprepared(&format!(
-            "INSERT INTO node (id, title, changed) VALUES ({id}, 't', 0)"
-        ))
-        .await
-        .unwrap();
-    }
-}
-
 /// The state of job `id` as stored.
 async fn state_of(db: &DatabaseConnection, id: i64) -> i64 {
     let state = bigint(db, "state");
@@ -87,8 +77,8 @@ struct Seen {
 /// finish's write is in the database once, same-key works never overlap.
 async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
     let Some(db) = db else { return };
+    db.seed_nodes(3).await;
     let db = db.db;
-    nodes(&db, 3).await;
     let seen = Arc::new(Seen::default());
     for seq in 0..24 {
         let node = (seq % 3) as i32 + 1;
@@ -196,8 +186,8 @@ fn gated_jobs(gate: Gate, lease: Duration, policy: RetryPolicy) -> Jobs {
 /// to the end; A's late finish is refused and rolls back: one effect, the job done once.
 async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
     let Some(db) = db else { return };
+    db.seed_nodes(1).await;
     let db = db.db;
-    nodes(&db, 1).await;
     let id = match add(
         &db,
         NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
@@ -261,8 +251,8 @@ on_databases! {
 /// attempt. (Without the heartbeat the other worker takes the job over.)
 async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
     let Some(db) = db else { return };
+    db.seed_nodes(1).await;
     let db = db.db;
-    nodes(&db, 1).await;
     add(
         &db,
         NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
@@ -322,8 +312,8 @@ on_databases! {
 /// runs.
 async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestDb>) {
     let Some(db) = db else { return };
+    db.seed_nodes(1).await;
     let db = db.db;
-    nodes(&db, 1).await;
     for seq in 0..2 {
         let job = NewJob::new("analyze", &Analyze { node: 1, seq }).unwrap();
         add(&db, job.key("ham:1").unique(format!("spam:{seq}")))
@@ -412,8 +402,8 @@ on_databases! {
 /// in the database once.
 async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
     let Some(db) = db else { return };
+    db.seed_nodes(1).await;
     let db = db.db;
-    nodes(&db, 1).await;
     // seq 1: the work errors once; 2: it panics once; 3: the finish errors once (after its
     // write); 4: the work errors with "fatal", which does not retry.
     for seq in 1..=4 {
