@@ -9,7 +9,9 @@
 //!   already enqueued), same-key overlaps seen by the handlers.
 //!
 //! `cargo bench --bench jobs --all-features` with `DATABASE_URL_POSTGRES` and/or
-//! `DATABASE_URL_MYSQL`; `FRESHLOCK_BENCH_QUICK=1` runs a tenth of each workload. The
+//! `DATABASE_URL_MYSQL`; `FRESHLOCK_BENCH_QUICK=1` runs a tenth of each workload,
+//! `FRESHLOCK_BENCH_ONLY=w1` (or `w2`, `w3`) only that one, `FRESHLOCK_BENCH_PING=1` with sqlx's
+//! checkout ping on (off by default, as README's *Reliability* recommends). The
 //! databases' `node` and `freshlock_job` tables are emptied first.
 
 mod common;
@@ -29,6 +31,11 @@ use freshlock::{
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
 use workload::percentile_ms;
+
+/// Whether workload `name` runs: `FRESHLOCK_BENCH_ONLY` names one (`w1`, `w2`, `w3`), or all.
+fn only(name: &str) -> bool {
+    std::env::var("FRESHLOCK_BENCH_ONLY").map_or(true, |only| only.eq_ignore_ascii_case(name))
+}
 
 fn quick() -> bool {
     std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
@@ -52,27 +59,43 @@ async fn main() {
             continue;
         };
         println!("\n## {name}\n");
-        let db = common::database(&url, 1000, 16).await;
+        // Without sqlx's checkout ping, as README's *Reliability* recommends: one round trip
+        // less per transaction (a connection that died idle is tried again by freshlock).
+        let ping = std::env::var_os("FRESHLOCK_BENCH_PING").is_some();
+        let db = common::database_with(&url, 1000, 16, ping).await;
         println!("| workload | workers | batch | jobs | seconds | jobs/s |");
         println!("|---|---|---|---|---|---|");
-        for (workers, batch, n) in [
-            (1, 1, 5_000),
-            (8, 1, 5_000),
-            (1, 64, 20_000),
-            (8, 64, 20_000),
-        ] {
-            no_ops(&db, scaled(n), workers, batch).await;
+        if only("w1") {
+            for (workers, batch, n) in [
+                (1, 1, 5_000),
+                (8, 1, 5_000),
+                (1, 64, 20_000),
+                (8, 64, 20_000),
+                (4, 256, 20_000),
+                (8, 256, 20_000),
+            ] {
+                no_ops(&db, scaled(n), workers, batch).await;
+            }
         }
-        for batch in [1, 32] {
-            updates(&db, scaled(5_000), 8, batch).await;
+        if only("w2") {
+            for batch in [1, 32] {
+                updates(&db, scaled(5_000), 8, batch).await;
+            }
         }
-        skewed(&db).await;
+        if only("w3") {
+            skewed(&db).await;
+        }
     }
 }
 
 /// Empties the queue and enqueues `n` jobs made by `job`, in transactions of 1,000.
+///
+/// `TRUNCATE`, not `DELETE`: this machine's PostgreSQL runs with `autovacuum = off`, so a
+/// `DELETE` leaves every earlier run's rows behind as dead tuples, and each take's index scan
+/// then wades through them (hundreds of thousands after a few runs: 5 ms per take instead of
+/// 0.1). A server with autovacuum (the default) cleans them up by itself.
 async fn fill(db: &DatabaseConnection, n: usize, job: impl Fn(usize) -> NewJob) {
-    db.execute_unprepared("DELETE FROM freshlock_job")
+    db.execute_unprepared("TRUNCATE TABLE freshlock_job")
         .await
         .expect("empty the queue");
     for start in (0..n).step_by(1000) {
@@ -218,17 +241,21 @@ async fn skewed(db: &DatabaseConnection) {
     // When each job's work ended, from the start, by id (its commit follows within a round
     // trip); the last one stops the workers.
     let finished: Arc<Mutex<HashMap<i64, Duration>>> = Arc::default();
+    // When each job's work started, by id: the hot key's gaps (one job's end to the next's
+    // start) are what the queue costs its chain.
+    let started: Arc<Mutex<HashMap<i64, Duration>>> = Arc::default();
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let start = Instant::now();
     let handlers = {
         let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
-        let finished = Arc::clone(&finished);
+        let (finished, started) = (Arc::clone(&finished), Arc::clone(&started));
         Jobs::new().handle(
             "work",
             RetryPolicy::default(),
             move |_tx, job: Job<bool>| {
                 let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
                 let (finished, stop_tx) = (Arc::clone(&finished), stop_tx.clone());
+                started.lock().unwrap().insert(job.id, start.elapsed());
                 Box::pin(async move {
                     let key = job.key.unwrap_or_default();
                     {
@@ -286,17 +313,26 @@ async fn skewed(db: &DatabaseConnection) {
             .map(|r| r.try_get::<i64>("", "id").expect("id"))
             .collect()
     };
+    let started = started.lock().unwrap().clone();
+    let mut chain: Vec<i64> = hot.iter().copied().collect();
+    chain.sort_unstable();
+    let mut gaps: Vec<Duration> = (chain.windows(2))
+        .map(|pair| started[&pair[1]].saturating_sub(finished[&pair[0]]))
+        .collect();
     let mut others: Vec<Duration> = (finished.iter())
         .filter(|(id, _)| !hot.contains(id))
         .map(|(_, at)| *at)
         .collect();
     println!(
         "\nW3 ({n} jobs of 10 ms, half on one key, {WORKERS} workers): wall {seconds:.2} s \
-         (the hot key's floor {:.1} s); other keys' p50 {} ms, p99 {} ms; same-key overlaps {}; \
+         (the hot key's floor {:.1} s); other keys' p50 {} ms, p99 {} ms; the hot key's gap \
+         from one job's end to the next's start p50 {} ms, p99 {} ms; same-key overlaps {}; \
          worker time waiting on a lock: none (a busy key is skipped, never waited for)",
         hot.len() as f64 * 0.010,
         percentile_ms(&mut others, 50),
         percentile_ms(&mut others, 99),
+        percentile_ms(&mut gaps, 50),
+        percentile_ms(&mut gaps, 99),
         overlaps.load(Ordering::SeqCst),
     );
 }

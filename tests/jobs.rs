@@ -329,8 +329,18 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let db = db.db;
+    // A failing handler's attempt spoils the batch's transaction (no savepoint per job unless
+    // one fails): it rolls back and the batch runs again with savepoints, recording the
+    // failure instead of running that handler a second time. Counted per kind.
+    let calls: Arc<[AtomicUsize; 3]> = Arc::default();
+    let counted = |i: usize| {
+        let calls = Arc::clone(&calls);
+        move || calls[i].fetch_add(1, Ordering::SeqCst)
+    };
+    let (flaky_call, panics_call, permanent_call) = (counted(0), counted(1), counted(2));
     let handlers = Jobs::new()
-        .handle("flaky", at_once(3), |tx, job: Job<Bump>| {
+        .handle("flaky", at_once(3), move |tx, job: Job<Bump>| {
+            flaky_call();
             Box::pin(async move {
                 // Written, then rolled back with the failed attempt.
                 bump(tx, job.payload.node).await?;
@@ -340,7 +350,8 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
                 )))
             })
         })
-        .handle("panics", at_once(2), |_tx, job: Job<Bump>| {
+        .handle("panics", at_once(2), move |_tx, job: Job<Bump>| {
+            panics_call();
             Box::pin(async move {
                 assert!(job.attempt > 5, "boom on attempt {}", job.attempt);
                 Ok(())
@@ -349,7 +360,8 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
         .handle(
             "permanent",
             at_once(5).retry_if(|e| !e.to_string().contains("permanent")),
-            |_tx, _job: Job<Bump>| {
+            move |_tx, _job: Job<Bump>| {
+                permanent_call();
                 Box::pin(async move { Err(freshlock::ApplyError::msg("a permanent error")) })
             },
         )
@@ -413,6 +425,9 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
         JobOutcome::Failed(JobFailure::BadPayload { .. })
     ));
     assert_eq!(bumps[1], &JobOutcome::Completed);
+    // Each failing handler ran once per attempt, never twice for one.
+    let calls: Vec<usize> = calls.iter().map(|c| c.load(Ordering::SeqCst)).collect();
+    assert_eq!(calls, [3, 2, 1], "handler runs of flaky, panics, permanent");
     // Only the good job's write is in the database: every failed attempt's was rolled back.
     assert_eq!(total_score(&db).await, 1);
     assert_eq!(jobs_in(&db, 3).await, 5);

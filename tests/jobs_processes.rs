@@ -290,8 +290,12 @@ async fn killed_workers(db: Option<TestDb>, leased: bool) {
         let Ok(Some((tag, what))) = event else {
             continue;
         };
-        if what.starts_with("hanging") {
-            processes[tag].take().unwrap().kill();
+        // A process runs a batch's leased works side by side: two of them may hang in it, and
+        // the second says so after the process was already killed for the first (or never).
+        if what.starts_with("hanging")
+            && let Some(process) = processes[tag].take()
+        {
+            process.kill();
             killed += 1;
             let tag = processes.len();
             let process = Process::spawn(&db, &marks, leased, tag, events_tx.clone());
@@ -309,10 +313,15 @@ async fn killed_workers(db: Option<TestDb>, leased: bool) {
         "SELECT CAST(SUM(score) AS BIGINT) FROM node"
     };
     eprintln!("{backend:?} (leased: {leased}): {killed} worker processes killed mid-job");
+    let hung = std::fs::read_dir(&marks).unwrap().count();
     assert_eq!(
-        killed,
-        JOBS / HANG_EVERY,
-        "every hanging job's worker was killed"
+        hung,
+        (JOBS / HANG_EVERY) as usize,
+        "every 15th job hung once"
+    );
+    assert!(
+        killed >= 1 && killed <= hung,
+        "{killed} killed for {hung} hung"
     );
     assert_eq!(number(&db, done_sql).await, i64::from(JOBS));
     assert_eq!(

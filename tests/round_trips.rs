@@ -191,3 +191,66 @@ async fn an_advisory_update_of_a_missing_row_is_not_found_once() {
     assert_eq!(report.attempts, 1);
     assert!(db.all_nodes().await.is_empty());
 }
+
+/// Runs `n` no-op jobs of kind `noop` (keyed by `key(i)` when it gives one) through a worker on
+/// the proxied pool taking `batch` at a time, twice: the round trips of the second time (the
+/// first prepares the statements).
+async fn job_round_trips(
+    db: &TestDb,
+    pool: &DatabaseConnection,
+    proxy: &Proxy,
+    n: usize,
+    batch: u32,
+    key: impl Fn(usize) -> Option<String>,
+) -> u32 {
+    use freshlock::jobs::{self, Jobs, NewJob, RetryPolicy, Worker};
+    let handlers = Jobs::new().handle(
+        "noop",
+        RetryPolicy::default(),
+        |_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) }),
+    );
+    let worker = Worker::new(Session::new(pool.clone()), handlers).with_batch(batch);
+    let mut sent = 0;
+    for _ in 0..2 {
+        for i in 0..n {
+            let job = NewJob::new("noop", &0u32).unwrap();
+            let job = match key(i) {
+                Some(key) => job.key(key),
+                None => job,
+            };
+            jobs::enqueue(&db.db, job).await.unwrap();
+        }
+        let before = proxy.round_trips();
+        let mut ran = 0;
+        while ran < n {
+            let runs = worker.run_batch().await.unwrap();
+            assert!(!runs.is_empty(), "{ran} of {n} ran");
+            assert!(
+                runs.iter()
+                    .all(|r| r.outcome == jobs::JobOutcome::Completed)
+            );
+            ran += runs.len();
+        }
+        sent = proxy.round_trips() - before;
+    }
+    sent
+}
+
+/// The statements of a job's run, as a guard on the queue's hot path: `BEGIN`, the take, the
+/// completion (which also returns the commit's evidence) and `COMMIT` — the handler runs in the
+/// job's transaction itself, with no `SAVEPOINT`/`RELEASE` pair; a keyed job readies its key's
+/// next job in the completion's statement. A batch sends the same four for all its jobs.
+#[tokio::test]
+async fn a_job_sends_four_statements_keyed_or_not_and_a_batch_too() {
+    let Some(db) = servers::postgres("round_trips_jobs").await else {
+        return;
+    };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let one = job_round_trips(&db, &pool, &proxy, 10, 1, |_| None).await;
+    assert_eq!(one, 10 * 4, "keyless jobs, one at a time");
+    let keyed = job_round_trips(&db, &pool, &proxy, 10, 1, |i| Some(format!("k{i}"))).await;
+    assert_eq!(keyed, 10 * 4, "keyed jobs, one at a time");
+    let batched = job_round_trips(&db, &pool, &proxy, 32, 8, |_| None).await;
+    assert_eq!(batched, 4 * 4, "keyless jobs, 8 at a time");
+}

@@ -30,7 +30,12 @@ pub async fn connect_with(url: &str, max: u32, ping: bool) -> DatabaseConnection
 
 /// A database with `n` nodes. Server databases are emptied first.
 pub async fn database(url: &str, n: i32, pool: u32) -> DatabaseConnection {
-    let db = connect(url, pool).await;
+    database_with(url, n, pool, true).await
+}
+
+/// [`database`], saying whether the pool pings a connection when it is checked out.
+pub async fn database_with(url: &str, n: i32, pool: u32, ping: bool) -> DatabaseConnection {
+    let db = connect_with(url, pool, ping).await;
     Migrator::up(&db, None).await.expect("migrate");
     node::Entity::delete_many().exec(&db).await.expect("empty");
     db.execute_unprepared("DELETE FROM freshlock_lock WHERE name <> ''")

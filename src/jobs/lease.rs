@@ -4,8 +4,8 @@
 //! The claim commits with the take (`store::claim`): the job is `LEASED`, its key busy. The
 //! work runs with no transaction and no connection held; every third of the lease a heartbeat
 //! moves the expiry on (`store::extend`). The finish runs on the engine like any job: it locks
-//! the job's row only if the claim still holds (`store::hold`), runs the kind's finish in a
-//! savepoint and completes the job in the same commit. A worker that stops, hangs or loses the
+//! the job's row only if the claim still holds (`store::hold`), runs the kind's finish and
+//! completes the job in the same commit (a failing finish rolls back, as any handler). A worker that stops, hangs or loses the
 //! database lets its lease expire; any worker then makes the job wait again (`store::reclaim`,
 //! at most once a second per worker) and it runs again — a late finish of the old claim is
 //! refused ([`JobOutcome::LeaseLost`]) and rolled back, so the effects committed are those of

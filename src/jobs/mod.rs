@@ -24,15 +24,24 @@
 //!   late finish after a takeover is refused: [`JobOutcome::LeaseLost`]). See `lease.rs`.
 //! - **Retries as Celery users know them** ([`RetryPolicy`], per kind): attempts, exponential
 //!   backoff with full jitter, which errors retry. The handler's writes of a failed attempt are
-//!   rolled back (it runs in a savepoint); the failure is recorded in the same transaction. After
-//!   the last attempt the job is failed, its error kept.
+//!   rolled back; the failure is recorded in the job's transaction. After the last attempt the
+//!   job is failed, its error kept. A handler that fails on a transient database error (a
+//!   deadlock, a lost connection) is not a failed attempt: the engine runs the job's whole
+//!   transaction again, within the session policy's `write_attempts`.
+//! - **No savepoint unless a job fails.** A handler runs in the job's transaction itself (no
+//!   `SAVEPOINT`/`RELEASE` round trips: a job sends `BEGIN`, the take, the completion and
+//!   `COMMIT`, keyed or not, on PostgreSQL). When a handler fails there, its writes spoil the
+//!   transaction: it rolls back and runs again at once with a savepoint per handler, the failed
+//!   job's failure recorded rather than its handler run a second time. So a failing job costs
+//!   its batch one more transaction, and the batch's jobs before it run again (their writes
+//!   still commit once).
 //! - **Bad input never stops a worker.** An unknown kind or a payload that does not deserialize
 //!   fails the job at once ([`JobFailure`]); a handler that errors or panics is a failed attempt.
 //!   The worker goes on with the next job.
 //! - **Unique jobs** ([`NewJob::unique`]): enqueuing while a job with the same unique key has
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
 //! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
-//!   its commit, each handler in a savepoint of its own, so that a failing job rolls back alone.
+//!   its commit; a failing job rolls back alone (see above).
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).

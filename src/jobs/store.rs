@@ -243,33 +243,58 @@ fn head() -> String {
 }
 
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
-/// unique keys free, a leased one's claim ended). With `stamps` (PostgreSQL), the statement also returns those expressions —
-/// the commit's evidence, taken by this statement rather than one of its own: the first row.
+/// unique keys free, a leased one's claim ended), and makes the first queued job of each key in
+/// `promote` ready (see [`promote`]): how many it readied. With `stamps` (PostgreSQL), the
+/// statement also returns those expressions — the commit's evidence, taken by this statement
+/// rather than one of its own: the first row. On PostgreSQL the promotion rides in the same
+/// statement (a `WITH` of its own: the two touch different rows), elsewhere it is one more.
 pub(crate) async fn complete(
     txn: &DatabaseTransaction,
     ids: &[i64],
     stamps: Option<&[&str]>,
-) -> Result<Option<QueryResult>, DbErr> {
+    promote: Vec<Vec<u8>>,
+) -> Result<(Option<QueryResult>, u64), DbErr> {
     let backend = txn.get_database_backend();
+    let folds = backend == DbBackend::Postgres && !promote.is_empty();
+    let mut readied = 0;
+    let mut values: Vec<Value> = Vec::with_capacity(promote.len() + ids.len());
+    let mut sql = String::new();
+    if folds {
+        sql = format!(
+            "WITH promoted AS ({} RETURNING 1) ",
+            promotion(promote.len())
+        );
+        values.extend(promote.into_iter().map(|h| Value::Bytes(Some(h))));
+    } else if !promote.is_empty() {
+        readied = self::promote(txn, promote).await?;
+    }
     let now = now_ms(backend);
     let placeholders = vec!["?"; ids.len()].join(", ");
     // A leased job's attempt was counted by its claim. (MySQL assigns left to right, each
     // assignment seeing the ones before it: `attempts` reads `state` before it changes.)
-    let mut sql = format!(
+    sql.push_str(&format!(
         "UPDATE {JOB_TABLE} SET \
          attempts = attempts + CASE WHEN state = {LEASED} THEN 0 ELSE 1 END, state = {DONE}, \
          finished_at = {now}, owner = NULL, lease_until = NULL, unique_hash = NULL \
          WHERE id IN ({placeholders})"
-    );
-    let values = ids.iter().map(|&id| id.into()).collect();
-    let Some(stamps) = stamps else {
+    ));
+    values.extend(ids.iter().map(|&id| Value::from(id)));
+    let mut returning: Vec<&str> = stamps.unwrap_or_default().to_vec();
+    if folds {
+        returning.push("(SELECT COUNT(*) FROM promoted) AS readied");
+    }
+    if returning.is_empty() {
         txn.execute_raw(statement(backend, &sql, values)).await?;
-        return Ok(None);
-    };
+        return Ok((None, readied));
+    }
     sql.push_str(" RETURNING ");
-    sql.push_str(&stamps.join(", "));
+    sql.push_str(&returning.join(", "));
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
-    Ok(rows.into_iter().next())
+    let first = rows.into_iter().next();
+    if folds && let Some(row) = &first {
+        readied = u64::try_from(row.try_get::<i64>("", "readied")?).unwrap_or(0);
+    }
+    Ok((first.filter(|_| stamps.is_some()), readied))
 }
 
 /// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error
@@ -325,13 +350,7 @@ pub(crate) async fn promote(
         return Ok(0);
     }
     let backend = txn.get_database_backend();
-    let placeholders = vec!["?"; key_hashes.len()].join(", ");
-    // The derived table lets MySQL read the table it updates.
-    let sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
-         SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {QUEUED} \
-         AND key_hash IN ({placeholders}) GROUP BY key_hash) heads)"
-    );
+    let sql = promotion(key_hashes.len());
     let values = key_hashes
         .into_iter()
         .map(|h| Value::Bytes(Some(h)))
@@ -339,6 +358,17 @@ pub(crate) async fn promote(
     txn.execute_raw(statement(backend, &sql, values))
         .await
         .map(|done| done.rows_affected())
+}
+
+/// The statement of [`promote`] for `keys` key hashes (its placeholders).
+fn promotion(keys: usize) -> String {
+    let placeholders = vec!["?"; keys].join(", ");
+    // The derived table lets MySQL read the table it updates.
+    format!(
+        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
+         SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {QUEUED} \
+         AND key_hash IN ({placeholders}) GROUP BY key_hash) heads)"
+    )
 }
 
 /// Makes ready every queued job with no unfinished job before it in its key: one whose head

@@ -437,9 +437,11 @@ impl Worker {
     }
 
     /// Takes up to `jobs` jobs at a time (default 1, at least 1) and commits them together:
-    /// one `BEGIN`, one take, one completion and one `COMMIT` for the batch, each job's handler
-    /// in a savepoint of its own, so that a failing job rolls back alone. Never two jobs of one
-    /// key in a batch. The price: a batch's jobs run one after another in one transaction, so
+    /// one `BEGIN`, one take, one completion and one `COMMIT` for the batch. A failing job rolls
+    /// back alone: its failure spoils the transaction, which runs again at once with a savepoint
+    /// per handler — the failed job's failure recorded, not its handler run again; the jobs
+    /// before it in the batch run again (their writes commit once). Never two jobs of one key
+    /// in a batch. The price: a batch's jobs run one after another in one transaction, so
     /// each job's completion (and its key's next job) waits for the whole batch — keep batches
     /// small for slow jobs or hot keys, large for many short independent ones.
     pub fn with_batch(mut self, jobs: u32) -> Self {
@@ -531,6 +533,8 @@ impl Worker {
             measured: Vec::new(),
             claimed: Vec::new(),
             follow: None,
+            savepoints: false,
+            spoiled: HashMap::new(),
         };
         let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
         Ok(Stepped {
@@ -672,6 +676,14 @@ struct JobStep<'w> {
     claimed: Vec<Claimed>,
     /// The key whose next job this attempt readied, for the worker to follow.
     follow: Option<Vec<u8>>,
+    /// Whether each handler runs in a savepoint of its own. The first attempt runs them in the
+    /// job's transaction itself (no `SAVEPOINT`/`RELEASE` round trips); a handler that fails
+    /// there spoils the transaction, which rolls back, and the attempts after it use savepoints.
+    savepoints: bool,
+    /// Jobs whose handler failed in a transaction that rolled back for it (see `savepoints`),
+    /// with the attempt and how it failed: when the next attempt takes the job again at that
+    /// attempt, it records the failure instead of running the handler twice.
+    spoiled: HashMap<JobId, (u32, JobFailure, Option<bool>)>,
 }
 
 type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
@@ -690,6 +702,9 @@ enum Did {
     Nothing(Vec<JobRun>),
     /// These jobs' attempts ended, to record in the transaction (and maybe some were claimed).
     Ended(Vec<Ended>),
+    /// A handler that ran without a savepoint failed (see `JobStep::spoiled`): the
+    /// transaction rolls back and the attempt runs again.
+    Spoiled,
 }
 
 /// A job whose attempt ended in this transaction, to record there.
@@ -714,11 +729,18 @@ impl Step for JobStep<'_> {
         self.measured.clear();
         self.claimed.clear();
         self.follow = None;
-        let did = match self.source {
-            Source::Take { limit, follow } => self.take(&txn, limit, follow).await,
-            Source::Finish(finishing) => self.finish(&txn, finishing).await,
+        let (txn, did) = match self.source {
+            Source::Take { limit, follow } => self.take(txn, limit, follow).await,
+            Source::Finish(finishing) => self.finish(txn, finishing).await,
         };
         let ended = match did {
+            Ok(Did::Spoiled) => {
+                // A handler failed with its writes in the transaction: roll it all back, and
+                // run the attempt again at once with a savepoint per handler (not counted as a
+                // try of the engine's: nothing was wrong with the database).
+                self.savepoints = true;
+                return (txn, Worked::Undone(Tried::Uncounted));
+            }
             Ok(Did::Ended(ended)) if !ended.is_empty() || !self.claimed.is_empty() => ended,
             Ok(Did::Ended(_)) => Vec::new(),
             Ok(Did::Nothing(runs)) => {
@@ -786,26 +808,28 @@ enum Start<'a> {
 
 impl JobStep<'_> {
     /// Takes due jobs and runs those of in-transaction kinds; claims those of leased kinds.
+    /// Owns the attempt's transaction while it runs (a handler without a savepoint gets it
+    /// itself) and hands it back.
     async fn take(
         &mut self,
-        txn: &DatabaseTransaction,
+        mut txn: DatabaseTransaction,
         limit: u32,
         follow: Option<&[u8]>,
-    ) -> std::result::Result<Did, Failed> {
+    ) -> (DatabaseTransaction, std::result::Result<Did, Failed>) {
         let reply = self.worker.reply();
         let fail = |e| ("taking jobs from", e);
-        let mut taken = Vec::new();
+        let mut taken = Ok(Vec::new());
         if let Some(key) = follow.filter(|_| limit == 1) {
-            taken = within(reply, store::take_key(txn, key))
-                .await
-                .map_err(fail)?;
+            taken = within(reply, store::take_key(&txn, key)).await;
         }
-        if taken.is_empty() {
-            taken = within(reply, store::take(txn, limit)).await.map_err(fail)?;
+        if matches!(&taken, Ok(taken) if taken.is_empty()) {
+            taken = within(reply, store::take(&txn, limit)).await;
         }
-        if taken.is_empty() {
-            return Ok(Did::Nothing(Vec::new()));
-        }
+        let taken = match taken {
+            Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
+            Ok(taken) => taken,
+            Err(e) => return (txn, Err(fail(e))),
+        };
         let mut ended = Vec::with_capacity(taken.len());
         for taken in taken {
             let mut attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
@@ -832,10 +856,10 @@ impl JobStep<'_> {
                     Handler::Leased(leased) => {
                         let owner = new_token();
                         let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
-                        let claim = store::claim(txn, taken.id, attempts, &owner, leased.lease);
-                        within(reply, claim)
-                            .await
-                            .map_err(|e| ("claiming a job of", e))?;
+                        let claim = store::claim(&txn, taken.id, attempts, &owner, leased.lease);
+                        if let Err(e) = within(reply, claim).await {
+                            return (txn, Err(("claiming a job of", e)));
+                        }
                         self.claimed.push(Claimed {
                             id: taken.id,
                             kind: taken.kind,
@@ -857,9 +881,14 @@ impl JobStep<'_> {
                             payload: &taken.payload,
                         };
                         let start = Start::InTx(run, raw);
-                        (self.attempt(txn, kind, &kind_name, taken.id, attempt, start))
-                            .instrument(span.clone())
-                            .await?
+                        let ran = self.attempt(txn, kind, &kind_name, taken.id, attempt, start);
+                        let (back, ran) = ran.instrument(span.clone()).await;
+                        txn = back;
+                        match ran {
+                            Ok(Ran::Ended(outcome, effects)) => (outcome, effects),
+                            Ok(Ran::Spoiled) => return (txn, Ok(Did::Spoiled)),
+                            Err(failed) => return (txn, Err(failed)),
+                        }
                     }
                 },
             };
@@ -875,24 +904,27 @@ impl JobStep<'_> {
                 span: Some(span),
             });
         }
-        Ok(Did::Ended(ended))
+        (txn, Ok(Did::Ended(ended)))
     }
 
     /// Finishes a leased job whose work ended, if its claim still holds: runs its finish (when
-    /// the work succeeded) in a savepoint.
+    /// the work succeeded) in the transaction. Owns the transaction as [`take`](Self::take).
     async fn finish(
         &mut self,
-        txn: &DatabaseTransaction,
+        txn: DatabaseTransaction,
         finishing: &Finishing,
-    ) -> std::result::Result<Did, Failed> {
+    ) -> (DatabaseTransaction, std::result::Result<Did, Failed>) {
         let claim = &finishing.claim;
         let kind_name = claim.kind_name();
         let held = within(
             self.worker.reply(),
-            store::hold(txn, claim.id, &claim.owner),
+            store::hold(&txn, claim.id, &claim.owner),
         )
-        .await
-        .map_err(|e| ("checking the claim on a job of", e))?;
+        .await;
+        let held = match held {
+            Ok(held) => held,
+            Err(e) => return (txn, Err(("checking the claim on a job of", e))),
+        };
         if !held {
             warn!("the job's lease expired and was taken over: its finish is refused");
             self.measured.push(Measured {
@@ -902,44 +934,50 @@ impl JobStep<'_> {
                 ran: finishing.ran,
                 ended_on: None,
             });
-            return Ok(Did::Nothing(vec![JobRun {
+            let runs = vec![JobRun {
                 id: claim.id,
                 kind: kind_name,
                 attempt: claim.attempt,
                 outcome: JobOutcome::LeaseLost,
-            }]));
+            }];
+            return (txn, Ok(Did::Nothing(runs)));
         }
         let started = tokio::time::Instant::now();
         let kind = self.worker.kind(&claim.kind);
         let leased = kind.as_deref().and_then(Kind::leased);
-        let (outcome, effects) = match (&finishing.worked, leased) {
-            (Ok(output), Some((leased, _))) => {
+        let (txn, (outcome, effects)) = match (&finishing.worked, kind.as_deref(), leased) {
+            (Ok(output), Some(kind), Some((leased, _))) => {
                 let meta = Meta {
                     id: claim.id,
                     attempt: claim.attempt,
                     key: claim.key_text(),
                 };
                 let start = Start::Finish(&leased.finish, meta, output);
-                let kind = kind
-                    .as_deref()
-                    .unwrap_or_else(|| unreachable!("leased above"));
-                self.attempt(txn, kind, &kind_name, claim.id, claim.attempt, start)
-                    .await?
+                let (txn, ran) = self
+                    .attempt(txn, kind, &kind_name, claim.id, claim.attempt, start)
+                    .await;
+                match ran {
+                    Ok(Ran::Ended(outcome, effects)) => (txn, (outcome, effects)),
+                    Ok(Ran::Spoiled) => return (txn, Ok(Did::Spoiled)),
+                    Err(failed) => return (txn, Err(failed)),
+                }
             }
-            (Err((failure, retries)), Some((_, policy))) => {
+            (Err((failure, retries)), _, Some((_, policy))) => {
                 let outcome = decide(policy, claim.id, claim.attempt, failure.clone(), *retries);
-                (outcome, Vec::new())
+                (txn, (outcome, Vec::new()))
             }
             // The work could not start (its kind is not leased here): fails at once.
-            (Err((failure, _)), None) => (JobOutcome::Failed(failure.clone()), Vec::new()),
-            (Ok(_), None) => {
+            (Err((failure, _)), _, None) => {
+                (txn, (JobOutcome::Failed(failure.clone()), Vec::new()))
+            }
+            (Ok(_), _, _) => {
                 let failure = JobFailure::UnknownKind {
                     kind: kind_name.clone(),
                 };
-                (JobOutcome::Failed(failure), Vec::new())
+                (txn, (JobOutcome::Failed(failure), Vec::new()))
             }
         };
-        Ok(Did::Ended(vec![Ended {
+        let ended = Ended {
             id: claim.id,
             kind: kind_name,
             key: claim.key.clone(),
@@ -949,7 +987,8 @@ impl JobStep<'_> {
             effects,
             ran: finishing.ran + started.elapsed(),
             span: None,
-        }]))
+        };
+        (txn, Ok(Did::Ended(vec![ended])))
     }
 
     /// Records in `txn` how the `ended` jobs' attempts ended, readies the next job of each key
@@ -1016,11 +1055,15 @@ impl JobStep<'_> {
             (Source::Take { limit: 1, .. }, [key]) => Some(key.clone()),
             _ => None,
         };
-        let readied = within(reply, store::promote(txn, finished_keys))
-            .await
-            .map_err(|e| ("readying the next jobs of", e))?;
+        let (evidence, readied) = if completed.is_empty() {
+            let readied = within(reply, store::promote(txn, finished_keys))
+                .await
+                .map_err(|e| ("readying the next jobs of", e))?;
+            (None, readied)
+        } else {
+            self.complete(txn, &completed, finished_keys).await?
+        };
         self.follow = single.filter(|_| readied == 1);
-        let evidence = self.complete(txn, &completed).await?;
         Ok(Worked::Write {
             value: runs,
             evidence,
@@ -1029,18 +1072,17 @@ impl JobStep<'_> {
         })
     }
 
-    /// Marks the `completed` jobs done: the commit's evidence when the statement took it (on
-    /// PostgreSQL with `freshlock_incarnation`, by returning the transaction's id: no round
-    /// trip of its own), `None` for the engine to take at the commit.
+    /// Marks the `completed` jobs done and readies the next job of each key in `promote` (see
+    /// `store::complete`): the commit's evidence when the statement took it (on PostgreSQL with
+    /// `freshlock_incarnation`, by returning the transaction's id: no round trip of its own),
+    /// `None` for the engine to take at the commit; and how many jobs it readied.
     async fn complete(
         &self,
         txn: &DatabaseTransaction,
         completed: &[JobId],
-    ) -> std::result::Result<Option<Evidence>, Failed> {
+        promote: Vec<Vec<u8>>,
+    ) -> std::result::Result<(Option<Evidence>, u64), Failed> {
         const OPERATION: &str = "completing jobs in";
-        if completed.is_empty() {
-            return Ok(None);
-        }
         let reply = self.worker.reply();
         let db = self.worker.session.connection();
         let known = if self.worker.session.commit_markers() {
@@ -1053,105 +1095,165 @@ impl JobStep<'_> {
             None
         };
         let Some(known) = known else {
-            within(reply, store::complete(txn, completed, None))
+            let (_, readied) = within(reply, store::complete(txn, completed, None, promote))
                 .await
                 .map_err(|e| (OPERATION, e))?;
-            return Ok(None);
+            return Ok((None, readied));
         };
         let incarnation = known.is_none();
         let stamps = crate::commit::stamps(incarnation);
-        let row = within(reply, store::complete(txn, completed, Some(stamps)))
-            .await
-            .map_err(|e| (OPERATION, e))?
-            .ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
+        let (row, readied) = within(
+            reply,
+            store::complete(txn, completed, Some(stamps), promote),
+        )
+        .await
+        .map_err(|e| (OPERATION, e))?;
+        let row =
+            row.ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
         let (xid, seen) = Evidence::read(&row, incarnation).map_err(|e| (OPERATION, e))?;
         within(reply, Evidence::stamped(txn, db, xid, known, seen))
             .await
-            .map(Some)
+            .map(|evidence| (Some(evidence), readied))
             .map_err(|e| ("marking the commit of", e))
     }
 
-    /// Runs a handler's work in the job's transaction, in a savepoint of `txn`: how the attempt
-    /// ended and, when it succeeded, the cache changes its writes make on commit. `Err` when
-    /// the database failed around the handler (the savepoint could not be made or ended).
+    /// Runs a handler's work in the job's transaction `txn` — in a savepoint of it once an
+    /// attempt was spoiled (see `JobStep::savepoints`), in `txn` itself before — and hands
+    /// `txn` back: how the job's attempt ended and, when it succeeded, the cache changes its
+    /// writes make on commit; or `Spoiled`, when it failed without a savepoint. `Err` when the
+    /// database failed around the handler, or the handler failed on a transient database error
+    /// (a deadlock): the engine runs the whole attempt again.
     async fn attempt(
-        &self,
-        txn: &DatabaseTransaction,
+        &mut self,
+        txn: DatabaseTransaction,
         kind: &Kind,
         kind_name: &str,
         id: JobId,
         attempt: u32,
         start: Start<'_>,
-    ) -> std::result::Result<(JobOutcome, Vec<Change>), Failed> {
-        let savepoint = txn
-            .begin()
-            .await
-            .map_err(|e| ("starting the savepoint of", e))?;
-        let tx = Tx::new(savepoint, self.worker.session.clone());
-        // The handler's own database error, if it failed with one: what a savepoint that cannot
-        // be rolled back reports instead (MySQL ends the whole transaction on a deadlock).
-        let mut database_error = None;
-        let ran = {
-            let started = match start {
-                Start::InTx(run, raw) => run(&tx, raw),
-                Start::Finish(finish, meta, output) => finish(&tx, meta, output),
-            };
-            match started {
-                Err(reason) => Err((
-                    JobFailure::BadPayload {
-                        kind: kind_name.to_owned(),
-                        reason,
-                    },
-                    None,
-                )),
-                Ok(work) => match (CatchUnwind { inner: work }).await {
-                    Ok(Ok(())) => Ok(()),
-                    Ok(Err(error)) => {
-                        let error = error.into_inner();
-                        let retries = (kind.policy.retry_if.as_ref()).is_none_or(|f| f(&error));
-                        let failure = JobFailure::Handler(error.to_string());
-                        database_error = error.downcast::<DbErr>().ok().map(|e| *e);
-                        Err((failure, Some(retries)))
-                    }
-                    Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Some(true))),
-                },
-            }
-        };
-        let (savepoint, effects, conflicted) = tx.into_parts();
-        let ran = match ran {
-            Ok(()) if conflicted => Err((
-                JobFailure::Handler("a guarded write was refused: the row changed".to_owned()),
-                Some(true),
-            )),
-            ran => ran,
-        };
-        match ran {
-            Ok(()) => {
-                savepoint
-                    .commit()
-                    .await
-                    .map_err(|e| ("releasing the savepoint of", e))?;
-                debug!("job completed");
-                Ok((JobOutcome::Completed, effects))
-            }
-            Err((failure, retries)) => {
-                // When the database ended the whole transaction (a deadlock on MySQL), the
-                // savepoint is gone: the attempt fails with the handler's error, and the engine
-                // runs it again if that error is transient.
-                savepoint
-                    .rollback()
-                    .await
-                    .map_err(|e| match database_error {
-                        Some(handler) => ("running a job's handler in", handler),
-                        None => ("rolling back the savepoint of", e),
-                    })?;
-                Ok((
-                    decide(&kind.policy, id, attempt, failure, retries),
-                    Vec::new(),
-                ))
-            }
+    ) -> (DatabaseTransaction, std::result::Result<Ran, Failed>) {
+        if let Some((at, failure, retries)) = self.spoiled.remove(&id)
+            && at == attempt
+        {
+            // Its handler failed in the transaction rolled back before this one: not run twice.
+            let outcome = decide(&kind.policy, id, attempt, failure, retries);
+            return (txn, Ok(Ran::Ended(outcome, Vec::new())));
         }
+        if !self.savepoints {
+            let tx = Tx::new(txn, self.worker.session.clone());
+            let ran = run_handler(&tx, kind, kind_name, start).await;
+            let (txn, effects, conflicted) = tx.into_parts();
+            return match failed(ran, conflicted) {
+                None => {
+                    debug!("job completed");
+                    (txn, Ok(Ran::Ended(JobOutcome::Completed, effects)))
+                }
+                // Nothing of the handler's reached the transaction.
+                Some((failure @ JobFailure::BadPayload { .. }, retries, _)) => {
+                    let outcome = decide(&kind.policy, id, attempt, failure, retries);
+                    (txn, Ok(Ran::Ended(outcome, Vec::new())))
+                }
+                Some((_, _, Some(handler))) if transient(&handler) => {
+                    (txn, Err(("running a job's handler in", handler)))
+                }
+                Some((failure, retries, _)) => {
+                    self.spoiled.insert(id, (attempt, failure, retries));
+                    (txn, Ok(Ran::Spoiled))
+                }
+            };
+        }
+        let savepoint = match txn.begin().await {
+            Ok(savepoint) => savepoint,
+            Err(e) => return (txn, Err(("starting the savepoint of", e))),
+        };
+        let tx = Tx::new(savepoint, self.worker.session.clone());
+        let ran = run_handler(&tx, kind, kind_name, start).await;
+        let (savepoint, effects, conflicted) = tx.into_parts();
+        let ended = match failed(ran, conflicted) {
+            None => match savepoint.commit().await {
+                Ok(()) => {
+                    debug!("job completed");
+                    Ok(Ran::Ended(JobOutcome::Completed, effects))
+                }
+                Err(e) => Err(("releasing the savepoint of", e)),
+            },
+            // When the database ended the whole transaction (a deadlock on MySQL), the
+            // savepoint is gone: the attempt fails with the handler's error, and the engine
+            // runs it again if that error is transient.
+            Some((failure, retries, handler)) => match savepoint.rollback().await {
+                Ok(()) => {
+                    let outcome = decide(&kind.policy, id, attempt, failure, retries);
+                    Ok(Ran::Ended(outcome, Vec::new()))
+                }
+                Err(e) => Err(match handler {
+                    Some(handler) => ("running a job's handler in", handler),
+                    None => ("rolling back the savepoint of", e),
+                }),
+            },
+        };
+        (txn, ended)
     }
+}
+
+/// How a handler's run ended: `Ok`, or why it failed, whether the failure retries (`None`:
+/// never) and the handler's own database error, if it failed with one.
+type HandlerRan = std::result::Result<(), (JobFailure, Option<bool>, Option<DbErr>)>;
+
+/// Starts the handler of `start` on `tx` and runs it, its panics caught.
+async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) -> HandlerRan {
+    let started = match start {
+        Start::InTx(run, raw) => run(tx, raw),
+        Start::Finish(finish, meta, output) => finish(tx, meta, output),
+    };
+    match started {
+        Err(reason) => {
+            let kind = kind_name.to_owned();
+            Err((JobFailure::BadPayload { kind, reason }, None, None))
+        }
+        Ok(work) => match (CatchUnwind { inner: work }).await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(error)) => {
+                let error = error.into_inner();
+                let retries = (kind.policy.retry_if.as_ref()).is_none_or(|f| f(&error));
+                let failure = JobFailure::Handler(error.to_string());
+                let handler = error.downcast::<DbErr>().ok().map(|e| *e);
+                Err((failure, Some(retries), handler))
+            }
+            Err(panic) => Err((
+                JobFailure::Panicked(panic_message(&*panic)),
+                Some(true),
+                None,
+            )),
+        },
+    }
+}
+
+/// A handler's run with a refused guarded write counted as a failure: `None` when it succeeded.
+fn failed(ran: HandlerRan, conflicted: bool) -> Option<(JobFailure, Option<bool>, Option<DbErr>)> {
+    match ran {
+        Ok(()) if conflicted => Some((
+            JobFailure::Handler("a guarded write was refused: the row changed".to_owned()),
+            Some(true),
+            None,
+        )),
+        Ok(()) => None,
+        Err(failed) => Some(failed),
+    }
+}
+
+/// Whether a handler's database error is one the engine runs the whole attempt again for (a
+/// deadlock, a serialization failure, a lost connection before the commit).
+fn transient(error: &DbErr) -> bool {
+    crate::db_error::classify(error).is_transient()
+}
+
+/// How a handler's run in the job's transaction ended, for `take` and `finish`.
+enum Ran {
+    /// The job's attempt ended so (its writes, if it succeeded, are in the transaction).
+    Ended(JobOutcome, Vec<Change>),
+    /// It failed without a savepoint: its writes spoil the transaction (see
+    /// `JobStep::spoiled`).
+    Spoiled,
 }
 
 /// How failed attempt `attempt` of job `id` ends under `policy`: retried later, or failed for
