@@ -14,6 +14,10 @@
 //! the fenced transaction), alternately. A killed claim holds its key until its lease expires;
 //! then another process reclaims the job and runs it again, and its finish's write is in the
 //! database once.
+//!
+//! Duplicate enqueues across processes: four processes, released together, each enqueue the
+//! same 40 unique jobs; exactly one of each is added (the others report `Duplicate`), and each
+//! runs once.
 
 #[macro_use]
 #[path = "common/job_support.rs"]
@@ -43,6 +47,9 @@ const ENV_MARKS: &str = "FRESHLOCK_JOB_WORKER_MARKS";
 const ENV_LEASED: &str = "FRESHLOCK_JOB_WORKER_LEASED";
 const JOBS: i32 = 60;
 const HANG_EVERY: i32 = 15;
+/// The unique jobs every enqueuer process enqueues.
+const UNIQUE_JOBS: i32 = 40;
+const ENQUEUERS: usize = 4;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct Bump {
@@ -98,6 +105,55 @@ fn job_worker_process() {
         };
         let ran = worker.run(shutdown).await;
         say(&format!("stopped after {ran}"));
+    });
+}
+
+/// The enqueuer: says `ready`, waits for a line on stdin, enqueues the 40 unique jobs of
+/// [`duplicate_enqueues_across_processes`] (every other one in a transaction with a second
+/// statement), then says how many it added and how many were duplicates.
+#[test]
+#[ignore = "run by the job process tests as a child process"]
+fn job_enqueuer_process() {
+    let Ok(url) = std::env::var(ENV_URL) else {
+        return;
+    };
+    let schema = std::env::var(ENV_SCHEMA).ok();
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    runtime.block_on(async move {
+        use sea_orm::TransactionTrait;
+        let db = servers::connect(&url, schema.as_deref(), 2).await;
+        say("ready");
+        let mut line = String::new();
+        std::io::stdin().read_line(&mut line).unwrap();
+        let (mut added, mut duplicates) = (0, 0);
+        for seq in 0..UNIQUE_JOBS {
+            let job = NewJob::new(
+                "bump",
+                &Bump {
+                    node: seq % 5 + 1,
+                    seq,
+                },
+            )
+            .unwrap()
+            .key(format!("node:{}", seq % 4))
+            .unique(format!("spam:{seq}"));
+            let txn = db.begin().await.unwrap();
+            let enqueued = jobs::enqueue(&txn, job).await.unwrap();
+            if seq % 2 == 0 {
+                // The caller's own work after the enqueue, in its transaction.
+                txn.execute_unprepared("SELECT 1").await.unwrap();
+            }
+            txn.commit().await.unwrap();
+            match enqueued {
+                jobs::Enqueued::Added(_) => added += 1,
+                jobs::Enqueued::Duplicate { .. } => duplicates += 1,
+                other => panic!("{other:?}"),
+            }
+        }
+        say(&format!("enqueued {added} {duplicates}"));
     });
 }
 
@@ -174,11 +230,23 @@ impl Process {
         tag: usize,
         events: tokio::sync::mpsc::UnboundedSender<(usize, String)>,
     ) -> Self {
+        Self::spawn_as("job_worker_process", db, marks, leased, tag, events)
+    }
+
+    /// A child process running the ignored test `role`.
+    fn spawn_as(
+        role: &str,
+        db: &TestDb,
+        marks: &std::path::Path,
+        leased: bool,
+        tag: usize,
+        events: tokio::sync::mpsc::UnboundedSender<(usize, String)>,
+    ) -> Self {
         let mut command = Command::new(std::env::current_exe().unwrap());
         command
             .args([
                 "--exact",
-                "job_worker_process",
+                role,
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",
@@ -207,6 +275,13 @@ impl Process {
             .unwrap();
         assert!(status.success());
         let _ = self.child.wait();
+    }
+
+    /// Writes `line` to the child's stdin.
+    fn tell(&mut self, line: &str) {
+        let stdin = self.child.stdin.as_mut().unwrap();
+        writeln!(stdin, "{line}").unwrap();
+        stdin.flush().unwrap();
     }
 
     /// Closes stdin (the graceful shutdown) and waits for a clean exit.
@@ -330,6 +405,74 @@ async fn killed_workers(db: Option<TestDb>, leased: bool) {
         "every job's effect is in the database exactly once"
     );
     let _ = std::fs::remove_dir_all(&marks);
+}
+
+/// Four processes enqueue the same 40 unique jobs at once: each unique key is added once (one
+/// process gets `Added`, the three others `Duplicate`), the table holds 40 jobs, and running them
+/// bumps the nodes 40 times.
+async fn duplicate_enqueues_across_processes(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(5).await;
+    let marks = std::env::temp_dir();
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let mut enqueuers: Vec<Process> = (0..ENQUEUERS)
+        .map(|tag| {
+            let events = events_tx.clone();
+            Process::spawn_as("job_enqueuer_process", &db, &marks, false, tag, events)
+        })
+        .collect();
+    // Released together, once every one has connected.
+    let mut ready = 0;
+    while ready < ENQUEUERS {
+        let (_, what) = events.recv().await.unwrap();
+        ready += usize::from(what == "ready");
+    }
+    for enqueuer in &mut enqueuers {
+        enqueuer.tell("go");
+    }
+    let (mut added, mut duplicates) = (0, 0);
+    for enqueuer in enqueuers {
+        let last = enqueuer.stop().await;
+        let counts: Vec<i32> = (last.strip_prefix("enqueued ").unwrap().split(' '))
+            .map(|n| n.parse().unwrap())
+            .collect();
+        added += counts[0];
+        duplicates += counts[1];
+    }
+    assert_eq!(added, UNIQUE_JOBS, "each unique job added once");
+    assert_eq!(duplicates, UNIQUE_JOBS * (ENQUEUERS as i32 - 1));
+    let jobs_sql = "SELECT COUNT(*) FROM freshlock_job";
+    assert_eq!(number(&db, jobs_sql).await, i64::from(UNIQUE_JOBS));
+    let distinct = "SELECT COUNT(DISTINCT unique_key) FROM freshlock_job";
+    assert_eq!(number(&db, distinct).await, i64::from(UNIQUE_JOBS));
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<Bump>| {
+        Box::pin(async move {
+            bump(tx, job.payload.node).await?;
+            Ok(())
+        })
+    });
+    let runs = Worker::new(Session::new(db.db.clone()), handlers)
+        .run_until_idle()
+        .await
+        .unwrap();
+    assert_eq!(runs.len(), UNIQUE_JOBS as usize);
+    let backend = db.db.get_database_backend();
+    let sum = if backend == sea_orm::DbBackend::MySql {
+        "SELECT CAST(SUM(score) AS SIGNED) FROM node"
+    } else {
+        "SELECT CAST(SUM(score) AS BIGINT) FROM node"
+    };
+    assert_eq!(
+        number(&db, sum).await,
+        i64::from(UNIQUE_JOBS),
+        "every unique job's effect is in the database exactly once"
+    );
+}
+
+on_databases! {
+    duplicate_enqueues_sqlite: duplicate_enqueues_across_processes, sqlite;
+    duplicate_enqueues_postgres: duplicate_enqueues_across_processes, postgres;
+    duplicate_enqueues_mysql: duplicate_enqueues_across_processes, mysql;
 }
 
 on_databases! {

@@ -253,4 +253,17 @@ async fn a_job_sends_four_statements_keyed_or_not_and_a_batch_too() {
     assert_eq!(keyed, 10 * 4, "keyed jobs, one at a time");
     let batched = job_round_trips(&db, &pool, &proxy, 32, 8, |_| None).await;
     assert_eq!(batched, 4 * 4, "keyless jobs, 8 at a time");
+    // An enqueue is one statement, keyed or not: the INSERT decides whether the job waits
+    // behind its key itself.
+    for round in 0..2 {
+        let before = proxy.round_trips();
+        for i in 0..10 {
+            let job = freshlock::jobs::NewJob::new("noop", &0u32).unwrap();
+            let job = if i % 2 == 0 { job.key("k") } else { job };
+            freshlock::jobs::enqueue(&pool, job).await.unwrap();
+        }
+        if round == 1 {
+            assert_eq!(proxy.round_trips() - before, 10, "ten enqueues");
+        }
+    }
 }

@@ -3,7 +3,14 @@
 //! shutdown` and start) or killed (`kill -9`) and started again while 4 tasks increment one row:
 //! nothing acknowledged is lost or applied twice, and the first call succeeds within 2 s of the
 //! server accepting connections again. Every backend that applies.
+//!
+//! The same crashes under keyed jobs (`jobs_survive_*`): workers run jobs of an in-transaction
+//! kind and of a leased kind while the server goes down; every job ends done, and its effect is
+//! in the database exactly once (SQLite has no server to restart).
 
+#[macro_use]
+#[path = "common/job_support.rs"]
+mod job_support;
 #[path = "common/private_mariadb.rs"]
 mod private_mariadb;
 #[path = "common/private_pg.rs"]
@@ -239,4 +246,202 @@ crashes! {
     mariadb_kill9_table: true, Crash::Kill9, LockKind::Table;
     mariadb_kill9_row: true, Crash::Kill9, LockKind::Row;
     mariadb_kill9_mysql_named: true, Crash::Kill9, LockKind::MySqlNamed;
+}
+
+// ------------------------------------------------------------------------------------- jobs
+
+const JOBS: i32 = 200;
+
+/// Workers run keyed jobs — half of a kind that runs in the job's transaction, half of a leased
+/// kind (claim, work outside any transaction, fenced finish) — while the server crashes and
+/// comes back: every job ends done, its effect once; the completions the workers acknowledged
+/// are among them.
+async fn jobs_survive(mariadb: bool, crash: Crash) {
+    use freshlock::jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker};
+    use job_support::{bump, bump_node};
+
+    if servers::url(if mariadb {
+        servers::MYSQL
+    } else {
+        servers::POSTGRES
+    })
+    .is_none()
+    {
+        return;
+    }
+    let server = tokio::task::spawn_blocking(move || {
+        if mariadb {
+            Private::MariaDb(PrivateMariaDb::start())
+        } else {
+            Private::Postgres(PrivatePostgres::start())
+        }
+    })
+    .await
+    .unwrap();
+    let db = servers::crashable_pool(&server.url(), 8).await;
+    Migrator::up(&db, None).await.unwrap();
+    let nodes: Vec<_> = (1..=5).map(node::ActiveModel::fresh).collect();
+    node::Entity::insert_many(nodes).exec(&db).await.unwrap();
+    for seq in 0..JOBS {
+        let node = seq % 5 + 1;
+        let kind = if seq % 2 == 0 { "bump" } else { "leased" };
+        let job = NewJob::new(kind, &node).unwrap();
+        // Nodes 1–4 are keys; node 5's jobs have none.
+        let job = if node < 5 {
+            job.key(format!("node:{node}"))
+        } else {
+            job
+        };
+        jobs::enqueue(&db, job).await.unwrap();
+    }
+    // Enough attempts for a job whose lease expired while the server was down.
+    let policy = RetryPolicy::default()
+        .with_max_attempts(20)
+        .with_backoff(Duration::from_millis(10), Duration::from_millis(100));
+    let handlers = Jobs::new()
+        .handle("bump", policy.clone(), |tx, job: Job<i32>| {
+            Box::pin(async move {
+                bump(tx, job.payload).await?;
+                tokio::time::sleep(Duration::from_millis(2)).await;
+                Ok(())
+            })
+        })
+        .handle_leased(
+            "leased",
+            policy,
+            Duration::from_secs(1),
+            |job: Job<i32>, _lease| async move {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+                Ok::<_, freshlock::BoxError>(job.payload)
+            },
+            bump_node,
+        );
+    let stop = Arc::new(AtomicBool::new(false));
+    let (acknowledged, unknown) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+    let session = Session::builder(db.clone())
+        .policy(servers::crash_policy())
+        .build()
+        .unwrap();
+    let workers: Vec<_> = (0..3)
+        .map(|i| {
+            let worker = Worker::new(session.clone(), handlers.clone()).with_batch(if i == 0 {
+                4
+            } else {
+                1
+            });
+            let (stop, acknowledged, unknown) = (
+                Arc::clone(&stop),
+                Arc::clone(&acknowledged),
+                Arc::clone(&unknown),
+            );
+            tokio::spawn(async move {
+                while !stop.load(Ordering::SeqCst) {
+                    let ran = tokio::time::timeout(Duration::from_secs(60), worker.run_batch())
+                        .await
+                        .expect("no run hangs");
+                    match ran {
+                        Ok(runs) if runs.is_empty() => {
+                            tokio::time::sleep(Duration::from_millis(10)).await;
+                        }
+                        Ok(runs) => {
+                            let done = runs
+                                .iter()
+                                .filter(|r| r.outcome == JobOutcome::Completed)
+                                .count();
+                            acknowledged.fetch_add(done as u32, Ordering::SeqCst);
+                        }
+                        Err(Error::CommitUnknown { .. }) => {
+                            unknown.fetch_add(1, Ordering::SeqCst);
+                        }
+                        Err(_) => tokio::time::sleep(Duration::from_millis(20)).await,
+                    }
+                }
+            })
+        })
+        .collect();
+    let until = |count: u32| {
+        let acknowledged = Arc::clone(&acknowledged);
+        async move {
+            let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+            while acknowledged.load(Ordering::SeqCst) < count {
+                assert!(tokio::time::Instant::now() < deadline, "the jobs stalled");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    until(40).await;
+    let server = Arc::new(server);
+    let crashed = Arc::clone(&server);
+    let at_crash = acknowledged.load(Ordering::SeqCst);
+    tokio::task::spawn_blocking(move || crashed.crash(crash))
+        .await
+        .unwrap();
+    assert!(
+        at_crash < JOBS as u32 / 2,
+        "the crash came mid-run ({at_crash} done)"
+    );
+    // Every job done: counted in the database (acknowledgements may be lost with replies).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(90);
+    loop {
+        let done = jobs_done(&db).await;
+        if done == Some(i64::from(JOBS)) {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{done:?} of {JOBS} jobs done"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.store(true, Ordering::SeqCst);
+    for worker in workers {
+        worker.await.unwrap();
+    }
+    let (acknowledged, unknown) = (
+        acknowledged.load(Ordering::SeqCst),
+        unknown.load(Ordering::SeqCst),
+    );
+    let scores: i64 = node::Entity::find()
+        .all(&db)
+        .await
+        .unwrap()
+        .iter()
+        .map(|n| i64::from(n.score.unwrap_or(0)))
+        .sum();
+    eprintln!(
+        "jobs {crash:?} (mariadb: {mariadb}): {at_crash} completions acknowledged at the crash, \
+         {acknowledged} in all, {unknown} runs unknown; {scores} effects for {JOBS} jobs"
+    );
+    assert!(acknowledged <= JOBS as u32, "{acknowledged} acknowledged");
+    assert_eq!(
+        scores,
+        i64::from(JOBS),
+        "every job's effect is in the database exactly once"
+    );
+    drop(db);
+}
+
+/// How many jobs are done, or `None` while the server does not answer.
+async fn jobs_done(db: &sea_orm::DatabaseConnection) -> Option<i64> {
+    use sea_orm::ConnectionTrait;
+    let sql = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    let statement = sea_orm::Statement::from_string(db.get_database_backend(), sql);
+    let row = db.query_one_raw(statement).await.ok()??;
+    row.try_get_by_index::<i64>(0).ok()
+}
+
+macro_rules! job_crashes {
+    ($($test:ident: $mariadb:expr, $crash:expr;)*) => {$(
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $test() {
+            jobs_survive($mariadb, $crash).await;
+        }
+    )*};
+}
+
+job_crashes! {
+    jobs_survive_postgres_restart: false, Crash::FastRestart;
+    jobs_survive_postgres_kill9: false, Crash::Kill9;
+    jobs_survive_mariadb_restart: true, Crash::FastRestart;
+    jobs_survive_mariadb_kill9: true, Crash::Kill9;
 }

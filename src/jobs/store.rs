@@ -76,30 +76,40 @@ pub(crate) async fn insert(
     } else {
         &tail
     };
-    // Behind an unfinished job of its key: queued, not ready (see `QUEUED`).
-    let state = match job.key {
-        Some(key) => {
-            let behind = format!(
+    // Behind an unfinished job of its key: queued, not ready (see `QUEUED`). Decided by the
+    // INSERT itself where the database lets it read the table it inserts into (not MySQL): one
+    // statement, and on SQLite a write from the start — a deferred transaction that read first
+    // could not take the write lock once another process wrote (`SQLITE_BUSY_SNAPSHOT`).
+    let behind = format!(
+        "EXISTS (SELECT 1 FROM {JOB_TABLE} WHERE key_hash = ? AND state IN ({UNFINISHED}))"
+    );
+    let mut state = PENDING.to_string();
+    let mut state_values = Vec::new();
+    if let Some(key) = job.key {
+        if backend == DbBackend::MySql {
+            let sql = format!(
                 "SELECT 1 AS one FROM {JOB_TABLE} WHERE key_hash = ? AND state IN ({UNFINISHED}) \
                  LIMIT 1"
             );
             let found = db
                 .query_one_raw(statement(
                     backend,
-                    &behind,
+                    &sql,
                     vec![Value::Bytes(Some(hash(key)))],
                 ))
                 .await?;
-            if found.is_some() { QUEUED } else { PENDING }
+            state = if found.is_some() { QUEUED } else { PENDING }.to_string();
+        } else {
+            state = format!("CASE WHEN {behind} THEN {QUEUED} ELSE {PENDING} END");
+            state_values.push(Value::Bytes(Some(hash(key))));
         }
-        None => PENDING,
-    };
+    }
     let sql = format!(
         "{verb} INTO {JOB_TABLE} (kind, payload, job_key, key_hash, unique_key, unique_hash, \
          priority, run_at, created_at, state) \
          VALUES (?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}, {state}){tail}"
     );
-    let values = vec![
+    let mut values = vec![
         bytes(Some(job.kind)),
         job.payload.into(),
         bytes(job.key),
@@ -109,6 +119,7 @@ pub(crate) async fn insert(
         job.priority.into(),
         millis(job.delay).into(),
     ];
+    values.extend(state_values);
     let stmt = statement(backend, &sql, values);
     if backend == DbBackend::MySql {
         let done = db.execute_raw(stmt).await?;
