@@ -40,6 +40,27 @@ enum Private {
 }
 
 impl Private {
+    /// A private PostgreSQL or MariaDB, started; `None` where the server tier does not run
+    /// (the private-server tier runs where it runs).
+    async fn start(mariadb: bool) -> Option<Self> {
+        let shared = if mariadb {
+            servers::MYSQL
+        } else {
+            servers::POSTGRES
+        };
+        servers::url(shared)?;
+        let server = tokio::task::spawn_blocking(move || {
+            if mariadb {
+                Self::MariaDb(PrivateMariaDb::start())
+            } else {
+                Self::Postgres(PrivatePostgres::start())
+            }
+        })
+        .await
+        .unwrap();
+        Some(server)
+    }
+
     fn url(&self) -> String {
         match self {
             Self::Postgres(server) => server.url(),
@@ -80,25 +101,9 @@ enum Crash {
 }
 
 async fn survives(mariadb: bool, crash: Crash, kind: LockKind) {
-    // The private-server tier runs where the server tier runs.
-    if servers::url(if mariadb {
-        servers::MYSQL
-    } else {
-        servers::POSTGRES
-    })
-    .is_none()
-    {
+    let Some(server) = Private::start(mariadb).await else {
         return;
-    }
-    let server = tokio::task::spawn_blocking(move || {
-        if mariadb {
-            Private::MariaDb(PrivateMariaDb::start())
-        } else {
-            Private::Postgres(PrivatePostgres::start())
-        }
-    })
-    .await
-    .unwrap();
+    };
     let db = servers::crashable_pool(&server.url(), 6).await;
     Migrator::up(&db, None).await.unwrap();
     node::Entity::insert(node::ActiveModel::fresh(1))
@@ -260,24 +265,9 @@ async fn jobs_survive(mariadb: bool, crash: Crash) {
     use freshlock::jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker};
     use job_support::{bump, bump_node};
 
-    if servers::url(if mariadb {
-        servers::MYSQL
-    } else {
-        servers::POSTGRES
-    })
-    .is_none()
-    {
+    let Some(server) = Private::start(mariadb).await else {
         return;
-    }
-    let server = tokio::task::spawn_blocking(move || {
-        if mariadb {
-            Private::MariaDb(PrivateMariaDb::start())
-        } else {
-            Private::Postgres(PrivatePostgres::start())
-        }
-    })
-    .await
-    .unwrap();
+    };
     let db = servers::crashable_pool(&server.url(), 8).await;
     Migrator::up(&db, None).await.unwrap();
     let nodes: Vec<_> = (1..=5).map(node::ActiveModel::fresh).collect();
