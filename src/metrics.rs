@@ -17,7 +17,9 @@
 //! | [`JOB_RUN`] | histogram (seconds) | `kind` | a job's handler, from start to end |
 //! | [`JOB_ATTEMPTS`] | histogram | `kind` | the attempt a job ended on (completed or failed for good) |
 //!
-//! A queue's depth per kind and per key is a query, not a metric: [`crate::jobs::depth`].
+//! | [`JOB_DEPTH`] | gauge | `kind`, `state` (`waiting`/`due`/`failed`) | the queue's depth per kind, as [`crate::jobs::depth`] counts it (summed over keys), set by [`crate::jobs::record_depth`] — which a [`crate::jobs::Worker::run`] calls every 10 s with this feature on |
+//!
+//! The depth per key is a query, not a metric (keys are unbounded): [`crate::jobs::depth`].
 //!
 //! Call [`describe`] once after installing the recorder to give exporters units and help texts.
 //!
@@ -53,6 +55,9 @@ pub const JOB_WAIT: &str = "freshlock_job_wait_seconds";
 pub const JOB_RUN: &str = "freshlock_job_run_seconds";
 /// Histogram: the attempt a job ended on.
 pub const JOB_ATTEMPTS: &str = "freshlock_job_attempts";
+/// Gauge: jobs per kind and state (`waiting`, `due`, `failed`), as [`crate::jobs::depth`] counts
+/// them.
+pub const JOB_DEPTH: &str = "freshlock_job_depth";
 
 /// Registers units and descriptions of freshlock's metrics with the installed recorder (does
 /// nothing without the `metrics` feature).
@@ -91,6 +96,7 @@ fn describe_all() {
     );
     describe_histogram!(JOB_RUN, Unit::Seconds, "How long a job's handler ran");
     describe_histogram!(JOB_ATTEMPTS, "The attempt a job ended on");
+    metrics::describe_gauge!(JOB_DEPTH, "Jobs per kind and state (waiting, due, failed)");
 }
 
 #[cfg(feature = "metrics")]
@@ -152,6 +158,30 @@ mod record {
     pub(crate) fn job_ended(kind: &str, attempt: u32) {
         histogram!(super::JOB_ATTEMPTS, "kind" => kind.to_owned()).record(f64::from(attempt));
     }
+
+    /// The kinds whose depth this process recorded: a kind no longer in the queue goes to 0.
+    static DEPTH_KINDS: std::sync::Mutex<std::collections::BTreeSet<String>> =
+        std::sync::Mutex::new(std::collections::BTreeSet::new());
+
+    /// Sets the depth gauges to `depths` (kind, waiting, due, failed), and to 0 for the kinds
+    /// recorded before that are not among them.
+    pub(crate) fn job_depth(depths: &[(String, u64, u64, u64)]) {
+        let mut known = DEPTH_KINDS
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let now: std::collections::BTreeSet<String> =
+            depths.iter().map(|(kind, ..)| kind.clone()).collect();
+        let gone: Vec<(String, u64, u64, u64)> = (known.difference(&now))
+            .map(|kind| (kind.clone(), 0, 0, 0))
+            .collect();
+        for (kind, waiting, due, failed) in depths.iter().chain(&gone) {
+            for (state, n) in [("waiting", waiting), ("due", due), ("failed", failed)] {
+                metrics::gauge!(super::JOB_DEPTH, "kind" => kind.clone(), "state" => state)
+                    .set(*n as f64);
+            }
+        }
+        *known = now;
+    }
 }
 
 /// Without the feature every recording is an empty inline function.
@@ -182,6 +212,8 @@ mod record {
     pub(crate) fn job(_: &str, _: &'static str, _: Duration, _: Duration) {}
     #[inline(always)]
     pub(crate) fn job_ended(_: &str, _: u32) {}
+    #[inline(always)]
+    pub(crate) fn job_depth(_: &[(String, u64, u64, u64)]) {}
 }
 
 pub(crate) use record::*;

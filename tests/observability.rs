@@ -354,6 +354,7 @@ mod metrics_facade {
     struct Recorded {
         counters: BTreeMap<String, u64>,
         samples: BTreeMap<String, usize>,
+        gauges: BTreeMap<String, f64>,
     }
 
     impl Recorded {
@@ -376,7 +377,9 @@ mod metrics_facade {
                     DebugValue::Histogram(values) => {
                         *recorded.samples.entry(name).or_default() += values.len();
                     }
-                    DebugValue::Gauge(_) => {}
+                    DebugValue::Gauge(value) => {
+                        recorded.gauges.insert(name, value.into_inner());
+                    }
                 }
             }
             recorded
@@ -384,6 +387,10 @@ mod metrics_facade {
 
         fn counter(&self, key: &str) -> u64 {
             self.counters.get(key).copied().unwrap_or(0)
+        }
+
+        fn gauge(&self, key: &str) -> Option<f64> {
+            self.gauges.get(key).copied()
         }
 
         fn samples(&self, key: &str) -> usize {
@@ -477,6 +484,76 @@ mod metrics_facade {
         assert_eq!(m.samples("freshlock_job_run_seconds{kind=twice}"), 2);
         assert_eq!(m.samples("freshlock_job_attempts{kind=twice}"), 1);
         assert_eq!(m.samples("freshlock_job_attempts{kind=nobody}"), 1);
+    }
+
+    /// The depth gauge per kind and state: set from the queue, summed over keys, and back to 0
+    /// for a kind that left the queue.
+    #[test]
+    fn the_queue_depth_is_a_gauge_per_kind_and_state() {
+        let recorder = DebuggingRecorder::new();
+        let (before, after, running) = metrics::with_local_recorder(&recorder, || {
+            tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .unwrap()
+                .block_on(async {
+                    use freshlock::jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker};
+                    let db = test_db().await;
+                    let hour = std::time::Duration::from_secs(3600);
+                    let jobs = [
+                        NewJob::new("a", &()).unwrap(),
+                        NewJob::new("a", &()).unwrap().key("k1"),
+                        NewJob::new("a", &()).unwrap().delay(hour),
+                        NewJob::new("b", &()).unwrap().key("k2"),
+                        NewJob::new("c", &()).unwrap(),
+                    ];
+                    for job in jobs {
+                        jobs::enqueue(db.connection(), job).await.unwrap();
+                    }
+                    jobs::record_depth(db.connection()).await.unwrap();
+                    let before = Recorded::of(&recorder);
+                    fn ok(_tx: &freshlock::Tx, _job: Job<()>) -> freshlock::SectionWork<'_, ()> {
+                        Box::pin(async { Ok(()) })
+                    }
+                    let handlers = Jobs::new().handle("a", RetryPolicy::default(), ok).handle(
+                        "b",
+                        RetryPolicy::default(),
+                        ok,
+                    );
+                    // "c" has no handler: it fails.
+                    let worker = Worker::new(db.session(), handlers);
+                    assert_eq!(worker.run_until_idle().await.unwrap().len(), 4);
+                    jobs::record_depth(db.connection()).await.unwrap();
+                    let after = Recorded::of(&recorder);
+                    // A running worker records it by itself (every 10 s, first at its start).
+                    let later = NewJob::new("d", &()).unwrap().delay(hour);
+                    jobs::enqueue(db.connection(), later).await.unwrap();
+                    assert_eq!(worker.run(tokio::task::yield_now()).await, 0);
+                    (before, after, Recorded::of(&recorder))
+                })
+        });
+        let g = |m: &Recorded, kind: &str, state: &str| {
+            m.gauge(&format!("freshlock_job_depth{{kind={kind},state={state}}}"))
+        };
+        assert_eq!(
+            g(&before, "a", "waiting"),
+            Some(3.0),
+            "{:#?}",
+            before.gauges
+        );
+        assert_eq!(g(&before, "a", "due"), Some(2.0));
+        assert_eq!(g(&before, "b", "waiting"), Some(1.0));
+        assert_eq!(g(&before, "c", "failed"), Some(0.0));
+        assert_eq!(g(&after, "a", "waiting"), Some(1.0), "{:#?}", after.gauges);
+        assert_eq!(g(&after, "a", "due"), Some(0.0));
+        assert_eq!(g(&after, "b", "waiting"), Some(0.0), "b left the queue");
+        assert_eq!(g(&after, "c", "failed"), Some(1.0));
+        assert_eq!(
+            g(&running, "d", "waiting"),
+            Some(1.0),
+            "{:#?}",
+            running.gauges
+        );
     }
 
     async fn jobs_workload() {

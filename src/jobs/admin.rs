@@ -165,6 +165,31 @@ pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
         .map_err(fail)
 }
 
+/// Reads the queue's [`depth`] and sets the `freshlock_job_depth` gauge per kind and state
+/// (`waiting`, `due`, `failed`; summed over keys; a kind no longer in the queue goes to 0) —
+/// with the `metrics` feature; without it, this only reads. [`Worker::run`](super::Worker::run)
+/// calls it every 10 s (one of a worker's clones), so a service that runs workers need not.
+///
+/// # Errors
+/// As [`depth`].
+pub async fn record_depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
+    let depths = depth(db).await?;
+    let mut per_kind: Vec<(String, u64, u64, u64)> = Vec::new();
+    for d in &depths {
+        match per_kind.last_mut() {
+            // `depth` is ordered by kind.
+            Some(last) if last.0 == d.kind => {
+                last.1 += d.waiting;
+                last.2 += d.due;
+                last.3 += d.failed;
+            }
+            _ => per_kind.push((d.kind.clone(), d.waiting, d.due, d.failed)),
+        }
+    }
+    crate::metrics::job_depth(&per_kind);
+    Ok(depths)
+}
+
 /// Up to `limit` jobs in `state`, oldest first.
 ///
 /// # Errors

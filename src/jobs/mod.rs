@@ -64,7 +64,7 @@ use std::time::Duration;
 use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
-pub use admin::{Depth, JobInfo, JobState, Retried, depth, discard, list, retry};
+pub use admin::{Depth, JobInfo, JobState, Retried, depth, discard, list, record_depth, retry};
 pub use lease::Lease;
 pub use worker::{Job, JobFailure, JobOutcome, JobRun, Jobs, RetryPolicy, Worker};
 

@@ -394,6 +394,8 @@ pub struct Worker {
     swept: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// When this worker (or a clone) last reclaimed expired leases.
     reclaimed: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// When this worker (or a clone) last recorded the queue's depth (`metrics` feature).
+    gauged: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// The first and the longest wait of [`run`](Self::run) with nothing due.
     poll: (Duration, Duration),
     /// What wakes [`run`](Self::run) when a job is enqueued (PostgreSQL), shared by clones.
@@ -403,6 +405,10 @@ pub struct Worker {
 /// How often a worker that found nothing to do looks for stranded queued jobs, and how often a
 /// worker with leased kinds reclaims expired leases.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
+
+/// How often [`Worker::run`] (one of a worker's clones) records the queue's depth gauge, with
+/// the `metrics` feature.
+const GAUGE_EVERY: Duration = Duration::from_secs(10);
 
 /// The longest a worker with nothing to do waits before it looks again.
 const MAX_IDLE: Duration = Duration::from_secs(1);
@@ -420,6 +426,7 @@ impl Worker {
             batch: 1,
             swept: Arc::default(),
             reclaimed: Arc::default(),
+            gauged: Arc::default(),
             poll: (MIN_IDLE, MAX_IDLE),
             wakeup: Arc::default(),
         }
@@ -590,6 +597,14 @@ impl Worker {
                 () = &mut shutdown => return ran,
                 () = std::future::ready(()) => {}
             }
+            if cfg!(feature = "metrics") && due_every(&self.gauged, GAUGE_EVERY) {
+                let db = self.session.connection();
+                match tokio::time::timeout(self.reply(), super::record_depth(db)).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => warn!(%error, "recording the queue's depth failed"),
+                    Err(_) => warn!("recording the queue's depth timed out"),
+                }
+            }
             // Listening before the take: a job enqueued after it looked wakes the wait below.
             let notified = wakeup.as_deref().map(Notify::notified);
             tokio::pin!(notified);
@@ -632,11 +647,17 @@ impl Worker {
 /// Whether a worker's periodic chore in `slot` is due (at most once per [`SWEEP_EVERY`]),
 /// marking it done now if so.
 fn due(slot: &std::sync::Mutex<Option<tokio::time::Instant>>) -> bool {
+    due_every(slot, SWEEP_EVERY)
+}
+
+/// Whether a worker's periodic chore in `slot` is due (at most once per `every`), marking it
+/// done now if so.
+fn due_every(slot: &std::sync::Mutex<Option<tokio::time::Instant>>, every: Duration) -> bool {
     let now = tokio::time::Instant::now();
     let mut last = slot
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if last.is_some_and(|at| now.duration_since(at) < SWEEP_EVERY) {
+    if last.is_some_and(|at| now.duration_since(at) < every) {
         return false;
     }
     *last = Some(now);
