@@ -994,3 +994,75 @@ async fn a_worker_follows_the_key_whose_next_job_it_readied() {
     }
     assert_eq!(by_batch, [4, 5, 6], "by id");
 }
+
+// ----------------------------------------------------------------------- chained keys
+
+/// A worker following a key runs the key's next jobs in the same transaction (a chain of up to
+/// 16 short jobs, within 100 ms): 20 jobs of one key commit in two transactions, not twenty —
+/// each job's write still once, in order. `run_one` never chains. The transaction is the one PostgreSQL
+/// names with `txid_current()`, read by each handler.
+async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let seen: Arc<std::sync::Mutex<Vec<(u32, i64)>>> = Arc::default();
+    let handlers = {
+        let seen = Arc::clone(&seen);
+        Jobs::new().handle("txid", at_once(1), move |tx, job: Job<Bump>| {
+            let seen = Arc::clone(&seen);
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                let sql = "SELECT CAST(txid_current() AS BIGINT) AS txid";
+                let row = tx
+                    .query_one_raw(Statement::from_string(tx.get_database_backend(), sql))
+                    .await?
+                    .ok_or_else(|| freshlock::ApplyError::msg("no row"))?;
+                let txid: i64 = row.try_get("", "txid")?;
+                seen.lock().unwrap().push((job.payload.seq, txid));
+                Ok(())
+            })
+        })
+    };
+    let enqueue = |n: u32| {
+        let db = db.clone();
+        async move {
+            for seq in 0..n {
+                let job = NewJob::new("txid", &Bump { node: 1, seq })
+                    .unwrap()
+                    .key("hot");
+                add(&db, job).await.unwrap();
+            }
+        }
+    };
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    enqueue(20).await;
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 20);
+    let chained = std::mem::take(&mut *seen.lock().unwrap());
+    let order: Vec<u32> = chained.iter().map(|(seq, _)| *seq).collect();
+    assert_eq!(order, (0..20).collect::<Vec<_>>(), "in enqueue order");
+    // Transactions and their jobs, in order: at most 16 each, and (unless a job took most of
+    // the chain's 100 ms) 16 then 4.
+    let mut sizes: Vec<(i64, usize)> = Vec::new();
+    for (_, txid) in &chained {
+        match sizes.last_mut() {
+            Some((last, n)) if last == txid => *n += 1,
+            _ => sizes.push((*txid, 1)),
+        }
+    }
+    assert!(sizes.iter().all(|(_, n)| *n <= 16), "{sizes:?}");
+    assert!(
+        sizes.len() < 20,
+        "the hot key's jobs shared transactions: {sizes:?}"
+    );
+    enqueue(3).await;
+    while worker.run_one().await.unwrap().is_some() {}
+    let mut one_by_one: Vec<i64> = seen.lock().unwrap().iter().map(|(_, t)| *t).collect();
+    one_by_one.dedup();
+    assert_eq!(one_by_one.len(), 3, "run_one: a transaction per job");
+    assert_eq!(total_score(&db).await, 23, "each job's write once");
+    assert_eq!(jobs_in(&db, 2).await, 23);
+}
+
+on_databases! {
+    a_hot_keys_short_jobs_share_a_transaction_postgres: a_hot_keys_short_jobs_share_a_transaction, postgres;
+}

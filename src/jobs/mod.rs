@@ -42,6 +42,11 @@
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
 //! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
 //!   its commit; a failing job rolls back alone (see above).
+//! - **Chains** ([`Worker::run`], [`Worker::run_until_idle`], one job at a time): a job that
+//!   completed readies its key's next job in the same transaction and the worker runs that one
+//!   there too — up to 16 jobs while the transaction is younger than 100 ms — so a hot key's
+//!   short jobs share a commit (each one's writes still commit with its completion, in order).
+//!   A long job is never chained into, and `run_one`/`run_batch` never chain.
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).
