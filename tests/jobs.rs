@@ -1064,5 +1064,5 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
 }
 
 on_databases! {
-    a_hot_keys_short_jobs_share_a_transaction_postgres: a_hot_keys_short_jobs_share_a_transaction, postgres;
+    hot_key_jobs_chain_postgres: a_hot_keys_short_jobs_share_a_transaction, postgres;
 }
