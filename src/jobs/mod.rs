@@ -46,7 +46,8 @@
 //!   completed readies its key's next job in the same transaction and the worker runs that one
 //!   there too — up to 16 jobs while the transaction is younger than 100 ms — so a hot key's
 //!   short jobs share a commit (each one's writes still commit with its completion, in order).
-//!   A long job is never chained into, and `run_one`/`run_batch` never chain.
+//!   A long job is never chained into, and `run_one`/`run_batch` never chain. Not on
+//!   MySQL/MariaDB yet (a chain's take of the key's next job once came back empty there).
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).

@@ -888,10 +888,14 @@ impl JobStep<'_> {
                 Err(failed) => return (txn, Err(failed)),
             }
             // A chain: the key's next job, in this transaction (see `Source::Take`).
+            // Not on MySQL/MariaDB: there a chain's take of the key's next job came back empty
+            // in a CI run of the demo (and its key was left unfollowed); unexplained yet.
+            let backend = sea_orm::ConnectionTrait::get_database_backend(&txn);
+            let chains = chain && backend != sea_orm::DbBackend::MySql;
             let room = ended.len() < CHAIN_JOBS && began.elapsed() < CHAIN_FOR;
             let last = match ended.last_mut() {
                 Some(last)
-                    if chain
+                    if chains
                         && room
                         && limit == 1
                         && self.claimed.is_empty()
@@ -915,7 +919,11 @@ impl JobStep<'_> {
                 break;
             }
             taken = match within(reply, store::take_key(&txn, &key)).await {
-                Ok(taken) if taken.is_empty() => break,
+                Ok(taken) if taken.is_empty() => {
+                    // Readied but not takeable now: the worker follows the key next time.
+                    self.follow = Some(key);
+                    break;
+                }
                 Ok(taken) => taken,
                 Err(e) => return (txn, Err(fail(e))),
             };
@@ -1175,7 +1183,9 @@ impl JobStep<'_> {
         } else {
             self.complete(txn, &completed, finished_keys).await?
         };
-        self.follow = single.filter(|_| readied == 1);
+        if single.is_some() {
+            self.follow = single.filter(|_| readied == 1);
+        }
         Ok(Worked::Write {
             value: runs,
             evidence,
