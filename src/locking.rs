@@ -26,10 +26,21 @@ use crate::{
 enum Fold {
     /// It is not (a lease, another backend, another database, or a try there failed).
     Never,
-    /// It may be (`pg_advisory` on PostgreSQL), in a transaction begun to fold it.
+    /// It may be (`pg_advisory` or `row` on PostgreSQL), in a transaction begun to fold it.
     Allowed,
     /// This transaction's lock is to be tried by the step's first statement.
     Pending,
+}
+
+/// The lock a step's first statement tries, as a one-time filter evaluated before any row is
+/// read or locked (see [`Locking::folding_key`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Folded {
+    /// `(SELECT pg_try_advisory_xact_lock(key))`.
+    Advisory(i64),
+    /// `EXISTS (SELECT 1 FROM freshlock_row_lock WHERE name = … FOR NO KEY UPDATE SKIP
+    /// LOCKED)`: the lock row of that stored name, when it exists and is free.
+    Row(String),
 }
 
 /// The lock of one locked section while it runs.
@@ -117,7 +128,7 @@ impl Locking {
         match backend.role() {
             LockRole::Transaction(_) => {
                 locking.in_transaction = true;
-                if locking.report.backend == LockKind::PgAdvisory {
+                if matches!(locking.report.backend, LockKind::PgAdvisory | LockKind::Row) {
                     locking.fold = Fold::Allowed;
                 }
             }
@@ -260,11 +271,20 @@ impl Locking {
         }
     }
 
-    /// The `pg_advisory_xact_lock` key the step's first statement is to try (`(SELECT
-    /// pg_try_advisory_xact_lock(key))` in its `WHERE`: a one-time filter, evaluated before any
-    /// row is read or locked), when [`begin_all`](Self::begin_all) left this lock to it.
-    pub(crate) fn folding_key(&self) -> Option<i64> {
-        (self.fold == Fold::Pending).then(|| crate::lock::PgAdvisoryLock::key(&self.report.name))
+    /// The lock the step's first statement is to try in its `WHERE` (a one-time filter,
+    /// evaluated before any row is read or locked; see [`Folded`]), when
+    /// [`begin_all`](Self::begin_all) left this lock to it: `pg_advisory`'s key, or `row`'s lock
+    /// row. A try that fails — the lock busy, or (`row`) its lock row not made yet — runs the
+    /// attempt again with the lock taken by statements of its own.
+    pub(crate) fn folding_key(&self) -> Option<Folded> {
+        if self.fold != Fold::Pending {
+            return None;
+        }
+        let name = &self.report.name;
+        Some(match self.report.backend {
+            LockKind::Row => Folded::Row(crate::lock::RowLock::stored_name(name)),
+            _ => Folded::Advisory(crate::lock::PgAdvisoryLock::key(name)),
+        })
     }
 
     /// How the try of [`folding_key`](Self::folding_key) went (`waited`: the statement's time).

@@ -7,7 +7,12 @@ use sea_orm::{
     PrimaryKeyToColumn, QueryFilter, QuerySelect, Select, sea_query::ValueTuple,
 };
 
-use crate::{error::Error, identity_map::Key, lock::LockName};
+use crate::{
+    error::Error,
+    identity_map::Key,
+    lock::{LockName, RowLock},
+    locking::Folded,
+};
 
 /// The primary-key value type of entity `E` (`i32` for a single integer key, a tuple for a
 /// composite key).
@@ -114,18 +119,26 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
 }
 
 /// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
-/// already excludes other writers). With `advisory` (PostgreSQL), the same statement first
-/// tries that `pg_advisory_xact_lock` key, as a one-time filter evaluated before any row is read
-/// or locked: no row comes back unless the lock was had (see `Locking::folding_key`).
+/// already excludes other writers). With `folded` (PostgreSQL), the same statement first tries
+/// that lock — a `pg_advisory_xact_lock` key or a `row` backend's lock row — as a one-time filter
+/// evaluated before any row is read or locked: no row comes back unless the lock was had (see
+/// `Locking::folding_key`).
 pub(crate) async fn reload_for_update<E: EntityTrait>(
     txn: &DatabaseTransaction,
     pk: &ValueTuple,
-    advisory: Option<i64>,
+    folded: Option<Folded>,
 ) -> Result<Option<E::Model>, DbErr> {
+    use sea_orm::sea_query::Expr;
     let mut reload = select_by_key::<E>(pk);
-    if let Some(key) = advisory {
-        let try_lock = "(SELECT pg_try_advisory_xact_lock($1))";
-        reload = reload.filter(sea_orm::sea_query::Expr::cust_with_values(try_lock, [key]));
+    match folded {
+        None => {}
+        Some(Folded::Advisory(key)) => {
+            let try_lock = "(SELECT pg_try_advisory_xact_lock($1))";
+            reload = reload.filter(Expr::cust_with_values(try_lock, [key]));
+        }
+        Some(Folded::Row(stored)) => {
+            reload = reload.filter(Expr::cust_with_values(RowLock::FOLDED, [stored]));
+        }
     }
     if txn.get_database_backend() != DbBackend::Sqlite {
         reload = reload.lock_exclusive();

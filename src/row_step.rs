@@ -39,8 +39,9 @@ pub(crate) struct RowStep<E: EntityTrait> {
     /// What the served waiters are told once this attempt's transaction committed: the stored
     /// row and the rows their own `after_save` returned.
     telling: Option<Telling<E::Model>>,
-    /// Whether the reload tries a `pg_advisory` lock itself (see `Locking::folding_key`): for
-    /// writes that only update a row that exists, until a try fails.
+    /// Whether the reload tries a `pg_advisory` or `row` lock itself (see
+    /// `Locking::folding_key`): for writes that only update a row that exists, until a try
+    /// fails.
     fold: bool,
 }
 
@@ -276,14 +277,15 @@ where
     async fn run(&mut self, txn: DatabaseTransaction, lockings: &mut [Locking]) -> Attempted<E> {
         self.telling = None;
         self.session.map().remove(&self.row.key);
-        let advisory = lockings.first().and_then(Locking::folding_key);
+        let folded = lockings.first().and_then(Locking::folding_key);
+        let folds = folded.is_some();
         let started = tokio::time::Instant::now();
-        let reload = reload_for_update::<E>(&txn, self.row.pk(), advisory);
+        let reload = reload_for_update::<E>(&txn, self.row.pk(), folded);
         let found = match within(self.reply(), reload).await {
             Ok(found) => found,
             Err(e) => return self.failed(txn, "reloading", e),
         };
-        if advisory.is_some() {
+        if folds {
             let held = found.is_some();
             if let Some(locking) = lockings.first_mut() {
                 locking.folded(held, started.elapsed());

@@ -21,7 +21,7 @@ use freshlock::{
     lock_name,
 };
 use proxy::{CutAfter, Proxy};
-use sea_orm::{ConnectionTrait, DatabaseConnection, Set};
+use sea_orm::{ConnectionTrait, DatabaseConnection, Set, TransactionTrait};
 use servers::TestDb;
 
 /// Calls measured after the warm-up (prepared statements, the incarnation token).
@@ -83,10 +83,10 @@ async fn round_trips_of(session: &Session, proxy: &Proxy) -> u32 {
 }
 
 /// The statements of one uncontended `locked_update` per backend, as a guard on the hot path:
-/// a statement added to it fails here. `local` and `pg_advisory` send four (BEGIN, reload,
-/// UPDATE, COMMIT: `pg_advisory` tries its lock in the reload; a lock statement of its own made
-/// five); `row` locks its lock row with a statement of its own; `table` grants its lease before
-/// the transaction and checks (and frees) it in it. sqlx also pings each connection it is given
+/// a statement added to it fails here. `local`, `pg_advisory` and `row` send four (BEGIN,
+/// reload, UPDATE, COMMIT: `pg_advisory` and `row` try their lock in the reload; a lock
+/// statement of its own made five); `table` grants its lease before the transaction and checks
+/// (and frees) it in it. sqlx also pings each connection it is given
 /// back, a round trip off the caller's path, which the proxy does not count.
 #[tokio::test]
 async fn every_backend_sends_the_statements_it_documents() {
@@ -99,7 +99,7 @@ async fn every_backend_sends_the_statements_it_documents() {
     let backends: [(&str, Arc<dyn LockBackend>, u32); 4] = [
         ("local", Arc::new(LocalLock::new()), 4),
         ("pg_advisory", Arc::new(PgAdvisoryLock::new()), 4),
-        ("row", Arc::new(RowLock::new(pool.clone())), 5),
+        ("row", Arc::new(RowLock::new(pool.clone())), 4),
         ("table", Arc::new(TableLock::new(pool.clone())), 6),
     ];
     let mut done = 0;
@@ -113,6 +113,24 @@ async fn every_backend_sends_the_statements_it_documents() {
         );
     }
     assert_eq!(db.score(1).await, Some(done));
+}
+
+/// Polls `waiting` (a count `n`) until it is not 0: the write waits for a lock.
+async fn until_waiting(db: &TestDb, waiting: &str) {
+    let mut polls = 0;
+    while db.query_one(waiting).await.try_get::<i32>("", "n").unwrap() == 0 {
+        polls += 1;
+        assert!(polls < 3000, "the write never waited for the lock");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// A write whose try in the reload failed: updated, its lock had, and the failed try not an
+/// attempt of the write (nothing was read or written in it).
+fn updated_in_one_attempt(report: &freshlock::UpdateReport<node::Model>) {
+    assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
+    assert!(report.lock.held);
+    assert_eq!((report.attempts, report.conflicts), (1, 0));
 }
 
 #[tokio::test]
@@ -140,18 +158,7 @@ async fn a_busy_advisory_lock_is_waited_for_in_a_second_try_and_counted_once() {
         "SELECT count(*)::int AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
          AND ((classid::bigint << 32) | objid::bigint) = {key}"
     );
-    let mut polls = 0;
-    while db
-        .query_one(&waiting)
-        .await
-        .try_get::<i32>("", "n")
-        .unwrap()
-        == 0
-    {
-        polls += 1;
-        assert!(polls < 3000, "the write never waited for the lock");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    until_waiting(&db, &waiting).await;
     let row = db.score(1).await;
     assert_eq!(
         row, None,
@@ -163,32 +170,80 @@ async fn a_busy_advisory_lock_is_waited_for_in_a_second_try_and_counted_once() {
     );
     other.execute_raw(release).await.expect("release");
 
-    let report = writer.await.expect("writer");
-    assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
-    assert!(report.lock.held);
-    // The failed try is not an attempt of the write: nothing was read or written in it.
-    assert_eq!((report.attempts, report.conflicts), (1, 0));
+    updated_in_one_attempt(&writer.await.expect("writer"));
     assert_eq!(db.score(1).await, Some(1));
 }
 
 #[tokio::test]
-async fn an_advisory_update_of_a_missing_row_is_not_found_once() {
+async fn a_busy_lock_row_is_waited_for_in_a_second_try_and_counted_once() {
+    let Some(db) = servers::postgres("round_trips_busy_row").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session_with(&pool, Arc::new(RowLock::new(pool.clone())));
+    // The first write makes the row's lock row (a statement of its own: there was none to try).
+    increment(&session, 1).await;
+    // Another transaction holds the lock row.
+    let name = lock_name::<node::Entity>(1).expect("name");
+    let other = servers::connect(&db.url, db.schema.as_deref(), 1).await;
+    let holder = other.begin().await.expect("begin");
+    let held = holder
+        .query_one_raw(sea_orm::Statement::from_sql_and_values(
+            sea_orm::DbBackend::Postgres,
+            "SELECT name FROM freshlock_row_lock WHERE name = $1 FOR UPDATE",
+            [name.as_str().into()],
+        ))
+        .await
+        .expect("lock the lock row");
+    assert!(held.is_some(), "the lock row exists");
+
+    let writer = tokio::spawn(async move { increment(&session, 1).await });
+    // The write's try in the reload skipped the held row; its second attempt waits for it.
+    let waiting = "SELECT count(*)::int AS n FROM pg_locks WHERE NOT granted";
+    until_waiting(&db, waiting).await;
+    assert_eq!(
+        db.score(1).await,
+        Some(1),
+        "nothing written while the lock row is held elsewhere"
+    );
+    holder.commit().await.expect("release");
+
+    updated_in_one_attempt(&writer.await.expect("writer"));
+    assert_eq!(db.score(1).await, Some(2));
+}
+
+/// An update of a missing row under a lock tried in the reload: the try cannot tell a busy lock
+/// from a missing row, so a second try takes the lock with statements of its own and finds no
+/// row either; one attempt, nothing written (and, for `row`, no lock row left behind: each call
+/// tries again).
+#[tokio::test]
+async fn a_folded_update_of_a_missing_row_is_not_found_once() {
     let Some(db) = servers::postgres("round_trips_missing").await else {
         return;
     };
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let pool = proxied(&db, &proxy).await;
-    let session = session(&pool);
-    let report = session
-        .repository::<node::Entity>()
-        .locked_update(404, |n| {
-            n.score = Set(Some(1));
-            Ok(())
-        })
-        .await
-        .expect("locked_update");
-    assert!(matches!(report.outcome, UpdateOutcome::NotFound));
-    assert_eq!(report.attempts, 1);
+    let backends: [Arc<dyn LockBackend>; 2] = [
+        Arc::new(PgAdvisoryLock::new()),
+        Arc::new(RowLock::new(pool.clone())),
+    ];
+    for lock in backends {
+        let session = session_with(&pool, lock);
+        for _ in 0..2 {
+            let report = session
+                .repository::<node::Entity>()
+                .locked_update(404, |n| {
+                    n.score = Set(Some(1));
+                    Ok(())
+                })
+                .await
+                .expect("locked_update");
+            assert!(matches!(report.outcome, UpdateOutcome::NotFound));
+            assert_eq!(report.attempts, 1);
+        }
+    }
     assert!(db.all_nodes().await.is_empty());
 }
 

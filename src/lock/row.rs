@@ -23,7 +23,9 @@ const KIND: &str = "row";
 /// `SELECT … FOR UPDATE` (`FOR NO KEY UPDATE` on PostgreSQL) inside the `locked_update`
 /// transaction, instead of the data row or its parent: the Django report's `HamLock`. Readers and
 /// writers of the parent row never wait for it. The lock ends with the transaction, so a crashed
-/// holder frees it at once, and there is nothing to fence.
+/// holder frees it at once, and there is nothing to fence. On PostgreSQL a `locked_update` tries
+/// the lock row in its reload's own statement (no statement of its own while the row exists and
+/// is free; a busy one is waited for by a second try that locks it with statements of its own).
 ///
 /// On **SQLite** there are no row locks: `BEGIN IMMEDIATE`, which every `locked_update` uses, lets
 /// one writer at a time into the whole database, and that is what serializes. This backend then
@@ -47,6 +49,19 @@ impl RowLock {
     pub fn new(rows: DatabaseConnection) -> Self {
         Self { _rows: rows }
     }
+
+    /// The `name` column of lock `name`'s row.
+    pub(crate) fn stored_name(name: &LockName) -> String {
+        name.bounded(MAX_STORED_NAME, false).into_owned()
+    }
+
+    /// The condition that locks lock row `stored` (see [`Self::stored_name`]) on PostgreSQL
+    /// when it exists and no other transaction holds it, for a statement's `WHERE` (`$1`: the
+    /// name): an uncorrelated sub-select, so a one-time filter evaluated before the statement
+    /// reads or locks any row of its own. False when the row is missing or held; it never
+    /// waits.
+    pub(crate) const FOLDED: &'static str = "EXISTS (SELECT 1 FROM freshlock_row_lock \
+         WHERE name = $1 FOR NO KEY UPDATE SKIP LOCKED)";
 }
 
 impl LockBackend for RowLock {
@@ -72,7 +87,7 @@ impl TransactionLock for RowLock {
             return Ok(true);
         }
         let fail = |e| lock_error(KIND, ROW_LOCK_TABLE, e);
-        let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
+        let stored = Self::stored_name(name);
         let row_lock = if backend == DbBackend::Postgres {
             "FOR NO KEY UPDATE"
         } else {
@@ -160,5 +175,17 @@ impl TransactionLock for RowLock {
             }
         }
         Ok(false)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_folded_try_locks_the_lock_table_without_waiting() {
+        let table = format!("FROM {ROW_LOCK_TABLE} ");
+        assert!(RowLock::FOLDED.contains(&table), "{}", RowLock::FOLDED);
+        assert!(RowLock::FOLDED.ends_with("FOR NO KEY UPDATE SKIP LOCKED)"));
     }
 }
