@@ -809,6 +809,112 @@ on_databases! {
     operator_mysql: depth_list_retry_and_discard, mysql;
 }
 
+/// `jobs::prune` deletes finished jobs only — done and discarded, failed ones when asked — and
+/// only those that finished long enough ago; what ran stays applied, and a key whose finished
+/// jobs were deleted still runs its next job.
+async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let bump_one = || NewJob::new("bump", &Bump { node: 1, seq: 0 }).unwrap();
+    for _ in 0..3 {
+        add(&db, bump_one().key("ham:1")).await.unwrap();
+    }
+    add(&db, bump_one().delay(Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    add(&db, NewJob::new("fails", &()).unwrap()).await.unwrap();
+    let Enqueued::Added(dropped) = add(&db, bump_one()).await.unwrap() else {
+        panic!("added");
+    };
+    assert!(jobs::discard(&db, dropped).await.unwrap());
+    let handlers = bump_jobs(at_once(1)).handle("fails", at_once(1), |_tx, _job: Job<()>| {
+        Box::pin(async move { Err(freshlock::ApplyError::msg("always")) })
+    });
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 4);
+    let count = |state| {
+        let db = db.clone();
+        async move { jobs::list(&db, state, 100).await.unwrap().len() }
+    };
+    assert_eq!(
+        (
+            count(jobs::JobState::Done).await,
+            count(jobs::JobState::Failed).await
+        ),
+        (3, 1)
+    );
+
+    let hour = Duration::from_secs(3600);
+    assert_eq!(
+        jobs::prune(&db, hour, true).await.unwrap(),
+        0,
+        "all finished just now"
+    );
+    assert_eq!(jobs::prune(&db, Duration::ZERO, false).await.unwrap(), 4);
+    assert_eq!(count(jobs::JobState::Done).await, 0);
+    assert_eq!(count(jobs::JobState::Discarded).await, 0);
+    assert_eq!(
+        count(jobs::JobState::Failed).await,
+        1,
+        "failed jobs stay unless asked"
+    );
+    assert_eq!(
+        count(jobs::JobState::Waiting).await,
+        1,
+        "the delayed job waits"
+    );
+    assert_eq!(jobs::prune(&db, Duration::ZERO, true).await.unwrap(), 1);
+    assert_eq!(count(jobs::JobState::Failed).await, 0);
+    assert_eq!(
+        count(jobs::JobState::Waiting).await,
+        1,
+        "never a waiting job"
+    );
+    assert_eq!(total_score(&db).await, 3, "what ran stays applied");
+
+    // The key's finished jobs are gone: its next job runs all the same.
+    add(&db, bump_one().key("ham:1")).await.unwrap();
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 1);
+    assert_eq!(total_score(&db).await, 4);
+}
+
+on_databases! {
+    prune_sqlite: prune_deletes_finished_jobs_only, sqlite;
+    prune_postgres: prune_deletes_finished_jobs_only, postgres;
+    prune_mysql: prune_deletes_finished_jobs_only, mysql;
+}
+
+/// A prune of more finished jobs than one batch deletes (1,000) deletes them all, batch by
+/// batch.
+#[tokio::test]
+async fn a_prune_deletes_batch_after_batch() {
+    let (_memory, db) = memory_with_node().await;
+    let n = 2_345;
+    let txn = db.begin().await.unwrap();
+    for _ in 0..n {
+        jobs::enqueue(&txn, NewJob::new("noop", &()).unwrap())
+            .await
+            .unwrap();
+    }
+    txn.commit().await.unwrap();
+    let handlers = Jobs::new().handle("noop", at_once(1), |_tx, _job: Job<()>| {
+        Box::pin(async move { Ok(()) })
+    });
+    let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(100);
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), n);
+    assert_eq!(
+        jobs::prune(&db, Duration::ZERO, false).await.unwrap(),
+        n as u64
+    );
+    assert!(
+        jobs::list(&db, jobs::JobState::Done, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
 /// A job enqueued behind its key's running job, whose transaction commits only after that job
 /// finished, is not lost behind the promotion that could not see it: a worker with nothing
 /// else to do finds it and runs it.

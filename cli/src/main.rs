@@ -73,7 +73,7 @@ enum Command {
         expired: bool,
     },
     /// The job queue (`freshlock::jobs`): its depth per kind and key; `list`, `retry`,
-    /// `discard` for single jobs.
+    /// `discard` for single jobs; `prune` for finished ones.
     Jobs {
         #[command(subcommand)]
         action: Option<JobsAction>,
@@ -117,6 +117,35 @@ enum JobsAction {
         /// The job's id.
         id: i64,
     },
+    /// Delete done and discarded jobs (and failed ones with `--failed`) that finished longer
+    /// ago than `--older-than`; waiting and leased jobs are never touched.
+    Prune {
+        /// How long ago: a number and a unit, `s`, `m`, `h` or `d` (`7d`, `12h`, `0s`).
+        #[arg(long, value_parser = parse_age)]
+        older_than: std::time::Duration,
+        /// Delete failed jobs too (their errors go with them).
+        #[arg(long)]
+        failed: bool,
+    },
+}
+
+/// `7d`, `12h`, `30m`, `45s`: a whole number and its unit.
+fn parse_age(text: &str) -> Result<std::time::Duration, String> {
+    let bad = || format!("{text:?}: expected a whole number and s, m, h or d (7d, 12h, 30m, 45s)");
+    let split = text.len().checked_sub(1).ok_or_else(bad)?;
+    let (number, unit) = text.split_at_checked(split).ok_or_else(bad)?;
+    let number: u64 = number.parse().map_err(|_| bad())?;
+    let seconds = match unit {
+        "s" => 1,
+        "m" => 60,
+        "h" => 3_600,
+        "d" => 86_400,
+        _ => return Err(bad()),
+    };
+    number
+        .checked_mul(seconds)
+        .map(std::time::Duration::from_secs)
+        .ok_or_else(bad)
 }
 
 fn parse_state(text: &str) -> Result<freshlock::jobs::JobState, String> {
@@ -449,6 +478,14 @@ async fn jobs(
                 return Err(format!("no waiting job has id {id}").into());
             }
             println!("job {id}: discarded");
+        }
+        Some(JobsAction::Prune { older_than, failed }) => {
+            let pruned = jobs::prune(db, older_than, failed).await?;
+            if json {
+                println!("{}", serde_json::json!({ "pruned": pruned }));
+            } else {
+                println!("pruned {pruned} finished jobs");
+            }
         }
     }
     Ok(())

@@ -1,5 +1,5 @@
 //! `freshlock jobs` on SQLite, PostgreSQL and MariaDB: the depth per kind and key, the failed
-//! jobs with their errors, a retry and a discard.
+//! jobs with their errors, a retry, a discard and a prune.
 
 mod common;
 
@@ -122,6 +122,19 @@ async fn inspect_retry_discard(url: &str) {
     assert!(
         String::from_utf8_lossy(&bad.stderr)
             .contains("expected waiting, leased, done, failed or discarded")
+    );
+    // Pruning: the three discarded jobs go, the waiting one stays.
+    let pruned = json(url, &["jobs", "prune", "--older-than", "0s"]);
+    assert_eq!(pruned["pruned"], 3, "{pruned}");
+    let discarded = json(url, &["jobs", "list", "--state", "discarded"]);
+    assert!(discarded.as_array().unwrap().is_empty());
+    let waiting = json(url, &["jobs", "list", "--state", "waiting"]);
+    assert_eq!(waiting.as_array().unwrap().len(), 1);
+    json_or_text(url, &["jobs", "prune", "--older-than", "7d", "--failed"]);
+    let bad = freshlock(url, &["jobs", "prune", "--older-than", "7x"]);
+    assert!(!bad.status.success());
+    assert!(
+        String::from_utf8_lossy(&bad.stderr).contains("expected a whole number and s, m, h or d")
     );
 }
 

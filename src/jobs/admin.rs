@@ -1,5 +1,7 @@
 //! What an operator does with the queue (`freshlock jobs`): its depth per kind and key, the
-//! jobs in a state, and retrying or discarding one.
+//! jobs in a state, retrying or discarding one, and pruning finished ones.
+
+use std::time::Duration;
 
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, QueryResult, TransactionTrait, Value,
@@ -8,7 +10,7 @@ use sea_orm::{
 use super::{JobId, store};
 use crate::{
     error::{Result, database},
-    lock::sql::{now_ms, statement},
+    lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
 };
 
@@ -350,4 +352,55 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
         .await
         .map_err(fail)?;
     Ok(true)
+}
+
+/// How many finished jobs one statement of [`prune`] deletes at most: each batch commits on its
+/// own, so a large prune never holds many row locks, nor one transaction open for long.
+const PRUNE_BATCH: u32 = 1_000;
+
+/// Deletes the finished jobs that finished more than `older_than` ago (database clock): done and
+/// discarded ones, and failed ones too with `failed` (until then a failed job keeps its error
+/// for [`list`] and can be [`retry`]-ed). Returns how many it deleted.
+///
+/// Finished jobs stay in the table until pruned (README, *Keyed jobs*). Waiting and leased jobs
+/// are never touched, and neither a key's order nor a unique key depends on finished jobs, so a
+/// prune may run while workers do. It deletes in batches of 1,000, each a statement of its own
+/// (a transaction of its own behind a transaction pooler); a prune that fails part-way keeps
+/// what its earlier batches deleted.
+///
+/// # Errors
+/// [`crate::Error::Database`] when a statement fails.
+pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) -> Result<u64> {
+    let fail = |e| database("pruning finished jobs of", &JOB_TABLE, e);
+    let db = &crate::pool::autocommit(db);
+    let backend = db.get_database_backend();
+    let now = now_ms(backend);
+    let mut states = vec![store::DONE, store::DISCARDED];
+    if failed {
+        states.push(store::FAILED);
+    }
+    let states = states
+        .iter()
+        .map(i16::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    // The derived table lets MySQL delete from the table it reads (and take a LIMIT there);
+    // `freshlock_job_next` (state first) finds the finished jobs.
+    let sql = format!(
+        "DELETE FROM {JOB_TABLE} WHERE id IN (SELECT id FROM (\
+         SELECT id FROM {JOB_TABLE} WHERE state IN ({states}) AND finished_at < {now} - ? \
+         LIMIT {PRUNE_BATCH}) old)"
+    );
+    let older = millis(older_than);
+    let mut pruned = 0;
+    loop {
+        let done = db
+            .execute_raw(statement(backend, &sql, vec![older.into()]))
+            .await
+            .map_err(fail)?;
+        pruned += done.rows_affected();
+        if done.rows_affected() < u64::from(PRUNE_BATCH) {
+            return Ok(pruned);
+        }
+    }
 }

@@ -51,7 +51,8 @@
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).
-//! - **Operators** ([`depth`], [`list`], [`retry`], [`discard`]; the CLI's `freshlock jobs`).
+//! - **Operators** ([`depth`], [`list`], [`retry`], [`discard`], [`prune`]; the CLI's
+//!   `freshlock jobs`).
 //!
 //! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored whole
 //! as bytes; keys and unique keys are matched through their SHA-256 (a collision is
@@ -70,7 +71,9 @@ use std::time::Duration;
 use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
-pub use admin::{Depth, JobInfo, JobState, Retried, depth, discard, list, record_depth, retry};
+pub use admin::{
+    Depth, JobInfo, JobState, Retried, depth, discard, list, prune, record_depth, retry,
+};
 pub use lease::Lease;
 pub use worker::{Job, JobFailure, JobOutcome, JobRun, Jobs, RetryPolicy, Worker};
 
