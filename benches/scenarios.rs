@@ -580,11 +580,46 @@ async fn pgbench(url: &str, clients: u32, seconds: u32) -> Option<f64> {
     pgbench_in("prepared", url, clients, seconds).await
 }
 
+/// The floor's four statements as two messages of pgbench (`-M prepared`), each a pipeline
+/// (`\startpipeline` … `\endpipeline`: the extended protocol's statements sent together, one
+/// `Sync`): `BEGIN` + the locking read, then the UPDATE + `COMMIT`.
+const PIPELINED_SCRIPT: &str = "\\set id 2\n\
+\\startpipeline\n\
+BEGIN;\n\
+SELECT * FROM node WHERE id = :id FOR UPDATE;\n\
+\\endpipeline\n\
+\\startpipeline\n\
+UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = :id RETURNING *;\n\
+COMMIT;\n\
+\\endpipeline\n";
+
+/// The same two messages as simple-protocol multi-statement queries (`-M simple`; `\;` joins
+/// statements into one query), values inline.
+const MULTI_STATEMENT_SCRIPT: &str = "BEGIN \\; SELECT * FROM node WHERE id = 2 FOR UPDATE;\n\
+UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = 2 RETURNING * \\; COMMIT;\n";
+
 /// [`pgbench`] with protocol `mode` (`prepared`, `extended`, `simple`).
 async fn pgbench_in(mode: &str, url: &str, clients: u32, seconds: u32) -> Option<f64> {
+    pgbench_script(FLOOR_SCRIPT, mode, url, clients, seconds).await
+}
+
+/// pgbench running `script` with protocol `mode` against `url`: transactions per second.
+async fn pgbench_script(
+    script: &str,
+    mode: &str,
+    url: &str,
+    clients: u32,
+    seconds: u32,
+) -> Option<f64> {
     let mode = mode.to_owned();
-    let script = std::env::temp_dir().join(format!("freshlock_floor_{}.sql", std::process::id()));
-    std::fs::write(&script, FLOOR_SCRIPT).ok()?;
+    let name = format!(
+        "freshlock_floor_{}_{mode}_{}.sql",
+        std::process::id(),
+        script.len()
+    );
+    let script_text = script;
+    let script = std::env::temp_dir().join(name);
+    std::fs::write(&script, script_text).ok()?;
     let url = url.to_owned();
     let output = tokio::task::spawn_blocking(move || {
         std::process::Command::new("pgbench")
@@ -663,11 +698,20 @@ enum Floored {
     Combined16Sessions,
     /// The four statements in a minimal sqlx loop (prepared, plain `BEGIN`), PostgreSQL.
     Sqlx,
+    /// The same four statements as two simple-query messages (`BEGIN; SELECT … FOR UPDATE`,
+    /// then `UPDATE … RETURNING *; COMMIT`, values inline) in a minimal sqlx loop: what issue
+    /// 26's two round trips can give at best on this client stack.
+    SqlxTwo,
+    /// Django 5.2's `select_for_update` + `save(update_fields)` (`benches/django/`), when
+    /// `FRESHLOCK_BENCH_DJANGO` names a Python that has Django and psycopg; skipped otherwise.
+    Django,
 }
 
 impl Floored {
-    const ALL: [Floored; 10] = [
+    const ALL: [Floored; 12] = [
         Floored::Sqlx,
+        Floored::SqlxTwo,
+        Floored::Django,
         Floored::Backend(LockKind::Local),
         Floored::Backend(LockKind::Row),
         Floored::Backend(LockKind::PgAdvisory),
@@ -690,6 +734,12 @@ impl Floored {
                 "`locked_update` (local, combined), 16 tasks on one row, a session each".into()
             }
             Self::Sqlx => "the four statements in a minimal sqlx loop, 1 task".into(),
+            Self::SqlxTwo => {
+                "the four statements as two messages, minimal sqlx loop, 1 task".into()
+            }
+            Self::Django => {
+                "Django 5.2 `select_for_update` + `save(update_fields)`, 1 process".into()
+            }
         }
     }
 
@@ -700,6 +750,7 @@ impl Floored {
             Self::ByHand => "(sea-orm's own cost)",
             Self::Combined16 | Self::Combined16Sessions => "≥ 3× pgbench, 16 clients",
             Self::Sqlx => "(sqlx's own cost)",
+            Self::SqlxTwo => "(two round trips, at best)",
             _ => "",
         }
     }
@@ -742,8 +793,35 @@ impl Floored {
                 })
                 .await;
             }
+            #[cfg(feature = "postgres")]
+            Self::SqlxTwo => {
+                use sea_orm::sqlx::{self, Row};
+                let pool = db.get_postgres_connection_pool().clone();
+                return rate(1, seconds, move || {
+                    let pool = pool.clone();
+                    async move {
+                        let mut conn = pool.acquire().await.expect("acquire");
+                        let read =
+                            sqlx::raw_sql("BEGIN; SELECT * FROM node WHERE id = 1 FOR UPDATE")
+                                .fetch_all(&mut *conn)
+                                .await
+                                .expect("begin and select");
+                        assert_eq!(read.len(), 1);
+                        let written = sqlx::raw_sql(
+                            "UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = 1 \
+                             RETURNING *; COMMIT",
+                        )
+                        .fetch_all(&mut *conn)
+                        .await
+                        .expect("update and commit");
+                        assert!(written.first().is_some_and(|row| row.len() > 0));
+                    }
+                })
+                .await;
+            }
             #[cfg(not(feature = "postgres"))]
-            Self::Sqlx => return f64::NAN,
+            Self::Sqlx | Self::SqlxTwo => return f64::NAN,
+            Self::Django => return django(url, seconds).await,
             Self::Combined16Sessions => {
                 let db = db.clone();
                 return rate(16, seconds, move || {
@@ -789,6 +867,53 @@ impl Floored {
     }
 }
 
+/// Updates per second of Django's locked write (`benches/django/select_for_update.py`) on `url`
+/// for `seconds`, with the Python `FRESHLOCK_BENCH_DJANGO` names; NaN without it (or when the
+/// script fails, which it does when its own count does not match).
+async fn django(url: &str, seconds: f64) -> f64 {
+    let Some(python) = std::env::var_os("FRESHLOCK_BENCH_DJANGO") else {
+        return f64::NAN;
+    };
+    let script = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/benches/django/select_for_update.py"
+    );
+    let url = url.to_owned();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(python)
+            .arg(script)
+            .args([
+                "--url",
+                &url,
+                "--id",
+                "1",
+                "--seconds",
+                &seconds.to_string(),
+            ])
+            .output()
+    })
+    .await
+    .expect("join");
+    match output {
+        Ok(output) if output.status.success() => String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .find_map(|line| line.strip_prefix("updates/s: "))
+            .and_then(|rate| rate.trim().parse().ok())
+            .unwrap_or(f64::NAN),
+        Ok(output) => {
+            println!(
+                "(the Django script failed: {})",
+                String::from_utf8_lossy(&output.stderr).trim()
+            );
+            f64::NAN
+        }
+        Err(e) => {
+            println!("(the Django script did not start: {e})");
+            f64::NAN
+        }
+    }
+}
+
 /// Issue 14's goals against the floor: pgbench's four-statement transaction with one client and
 /// with 16 on one row, next to `locked_update` on the same table, in interleaved rounds (3, or 1
 /// with `FRESHLOCK_BENCH_QUICK`), medians reported. Each of ours runs on a pool that pings a
@@ -805,6 +930,7 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         println!("\npgbench alone, 1 client, 10 s: {alone:.0} tps");
     }
     let (mut floor, mut floor16) = (Vec::new(), Vec::new());
+    let (mut pipelined, mut multi) = (Vec::new(), Vec::new());
     let mut samples = vec![(Vec::new(), Vec::new()); Floored::ALL.len()];
     for _ in 0..rounds {
         let Some(one) = pgbench(url, 1, seconds).await else {
@@ -813,6 +939,10 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         };
         floor.push(one);
         floor16.push(pgbench(url, 16, seconds).await.unwrap_or(f64::NAN));
+        let two = pgbench_script(PIPELINED_SCRIPT, "prepared", url, 1, seconds).await;
+        pipelined.push(two.unwrap_or(f64::NAN));
+        let two = pgbench_script(MULTI_STATEMENT_SCRIPT, "simple", url, 1, seconds).await;
+        multi.push(two.unwrap_or(f64::NAN));
         for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
             pinged.push(what.rate(&db, url, redis, f64::from(seconds)).await);
             unpinged.push(what.rate(&quiet, url, redis, f64::from(seconds)).await);
@@ -823,7 +953,7 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         "\n| on PostgreSQL, one row (medians of {rounds}) | updates/s (pool pings on checkout) | updates/s (no ping) | pgbench floor | ratio (no ping) | goal |"
     );
     println!("|---|---|---|---|---|---|");
-    let mut local = f64::NAN;
+    let (mut local, mut django) = (f64::NAN, f64::NAN);
     for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
         let (pinged, unpinged) = (median(pinged), median(unpinged));
         let base = if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
@@ -833,6 +963,9 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         };
         if matches!(what, Floored::Backend(LockKind::Local)) {
             local = unpinged;
+        }
+        if matches!(what, Floored::Django) {
+            django = unpinged;
         }
         let extra = if matches!(what, Floored::Backend(LockKind::Table)) {
             format!(" ({:.2}× local's time)", local / unpinged)
@@ -849,6 +982,24 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
             },
             unpinged / base,
             what.goal()
+        );
+    }
+    let (pipelined, multi) = (median(&mut pipelined), median(&mut multi));
+    println!(
+        "\npgbench, the same four statements as two messages (medians of {rounds}): pipelined \
+         (extended protocol, `-M prepared`) {pipelined:.0} tps = {:.2}× the floor; multi-statement \
+         simple queries (values inline) {multi:.0} tps = {:.2}×",
+        pipelined / floor,
+        multi / floor
+    );
+    if django.is_finite() {
+        println!(
+            "\n`locked_update` (local, no ping) ÷ Django 5.2's locked write: {:.2}× (goal ≥ 5×)",
+            local / django
+        );
+    } else {
+        println!(
+            "\n(Django: skipped; set FRESHLOCK_BENCH_DJANGO to a Python with Django 5.2 and psycopg)"
         );
     }
 }
@@ -941,16 +1092,50 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
             }
         })
     };
+    // freshlock's seven statements on MariaDB (`SET TRANSACTION`, `BEGIN`, the reload, the
+    // commit marker, the UPDATE, the read-back, `COMMIT`) as two multi-statement messages,
+    // values inline: what issue 26's two round trips can give at best here.
+    let tokens = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let two_rate = || {
+        let pool = pool.clone();
+        let tokens = Arc::clone(&tokens);
+        rate(1, seconds, move || {
+            let pool = pool.clone();
+            let token = tokens.fetch_add(1, Ordering::Relaxed);
+            async move {
+                let mut conn = pool.acquire().await.expect("acquire");
+                let read = sqlx::raw_sql(
+                    "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; BEGIN; \
+                     SELECT * FROM node WHERE id = 1 FOR UPDATE",
+                )
+                .fetch_all(&mut *conn)
+                .await
+                .expect("begin and select");
+                assert_eq!(read.len(), 1);
+                let write = format!(
+                    "INSERT INTO freshlock_commit (token, created_at) VALUES ('bench-two-{token}', 0); \
+                     UPDATE node SET score = COALESCE(score, 0) + 1 WHERE id = 1; \
+                     SELECT * FROM node WHERE id = 1; COMMIT"
+                );
+                let written = sqlx::raw_sql(sqlx::AssertSqlSafe(write))
+                    .fetch_all(&mut *conn)
+                    .await
+                    .expect("write and commit");
+                assert_eq!(written.len(), 1);
+            }
+        })
+    };
     let kinds = [
         LockKind::Local,
         LockKind::Row,
         LockKind::MySqlNamed,
         LockKind::Table,
     ];
-    let mut floor = Vec::new();
+    let (mut floor, mut two) = (Vec::new(), Vec::new());
     let mut ours = vec![Vec::new(); kinds.len() + 1];
     for _ in 0..rounds {
         floor.push(floor_rate().await);
+        two.push(two_rate().await);
         for (kind, samples) in kinds.iter().zip(ours.iter_mut()) {
             samples.push(
                 Floored::Backend(*kind)
@@ -960,9 +1145,17 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
         }
         ours[kinds.len()].push(Floored::ByHand.rate(&quiet, url, redis, seconds).await);
     }
-    let floor = median(&mut floor);
+    quiet
+        .execute_unprepared("DELETE FROM freshlock_commit WHERE token LIKE 'bench-two-%'")
+        .await
+        .expect("delete the bench's markers");
+    let (floor, two) = (median(&mut floor), median(&mut two));
     println!(
         "\n| on MariaDB, one row, no ping on checkout (medians of {rounds}) | updates/s | floor: minimal sqlx loop | ratio | goal |\n|---|---|---|---|---|"
+    );
+    println!(
+        "| freshlock's seven statements as two messages, minimal sqlx loop, 1 task | {two:.0} | {floor:.0} | {:.2}× | (two round trips, at best) |",
+        two / floor
     );
     for (i, samples) in ours.iter_mut().enumerate() {
         let what = kinds
