@@ -45,31 +45,31 @@ async fn bump_now(
     let txn = crate::live::begin(db, sea_orm::TransactionOptions::default())
         .await
         .map_err(fail)?;
-    let now = now_ms(backend);
-    let fence = if backend == DbBackend::MySql {
-        txn.execute_raw(statement(
-            backend,
-            floor::MYSQL_BUMP_FENCE,
-            vec![name.into()],
-        ))
+    if backend == DbBackend::MySql {
+        // `LAST_INSERT_ID(expr)` in the upsert: its own reply carries the fence.
+        let done = txn
+            .execute_raw(statement(
+                backend,
+                floor::MYSQL_BUMP_FENCE,
+                vec![name.into()],
+            ))
+            .await
+            .map_err(fail)?;
+        txn.commit().await.map_err(fail)?;
+        return Ok(done.last_insert_id());
+    }
+    let upsert = format!(
+        "INSERT INTO {LOCK_TABLE} (name, fence, expires_at, acquired_at) \
+         VALUES (?, {first}, 0, {now}) \
+         ON CONFLICT (name) DO UPDATE SET fence = {LOCK_TABLE}.fence + 1, \
+         acquired_at = excluded.acquired_at RETURNING fence",
+        first = floor::first_fence(),
+        now = now_ms(backend),
+    );
+    let fence = txn
+        .query_one_raw(statement(backend, &upsert, vec![name.into()]))
         .await
         .map_err(fail)?;
-        let read = "SELECT CAST(LAST_INSERT_ID() AS SIGNED) AS fence";
-        txn.query_one_raw(statement(backend, read, vec![]))
-            .await
-            .map_err(fail)?
-    } else {
-        let upsert = format!(
-            "INSERT INTO {LOCK_TABLE} (name, fence, expires_at, acquired_at) \
-             VALUES (?, {first}, 0, {now}) \
-             ON CONFLICT (name) DO UPDATE SET fence = {LOCK_TABLE}.fence + 1, \
-             acquired_at = excluded.acquired_at RETURNING fence",
-            first = floor::first_fence(),
-        );
-        txn.query_one_raw(statement(backend, &upsert, vec![name.into()]))
-            .await
-            .map_err(fail)?
-    };
     let fence = fence
         .map(|row| row.try_get::<i64>("", "fence"))
         .transpose()

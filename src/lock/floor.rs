@@ -30,8 +30,8 @@ pub(crate) fn mysql_floor() -> String {
 }
 
 /// MySQL/MariaDB: the next fence of a name (`?`) — a new row one above the floor, an existing
-/// row one above its last — written with `LAST_INSERT_ID(expr)`, so that `SELECT
-/// LAST_INSERT_ID()` on the same connection reads it without a transaction. The one fence bump
+/// row one above its last — written with `LAST_INSERT_ID(expr)`, so that the statement's own
+/// reply (its OK packet's insert id) carries it: no statement more to read it. The one fence bump
 /// on MySQL, for `mysql_named` (on its lock connection) and `redis`'s fences. A literal: sqlx
 /// takes only audited SQL strings (the test below checks it against the parts it spells out).
 #[cfg_attr(not(any(feature = "mysql", feature = "redis")), allow(dead_code))]

@@ -149,7 +149,8 @@ impl LeaseTable {
     }
 
     /// MySQL: take the row in the first takeable state, else insert it, else take it over; each
-    /// a single autocommit-sized statement on one row. Then read the fence.
+    /// a single autocommit-sized statement on one row, whose own reply carries the fence it
+    /// wrote (`LAST_INSERT_ID(expr)`: no statement more to read it).
     async fn grant_mysql<C: ConnectionTrait>(
         &self,
         conn: &C,
@@ -158,9 +159,11 @@ impl LeaseTable {
         deadlock_is_busy: bool,
     ) -> Result<Option<Grant>, DbErr> {
         let backend = DbBackend::MySql;
-        let changed = |done: Result<sea_orm::ExecResult, DbErr>| match done {
-            Ok(done) => Ok(done.rows_affected() == 1),
-            Err(e) if deadlock_is_busy && classify(&e) == Failure::Deadlock => Ok(false),
+        // The fence a statement wrote, when it changed the row.
+        let granted = |done: Result<sea_orm::ExecResult, DbErr>| match done {
+            Ok(done) if done.rows_affected() == 1 => Ok(Some(done.last_insert_id())),
+            Ok(_) => Ok(None),
+            Err(e) if deadlock_is_busy && classify(&e) == Failure::Deadlock => Ok(None),
             Err(e) => Err(e),
         };
         let (first, takeovers) = self
@@ -168,42 +171,29 @@ impl LeaseTable {
             .split_first()
             .ok_or_else(|| DbErr::Custom(format!("{}: no grant condition", self.table)))?;
         let mut taken_over = false;
-        let taken = changed(
+        let mut fence = granted(
             conn.execute_raw(self.take(backend, name, holder, *first))
                 .await,
-        )? || changed(conn.execute_raw(self.insert_mysql(name, holder)).await)?;
-        if !taken {
-            let mut took = false;
+        )?;
+        if fence.is_none() {
+            fence = granted(conn.execute_raw(self.insert_mysql(name, holder)).await)?;
+        }
+        if fence.is_none() {
             for takeable in takeovers {
-                took = changed(
+                fence = granted(
                     conn.execute_raw(self.take(backend, name, holder, *takeable))
                         .await,
                 )?;
-                if took {
+                if fence.is_some() {
+                    taken_over = true;
                     break;
                 }
             }
-            if !took {
-                return Ok(None);
-            }
-            taken_over = true;
         }
-        let read = format!(
-            "SELECT fence FROM {} WHERE name = ? AND owner = ?",
-            self.table
-        );
-        let row = conn
-            .query_one_raw(statement(
-                backend,
-                &read,
-                vec![name.into(), holder.token.into()],
-            ))
-            .await?;
-        row.map(|r| {
-            r.try_get::<i64>("", "fence")
-                .map(|fence| Grant { fence, taken_over })
-        })
-        .transpose()
+        Ok(fence.map(|fence| Grant {
+            fence: i64::try_from(fence).unwrap_or(i64::MAX),
+            taken_over,
+        }))
     }
 
     /// `takeable` as a condition on the row, its columns qualified with the table's name (as an
@@ -238,13 +228,15 @@ impl LeaseTable {
         takeable: Takeable,
     ) -> Statement {
         let (t, now, granted_at) = (self.table, now_ms(backend), self.granted_at);
-        let returning = if backend == DbBackend::MySql {
-            ""
+        // MySQL has no RETURNING: `LAST_INSERT_ID(expr)` puts the new fence in the statement's
+        // own reply (its OK packet's insert id, `ExecResult::last_insert_id`).
+        let (fence, returning) = if backend == DbBackend::MySql {
+            ("LAST_INSERT_ID(fence + 1)", "")
         } else {
-            " RETURNING fence"
+            ("fence + 1", " RETURNING fence")
         };
         let sql = format!(
-            "UPDATE {t} SET fence = fence + 1, owner = ?, expires_at = {now} + ?, host = ?, \
+            "UPDATE {t} SET fence = {fence}, owner = ?, expires_at = {now} + ?, host = ?, \
              pid = ?, label = ?, {granted_at} = {now}{state} \
              WHERE name = ? AND {condition}{returning}",
             state = self.state_set(),
@@ -305,18 +297,21 @@ impl LeaseTable {
     }
 
     /// MySQL: inserts the row unless it exists. A lock row's first fence reads the fence floor
-    /// under a shared lock (see [`floor::mysql_floor`]).
+    /// under a shared lock (see [`floor::mysql_floor`]); it is written with `LAST_INSERT_ID(…)`,
+    /// so the statement's own reply carries it (as [`Self::take`]'s).
     fn insert_mysql(&self, name: &str, holder: &Holder<'_>) -> Statement {
         let backend = DbBackend::MySql;
         let t = self.table;
         let sql = if self.table == LOCK_TABLE {
-            let (columns, values) = self.new_row(backend, floor::MYSQL_FIRST_FENCE);
+            let first = format!("LAST_INSERT_ID({})", floor::MYSQL_FIRST_FENCE);
+            let (columns, values) = self.new_row(backend, &first);
             format!(
                 "INSERT IGNORE INTO {t} ({columns}) SELECT {values}{floor}",
                 floor = floor::mysql_floor()
             )
         } else {
-            let (columns, values) = self.new_row(backend, &self.first_fence());
+            let first = format!("LAST_INSERT_ID({})", self.first_fence());
+            let (columns, values) = self.new_row(backend, &first);
             format!("INSERT IGNORE INTO {t} ({columns}) VALUES ({values})")
         };
         let mut bound = vec![Value::from(name)];
@@ -370,5 +365,27 @@ mod tests {
                 && insert.ends_with(")"),
             "{insert}"
         );
+    }
+
+    /// On MySQL every statement that can grant writes its fence with `LAST_INSERT_ID(expr)`:
+    /// the grant reads it from the statement's own reply, with no `SELECT` after.
+    #[test]
+    fn mysql_grants_carry_their_fence_in_their_reply() {
+        let take = LOCKS
+            .take(DbBackend::MySql, "n", &holder(), Takeable::Free)
+            .sql;
+        assert!(
+            take.contains("SET fence = LAST_INSERT_ID(fence + 1),"),
+            "{take}"
+        );
+        let first = format!("LAST_INSERT_ID({})", floor::MYSQL_FIRST_FENCE);
+        let insert = LOCKS.insert_mysql("n", &holder()).sql;
+        assert!(insert.contains(&first), "{insert}");
+        let insert = CLAIMS.insert_mysql("n", &holder()).sql;
+        assert!(insert.contains("LAST_INSERT_ID(1)"), "{insert}");
+        let take = LOCKS
+            .take(DbBackend::Postgres, "n", &holder(), Takeable::Free)
+            .sql;
+        assert!(take.contains("SET fence = fence + 1,") && take.ends_with(" RETURNING fence"));
     }
 }

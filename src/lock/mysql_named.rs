@@ -119,19 +119,16 @@ impl LeaseLock for MySqlNamedLock {
     }
 }
 
-/// Issues the next fence of `name` on `conn` (`LAST_INSERT_ID(expr)` returns the value the
-/// upsert wrote, on this connection only).
+/// Issues the next fence of `name` on `conn`: the upsert writes it with `LAST_INSERT_ID(expr)`,
+/// so its own reply (the OK packet's insert id) carries it — one round trip.
 async fn bump_on(conn: &mut PoolConnection<MySql>, name: &str) -> Result<u64, LockError> {
     // A new row starts one above the fence floor (read under a shared lock, see `floor.rs`).
-    sea_orm::sqlx::query(super::floor::MYSQL_BUMP_FENCE)
+    let done = sea_orm::sqlx::query(super::floor::MYSQL_BUMP_FENCE)
         .bind(name)
         .execute(&mut **conn)
         .await
         .map_err(missing_table_or)?;
-    sea_orm::sqlx::query_scalar::<_, u64>("SELECT LAST_INSERT_ID()")
-        .fetch_one(&mut **conn)
-        .await
-        .map_err(MySqlNamedLock::fail)
+    Ok(done.last_insert_id())
 }
 
 /// The error of a fence statement, naming the migration when the table is missing.
