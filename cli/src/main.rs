@@ -117,8 +117,9 @@ enum JobsAction {
         /// The job's id.
         id: i64,
     },
-    /// Delete done and discarded jobs (and failed ones with `--failed`) that finished longer
-    /// ago than `--older-than`; waiting and leased jobs are never touched.
+    /// Delete done and discarded jobs (and failed ones with `--failed`) that finished
+    /// `--older-than` ago or earlier (`0s`: all of them); waiting and leased jobs are never
+    /// touched.
     Prune {
         /// How long ago: a number and a unit, `s`, `m`, `h` or `d` (`7d`, `12h`, `0s`).
         #[arg(long, value_parser = parse_age)]

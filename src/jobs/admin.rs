@@ -358,9 +358,10 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
 /// own, so a large prune never holds many row locks, nor one transaction open for long.
 const PRUNE_BATCH: u32 = 1_000;
 
-/// Deletes the finished jobs that finished more than `older_than` ago (database clock): done and
-/// discarded ones, and failed ones too with `failed` (until then a failed job keeps its error
-/// for [`list`] and can be [`retry`]-ed). Returns how many it deleted.
+/// Deletes the jobs that finished `older_than` ago or earlier (database clock; `Duration::ZERO`:
+/// every finished job): done and discarded ones, and failed ones too with `failed` (until then a
+/// failed job keeps its error for [`list`] and can be [`retry`]-ed). Returns how many it
+/// deleted.
 ///
 /// Finished jobs stay in the table until pruned (README, *Keyed jobs*). Waiting and leased jobs
 /// are never touched, and neither a key's order nor a unique key depends on finished jobs, so a
@@ -388,7 +389,7 @@ pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) 
     // `freshlock_job_next` (state first) finds the finished jobs.
     let sql = format!(
         "DELETE FROM {JOB_TABLE} WHERE id IN (SELECT id FROM (\
-         SELECT id FROM {JOB_TABLE} WHERE state IN ({states}) AND finished_at < {now} - ? \
+         SELECT id FROM {JOB_TABLE} WHERE state IN ({states}) AND finished_at <= {now} - ? \
          LIMIT {PRUNE_BATCH}) old)"
     );
     let older = millis(older_than);
