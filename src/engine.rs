@@ -275,8 +275,8 @@ pub(crate) trait Step: Send {
     /// The result when a lease was lost before the commit (rolled back, nothing written).
     fn lease_lost(&mut self) -> Self::Output;
 
-    /// Whether the step's first statement tries a single `pg_advisory` lock itself (see
-    /// [`Locking::folding_key`]): then `BEGIN` sends no lock statement of its own.
+    /// Whether the step's first statement tries a single `pg_advisory` or `row` lock itself (see
+    /// [`Locking::folding`]): then `BEGIN` sends no lock statement of its own.
     fn folds_lock(&self) -> bool {
         false
     }

@@ -84,8 +84,9 @@ where
         })
         .flatten();
     let driver = Driver::<E> {
-        // A write that only updates an existing row tries a `pg_advisory` lock in its reload
-        // (one round trip less); one that may find no row would only pay for a second try.
+        // A write that only updates an existing row tries a `pg_advisory` or `row` lock in its
+        // reload (one round trip less); one that may find no row would only pay for a second
+        // try.
         step: RowStep::new(
             session.clone(),
             row,

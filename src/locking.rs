@@ -33,7 +33,7 @@ enum Fold {
 }
 
 /// The lock a step's first statement tries, as a one-time filter evaluated before any row is
-/// read or locked (see [`Locking::folding_key`]).
+/// read or locked (see [`Locking::folding`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) enum Folded {
     /// `(SELECT pg_try_advisory_xact_lock(key))`.
@@ -56,7 +56,7 @@ pub(crate) struct Locking {
     pub(crate) guard: Option<Box<dyn LockGuard>>,
     /// Whether to take a transaction-scoped lock in each transaction.
     in_transaction: bool,
-    /// Whether that lock may ride on the step's first statement (see [`Self::folding_key`]).
+    /// Whether that lock may ride on the step's first statement (see [`Self::folding`]).
     fold: Fold,
     /// The bound on one reply of the database (see `deadline.rs`).
     pub(crate) reply: std::time::Duration,
@@ -218,7 +218,8 @@ impl Locking {
     /// transaction is ended and begun again without it (and the ones before it taken again).
     /// `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]), for callers
     /// that may be dropped while it runs. `fold`: the caller's first statement tries the lock of
-    /// a single `pg_advisory` locking itself (see [`Self::folding_key`]), so none is sent here.
+    /// a single `pg_advisory` or `row` locking itself (see [`Self::folding`]), so none is sent
+    /// here.
     pub(crate) async fn begin_all(
         lockings: &mut [Locking],
         db: &DatabaseConnection,
@@ -276,7 +277,7 @@ impl Locking {
     /// [`begin_all`](Self::begin_all) left this lock to it: `pg_advisory`'s key, or `row`'s lock
     /// row. A try that fails — the lock busy, or (`row`) its lock row not made yet — runs the
     /// attempt again with the lock taken by statements of its own.
-    pub(crate) fn folding_key(&self) -> Option<Folded> {
+    pub(crate) fn folding(&self) -> Option<Folded> {
         if self.fold != Fold::Pending {
             return None;
         }
@@ -287,7 +288,7 @@ impl Locking {
         })
     }
 
-    /// How the try of [`folding_key`](Self::folding_key) went (`waited`: the statement's time).
+    /// How the try of [`folding`](Self::folding) went (`waited`: the statement's time).
     /// Not held — the lock is busy, or the statement found no row and so cannot tell — means
     /// the attempt is to be run again, the lock then taken by a statement of its own.
     pub(crate) fn folded(&mut self, held: bool, waited: Duration) {

@@ -122,7 +122,7 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
 /// already excludes other writers). With `folded` (PostgreSQL), the same statement first tries
 /// that lock — a `pg_advisory_xact_lock` key or a `row` backend's lock row — as a one-time filter
 /// evaluated before any row is read or locked: no row comes back unless the lock was had (see
-/// `Locking::folding_key`).
+/// `Locking::folding`).
 pub(crate) async fn reload_for_update<E: EntityTrait>(
     txn: &DatabaseTransaction,
     pk: &ValueTuple,

@@ -40,7 +40,7 @@ pub(crate) struct RowStep<E: EntityTrait> {
     /// row and the rows their own `after_save` returned.
     telling: Option<Telling<E::Model>>,
     /// Whether the reload tries a `pg_advisory` or `row` lock itself (see
-    /// `Locking::folding_key`): for writes that only update a row that exists, until a try
+    /// `Locking::folding`): for writes that only update a row that exists, until a try
     /// fails.
     fold: bool,
 }
@@ -277,7 +277,7 @@ where
     async fn run(&mut self, txn: DatabaseTransaction, lockings: &mut [Locking]) -> Attempted<E> {
         self.telling = None;
         self.session.map().remove(&self.row.key);
-        let folded = lockings.first().and_then(Locking::folding_key);
+        let folded = lockings.first().and_then(Locking::folding);
         let folds = folded.is_some();
         let started = tokio::time::Instant::now();
         let reload = reload_for_update::<E>(&txn, self.row.pk(), folded);

@@ -189,6 +189,16 @@ async fn a_busy_lock_row_is_waited_for_in_a_second_try_and_counted_once() {
     let name = lock_name::<node::Entity>(1).expect("name");
     let other = servers::connect(&db.url, db.schema.as_deref(), 1).await;
     let holder = other.begin().await.expect("begin");
+    let pid: i32 = holder
+        .query_one_raw(sea_orm::Statement::from_string(
+            sea_orm::DbBackend::Postgres,
+            "SELECT pg_backend_pid() AS pid",
+        ))
+        .await
+        .expect("pid")
+        .expect("a row")
+        .try_get("", "pid")
+        .expect("pid");
     let held = holder
         .query_one_raw(sea_orm::Statement::from_sql_and_values(
             sea_orm::DbBackend::Postgres,
@@ -200,9 +210,12 @@ async fn a_busy_lock_row_is_waited_for_in_a_second_try_and_counted_once() {
     assert!(held.is_some(), "the lock row exists");
 
     let writer = tokio::spawn(async move { increment(&session, 1).await });
-    // The write's try in the reload skipped the held row; its second attempt waits for it.
-    let waiting = "SELECT count(*)::int AS n FROM pg_locks WHERE NOT granted";
-    until_waiting(&db, waiting).await;
+    // The write's try in the reload skipped the held row; its second attempt waits for it (for
+    // this holder: not any lock wait of the server).
+    let waiting = format!(
+        "SELECT count(*)::int AS n FROM pg_stat_activity WHERE {pid} = ANY(pg_blocking_pids(pid))"
+    );
+    until_waiting(&db, &waiting).await;
     assert_eq!(
         db.score(1).await,
         Some(1),
