@@ -1105,8 +1105,9 @@ async fn a_worker_follows_the_key_whose_next_job_it_readied() {
 
 /// A worker following a key runs the key's next jobs in the same transaction (a chain of up to
 /// 16 short jobs, within 100 ms): 20 jobs of one key commit in two transactions, not twenty —
-/// each job's write still once, in order. `run_one` never chains. The transaction is the one PostgreSQL
-/// names with `txid_current()`, read by each handler.
+/// each job's write still once, in order. `run_one` never chains. The transaction is the one the
+/// database names (`txid_current()`; on MariaDB the connection and its count of commits), read
+/// by each handler.
 async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
@@ -1118,7 +1119,14 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
             let seen = Arc::clone(&seen);
             Box::pin(async move {
                 bump(tx, job.payload.node).await?;
-                let sql = "SELECT CAST(txid_current() AS BIGINT) AS txid";
+                let sql = if tx.get_database_backend() == sea_orm::DbBackend::Postgres {
+                    "SELECT CAST(txid_current() AS BIGINT) AS txid"
+                } else {
+                    // The connection and its commits so far (`innodb_trx` is a cache
+                    // refreshed every 100 ms: a new transaction may not be in it yet).
+                    "SELECT CAST(CONNECTION_ID() * 1000000 + VARIABLE_VALUE AS SIGNED) AS txid \
+                     FROM information_schema.SESSION_STATUS WHERE VARIABLE_NAME = 'COM_COMMIT'"
+                };
                 let row = tx
                     .query_one_raw(Statement::from_string(tx.get_database_backend(), sql))
                     .await?
@@ -1171,4 +1179,177 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
 
 on_databases! {
     hot_key_jobs_chain_postgres: a_hot_keys_short_jobs_share_a_transaction, postgres;
+    hot_key_jobs_chain_mysql: a_hot_keys_short_jobs_share_a_transaction, mysql;
+}
+
+/// Jobs of kind `ordered` bump node 1 and check that they run in their key's order: job `seq`
+/// finds the node at `seq` (what the jobs before it committed, or wrote earlier in its own
+/// transaction — a chain's). Job `fail` fails, under `policy`. Returns the handlers and the
+/// seqs that found the node at another value.
+fn ordered_jobs(fail: u32, policy: RetryPolicy) -> (Jobs, Arc<std::sync::Mutex<Vec<u32>>>) {
+    let misordered: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
+    let handlers = {
+        let misordered = Arc::clone(&misordered);
+        Jobs::new().handle("ordered", policy, move |tx, job: Job<Bump>| {
+            let misordered = Arc::clone(&misordered);
+            Box::pin(async move {
+                let sql = "SELECT score FROM node WHERE id = 1";
+                let row = tx
+                    .query_one_raw(Statement::from_string(tx.get_database_backend(), sql))
+                    .await?
+                    .ok_or_else(|| freshlock::ApplyError::msg("no node"))?;
+                let score: Option<i32> = row.try_get("", "score")?;
+                if job.payload.seq == fail {
+                    return Err(freshlock::ApplyError::msg("this one fails"));
+                }
+                if score.unwrap_or(0) != i32::try_from(job.payload.seq).unwrap() {
+                    misordered.lock().unwrap().push(job.payload.seq);
+                }
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        })
+    };
+    (handlers, misordered)
+}
+
+async fn enqueue_ordered(db: &DatabaseConnection, n: u32) {
+    for seq in 0..n {
+        let job = NewJob::new("ordered", &Bump { node: 1, seq }).unwrap();
+        add(db, job.key("hot")).await.unwrap();
+    }
+}
+
+/// The states of the jobs, by id.
+async fn states(db: &DatabaseConnection) -> Vec<i64> {
+    let sql = format!(
+        "SELECT {} AS n FROM freshlock_job ORDER BY id",
+        bigint(db, "state")
+    );
+    let rows = db
+        .query_all_raw(Statement::from_string(db.get_database_backend(), sql))
+        .await
+        .unwrap();
+    rows.iter().map(|r| r.try_get("", "n").unwrap()).collect()
+}
+
+/// A chain (a hot key's jobs run one after another in one transaction, locked together) ends
+/// at a job that fails and waits for its retry: the jobs behind it neither run nor become
+/// ready — they stay queued behind it, the retry first in line — and what ran before it
+/// commits once.
+async fn a_chain_stops_at_a_retry_and_its_key_waits_for_it(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let hour = Duration::from_secs(3600);
+    let later = RetryPolicy::default()
+        .with_max_attempts(2)
+        .with_backoff(hour, hour);
+    let (handlers, misordered) = ordered_jobs(2, later);
+    enqueue_ordered(&db, 6).await;
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let outcomes: Vec<_> = runs.iter().map(|r| (r.id, r.outcome.clone())).collect();
+    assert_eq!(outcomes.len(), 3, "{outcomes:?}");
+    assert!(matches!(outcomes[2].1, JobOutcome::Retrying { .. }));
+    let (done, pending, queued) = (2, 0, 5);
+    assert_eq!(
+        states(&db).await,
+        [done, done, pending, queued, queued, queued],
+        "the retry waits first in line, its followers queued behind it"
+    );
+    assert_eq!(total_score(&db).await, 2, "the two before it, once");
+    assert!(misordered.lock().unwrap().is_empty());
+}
+
+on_databases! {
+    a_chain_stops_at_a_retry_sqlite: a_chain_stops_at_a_retry_and_its_key_waits_for_it, sqlite;
+    a_chain_stops_at_a_retry_postgres: a_chain_stops_at_a_retry_and_its_key_waits_for_it, postgres;
+    a_chain_stops_at_a_retry_mysql: a_chain_stops_at_a_retry_and_its_key_waits_for_it, mysql;
+}
+
+/// A job of a hot key that fails for good ends its chain; the key's next job is readied past
+/// the jobs the chain completed, and the rest run in order, each effect once.
+async fn a_key_goes_on_past_a_job_that_failed_for_good(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    // Job 4 (seq 99) fails for good, between seqs 2 and 3.
+    let (handlers, misordered) = ordered_jobs(99, at_once(1));
+    enqueue_ordered(&db, 3).await;
+    let job = NewJob::new("ordered", &Bump { node: 1, seq: 99 }).unwrap();
+    add(&db, job.key("hot")).await.unwrap();
+    for seq in 3..20 {
+        let job = NewJob::new("ordered", &Bump { node: 1, seq }).unwrap();
+        add(&db, job.key("hot")).await.unwrap();
+    }
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let failed: Vec<_> = (runs.iter())
+        .filter(|r| matches!(r.outcome, JobOutcome::Failed(_)))
+        .map(|r| r.id)
+        .collect();
+    assert_eq!(failed, [4], "{runs:?}");
+    let ids: Vec<_> = runs.iter().map(|r| r.id).collect();
+    assert_eq!(ids, (1..=21).collect::<Vec<_>>(), "in enqueue order");
+    assert!(misordered.lock().unwrap().is_empty());
+    assert_eq!(total_score(&db).await, 20);
+    assert_eq!(jobs_in(&db, 2).await, 20);
+    assert_eq!(jobs_in(&db, 3).await, 1);
+}
+
+/// A job of a leased kind in a hot key's line ends the chain before it: it is claimed by a take
+/// of its own, works outside the transaction, and the in-transaction jobs behind it run only
+/// after its finish committed.
+async fn a_leased_job_in_a_hot_keys_line_ends_the_chain(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let (handlers, misordered) = ordered_jobs(u32::MAX, at_once(1));
+    let handlers = handlers.handle_leased(
+        "leased",
+        at_once(1),
+        Duration::from_secs(30),
+        |job: Job<Bump>, _lease: jobs::Lease| async move {
+            Ok::<_, freshlock::BoxError>(job.payload.node)
+        },
+        job_support::bump_node,
+    );
+    for (seq, kind) in [
+        (0, "ordered"),
+        (1, "ordered"),
+        (2, "leased"),
+        (3, "ordered"),
+    ] {
+        let job = NewJob::new(kind, &Bump { node: 1, seq }).unwrap();
+        add(&db, job.key("hot")).await.unwrap();
+    }
+    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let ids: Vec<_> = runs.iter().map(|r| (r.id, r.outcome.clone())).collect();
+    let completed = JobOutcome::Completed;
+    assert_eq!(
+        ids,
+        [
+            (1, completed.clone()),
+            (2, completed.clone()),
+            (3, completed.clone()),
+            (4, completed)
+        ]
+    );
+    assert!(misordered.lock().unwrap().is_empty(), "{misordered:?}");
+    assert_eq!(total_score(&db).await, 4);
+    assert_eq!(jobs_in(&db, 2).await, 4);
+}
+
+on_databases! {
+    leased_in_a_chain_sqlite: a_leased_job_in_a_hot_keys_line_ends_the_chain, sqlite;
+    leased_in_a_chain_postgres: a_leased_job_in_a_hot_keys_line_ends_the_chain, postgres;
+    leased_in_a_chain_mysql: a_leased_job_in_a_hot_keys_line_ends_the_chain, mysql;
+}
+
+on_databases! {
+    past_a_failed_job_sqlite: a_key_goes_on_past_a_job_that_failed_for_good, sqlite;
+    past_a_failed_job_postgres: a_key_goes_on_past_a_job_that_failed_for_good, postgres;
+    past_a_failed_job_mysql: a_key_goes_on_past_a_job_that_failed_for_good, mysql;
 }

@@ -304,6 +304,59 @@ async fn job_round_trips(
     sent
 }
 
+/// A hot key's chain sends nothing between its jobs: 16 jobs of one key, run by a worker that
+/// follows the key, lock the key's next jobs in one statement after the first job and complete
+/// together — `BEGIN`, the take, the chain's take, the completion, `COMMIT` — where a chain
+/// used to send a completion and a take per job (35 statements). A keyed job with nothing
+/// behind it sends the four of any job.
+#[tokio::test]
+async fn a_hot_keys_chain_sends_nothing_between_its_jobs() {
+    use freshlock::jobs::{self, Jobs, NewJob, RetryPolicy, Worker};
+    let Some(db) = servers::postgres("round_trips_chain").await else {
+        return;
+    };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let handlers = Jobs::new().handle(
+        "noop",
+        RetryPolicy::default(),
+        |_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) }),
+    );
+    let worker = Worker::new(Session::new(pool.clone()), handlers);
+    let mut sent = Vec::new();
+    for _ in 0..2 {
+        for i in 0..16u32 {
+            let job = NewJob::new("noop", &i).unwrap().key("hot");
+            jobs::enqueue(&db.db, job).await.unwrap();
+        }
+        let before = proxy.round_trips();
+        let runs = worker.run_until_idle().await.unwrap();
+        assert_eq!(runs.len(), 16);
+        sent.push(proxy.round_trips() - before);
+    }
+    // The second time (the first prepares the statements): the chain's five, then the last
+    // look's three (and the sweep's one, when a second went by since the first time's). A
+    // chain that a slow machine cut at its 100 ms goes on with a transaction of its own: five
+    // more statements per cut.
+    assert!(
+        sent[1] >= 8 && (sent[1] - 8) % 5 <= 1,
+        "{sent:?} statements for 16 jobs of one key"
+    );
+    assert!(sent[1] < 16, "{sent:?}: not a statement per job");
+    // A keyed job with nothing queued behind it asks for no chain: still four statements.
+    for i in 0..10u32 {
+        let job = NewJob::new("noop", &i).unwrap().key(format!("k{i}"));
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    let before = proxy.round_trips();
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 10);
+    let alone = proxy.round_trips() - before;
+    assert!(
+        alone == 10 * 4 + 3 || alone == 10 * 4 + 4,
+        "{alone} statements for 10 keyed jobs and the last look"
+    );
+}
+
 /// The statements of a job's run, as a guard on the queue's hot path: `BEGIN`, the take, the
 /// completion (which also returns the commit's evidence) and `COMMIT` — the handler runs in the
 /// job's transaction itself, with no `SAVEPOINT`/`RELEASE` pair; a keyed job readies its key's

@@ -348,7 +348,7 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
         Some(row) => row.try_get("", "key_hash").map_err(fail)?,
         None => None,
     };
-    store::promote(db, key.into_iter().collect())
+    store::promote(db, key.into_iter().collect(), &[])
         .await
         .map_err(fail)?;
     Ok(true)

@@ -42,12 +42,14 @@
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
 //! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
 //!   its commit; a failing job rolls back alone (see above).
-//! - **Chains** ([`Worker::run`], [`Worker::run_until_idle`], one job at a time): a job that
-//!   completed readies its key's next job in the same transaction and the worker runs that one
-//!   there too — up to 16 jobs while the transaction is younger than 100 ms — so a hot key's
-//!   short jobs share a commit (each one's writes still commit with its completion, in order).
-//!   A long job is never chained into, and `run_one`/`run_batch` never chain. Not on
-//!   MySQL/MariaDB yet (a chain's take of the key's next job once came back empty there).
+//! - **Chains** ([`Worker::run`], [`Worker::run_until_idle`], one job at a time): when a keyed
+//!   job it takes has jobs of its key queued behind it, the worker locks the key's next queued,
+//!   due jobs too (one statement) and runs them after it in the same transaction — up to 16 jobs while the transaction is younger than
+//!   100 ms — then completes them all with one statement: a hot key's short jobs share a commit
+//!   and send nothing between them (each one's writes still commit with its completion, in
+//!   order). A chain ends at a job that fails (the jobs behind it wait for its retry) and before
+//!   a job of a leased kind. A long job is never chained into, and `run_one`/`run_batch` never
+//!   chain.
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).

@@ -159,6 +159,24 @@ pub(crate) struct Taken {
     pub(crate) attempts: i32,
     /// Milliseconds since the job was due (database clock).
     pub(crate) waited: i64,
+    /// A queued job of its key comes after it (read by a take of one job): a chain may follow
+    /// it (`take_after`).
+    pub(crate) followed: bool,
+}
+
+impl Taken {
+    /// The job a take's `row` holds (`followed` read by the caller).
+    fn read(row: &QueryResult, followed: bool) -> Result<Self, DbErr> {
+        Ok(Self {
+            id: row.try_get("", "id")?,
+            kind: row.try_get("", "kind")?,
+            key: row.try_get("", "job_key")?,
+            payload: row.try_get("", "payload")?,
+            attempts: row.try_get("", "attempts")?,
+            waited: row.try_get("", "waited")?,
+            followed,
+        })
+    }
 }
 
 /// Locks the next `limit` jobs to run, in `txn`: the first by priority, then enqueue order,
@@ -194,6 +212,56 @@ pub(crate) async fn take_key(
     lock_due(txn, &scan, vec![Value::Bytes(Some(key_hash.to_vec()))]).await
 }
 
+/// Locks the jobs of key `key_hash` (its SHA-256) that come right after job `after` — up to
+/// `limit`, in id order, each due and queued — for the transaction that holds `after` (the
+/// key's head, completed in it) to run them one after another: a chain (`Source::Take`). Only
+/// an unbroken run is returned: it ends before the first unfinished job of the key that is not
+/// queued and due, or that another transaction locked (skipped, never waited for). Their
+/// states are left as they are: the completion that marks them done readies the key's next
+/// job after them (`complete`'s exclusion), and one the transaction does not get to stays
+/// queued, first in line.
+pub(crate) async fn take_after(
+    txn: &DatabaseTransaction,
+    key_hash: &[u8],
+    after: i64,
+    limit: u32,
+) -> Result<Vec<Taken>, DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let skip = for_update_skip_locked(backend);
+    // InnoDB locks every row the scan reads: it follows the key's index, in id order.
+    let index = if backend == DbBackend::MySql {
+        " FORCE INDEX (freshlock_job_key)"
+    } else {
+        ""
+    };
+    // `ahead`: the key's unfinished jobs between `after` and this one, whatever their state or
+    // lock. The run is unbroken while each row's `ahead` is its place in the run.
+    let sql = format!(
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited, \
+         (SELECT COUNT(*) FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
+         AND h.state IN ({UNFINISHED}) AND h.id > ? AND h.id < j.id) AS ahead \
+         FROM {JOB_TABLE} j{index} \
+         WHERE j.key_hash = ? AND j.state = {QUEUED} AND j.id > ? AND j.run_at <= {now} \
+         ORDER BY j.id LIMIT {limit}{skip}"
+    );
+    let values = vec![
+        after.into(),
+        Value::Bytes(Some(key_hash.to_vec())),
+        after.into(),
+    ];
+    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    let mut run = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let ahead: i64 = row.try_get("", "ahead")?;
+        if usize::try_from(ahead).ok() != Some(run.len()) {
+            break;
+        }
+        run.push(Taken::read(row, false)?);
+    }
+    Ok(run)
+}
+
 /// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
 /// being due (`{head}` stands for [`head`]), its order and how many.
 struct Scan {
@@ -224,25 +292,35 @@ async fn lock_due(
         ..
     } = scan;
     let filter = filter.replace("{head}", &head());
+    // Whether a chain may follow the job (`Taken::followed`): asked for a take of one job
+    // only, where chains run.
+    let asks = *limit == 1;
+    let followed = if asks {
+        format!(
+            ", EXISTS (SELECT 1 FROM {JOB_TABLE} q WHERE q.key_hash = j.key_hash \
+             AND q.state = {QUEUED} AND q.id > j.id) AS followed"
+        )
+    } else {
+        String::new()
+    };
     let sql = format!(
-        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited \
-         FROM {JOB_TABLE} j{index} \
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited\
+         {followed} FROM {JOB_TABLE} j{index} \
          WHERE j.state = {PENDING} AND j.run_at <= {now} AND {filter} \
          ORDER BY {order} LIMIT {limit}{skip}"
     );
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
     rows.iter()
-        .map(|row| {
-            Ok(Taken {
-                id: row.try_get("", "id")?,
-                kind: row.try_get("", "kind")?,
-                key: row.try_get("", "job_key")?,
-                payload: row.try_get("", "payload")?,
-                attempts: row.try_get("", "attempts")?,
-                waited: row.try_get("", "waited")?,
-            })
-        })
+        .map(|row| Taken::read(row, asks && flag(row, "followed")?))
         .collect()
+}
+
+/// A truth value of column `column`: a boolean on PostgreSQL, an integer on MySQL and SQLite.
+fn flag(row: &QueryResult, column: &str) -> Result<bool, DbErr> {
+    match row.try_get::<bool>("", column) {
+        Ok(flag) => Ok(flag),
+        Err(_) => row.try_get::<i64>("", column).map(|n| n != 0),
+    }
 }
 
 /// Keyed job `j` is its key's head: no earlier job of its key is unfinished.
@@ -270,14 +348,17 @@ pub(crate) async fn complete(
     let mut readied = 0;
     let mut values: Vec<Value> = Vec::with_capacity(promote.len() + ids.len());
     let mut sql = String::new();
+    // The promotion passes over the jobs completed here: a chain's later jobs are still
+    // queued as stored (`take_after`).
     if folds {
         sql = format!(
             "WITH promoted AS ({} RETURNING 1) ",
-            promotion(promote.len())
+            promotion(promote.len(), ids.len())
         );
         values.extend(promote.into_iter().map(|h| Value::Bytes(Some(h))));
+        values.extend(ids.iter().map(|&id| Value::from(id)));
     } else if !promote.is_empty() {
-        readied = self::promote(txn, promote).await?;
+        readied = self::promote(txn, promote, ids).await?;
     }
     let now = now_ms(backend);
     let placeholders = vec!["?"; ids.len()].join(", ");
@@ -352,33 +433,40 @@ pub(crate) async fn failed(
 }
 
 /// Makes the first queued job of each key in `key_hashes` ready (their heads finished in
-/// `txn`): how many.
+/// `txn`), passing over jobs `except` (finishing in `txn` too): how many.
 pub(crate) async fn promote(
     txn: &impl ConnectionTrait,
     key_hashes: Vec<Vec<u8>>,
+    except: &[i64],
 ) -> Result<u64, DbErr> {
     if key_hashes.is_empty() {
         return Ok(0);
     }
     let backend = txn.get_database_backend();
-    let sql = promotion(key_hashes.len());
-    let values = key_hashes
+    let sql = promotion(key_hashes.len(), except.len());
+    let mut values: Vec<Value> = key_hashes
         .into_iter()
         .map(|h| Value::Bytes(Some(h)))
         .collect();
+    values.extend(except.iter().map(|&id| Value::from(id)));
     txn.execute_raw(statement(backend, &sql, values))
         .await
         .map(|done| done.rows_affected())
 }
 
-/// The statement of [`promote`] for `keys` key hashes (its placeholders).
-fn promotion(keys: usize) -> String {
+/// The statement of [`promote`] for `keys` key hashes and `except` job ids (its
+/// placeholders, in that order).
+fn promotion(keys: usize, except: usize) -> String {
     let placeholders = vec!["?"; keys].join(", ");
+    let except = match except {
+        0 => String::new(),
+        n => format!(" AND id NOT IN ({})", vec!["?"; n].join(", ")),
+    };
     // The derived table lets MySQL read the table it updates.
     format!(
         "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
          SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {QUEUED} \
-         AND key_hash IN ({placeholders}) GROUP BY key_hash) heads)"
+         AND key_hash IN ({placeholders}){except} GROUP BY key_hash) heads)"
     )
 }
 

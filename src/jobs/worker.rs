@@ -567,6 +567,11 @@ impl Worker {
         self.jobs.kinds.get(kind).cloned()
     }
 
+    /// Whether `kind` is a leased kind here.
+    fn is_leased(&self, kind: &[u8]) -> bool {
+        self.kind(kind).is_some_and(|k| k.leased().is_some())
+    }
+
     pub(super) fn session(&self) -> &Session {
         &self.session
     }
@@ -691,10 +696,11 @@ pub(super) enum Source<'a> {
     /// those of leased kinds. With `follow` (a key hash) and a limit of one, the next job of
     /// that key comes first when it is due: a worker follows the key whose job it just
     /// finished, so a hot key's chain never waits for a free worker. With `chain` and a limit
-    /// of one, a job that completed readies its key's next job in the same transaction and
-    /// runs it there too (up to [`CHAIN_JOBS`] jobs while the transaction is younger than
-    /// [`CHAIN_FOR`]): a hot key's short jobs share a commit instead of paying `COMMIT`,
-    /// `BEGIN` and a take each.
+    /// of one, a keyed job that completed is followed by its key's next jobs in the same
+    /// transaction (up to [`CHAIN_JOBS`] jobs while the transaction is younger than
+    /// [`CHAIN_FOR`]), locked by one statement and completed by the transaction's completion:
+    /// a hot key's short jobs share a commit, and send nothing between them, instead of paying
+    /// `COMMIT`, `BEGIN` and a take each.
     Take {
         limit: u32,
         follow: Option<&'a [u8]>,
@@ -758,8 +764,6 @@ struct Ended {
     effects: Vec<Change>,
     ran: Duration,
     span: Option<tracing::Span>,
-    /// Completed and its key's next job readied already, in the transaction (a chain).
-    recorded: bool,
 }
 
 impl Step for JobStep<'_> {
@@ -877,6 +881,27 @@ impl JobStep<'_> {
             Err(e) => return (txn, Err(fail(e))),
         };
         let mut ended = Vec::with_capacity(taken.len());
+        // A chain (see `Source::Take`): the key's next jobs, locked at once by one statement
+        // when the take saw a job of the key queued behind the one it took — before that one
+        // runs, while the connection is warm (a round trip after a job's idle time costs about
+        // double), and left queued if that job fails. (An earlier form readied each next job
+        // by the promotion and took it in the same transaction; on MariaDB that take once came
+        // back empty in CI's demo, unexplained, and chains were off there. This form never
+        // takes a job its own transaction readied.)
+        let chains = chain && limit == 1;
+        let mut ahead = std::collections::VecDeque::new();
+        if let [first] = taken.as_slice()
+            && chains
+            && first.followed
+            && let Some(key) = first.key.as_ref().map(store::hash)
+            && !self.worker.is_leased(&first.kind)
+        {
+            let more = u32::try_from(CHAIN_JOBS - 1).unwrap_or(1);
+            ahead = match within(reply, store::take_after(&txn, &key, first.id, more)).await {
+                Ok(next) => next.into(),
+                Err(e) => return (txn, Err(fail(e))),
+            };
+        }
         loop {
             let (back, ran) = self
                 .run_taken(txn, std::mem::take(&mut taken), &mut ended)
@@ -887,46 +912,23 @@ impl JobStep<'_> {
                 Ok(Some(spoiled)) => return (txn, Ok(spoiled)),
                 Err(failed) => return (txn, Err(failed)),
             }
-            // A chain: the key's next job, in this transaction (see `Source::Take`).
-            // Not on MySQL/MariaDB: there a chain's take of the key's next job came back empty
-            // in a CI run of the demo (and its key was left unfollowed); unexplained yet.
-            let backend = sea_orm::ConnectionTrait::get_database_backend(&txn);
-            let chains = chain && backend != sea_orm::DbBackend::MySql;
+            // The chain goes on while its jobs complete, the transaction is young and no job
+            // was claimed.
             let room = ended.len() < CHAIN_JOBS && began.elapsed() < CHAIN_FOR;
-            let last = match ended.last_mut() {
-                Some(last)
-                    if chains
-                        && room
-                        && limit == 1
-                        && self.claimed.is_empty()
-                        && last.outcome == JobOutcome::Completed =>
-                {
-                    last
-                }
-                _ => break,
-            };
-            let Some(key) = last.key.as_ref().map(store::hash) else {
-                break;
-            };
-            let ids = [last.id];
-            let complete = store::complete(&txn, &ids, None, vec![key.clone()]);
-            let readied = match within(reply, complete).await {
-                Ok((_, readied)) => readied,
-                Err(e) => return (txn, Err(("completing jobs in", e))),
-            };
-            last.recorded = true;
-            if readied != 1 {
+            let goes_on =
+                matches!(ended.last(), Some(last) if last.outcome == JobOutcome::Completed);
+            if !(room && goes_on && self.claimed.is_empty()) {
                 break;
             }
-            taken = match within(reply, store::take_key(&txn, &key)).await {
-                Ok(taken) if taken.is_empty() => {
-                    // Readied but not takeable now: the worker follows the key next time.
-                    self.follow = Some(key);
-                    break;
-                }
-                Ok(taken) => taken,
-                Err(e) => return (txn, Err(fail(e))),
+            let Some(next) = ahead.pop_front() else {
+                break;
             };
+            // A leased kind's job is claimed by a take of its own, once the key's promotion
+            // made it ready: a chain runs in-transaction kinds only.
+            if self.worker.is_leased(&next.kind) {
+                break;
+            }
+            taken = vec![next];
         }
         (txn, Ok(Did::Ended(ended)))
     }
@@ -1015,7 +1017,6 @@ impl JobStep<'_> {
                 effects,
                 ran: started.elapsed(),
                 span: Some(span),
-                recorded: false,
             });
         }
         (txn, Ok(None))
@@ -1101,7 +1102,6 @@ impl JobStep<'_> {
             effects,
             ran: finishing.ran + started.elapsed(),
             span: None,
-            recorded: false,
         };
         (txn, Ok(Did::Ended(vec![ended])))
     }
@@ -1123,9 +1123,7 @@ impl JobStep<'_> {
             let stored_attempts = i32::try_from(ended.attempt).unwrap_or(i32::MAX);
             let recorded = match &ended.outcome {
                 JobOutcome::Completed => {
-                    if !ended.recorded {
-                        completed.push(ended.id);
-                    }
+                    completed.push(ended.id);
                     Ok(())
                 }
                 JobOutcome::Retrying { failure, after } => {
@@ -1148,11 +1146,14 @@ impl JobStep<'_> {
                 span.record("outcome", name);
             }
             let finished = !matches!(ended.outcome, JobOutcome::Retrying { .. });
-            if finished
-                && !ended.recorded
-                && let Some(key) = &ended.key
-            {
-                finished_keys.push(store::hash(key));
+            if let Some(key) = &ended.key {
+                // A key's jobs end here in its order (a chain's, one after another): its next
+                // job is readied when the last of them finished, not when it waits for a retry.
+                let key = store::hash(key);
+                finished_keys.retain(|k| *k != key);
+                if finished {
+                    finished_keys.push(key);
+                }
             }
             self.measured.push(Measured {
                 kind: ended.kind.clone(),
@@ -1176,7 +1177,7 @@ impl JobStep<'_> {
             _ => None,
         };
         let (evidence, readied) = if completed.is_empty() {
-            let readied = within(reply, store::promote(txn, finished_keys))
+            let readied = within(reply, store::promote(txn, finished_keys, &[]))
                 .await
                 .map_err(|e| ("readying the next jobs of", e))?;
             (None, readied)
