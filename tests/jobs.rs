@@ -809,6 +809,50 @@ on_databases! {
     operator_mysql: depth_list_retry_and_discard, mysql;
 }
 
+/// Two kinds longer than MySQL's `max_sort_length` (1,024 bytes) that differ only after it are
+/// two kinds in the depth, each with its own counts, and each kind's rows are next to each
+/// other (`record_depth` sums adjacent rows).
+async fn long_kinds_are_counted_apart(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let db = db.db;
+    let stem = "k".repeat(1_100);
+    let (a, b) = (format!("{stem}a"), format!("{stem}b"));
+    for (kind, key) in [(&a, "x"), (&b, "x"), (&a, "y"), (&a, "y"), (&b, "z")] {
+        add(&db, NewJob::new(kind.as_str(), &()).unwrap().key(key))
+            .await
+            .unwrap();
+    }
+    let depth = jobs::depth(&db).await.unwrap();
+    let rows: Vec<(bool, Option<&str>, u64)> = depth
+        .iter()
+        .map(|d| (d.kind == a, d.key.as_deref(), d.waiting))
+        .collect();
+    assert!(
+        depth.iter().all(|d| d.kind == a || d.kind == b),
+        "the kinds come back whole"
+    );
+    let mut expected = vec![
+        (true, Some("x"), 1),
+        (true, Some("y"), 2),
+        (false, Some("x"), 1),
+        (false, Some("z"), 1),
+    ];
+    let mut sorted = rows.clone();
+    sorted.sort_unstable();
+    expected.sort_unstable();
+    assert_eq!(sorted, expected, "{rows:?}");
+    let firsts: Vec<bool> = rows.iter().map(|r| r.0).collect();
+    let mut runs = firsts.clone();
+    runs.dedup();
+    assert_eq!(runs.len(), 2, "each kind's rows together: {firsts:?}");
+}
+
+on_databases! {
+    long_kinds_apart_sqlite: long_kinds_are_counted_apart, sqlite;
+    long_kinds_apart_postgres: long_kinds_are_counted_apart, postgres;
+    long_kinds_apart_mysql: long_kinds_are_counted_apart, mysql;
+}
+
 /// `jobs::prune` deletes finished jobs only — done and discarded, failed ones when asked — and
 /// only those that finished long enough ago; what ran stays applied, and a key whose finished
 /// jobs were deleted still runs its next job.

@@ -121,8 +121,7 @@ fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
 }
 
 /// The depth of the queue per kind and key: jobs waiting (and due) and failed, by kind, then
-/// by key. (On MySQL/MariaDB two kinds longer than `max_sort_length`, 1,024 bytes, that share
-/// their first 1,024 bytes are counted together; keys never are.)
+/// by key. Kinds and keys are told apart byte for byte, at any length.
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
@@ -140,10 +139,18 @@ pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
     let leased = store::LEASED;
     let sum =
         |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS {bigint})");
+    // MySQL/MariaDB group and sort a long binary value by its first `max_sort_length` bytes
+    // (1,024) only: the kind's SHA-256 keeps two kinds that share those apart, and next to
+    // their own rows in the order (`record_depth` sums adjacent rows). Keys go by `key_hash`.
+    let kind = if backend == DbBackend::MySql {
+        "kind, SHA2(kind, 256)"
+    } else {
+        "kind"
+    };
     let sql = format!(
         "SELECT kind, job_key, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
          FROM {JOB_TABLE} WHERE state IN ({pending}, {leased}, {queued}, {failed}) \
-         GROUP BY kind, key_hash, job_key ORDER BY kind, key_hash",
+         GROUP BY {kind}, key_hash, job_key ORDER BY {kind}, key_hash",
         waiting = sum(&format!("state IN ({pending}, {leased}, {queued})")),
         due = sum(&format!("state = {pending} AND run_at <= {now}")),
         failed_n = sum(&format!("state = {failed}")),

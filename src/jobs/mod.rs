@@ -44,12 +44,12 @@
 //!   its commit; a failing job rolls back alone (see above).
 //! - **Chains** ([`Worker::run`], [`Worker::run_until_idle`], one job at a time): when a keyed
 //!   job it takes has jobs of its key queued behind it, the worker locks the key's next queued,
-//!   due jobs too (one statement) and runs them after it in the same transaction — up to 16 jobs while the transaction is younger than
-//!   100 ms — then completes them all with one statement: a hot key's short jobs share a commit
-//!   and send nothing between them (each one's writes still commit with its completion, in
-//!   order). A chain ends at a job that fails (the jobs behind it wait for its retry) and before
-//!   a job of a leased kind. A long job is never chained into, and `run_one`/`run_batch` never
-//!   chain.
+//!   due jobs too (one statement) and runs them after it in the same transaction — up to 16
+//!   jobs while the transaction is younger than 100 ms — then completes them all with one
+//!   statement: a hot key's short jobs share a commit and send nothing between them (each
+//!   one's writes still commit with its completion, in order). A chain ends at a job that fails
+//!   (the jobs behind it wait for its retry) and before a job of a leased kind. A long job is
+//!   never chained into, and `run_one`/`run_batch` never chain.
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).
