@@ -1270,10 +1270,14 @@ async fn states(db: &DatabaseConnection) -> Vec<i64> {
         "SELECT {} AS n FROM freshlock_job ORDER BY id",
         bigint(db, "state")
     );
-    let rows = db
+    // In a transaction of its own, as `number`: behind a transaction pooler a prepared
+    // statement lives on the server connection of its transaction only.
+    let txn = db.begin().await.unwrap();
+    let rows = txn
         .query_all_raw(Statement::from_string(db.get_database_backend(), sql))
         .await
         .unwrap();
+    txn.commit().await.unwrap();
     rows.iter().map(|r| r.try_get("", "n").unwrap()).collect()
 }
 
