@@ -3,7 +3,9 @@
 //!
 //! - W1: no-op jobs/s with 1 and 8 workers, one job per transaction and batches of 64;
 //! - W2: jobs/s where each job updates one row (its write and its completion commit together:
-//!   exactly once), 8 workers, one job per transaction and batches of 32;
+//!   exactly once), 8 workers, one job per transaction and batches of 32 — by a plain `UPDATE`,
+//!   then as a locked update (the row read `FOR UPDATE` through the job's `TxRepository`, its
+//!   changed column saved, guarded);
 //! - W3: 2,000 jobs of 10 ms, half on one key, the rest over 50 keys, one job per key at a time,
 //!   10 workers: wall time, the other keys' p50/p99 latency (from the start, when every job is
 //!   already enqueued), same-key overlaps seen by the handlers.
@@ -25,11 +27,15 @@ use std::{
     time::{Duration, Instant},
 };
 
+use entity::node;
 use freshlock::{
-    Session,
+    ForUpdate, SaveOutcome, Session,
     jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker},
 };
-use sea_orm::{ConnectionTrait, DatabaseConnection, Statement, TransactionTrait};
+use sea_orm::{
+    ActiveValue::Set, ConnectionTrait, DatabaseConnection, IntoActiveModel, Statement,
+    TransactionTrait,
+};
 use workload::percentile_ms;
 
 /// Whether workload `name` runs: `FRESHLOCK_BENCH_ONLY` names one (`w1`, `w2`, `w3`), or all.
@@ -78,8 +84,10 @@ async fn main() {
             }
         }
         if only("w2") {
-            for batch in [1, 32] {
-                updates(&db, scaled(5_000), 8, batch).await;
+            for locked in [false, true] {
+                for batch in [1, 32] {
+                    updates(&db, scaled(5_000), 8, batch, locked).await;
+                }
             }
         }
         if only("w3") {
@@ -186,8 +194,10 @@ async fn no_ops(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) {
     row("W1 no-op", workers, batch, n, seconds);
 }
 
-/// W2: each job adds one to a row, in the job's transaction.
-async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) {
+/// W2: each job adds one to a row, in the job's transaction: by a plain `UPDATE`, or (`locked`)
+/// as a locked update does it — the row read locked and only its changed column saved, guarded
+/// (`TxRepository::load_locked`, then `save`).
+async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, locked: bool) {
     db.execute_unprepared("UPDATE node SET score = 0")
         .await
         .expect("reset");
@@ -195,8 +205,19 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) 
         NewJob::new("bump", &((i % 1000) as i32 + 1)).unwrap()
     })
     .await;
-    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<i32>| {
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), move |tx, job: Job<i32>| {
         Box::pin(async move {
+            if locked {
+                let nodes = tx.repository::<node::Entity>();
+                let found = nodes.load_locked(job.payload, ForUpdate::Wait).await?;
+                let found = found.ok_or_else(|| freshlock::ApplyError::msg("no such node"))?;
+                let mut model = (*found).clone().into_active_model();
+                model.score = Set(Some(found.score.unwrap_or(0) + 1));
+                return match nodes.save(model).await? {
+                    SaveOutcome::Updated(_) => Ok(()),
+                    other => Err(freshlock::ApplyError::msg(format!("not saved: {other:?}"))),
+                };
+            }
             let backend = tx.get_database_backend();
             let sql = if backend == sea_orm::DbBackend::Postgres {
                 "UPDATE node SET score = score + 1 WHERE id = $1"
@@ -213,7 +234,12 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) 
         })
     });
     let (seconds, _) = drain(db, handlers, workers, batch, n).await;
-    row("W2 one update each", workers, batch, n, seconds);
+    let name = if locked {
+        "W2 one locked update each"
+    } else {
+        "W2 one update each"
+    };
+    row(name, workers, batch, n, seconds);
     let sum = if db.get_database_backend() == sea_orm::DbBackend::MySql {
         "SELECT CAST(SUM(score) AS SIGNED) AS n FROM node"
     } else {
