@@ -1223,7 +1223,6 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
 
 on_databases! {
     hot_key_jobs_chain_postgres: a_hot_keys_short_jobs_share_a_transaction, postgres;
-    hot_key_jobs_chain_mysql: a_hot_keys_short_jobs_share_a_transaction, mysql;
 }
 
 /// Jobs of kind `ordered` bump node 1 and check that they run in their key's order: job `seq`
