@@ -1149,9 +1149,8 @@ async fn a_worker_follows_the_key_whose_next_job_it_readied() {
 
 /// A worker following a key runs the key's next jobs in the same transaction (a chain of up to
 /// 16 short jobs, within 100 ms): 20 jobs of one key commit in two transactions, not twenty —
-/// each job's write still once, in order. `run_one` never chains. The transaction is the one the
-/// database names (`txid_current()`; on MariaDB the connection and its count of commits), read
-/// by each handler.
+/// each job's write still once, in order. `run_one` never chains. The transaction is the one
+/// PostgreSQL names with `txid_current()`, read by each handler.
 async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
@@ -1163,14 +1162,7 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
             let seen = Arc::clone(&seen);
             Box::pin(async move {
                 bump(tx, job.payload.node).await?;
-                let sql = if tx.get_database_backend() == sea_orm::DbBackend::Postgres {
-                    "SELECT CAST(txid_current() AS BIGINT) AS txid"
-                } else {
-                    // The connection and its commits so far (`innodb_trx` is a cache
-                    // refreshed every 100 ms: a new transaction may not be in it yet).
-                    "SELECT CAST(CONNECTION_ID() * 1000000 + VARIABLE_VALUE AS SIGNED) AS txid \
-                     FROM information_schema.SESSION_STATUS WHERE VARIABLE_NAME = 'COM_COMMIT'"
-                };
+                let sql = "SELECT CAST(txid_current() AS BIGINT) AS txid";
                 let row = tx
                     .query_one_raw(Statement::from_string(tx.get_database_backend(), sql))
                     .await?

@@ -159,8 +159,8 @@ pub(crate) struct Taken {
     pub(crate) attempts: i32,
     /// Milliseconds since the job was due (database clock).
     pub(crate) waited: i64,
-    /// A queued job of its key comes after it (read by a take of one job): a chain may follow
-    /// it (`take_after`).
+    /// A queued job of its key comes after it (read by a take that may start a chain, else
+    /// `false`): a chain may follow it (`take_after`).
     pub(crate) followed: bool,
 }
 
@@ -183,8 +183,12 @@ impl Taken {
 /// among those due whose key has no earlier unfinished job (so never two jobs of one key). Rows other workers locked are skipped
 /// (`SKIP LOCKED`; SQLite's `BEGIN IMMEDIATE` already made this the only writer), so a busy
 /// key — its head locked by the worker running it — hands out nothing, and a worker is never
-/// given a job it would wait for.
-pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Taken>, DbErr> {
+/// given a job it would wait for. With `chain`, each job's `followed` is read too.
+pub(crate) async fn take(
+    txn: &DatabaseTransaction,
+    limit: u32,
+    chain: bool,
+) -> Result<Vec<Taken>, DbErr> {
     // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
     // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
     let scan = Scan {
@@ -192,22 +196,25 @@ pub(crate) async fn take(txn: &DatabaseTransaction, limit: u32) -> Result<Vec<Ta
         filter: "(j.key_hash IS NULL OR {head})",
         order: "j.priority DESC, j.id",
         limit,
+        chain,
     };
     lock_due(txn, &scan, Vec::new()).await
 }
 
 /// Locks the next job of key `key_hash` (its SHA-256) to run, if it is due and its key's head:
 /// the worker that just finished the key's job follows the key with it, so that a hot key's
-/// chain never waits for a free worker (`Worker::run`).
+/// chain never waits for a free worker (`Worker::run`). `chain` as for [`take`].
 pub(crate) async fn take_key(
     txn: &DatabaseTransaction,
     key_hash: &[u8],
+    chain: bool,
 ) -> Result<Vec<Taken>, DbErr> {
     let scan = Scan {
         index: "freshlock_job_key",
         filter: "j.key_hash = ? AND {head}",
         order: "j.id",
         limit: 1,
+        chain,
     };
     lock_due(txn, &scan, vec![Value::Bytes(Some(key_hash.to_vec()))]).await
 }
@@ -263,12 +270,14 @@ pub(crate) async fn take_after(
 }
 
 /// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
-/// being due (`{head}` stands for [`head`]), its order and how many.
+/// being due (`{head}` stands for [`head`]), its order, how many, and whether a chain may
+/// follow the job it takes (then it reads `Taken::followed`).
 struct Scan {
     index: &'static str,
     filter: &'static str,
     order: &'static str,
     limit: u32,
+    chain: bool,
 }
 
 /// Locks the due jobs `scan` finds (`values` fill its placeholders), skipping locked rows.
@@ -289,12 +298,13 @@ async fn lock_due(
         filter,
         order,
         limit,
+        chain,
         ..
     } = scan;
     let filter = filter.replace("{head}", &head());
-    // Whether a chain may follow the job (`Taken::followed`): asked for a take of one job
-    // only, where chains run.
-    let asks = *limit == 1;
+    // Whether a chain may follow the job (`Taken::followed`): asked only by a take that may
+    // start one, so no other take pays for the probe.
+    let asks = *chain;
     let followed = if asks {
         format!(
             ", EXISTS (SELECT 1 FROM {JOB_TABLE} q WHERE q.key_hash = j.key_hash \

@@ -868,19 +868,6 @@ impl JobStep<'_> {
         let began = tokio::time::Instant::now();
         let reply = self.worker.reply();
         let fail = |e| ("taking jobs from", e);
-        let mut taken = Ok(Vec::new());
-        if let Some(key) = follow.filter(|_| limit == 1) {
-            taken = within(reply, store::take_key(&txn, key)).await;
-        }
-        if matches!(&taken, Ok(taken) if taken.is_empty()) {
-            taken = within(reply, store::take(&txn, limit)).await;
-        }
-        let mut taken = match taken {
-            Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
-            Ok(taken) => taken,
-            Err(e) => return (txn, Err(fail(e))),
-        };
-        let mut ended = Vec::with_capacity(taken.len());
         // A chain (see `Source::Take`): the key's next jobs, locked at once by one statement
         // when the take saw a job of the key queued behind the one it took — before that one
         // runs, while the connection is warm (a round trip after a job's idle time costs about
@@ -890,9 +877,21 @@ impl JobStep<'_> {
         // 7 runs); unexplained yet.
         let backend = sea_orm::ConnectionTrait::get_database_backend(&txn);
         let chains = chain && limit == 1 && backend != sea_orm::DbBackend::MySql;
+        let mut taken = Ok(Vec::new());
+        if let Some(key) = follow.filter(|_| limit == 1) {
+            taken = within(reply, store::take_key(&txn, key, chains)).await;
+        }
+        if matches!(&taken, Ok(taken) if taken.is_empty()) {
+            taken = within(reply, store::take(&txn, limit, chains)).await;
+        }
+        let mut taken = match taken {
+            Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
+            Ok(taken) => taken,
+            Err(e) => return (txn, Err(fail(e))),
+        };
+        let mut ended = Vec::with_capacity(taken.len());
         let mut ahead = std::collections::VecDeque::new();
         if let [first] = taken.as_slice()
-            && chains
             && first.followed
             && let Some(key) = first.key.as_ref().map(store::hash)
             && !self.worker.is_leased(&first.kind)
