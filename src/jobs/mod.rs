@@ -49,8 +49,7 @@
 //!   statement: a hot key's short jobs share a commit and send nothing between them (each
 //!   one's writes still commit with its completion, in order). A chain ends at a job that fails
 //!   (the jobs behind it wait for its retry) and before a job of a leased kind. A long job is
-//!   never chained into, and `run_one`/`run_batch` never chain. Not on MySQL/MariaDB yet
-//!   (with chains there, CI's demo once left keyed jobs undone, unexplained).
+//!   never chained into, and `run_one`/`run_batch` never chain.
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).

@@ -2,7 +2,10 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
+use sea_orm::{
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
+    QueryResult, Statement, TransactionOptions, Value,
+};
 use sha2::{Digest, Sha256};
 
 use crate::{
@@ -24,6 +27,9 @@ const UNFINISHED: &str = "0, 1, 5";
 pub(crate) const DONE: i16 = 2;
 pub(crate) const FAILED: i16 = 3;
 pub(crate) const DISCARDED: i16 = 4;
+
+/// Most stranded jobs one [`sweep`] readies (the next sweep readies more).
+const SWEEP_AT_MOST: u32 = 500;
 
 /// Longest error text kept with a job, in characters.
 const MAX_ERROR: usize = 4000;
@@ -480,18 +486,67 @@ fn promotion(keys: usize, except: usize) -> String {
     )
 }
 
+/// Runs `stmt`, an `UPDATE` of the job table that finds its rows itself ([`reclaim`]), alone on
+/// `db`: how many rows it changed. One autocommit statement, except on MySQL/MariaDB: there it
+/// runs in a transaction of its own at READ COMMITTED, where InnoDB unlocks the rows it reads and
+/// does not change. Under the server's default REPEATABLE READ it would keep them locked while it
+/// waits for a running job's row, and takes skip locked rows (see [`sweep`]).
+async fn upkeep(db: &DatabaseConnection, stmt: Statement) -> Result<u64, DbErr> {
+    if db.get_database_backend() != DbBackend::MySql {
+        let done = crate::pool::autocommit(db).execute_raw(stmt).await?;
+        return Ok(done.rows_affected());
+    }
+    let options = TransactionOptions {
+        isolation_level: Some(IsolationLevel::ReadCommitted),
+        ..TransactionOptions::default()
+    };
+    // Never cut in half (a deadline may drop this future): see `detach::begin`.
+    let txn = crate::detach::begin(db, options).await?;
+    match txn.execute_raw(stmt).await {
+        Ok(done) => txn.commit().await.map(|()| done.rows_affected()),
+        Err(error) => {
+            let _ = txn.rollback().await;
+            Err(error)
+        }
+    }
+}
+
 /// Makes ready every queued job with no unfinished job before it in its key: one whose head
 /// finished while its own enqueue had not committed yet, so the promotion did not see it.
 /// Returns how many.
-pub(crate) async fn sweep(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
+///
+/// Two statements, each locking nothing it does not change: a read of the stranded jobs (a
+/// snapshot, no locks), then an `UPDATE` of those rows by id. One `UPDATE` that found them itself
+/// would lock every row it read on MySQL/MariaDB (169 rows at READ COMMITTED, the whole table at
+/// REPEATABLE READ) and hold them while it waited for the rows of running jobs: every take
+/// meanwhile skipped them (`SKIP LOCKED`) and found nothing, every completion waited, and workers
+/// that ran until idle stopped with a hot key's jobs left (CI's MariaDB demo). A job the read
+/// saw stranded that is not by the time of the `UPDATE` is harmless: `QUEUED` is a hint, and a
+/// take still checks that it is its key's head.
+pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
-    let sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
-         SELECT q.id FROM {JOB_TABLE} q WHERE q.state = {QUEUED} AND NOT EXISTS (\
+    let db = crate::pool::autocommit(db);
+    // Only the first queued job of a key can be stranded.
+    let find = format!(
+        "SELECT q.id FROM (SELECT MIN(id) AS id, key_hash FROM {JOB_TABLE} \
+         WHERE state = {QUEUED} GROUP BY key_hash) q WHERE NOT EXISTS (\
          SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = q.key_hash \
-         AND h.state IN ({UNFINISHED}) AND h.id < q.id)) stranded)"
+         AND h.state IN ({UNFINISHED}) AND h.id < q.id) LIMIT {SWEEP_AT_MOST}"
     );
-    let done = db.execute_raw(statement(backend, &sql, Vec::new())).await?;
+    let rows = db
+        .query_all_raw(statement(backend, &find, Vec::new()))
+        .await?;
+    let ids = (rows.iter())
+        .map(|row| row.try_get::<i64>("", "id").map(Value::from))
+        .collect::<Result<Vec<_>, _>>()?;
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    let placeholders = vec!["?"; ids.len()].join(", ");
+    let ready = format!(
+        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE state = {QUEUED} AND id IN ({placeholders})"
+    );
+    let done = db.execute_raw(statement(backend, &ready, ids)).await?;
     Ok(done.rows_affected())
 }
 
@@ -560,7 +615,7 @@ pub(crate) async fn extend(
 
 /// Makes every leased job whose lease expired wait again, due now (its worker stopped, hung or
 /// lost the database; a late finish is refused by [`hold`]). Returns how many.
-pub(crate) async fn reclaim(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
+pub(crate) async fn reclaim(db: &DatabaseConnection) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let sql = format!(
@@ -569,8 +624,5 @@ pub(crate) async fn reclaim(db: &impl ConnectionTrait) -> Result<u64, DbErr> {
     );
     let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
                database)";
-    let done = db
-        .execute_raw(statement(backend, &sql, vec![why.into()]))
-        .await?;
-    Ok(done.rows_affected())
+    upkeep(db, statement(backend, &sql, vec![why.into()])).await
 }

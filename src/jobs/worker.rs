@@ -496,8 +496,8 @@ impl Worker {
         if self.jobs.any_leased() && due(&self.reclaimed) {
             // Leases that expired (their workers stopped or hung) make their jobs wait again; a
             // failure is only logged, the next reclaim tries again.
-            let db = crate::pool::autocommit(self.session.connection());
-            match within(self.reply(), store::reclaim(&db)).await {
+            let db = self.session.connection();
+            match within(self.reply(), store::reclaim(db)).await {
                 Ok(0) => {}
                 Ok(reclaimed) => warn!(reclaimed, "jobs whose lease expired wait again"),
                 Err(error) => warn!(%error, "reclaiming expired job leases failed"),
@@ -523,8 +523,8 @@ impl Worker {
             // A job queued behind one that finished before its enqueue committed is made
             // ready here (see `store::QUEUED`); a failure is only logged, the next sweep
             // tries again.
-            let db = crate::pool::autocommit(self.session.connection());
-            match within(self.reply(), store::sweep(&db)).await {
+            let db = self.session.connection();
+            match within(self.reply(), store::sweep(db)).await {
                 Ok(0) => {}
                 Ok(readied) => {
                     debug!(readied, "queued jobs whose key was free made ready");
@@ -871,12 +871,8 @@ impl JobStep<'_> {
         // A chain (see `Source::Take`): the key's next jobs, locked at once by one statement
         // when the take saw a job of the key queued behind the one it took — before that one
         // runs, while the connection is warm (a round trip after a job's idle time costs about
-        // double), and left queued if that job fails. Not on MySQL/MariaDB: with chains there,
-        // CI's MariaDB demo left keyed jobs undone — in the earlier form of chains (a take of
-        // the job its own transaction readied) and in this one (72 of 100 tasks ran, once in
-        // 7 runs); unexplained yet.
-        let backend = sea_orm::ConnectionTrait::get_database_backend(&txn);
-        let chains = chain && limit == 1 && backend != sea_orm::DbBackend::MySql;
+        // double), and left queued if that job fails.
+        let chains = chain && limit == 1;
         let mut taken = Ok(Vec::new());
         if let Some(key) = follow.filter(|_| limit == 1) {
             taken = within(reply, store::take_key(&txn, key, chains)).await;
