@@ -993,6 +993,71 @@ on_databases! {
     prune_mysql: prune_deletes_finished_jobs_only, mysql;
 }
 
+/// A prune beside a running job neither waits for it nor holds up the other workers: it locks
+/// only the finished jobs it deletes. (A `DELETE … WHERE id IN (SELECT …)` locked every row it
+/// read on MariaDB, waited for the running job's row, and takes skipped the rows it held.)
+/// Not on SQLite, whose one writer a running job holds.
+async fn a_prune_beside_a_running_job_holds_nothing_up(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let db = db.db;
+    let bump_one = |priority| {
+        NewJob::new("bump", &Bump { node: 1, seq: 0 })
+            .unwrap()
+            .priority(priority)
+    };
+    for _ in 0..4 {
+        add(&db, bump_one(0)).await.unwrap();
+    }
+    let done = Worker::new(Session::new(db.clone()), bump_jobs(at_once(1)));
+    assert_eq!(done.run_until_idle().await.unwrap().len(), 4);
+    // Enqueued last, taken first: the running job's row comes after every other one.
+    let Enqueued::Added(waiting) = add(&db, bump_one(0)).await.unwrap() else {
+        panic!("added");
+    };
+    let Enqueued::Added(held) = add(&db, bump_one(10)).await.unwrap() else {
+        panic!("added");
+    };
+    let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
+    let (release_tx, release) = tokio::sync::watch::channel(false);
+    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
+        let (started_tx, mut release) = (started_tx.clone(), release.clone());
+        Box::pin(async move {
+            if job.id == held {
+                started_tx.send(()).await.unwrap();
+                release.wait_for(|go| *go).await.unwrap();
+            }
+            bump(tx, job.payload.node).await?;
+            Ok(())
+        })
+    });
+    let running = Worker::new(Session::new(db.clone()), handlers.clone());
+    let running = tokio::spawn(async move { running.run_one().await.unwrap() });
+    started.recv().await.unwrap();
+    // A bound, not a timing: the prune that waited for the running job's row waited for
+    // `innodb_lock_wait_timeout` (50 s).
+    let pruned = tokio::time::timeout(
+        Duration::from_secs(20),
+        jobs::prune(&db, Duration::ZERO, false),
+    )
+    .await
+    .expect("the prune does not wait for the running job")
+    .unwrap();
+    assert_eq!(pruned, 4);
+    let other = Worker::new(Session::new(db.clone()), handlers);
+    let run = other.run_one().await.unwrap().expect("the waiting job");
+    assert_eq!((run.id, run.outcome), (waiting, JobOutcome::Completed));
+    release_tx.send(true).unwrap();
+    let run = running.await.unwrap().expect("the held job");
+    assert_eq!((run.id, run.outcome), (held, JobOutcome::Completed));
+    assert_eq!(total_score(&db).await, 6);
+}
+
+on_databases! {
+    prune_beside_a_running_job_postgres: a_prune_beside_a_running_job_holds_nothing_up, postgres;
+    prune_beside_a_running_job_mysql: a_prune_beside_a_running_job_holds_nothing_up, mysql;
+}
+
 /// A prune of more finished jobs than one batch deletes (1,000) deletes them all, batch by
 /// batch.
 #[tokio::test]

@@ -372,9 +372,10 @@ const PRUNE_BATCH: u32 = 1_000;
 ///
 /// Finished jobs stay in the table until pruned (README, *Keyed jobs*). Waiting and leased jobs
 /// are never touched, and neither a key's order nor a unique key depends on finished jobs, so a
-/// prune may run while workers do. It deletes in batches of 1,000, each a statement of its own
-/// (a transaction of its own behind a transaction pooler); a prune that fails part-way keeps
-/// what its earlier batches deleted.
+/// prune may run while workers do: it locks only the jobs it deletes. It deletes in batches of
+/// 1,000, each a read of the batch and a `DELETE` of its rows, statements of their own (each in a
+/// transaction of its own behind a transaction pooler); a prune that fails part-way keeps what
+/// its earlier batches deleted.
 ///
 /// # Errors
 /// [`crate::Error::Database`] when a statement fails.
@@ -392,22 +393,45 @@ pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) 
         .map(i16::to_string)
         .collect::<Vec<_>>()
         .join(", ");
-    // The derived table lets MySQL delete from the table it reads (and take a LIMIT there);
-    // `freshlock_job_next` (state first) finds the finished jobs.
-    let sql = format!(
-        "DELETE FROM {JOB_TABLE} WHERE id IN (SELECT id FROM (\
-         SELECT id FROM {JOB_TABLE} WHERE state IN ({states}) AND finished_at <= {now} - ? \
-         LIMIT {PRUNE_BATCH}) old)"
+    // A read of the batch (a snapshot: no locks; `freshlock_job_next`, state first, finds the
+    // finished jobs), then a `DELETE` of those rows by id. One `DELETE … WHERE id IN (SELECT …)`
+    // locked every row it read on MariaDB and waited for a running job's row, while takes
+    // skipped the rows it held (see `store::sweep`). A job that is no longer finished by the
+    // time of the `DELETE` (retried meanwhile) is kept by its `state` condition.
+    let find = format!(
+        "SELECT id FROM {JOB_TABLE} WHERE state IN ({states}) AND finished_at <= {now} - ? \
+         LIMIT {PRUNE_BATCH}"
     );
     let older = millis(older_than);
     let mut pruned = 0;
     loop {
-        let done = db
-            .execute_raw(statement(backend, &sql, vec![older.into()]))
+        let rows = db
+            .query_all_raw(statement(backend, &find, vec![older.into()]))
             .await
             .map_err(fail)?;
-        pruned += done.rows_affected();
-        if done.rows_affected() < u64::from(PRUNE_BATCH) {
+        let ids = (rows.iter())
+            .map(|row| row.try_get::<i64>("", "id").map(Value::from))
+            .collect::<std::result::Result<Vec<_>, _>>()
+            .map_err(fail)?;
+        if ids.is_empty() {
+            return Ok(pruned);
+        }
+        let placeholders = vec!["?"; ids.len()].join(", ");
+        // By primary key on MySQL too: it scans a small table whole even for `id IN (…)`, and
+        // a `DELETE` waits for every locked row it reads, at READ COMMITTED as well (only an
+        // `UPDATE` passes over one that does not match).
+        let delete = if backend == DbBackend::MySql {
+            format!(
+                "DELETE j FROM {JOB_TABLE} j FORCE INDEX (PRIMARY) \
+                 WHERE j.state IN ({states}) AND j.id IN ({placeholders})"
+            )
+        } else {
+            format!("DELETE FROM {JOB_TABLE} WHERE state IN ({states}) AND id IN ({placeholders})")
+        };
+        pruned += store::upkeep(db.0, statement(backend, &delete, ids))
+            .await
+            .map_err(fail)?;
+        if rows.len() < PRUNE_BATCH as usize {
             return Ok(pruned);
         }
     }

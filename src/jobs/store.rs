@@ -486,12 +486,14 @@ fn promotion(keys: usize, except: usize) -> String {
     )
 }
 
-/// Runs `stmt`, an `UPDATE` of the job table that finds its rows itself ([`reclaim`]), alone on
-/// `db`: how many rows it changed. One autocommit statement, except on MySQL/MariaDB: there it
-/// runs in a transaction of its own at READ COMMITTED, where InnoDB unlocks the rows it reads and
-/// does not change. Under the server's default REPEATABLE READ it would keep them locked while it
-/// waits for a running job's row, and takes skip locked rows (see [`sweep`]).
-async fn upkeep(db: &DatabaseConnection, stmt: Statement) -> Result<u64, DbErr> {
+/// Runs `stmt`, an `UPDATE` or `DELETE` of the job table's upkeep ([`sweep`], [`reclaim`],
+/// `jobs::prune`), alone on `db`: how many rows it changed. One autocommit statement, except on
+/// MySQL/MariaDB: there it runs in a transaction of its own at READ COMMITTED, where InnoDB
+/// unlocks each row it reads and does not change, and passes over a locked row whose committed
+/// version does not match. Under the server's default REPEATABLE READ, a statement that scans
+/// (a small table is scanned whole, even for `id IN (…)`) keeps every row it read locked and
+/// waits for a running job's row meanwhile, and takes skip the rows it holds (see [`sweep`]).
+pub(crate) async fn upkeep(db: &DatabaseConnection, stmt: Statement) -> Result<u64, DbErr> {
     if db.get_database_backend() != DbBackend::MySql {
         let done = crate::pool::autocommit(db).execute_raw(stmt).await?;
         return Ok(done.rows_affected());
@@ -543,11 +545,17 @@ pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
         return Ok(0);
     }
     let placeholders = vec!["?"; ids.len()].join(", ");
+    // By primary key on MySQL too (a small table is scanned whole, even for `id IN (…)`).
+    let index = if backend == DbBackend::MySql {
+        " FORCE INDEX (PRIMARY)"
+    } else {
+        ""
+    };
     let ready = format!(
-        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE state = {QUEUED} AND id IN ({placeholders})"
+        "UPDATE {JOB_TABLE}{index} SET state = {PENDING} \
+         WHERE state = {QUEUED} AND id IN ({placeholders})"
     );
-    let done = db.execute_raw(statement(backend, &ready, ids)).await?;
-    Ok(done.rows_affected())
+    upkeep(db.0, statement(backend, &ready, ids)).await
 }
 
 /// Claims job `id` (locked by `txn`'s take) for attempt `attempts` under a lease of `lease`
