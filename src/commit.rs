@@ -83,6 +83,10 @@ pub(crate) const KEEP_MARKERS: Duration = Duration::from_secs(600);
 /// Every this many markers a process writes, it deletes the expired ones.
 const SWEEP_EVERY: u64 = 1024;
 
+/// Most old markers one sweep deletes (on PostgreSQL and MySQL/MariaDB): twice the markers a
+/// process writes between two of its sweeps, so the sweeps keep up.
+const SWEEP_AT_MOST: u64 = 2 * SWEEP_EVERY;
+
 /// What a lost commit reply turned out to be.
 #[derive(Debug, PartialEq, Eq)]
 pub(crate) enum Resolution {
@@ -536,19 +540,76 @@ async fn sweep(db: &DatabaseConnection, marker: &Marker) {
     if WRITTEN.fetch_add(1, Ordering::Relaxed) % SWEEP_EVERY != SWEEP_EVERY - 1 {
         return;
     }
-    let backend = db.get_database_backend();
-    let cutoff = format!(
-        "{} - {}",
-        crate::lock::sql::now_ms(backend),
-        KEEP_MARKERS.as_millis()
-    );
-    let delete = Query::delete()
-        .from_table(sea_orm::sea_query::Alias::new(COMMIT_TABLE))
-        .and_where(sea_orm::sea_query::Expr::cust(format!(
-            "created_at < {cutoff}"
-        )))
-        .to_owned();
-    if let Err(error) = autocommit(db).execute(&delete).await {
+    if let Err(error) = delete_old_markers(db).await {
         warn!(%error, token = %marker.token, "deleting old commit markers failed");
+    }
+}
+
+/// Deletes up to [`SWEEP_AT_MOST`] markers older than [`KEEP_MARKERS`], oldest first (on the
+/// age index, `schema::MarkerAgeMigration`), passing over any that a transaction still holds:
+/// a write in flight, or one whose `COMMIT` reply a silent partition lost, whose transaction
+/// stays open until the server drops its connection. A `DELETE` that found its rows itself
+/// waited for such a marker — for `innodb_lock_wait_timeout` (50 s) on MySQL/MariaDB, where it
+/// also reads past the oldest young marker — and the writer running the sweep with it; at
+/// REPEATABLE READ its gap locks held up every other writer's marker insert meanwhile. Returns
+/// how many it deleted.
+async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
+    let backend = db.get_database_backend();
+    let now = crate::lock::sql::now_ms(backend);
+    let keep = KEEP_MARKERS.as_millis();
+    let old = format!(
+        "SELECT token FROM {COMMIT_TABLE} WHERE created_at < {now} - {keep} \
+         ORDER BY created_at LIMIT {SWEEP_AT_MOST}"
+    );
+    match backend {
+        // SQLite has one writer: nothing to pass over.
+        DbBackend::Sqlite => {
+            let sql = format!("DELETE FROM {COMMIT_TABLE} WHERE created_at < {now} - {keep}");
+            let done = autocommit(db)
+                .execute_raw(Statement::from_string(backend, sql))
+                .await?;
+            Ok(done.rows_affected())
+        }
+        DbBackend::Postgres => {
+            let sql =
+                format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({old} FOR UPDATE SKIP LOCKED)");
+            let done = autocommit(db)
+                .execute_raw(Statement::from_string(backend, sql))
+                .await?;
+            Ok(done.rows_affected())
+        }
+        // MySQL cannot read the table it deletes from in a subquery: the markers are locked
+        // first (READ COMMITTED: no gap locks), then deleted by key, in one transaction.
+        _ => {
+            let options = sea_orm::TransactionOptions {
+                isolation_level: Some(sea_orm::IsolationLevel::ReadCommitted),
+                ..sea_orm::TransactionOptions::default()
+            };
+            // Never cut in half (a deadline may drop this future): see `detach::begin`.
+            let txn = crate::detach::begin(db, options).await?;
+            let deleted = async {
+                let lock = Statement::from_string(backend, format!("{old} FOR UPDATE SKIP LOCKED"));
+                let tokens = (txn.query_all_raw(lock).await?.iter())
+                    .map(|row| row.try_get::<String>("", "token").map(sea_orm::Value::from))
+                    .collect::<Result<Vec<_>, _>>()?;
+                if tokens.is_empty() {
+                    return Ok(0);
+                }
+                let placeholders = vec!["?"; tokens.len()].join(", ");
+                let sql = format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({placeholders})");
+                let done = txn
+                    .execute_raw(Statement::from_sql_and_values(backend, sql, tokens))
+                    .await?;
+                Ok(done.rows_affected())
+            }
+            .await;
+            match deleted {
+                Ok(deleted) => txn.commit().await.map(|()| deleted),
+                Err(error) => {
+                    let _ = txn.rollback().await;
+                    Err(error)
+                }
+            }
+        }
     }
 }

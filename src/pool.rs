@@ -243,6 +243,38 @@ pub(crate) fn transaction_pooled(db: &DatabaseConnection) -> bool {
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Autocommit<'a>(pub(crate) &'a DatabaseConnection);
 
+/// Runs `stmt`, an `UPDATE` or `DELETE` of freshlock's upkeep that finds its rows among many
+/// (the job sweep, lease reclaim and prune; the commit-marker sweep), alone on `db`: how many
+/// rows it changed. One autocommit statement ([`Autocommit`]), except on MySQL/MariaDB: there it
+/// runs in a transaction of its own at READ COMMITTED, which takes no gap locks, unlocks each row
+/// it reads and does not change, and (in an `UPDATE`) passes over a locked row whose committed
+/// version does not match. Under the server's default REPEATABLE READ a statement that scans
+/// keeps every row it read locked, and the gaps between them, while it waits for a locked row —
+/// a running job's, a write's marker not yet committed — and meanwhile takes skip the rows it
+/// holds and inserts wait (CI's MariaDB demo stopped with jobs left: `jobs::store::sweep`).
+pub(crate) async fn upkeep(
+    db: &DatabaseConnection,
+    stmt: Statement,
+) -> Result<u64, sea_orm::DbErr> {
+    if db.get_database_backend() != DbBackend::MySql {
+        let done = autocommit(db).execute_raw(stmt).await?;
+        return Ok(done.rows_affected());
+    }
+    let options = sea_orm::TransactionOptions {
+        isolation_level: Some(sea_orm::IsolationLevel::ReadCommitted),
+        ..sea_orm::TransactionOptions::default()
+    };
+    // Never cut in half (a deadline may drop this future): see `detach::begin`.
+    let txn = crate::detach::begin(db, options).await?;
+    match txn.execute_raw(stmt).await {
+        Ok(done) => txn.commit().await.map(|()| done.rows_affected()),
+        Err(error) => {
+            let _ = txn.rollback().await;
+            Err(error)
+        }
+    }
+}
+
 /// [`Autocommit`] on `db`.
 pub(crate) fn autocommit(db: &DatabaseConnection) -> Autocommit<'_> {
     Autocommit(db)

@@ -428,7 +428,7 @@ pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) 
         } else {
             format!("DELETE FROM {JOB_TABLE} WHERE state IN ({states}) AND id IN ({placeholders})")
         };
-        pruned += store::upkeep(db.0, statement(backend, &delete, ids))
+        pruned += crate::pool::upkeep(db.0, statement(backend, &delete, ids))
             .await
             .map_err(fail)?;
         if rows.len() < PRUNE_BATCH as usize {

@@ -3,8 +3,7 @@
 use std::time::Duration;
 
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
-    QueryResult, Statement, TransactionOptions, Value,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value,
 };
 use sha2::{Digest, Sha256};
 
@@ -486,33 +485,6 @@ fn promotion(keys: usize, except: usize) -> String {
     )
 }
 
-/// Runs `stmt`, an `UPDATE` or `DELETE` of the job table's upkeep ([`sweep`], [`reclaim`],
-/// `jobs::prune`), alone on `db`: how many rows it changed. One autocommit statement, except on
-/// MySQL/MariaDB: there it runs in a transaction of its own at READ COMMITTED, where InnoDB
-/// unlocks each row it reads and does not change, and passes over a locked row whose committed
-/// version does not match. Under the server's default REPEATABLE READ, a statement that scans
-/// (a small table is scanned whole, even for `id IN (…)`) keeps every row it read locked and
-/// waits for a running job's row meanwhile, and takes skip the rows it holds (see [`sweep`]).
-pub(crate) async fn upkeep(db: &DatabaseConnection, stmt: Statement) -> Result<u64, DbErr> {
-    if db.get_database_backend() != DbBackend::MySql {
-        let done = crate::pool::autocommit(db).execute_raw(stmt).await?;
-        return Ok(done.rows_affected());
-    }
-    let options = TransactionOptions {
-        isolation_level: Some(IsolationLevel::ReadCommitted),
-        ..TransactionOptions::default()
-    };
-    // Never cut in half (a deadline may drop this future): see `detach::begin`.
-    let txn = crate::detach::begin(db, options).await?;
-    match txn.execute_raw(stmt).await {
-        Ok(done) => txn.commit().await.map(|()| done.rows_affected()),
-        Err(error) => {
-            let _ = txn.rollback().await;
-            Err(error)
-        }
-    }
-}
-
 /// Makes ready every queued job with no unfinished job before it in its key: one whose head
 /// finished while its own enqueue had not committed yet, so the promotion did not see it.
 /// Returns how many.
@@ -555,7 +527,7 @@ pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
         "UPDATE {JOB_TABLE}{index} SET state = {PENDING} \
          WHERE state = {QUEUED} AND id IN ({placeholders})"
     );
-    upkeep(db.0, statement(backend, &ready, ids)).await
+    crate::pool::upkeep(db.0, statement(backend, &ready, ids)).await
 }
 
 /// Claims job `id` (locked by `txn`'s take) for attempt `attempts` under a lease of `lease`
@@ -632,5 +604,5 @@ pub(crate) async fn reclaim(db: &DatabaseConnection) -> Result<u64, DbErr> {
     );
     let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
                database)";
-    upkeep(db, statement(backend, &sql, vec![why.into()])).await
+    crate::pool::upkeep(db, statement(backend, &sql, vec![why.into()])).await
 }
