@@ -561,55 +561,37 @@ async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
         "SELECT token FROM {COMMIT_TABLE} WHERE created_at < {now} - {keep} \
          ORDER BY created_at LIMIT {SWEEP_AT_MOST}"
     );
-    match backend {
+    let sql = match backend {
         // SQLite has one writer: nothing to pass over.
         DbBackend::Sqlite => {
-            let sql = format!("DELETE FROM {COMMIT_TABLE} WHERE created_at < {now} - {keep}");
-            let done = autocommit(db)
-                .execute_raw(Statement::from_string(backend, sql))
-                .await?;
-            Ok(done.rows_affected())
+            format!("DELETE FROM {COMMIT_TABLE} WHERE created_at < {now} - {keep}")
         }
         DbBackend::Postgres => {
-            let sql =
-                format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({old} FOR UPDATE SKIP LOCKED)");
-            let done = autocommit(db)
-                .execute_raw(Statement::from_string(backend, sql))
-                .await?;
-            Ok(done.rows_affected())
+            format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({old} FOR UPDATE SKIP LOCKED)")
         }
         // MySQL cannot read the table it deletes from in a subquery: the markers are locked
         // first (READ COMMITTED: no gap locks), then deleted by key, in one transaction.
         _ => {
-            let options = sea_orm::TransactionOptions {
-                isolation_level: Some(sea_orm::IsolationLevel::ReadCommitted),
-                ..sea_orm::TransactionOptions::default()
-            };
-            // Never cut in half (a deadline may drop this future): see `detach::begin`.
-            let txn = crate::detach::begin(db, options).await?;
-            let deleted = async {
-                let lock = Statement::from_string(backend, format!("{old} FOR UPDATE SKIP LOCKED"));
-                let tokens = (txn.query_all_raw(lock).await?.iter())
-                    .map(|row| row.try_get::<String>("", "token").map(sea_orm::Value::from))
-                    .collect::<Result<Vec<_>, _>>()?;
-                if tokens.is_empty() {
-                    return Ok(0);
-                }
-                let placeholders = vec!["?"; tokens.len()].join(", ");
-                let sql = format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({placeholders})");
-                let done = txn
-                    .execute_raw(Statement::from_sql_and_values(backend, sql, tokens))
-                    .await?;
-                Ok(done.rows_affected())
-            }
+            return crate::pool::alone(db, crate::pool::read_committed(), |txn| {
+                Box::pin(async move {
+                    let lock =
+                        Statement::from_string(backend, format!("{old} FOR UPDATE SKIP LOCKED"));
+                    let tokens = (txn.query_all_raw(lock).await?.iter())
+                        .map(|row| row.try_get::<String>("", "token").map(sea_orm::Value::from))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    if tokens.is_empty() {
+                        return Ok(0);
+                    }
+                    let placeholders = vec!["?"; tokens.len()].join(", ");
+                    let sql = format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({placeholders})");
+                    let done = txn
+                        .execute_raw(Statement::from_sql_and_values(backend, sql, tokens))
+                        .await?;
+                    Ok(done.rows_affected())
+                })
+            })
             .await;
-            match deleted {
-                Ok(deleted) => txn.commit().await.map(|()| deleted),
-                Err(error) => {
-                    let _ = txn.rollback().await;
-                    Err(error)
-                }
-            }
         }
-    }
+    };
+    crate::pool::upkeep(db, Statement::from_string(backend, sql)).await
 }

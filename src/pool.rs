@@ -244,7 +244,7 @@ pub(crate) fn transaction_pooled(db: &DatabaseConnection) -> bool {
 pub(crate) struct Autocommit<'a>(pub(crate) &'a DatabaseConnection);
 
 /// Runs `stmt`, an `UPDATE` or `DELETE` of freshlock's upkeep that finds its rows among many
-/// (the job sweep, lease reclaim and prune; the commit-marker sweep), alone on `db`: how many
+/// (the job sweep, lease reclaim and prune; the commit-marker sweep off MySQL), alone on `db`: how many
 /// rows it changed. One autocommit statement ([`Autocommit`]), except on MySQL/MariaDB: there it
 /// runs in a transaction of its own at READ COMMITTED, which takes no gap locks, unlocks each row
 /// it reads and does not change, and (in an `UPDATE`) passes over a locked row whose committed
@@ -260,14 +260,35 @@ pub(crate) async fn upkeep(
         let done = autocommit(db).execute_raw(stmt).await?;
         return Ok(done.rows_affected());
     }
-    let options = sea_orm::TransactionOptions {
+    alone(db, read_committed(), |txn| {
+        Box::pin(async move { Ok(txn.execute_raw(stmt).await?.rows_affected()) })
+    })
+    .await
+}
+
+/// A transaction's options for READ COMMITTED.
+pub(crate) fn read_committed() -> sea_orm::TransactionOptions {
+    sea_orm::TransactionOptions {
         isolation_level: Some(sea_orm::IsolationLevel::ReadCommitted),
         ..sea_orm::TransactionOptions::default()
-    };
-    // Never cut in half (a deadline may drop this future): see `detach::begin`.
+    }
+}
+
+/// The work of a transaction of its own ([`alone`]).
+pub(crate) type Alone<'t, T> =
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, sea_orm::DbErr>> + Send + 't>>;
+
+/// Runs `work` in a transaction of its own on `db`, begun with `options`: committed when `work`
+/// succeeds, rolled back when it fails.
+pub(crate) async fn alone<T>(
+    db: &DatabaseConnection,
+    options: sea_orm::TransactionOptions,
+    work: impl for<'t> FnOnce(&'t sea_orm::DatabaseTransaction) -> Alone<'t, T>,
+) -> Result<T, sea_orm::DbErr> {
+    // Never cut in half (a caller's deadline may drop this future): see `detach::begin`.
     let txn = crate::detach::begin(db, options).await?;
-    match txn.execute_raw(stmt).await {
-        Ok(done) => txn.commit().await.map(|()| done.rows_affected()),
+    match work(&txn).await {
+        Ok(value) => txn.commit().await.map(|()| value),
         Err(error) => {
             let _ = txn.rollback().await;
             Err(error)
@@ -284,24 +305,9 @@ impl Autocommit<'_> {
     /// Runs `statement` in a transaction of its own; a failed statement rolls it back.
     async fn wrapped<T>(
         &self,
-        statement: impl for<'t> FnOnce(
-            &'t sea_orm::DatabaseTransaction,
-        ) -> std::pin::Pin<
-            Box<dyn std::future::Future<Output = Result<T, sea_orm::DbErr>> + Send + 't>,
-        >,
+        statement: impl for<'t> FnOnce(&'t sea_orm::DatabaseTransaction) -> Alone<'t, T>,
     ) -> Result<T, sea_orm::DbErr> {
-        // Never cut in half (a caller's deadline may drop this future): see `detach::begin`.
-        let txn = crate::detach::begin(self.0, sea_orm::TransactionOptions::default()).await?;
-        match statement(&txn).await {
-            Ok(value) => {
-                txn.commit().await?;
-                Ok(value)
-            }
-            Err(error) => {
-                let _ = txn.rollback().await;
-                Err(error)
-            }
-        }
+        alone(self.0, sea_orm::TransactionOptions::default(), statement).await
     }
 }
 

@@ -309,8 +309,7 @@ async fn lock_due(
     let filter = filter.replace("{head}", &head());
     // Whether a chain may follow the job (`Taken::followed`): asked only by a take that may
     // start one, so no other take pays for the probe.
-    let asks = *chain;
-    let followed = if asks {
+    let followed = if *chain {
         format!(
             ", EXISTS (SELECT 1 FROM {JOB_TABLE} q WHERE q.key_hash = j.key_hash \
              AND q.state = {QUEUED} AND q.id > j.id) AS followed"
@@ -326,7 +325,7 @@ async fn lock_due(
     );
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
     rows.iter()
-        .map(|row| Taken::read(row, asks && flag(row, "followed")?))
+        .map(|row| Taken::read(row, *chain && flag(row, "followed")?))
         .collect()
 }
 
