@@ -26,7 +26,8 @@ use crate::{
 enum Fold {
     /// It is not (a lease, another backend, another database, or a try there failed).
     Never,
-    /// It may be (`pg_advisory` or `row` on PostgreSQL), in a transaction begun to fold it.
+    /// It may be (`pg_advisory` or `row` on PostgreSQL, `row` on MySQL/MariaDB, a lease whose
+    /// fence lives in `freshlock_lock` on either), in a transaction begun to fold it.
     Allowed,
     /// This transaction's lock is to be tried by the step's first statement.
     Pending,
@@ -41,6 +42,15 @@ pub(crate) enum Folded {
     /// `EXISTS (SELECT 1 FROM freshlock_row_lock WHERE name = … FOR NO KEY UPDATE SKIP
     /// LOCKED)`: the lock row of that stored name, when it exists and is free.
     Row(String),
+    /// `EXISTS (SELECT 1 FROM freshlock_lock WHERE name = … AND fence = … FOR UPDATE SKIP
+    /// LOCKED)`: a held lease's fence check (see [`crate::lock::Fencing::fence_row`]), locking
+    /// the fence row until the transaction ends as the check by a statement of its own does.
+    Fence {
+        /// The fence row's (stored) name.
+        name: String,
+        /// The grant's fence.
+        fence: i64,
+    },
 }
 
 /// The lock of one locked section while it runs.
@@ -62,6 +72,9 @@ pub(crate) struct Locking {
     pub(crate) reply: std::time::Duration,
     /// The current transaction also releases the lease (see [`Self::verify`]).
     release_rides: bool,
+    /// The current transaction's first statement checked the lease's fence (see
+    /// [`Folded::Fence`]): [`Self::verify`] sends nothing.
+    fence_checked: bool,
     /// A committed transaction released the lease: nothing to send at the end.
     released_by_commit: bool,
     pub(crate) report: LockReport,
@@ -90,6 +103,7 @@ impl Locking {
             fold: Fold::Never,
             reply: policy.reply_deadline(),
             release_rides: false,
+            fence_checked: false,
             released_by_commit: false,
             report: LockReport {
                 backend: backend.kind(),
@@ -151,6 +165,10 @@ impl Locking {
                     Ok(Some(held)) => {
                         locking.report.fence = held.fence();
                         locking.report.held = true;
+                        let fence_row = held.fencing().and_then(|f| f.fence_row()).is_some();
+                        if fence_row {
+                            locking.fold = Fold::Allowed;
+                        }
                         locking.guard = Some(held);
                     }
                     Ok(None) => locking.unavailable(None)?,
@@ -218,18 +236,21 @@ impl Locking {
     /// transaction is ended and begun again without it (and the ones before it taken again).
     /// `detached`: the `BEGIN` runs in a task of its own (see [`begin_detached`]), for callers
     /// that may be dropped while it runs. `fold`: the caller's first statement tries the lock of
-    /// a single `pg_advisory` or `row` locking itself (see [`Self::folding`]), so none is sent
-    /// here.
+    /// a single `pg_advisory` or `row` locking itself, or checks its lease's fence (see
+    /// [`Self::folding`]), so none is sent here (nor by [`Self::verify`]).
     pub(crate) async fn begin_all(
         lockings: &mut [Locking],
         db: &DatabaseConnection,
         detached: bool,
         fold: bool,
     ) -> Result<DatabaseTransaction> {
-        let folds = fold && lockings.len() == 1 && db.get_database_backend() == DbBackend::Postgres;
-        // A lease released in an earlier attempt's transaction was not released by this one's.
+        // Not on SQLite: its `row` lock sends nothing, and its statements are no round trips.
+        let folds = fold && lockings.len() == 1 && db.get_database_backend() != DbBackend::Sqlite;
+        // A lease released (or a fence checked) in an earlier attempt's transaction was not
+        // released (checked) by this one's.
         for locking in lockings.iter_mut() {
             locking.release_rides = false;
+            locking.fence_checked = false;
             if locking.fold == Fold::Pending {
                 locking.fold = Fold::Allowed;
             }
@@ -254,11 +275,12 @@ impl Locking {
                 )
             })?;
             for (locking, skipped) in lockings.iter_mut().zip(skipped.iter_mut()) {
-                if !locking.in_transaction || *skipped {
+                let lease = locking.guard.is_some();
+                if folds && locking.fold == Fold::Allowed && (lease || !*skipped) {
+                    locking.fold = Fold::Pending;
                     continue;
                 }
-                if folds && locking.fold == Fold::Allowed {
-                    locking.fold = Fold::Pending;
+                if !locking.in_transaction || *skipped {
                     continue;
                 }
                 if let Err(failure) = locking.lock_in(&txn).await {
@@ -274,12 +296,18 @@ impl Locking {
 
     /// The lock the step's first statement is to try in its `WHERE` (a one-time filter,
     /// evaluated before any row is read or locked; see [`Folded`]), when
-    /// [`begin_all`](Self::begin_all) left this lock to it: `pg_advisory`'s key, or `row`'s lock
-    /// row. A try that fails — the lock busy, or (`row`) its lock row not made yet — runs the
-    /// attempt again with the lock taken by statements of its own.
+    /// [`begin_all`](Self::begin_all) left this lock to it: `pg_advisory`'s key, `row`'s lock
+    /// row, or a held lease's fence row. A try that fails — the lock busy, (`row`) its lock row
+    /// not made yet, or the fence moved on — runs the attempt again with the lock taken (the
+    /// fence checked) by statements of its own.
     pub(crate) fn folding(&self) -> Option<Folded> {
         if self.fold != Fold::Pending {
             return None;
+        }
+        if let Some(guard) = &self.guard {
+            let name = guard.fencing()?.fence_row()?.to_owned();
+            let fence = i64::try_from(guard.fencing()?.fence()).unwrap_or(i64::MAX);
+            return Some(Folded::Fence { name, fence });
         }
         let name = &self.report.name;
         Some(match self.report.backend {
@@ -292,6 +320,12 @@ impl Locking {
     /// Not held — the lock is busy, or the statement found no row and so cannot tell — means
     /// the attempt is to be run again, the lock then taken by a statement of its own.
     pub(crate) fn folded(&mut self, held: bool, waited: Duration) {
+        if self.guard.is_some() {
+            // A lease's fence: the lease itself was had before the transaction.
+            self.fence_checked = held;
+            self.fold = if held { Fold::Allowed } else { Fold::Never };
+            return;
+        }
         self.report.tries = 1;
         self.report.waited += waited;
         if held {
@@ -340,6 +374,10 @@ impl Locking {
         let Some(guard) = &self.guard else {
             return Ok(true);
         };
+        if self.fence_checked {
+            // Checked (and its row locked until the end) by the transaction's first statement.
+            return Ok(true);
+        }
         // A fence check whose reply does not come fails like a lost connection (`deadline.rs`).
         let (reply, backend) = (self.reply, self.report.backend.as_str());
         let no_reply = || LockError::Backend {

@@ -119,10 +119,11 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
 }
 
 /// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
-/// already excludes other writers). With `folded` (PostgreSQL), the same statement first tries
-/// that lock — a `pg_advisory_xact_lock` key or a `row` backend's lock row — as a one-time filter
-/// evaluated before any row is read or locked: no row comes back unless the lock was had (see
-/// `Locking::folding`).
+/// already excludes other writers). With `folded` (PostgreSQL, MySQL/MariaDB), the same
+/// statement first tries that lock — a `pg_advisory_xact_lock` key, a `row` backend's lock row,
+/// or a lease's fence row — as a one-time filter: no row comes back unless the lock was had (see
+/// `Locking::folding`). On MySQL/MariaDB the filter is read as a constant before the row, but
+/// the row may be locked already when it fails; the attempt then rolls back at once.
 pub(crate) async fn reload_for_update<E: EntityTrait>(
     txn: &DatabaseTransaction,
     pk: &ValueTuple,
@@ -137,7 +138,13 @@ pub(crate) async fn reload_for_update<E: EntityTrait>(
             reload = reload.filter(Expr::cust_with_values(try_lock, [key]));
         }
         Some(Folded::Row(stored)) => {
-            reload = reload.filter(Expr::cust_with_values(RowLock::FOLDED, [stored]));
+            let try_lock = RowLock::folded(txn.get_database_backend());
+            reload = reload.filter(Expr::cust_with_values(try_lock, [stored]));
+        }
+        Some(Folded::Fence { name, fence }) => {
+            let check = crate::lock::sql::fence_folded(txn.get_database_backend());
+            let values: [sea_orm::Value; 2] = [name.into(), fence.into()];
+            reload = reload.filter(Expr::cust_with_values(check, values));
         }
     }
     if txn.get_database_backend() != DbBackend::Sqlite {

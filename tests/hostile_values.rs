@@ -102,3 +102,87 @@ servers::server_tests! {
     hostile_postgres: hostile, (), postgres;
     hostile_mysql: hostile, (), mysql;
 }
+
+/// `mysql_named` sends `GET_LOCK` and its fence bump as one message of two statements, which
+/// cannot be prepared: the lock's names travel in the SQL text (hexadecimal literals). Each
+/// hostile name — under the server's `sql_mode` and under `NO_BACKSLASH_ESCAPES` and
+/// `ANSI_QUOTES`, which change how escaped string literals read — is granted and released as
+/// the very name a bound parameter names (`IS_FREE_LOCK(?)`), its fence stored under it byte
+/// for byte and bumped by each grant.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn hostile_lock_names_mysql_named() {
+    use std::time::Duration;
+
+    use freshlock::{LeaseLock, LockName, MySqlNamedLock};
+    use sea_orm::{ConnectionTrait, Statement};
+
+    let Some(test) = servers::mysql("hostile_lock_names").await else {
+        return;
+    };
+    let other = servers::connect(&test.url, None, 1).await;
+    let bound = |sql: &str, name: &str| {
+        Statement::from_sql_and_values(DbBackend::MySql, sql, [name.into()])
+    };
+    let free = |name: String| {
+        let other = other.clone();
+        async move {
+            let row = other
+                .query_one_raw(bound("SELECT IS_FREE_LOCK(?) AS free", &name))
+                .await
+                .expect("IS_FREE_LOCK")
+                .expect("a row");
+            row.try_get::<i64>("", "free").expect("free") == 1
+        }
+    };
+    let mut fences = std::collections::HashMap::new();
+    for mode in ["", ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES"] {
+        // One connection, so that every grant runs under the session's mode.
+        let locks = servers::connect(&test.url, None, 1).await;
+        let set = format!("SET SESSION sql_mode = CONCAT(@@sql_mode, '{mode}')");
+        locks.execute_unprepared(&set).await.expect("sql_mode");
+        let lock = MySqlNamedLock::new(locks).expect("MySQL");
+        for value in HOSTILE {
+            let name = LockName::new(value).expect("a name");
+            let guard = lock
+                .acquire(&name, Duration::ZERO, Duration::from_secs(60))
+                .await
+                .expect("acquire")
+                .expect("granted: nobody else holds it");
+            let fence = guard.fence().expect("a fence");
+            let last = fences.insert(value, fence);
+            assert_eq!(
+                fence,
+                last.map_or(fence, |last| last + 1),
+                "{value:?}: each grant bumps the fence"
+            );
+            // Names of ASCII that fit 64 bytes are the server's lock names themselves.
+            let server_name = value.is_ascii().then(|| value.to_owned());
+            if let Some(server_name) = &server_name {
+                assert!(!free(server_name.clone()).await, "{value:?} {mode}: held");
+            }
+            let stored = other
+                .query_one_raw(bound(
+                    "SELECT fence FROM freshlock_lock WHERE name = ?",
+                    value,
+                ))
+                .await
+                .expect("fence row")
+                .unwrap_or_else(|| panic!("{value:?} {mode}: stored under its name"));
+            assert_eq!(stored.try_get::<i64>("", "fence").unwrap(), fence as i64);
+            guard.release().await.expect("release");
+            if let Some(server_name) = server_name {
+                assert!(free(server_name).await, "{value:?} {mode}: released");
+            }
+        }
+    }
+    let rows = other
+        .query_one_raw(Statement::from_string(
+            DbBackend::MySql,
+            "SELECT COUNT(*) AS n FROM freshlock_lock WHERE name <> ''",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rows.try_get::<i64>("", "n").unwrap(), HOSTILE.len() as i64);
+}

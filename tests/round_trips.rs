@@ -115,6 +115,47 @@ async fn every_backend_sends_the_statements_it_documents() {
     assert_eq!(db.score(1).await, Some(done));
 }
 
+/// The same guard on MySQL/MariaDB, where a plain write sends seven statements (`SET
+/// TRANSACTION`, `BEGIN`, the reload, the commit marker's INSERT, the UPDATE, the read-back,
+/// `COMMIT`): `row` tries its lock row in the reload (nine statements before: the lock row was
+/// looked up, then locked); `mysql_named` checks its fence there too, and sends `GET_LOCK` and
+/// the fence bump as one message, then `RELEASE_LOCK`, on its own connection (eleven before);
+/// `table` grants its lease before the transaction and checks (and frees) it in it.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn every_backend_sends_the_statements_it_documents_mysql() {
+    use freshlock::MySqlNamedLock;
+
+    let Some(db) = servers::mysql("round_trips_backends").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let locks = proxied(&db, &proxy).await;
+    let backends: [(&str, Arc<dyn LockBackend>, u32); 4] = [
+        ("local", Arc::new(LocalLock::new()), 7),
+        ("row", Arc::new(RowLock::new(pool.clone())), 7),
+        (
+            "mysql_named",
+            Arc::new(MySqlNamedLock::new(locks.clone()).expect("MySQL")),
+            9,
+        ),
+        ("table", Arc::new(TableLock::new(pool.clone())), 9),
+    ];
+    let mut done = 0;
+    for (name, lock, statements) in backends {
+        let sent = round_trips_of(&session_with(&pool, lock), &proxy).await;
+        done += 5 + CALLS as i32;
+        assert_eq!(
+            sent,
+            CALLS * statements,
+            "{name}: round trips for {CALLS} calls"
+        );
+    }
+    assert_eq!(db.score(1).await, Some(done));
+}
+
 /// Polls `waiting` (a count `n`) until it is not 0: the write waits for a lock.
 async fn until_waiting(db: &TestDb, waiting: &str) {
     let mut polls = 0;
@@ -387,4 +428,240 @@ async fn a_job_sends_four_statements_keyed_or_not_and_a_batch_too() {
             assert_eq!(proxy.round_trips() - before, 10, "ten enqueues");
         }
     }
+}
+
+/// A lease whose fence lives in `freshlock_lock` (as `mysql_named`'s and `redis`'s do), told
+/// through [`freshlock::Fencing::fence_row`], granted `behind` fences behind the stored one
+/// (1: a grant that another holder has since overtaken). Its own check, a statement of its
+/// own, is counted: a write whose reload checked the fence does not call it.
+#[derive(Debug)]
+struct StoredFence {
+    behind: u64,
+    checks: Arc<std::sync::atomic::AtomicU32>,
+}
+
+#[derive(Debug)]
+struct StoredFenceGuard {
+    name: String,
+    fence: u64,
+    checks: Arc<std::sync::atomic::AtomicU32>,
+}
+
+/// What the test lock's grant reads as the stored fence.
+const STORED_FENCE: u64 = 5;
+
+impl LockBackend for StoredFence {
+    fn kind(&self) -> freshlock::LockKind {
+        freshlock::LockKind::Other("stored_fence")
+    }
+
+    fn role(&self) -> freshlock::LockRole<'_> {
+        freshlock::LockRole::Lease(self)
+    }
+}
+
+#[async_trait::async_trait]
+impl freshlock::LeaseLock for StoredFence {
+    async fn acquire(
+        &self,
+        name: &freshlock::LockName,
+        _wait: Duration,
+        _ttl: Duration,
+    ) -> Result<Option<Box<dyn freshlock::LockGuard>>, freshlock::LockError> {
+        Ok(Some(Box::new(StoredFenceGuard {
+            name: name.as_str().to_owned(),
+            fence: STORED_FENCE - self.behind,
+            checks: Arc::clone(&self.checks),
+        })))
+    }
+}
+
+#[async_trait::async_trait]
+impl freshlock::LockGuard for StoredFenceGuard {
+    fn fencing(&self) -> Option<&dyn freshlock::Fencing> {
+        Some(self)
+    }
+
+    async fn release(self: Box<Self>) -> Result<(), freshlock::LockError> {
+        Ok(())
+    }
+}
+
+#[async_trait::async_trait]
+impl freshlock::Fencing for StoredFenceGuard {
+    fn fence(&self) -> u64 {
+        self.fence
+    }
+
+    async fn verify(
+        &self,
+        txn: &sea_orm::DatabaseTransaction,
+    ) -> Result<bool, freshlock::LockError> {
+        self.checks
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let backend = txn.get_database_backend();
+        let sql = if backend == sea_orm::DbBackend::Postgres {
+            "SELECT fence FROM freshlock_lock WHERE name = $1 AND fence = $2 FOR UPDATE"
+        } else {
+            "SELECT fence FROM freshlock_lock WHERE name = ? AND fence = ? FOR UPDATE"
+        };
+        let fence = i64::try_from(self.fence).expect("small");
+        let check = sea_orm::Statement::from_sql_and_values(
+            backend,
+            sql,
+            [self.name.clone().into(), fence.into()],
+        );
+        let row = txn
+            .query_one_raw(check)
+            .await
+            .map_err(|e| freshlock::LockError::Backend {
+                backend: "stored_fence",
+                source: Box::new(e),
+            })?;
+        Ok(row.is_some())
+    }
+
+    fn fence_row(&self) -> Option<&str> {
+        Some(&self.name)
+    }
+}
+
+/// A lease whose fence row is in the database has its fence checked by the reload: a current
+/// grant writes without a check of its own; one overtaken by a newer grant finds no row in
+/// the reload, is checked by a statement of its own in a second try, and is refused —
+/// `LeaseLost`, nothing written. A missing row is not found, once.
+async fn a_fence_is_checked_by_the_reload(db: TestDb) {
+    db.seed_nodes(1).await;
+    let name = lock_name::<node::Entity>(1).expect("name");
+    let insert = format!(
+        "INSERT INTO freshlock_lock (name, fence, expires_at) VALUES ('{name}', {STORED_FENCE}, 0)"
+    );
+    db.db.execute_unprepared(&insert).await.expect("fence row");
+    let checks = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let with = |behind| {
+        let lock = StoredFence {
+            behind,
+            checks: Arc::clone(&checks),
+        };
+        session_with(&db.db, Arc::new(lock))
+    };
+    let checked = || checks.load(std::sync::atomic::Ordering::SeqCst);
+
+    let current = with(0);
+    for _ in 0..3 {
+        updated_in_one_attempt(&increment(&current, 1).await);
+    }
+    assert_eq!(checked(), 0, "the reload checked the fence");
+    assert_eq!(db.score(1).await, Some(3));
+
+    let overtaken = with(1);
+    let report = overtaken
+        .repository::<node::Entity>()
+        .locked_update(1, |n| {
+            n.score = Set(Some(100));
+            Ok(())
+        })
+        .await
+        .expect("locked_update");
+    assert!(
+        matches!(report.outcome, UpdateOutcome::LeaseLost),
+        "{:?}",
+        report.outcome
+    );
+    assert_eq!(checked(), 1, "the second try checked it by itself");
+    assert_eq!(db.score(1).await, Some(3), "nothing written");
+
+    let report = current
+        .repository::<node::Entity>()
+        .locked_update(404, |n| {
+            n.score = Set(Some(1));
+            Ok(())
+        })
+        .await
+        .expect("locked_update");
+    assert!(matches!(report.outcome, UpdateOutcome::NotFound));
+    assert_eq!(report.attempts, 1);
+    assert_eq!(db.all_nodes().await.len(), 1);
+}
+
+#[tokio::test]
+async fn a_fence_is_checked_by_the_reload_postgres() {
+    if let Some(db) = servers::postgres("round_trips_fence").await {
+        a_fence_is_checked_by_the_reload(db).await;
+    }
+}
+
+#[tokio::test]
+async fn a_fence_is_checked_by_the_reload_mysql() {
+    if let Some(db) = servers::mysql("round_trips_fence").await {
+        a_fence_is_checked_by_the_reload(db).await;
+    }
+}
+
+/// Polls `waiting` (a count `n`, a BIGINT on MySQL) until it is not 0.
+async fn until_waiting_mysql(db: &TestDb, waiting: &str) {
+    let mut polls = 0;
+    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
+        polls += 1;
+        assert!(polls < 3000, "the write never waited for the lock");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `row` on MySQL/MariaDB tries its lock row in the reload too (`FOR UPDATE SKIP LOCKED` in a
+/// sub-select): a lock row held by another transaction is skipped, and the second try waits
+/// for it with a statement of its own; one attempt. A missing row and a lock row not made yet
+/// cannot be told apart by the try: not found, once, by the second.
+#[tokio::test]
+async fn a_busy_lock_row_is_waited_for_in_a_second_try_mysql() {
+    let Some(db) = servers::mysql("round_trips_busy_row").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let pool = servers::connect(&db.url, None, 2).await;
+    let session = session_with(&pool, Arc::new(RowLock::new(pool.clone())));
+    // The first write makes the row's lock row (a statement of its own: there was none to try).
+    updated_in_one_attempt(&increment(&session, 1).await);
+    let name = lock_name::<node::Entity>(1).expect("name");
+    let other = servers::connect(&db.url, None, 1).await;
+    let holder = other.begin().await.expect("begin");
+    let held = holder
+        .query_one_raw(sea_orm::Statement::from_sql_and_values(
+            sea_orm::DbBackend::MySql,
+            "SELECT name FROM freshlock_row_lock WHERE name = ? FOR UPDATE",
+            [name.as_str().into()],
+        ))
+        .await
+        .expect("lock the lock row");
+    assert!(held.is_some(), "the lock row exists");
+
+    let writer = tokio::spawn(async move { increment(&session, 1).await });
+    // The write's try in the reload skipped the held row; its second attempt waits for it in a
+    // statement of its own (MariaDB lists a wait in a constant table's read in no lock view).
+    let waiting = "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST \
+        WHERE db = DATABASE() AND info = 'SELECT name FROM freshlock_row_lock WHERE name = ? FOR UPDATE'";
+    until_waiting_mysql(&db, waiting).await;
+    assert_eq!(
+        db.score(1).await,
+        Some(1),
+        "nothing written while the lock row is held elsewhere"
+    );
+    holder.commit().await.expect("release");
+    updated_in_one_attempt(&writer.await.expect("writer"));
+    assert_eq!(db.score(1).await, Some(2));
+
+    let session = session_with(&pool, Arc::new(RowLock::new(pool.clone())));
+    for _ in 0..2 {
+        let report = session
+            .repository::<node::Entity>()
+            .locked_update(404, |n| {
+                n.score = Set(Some(1));
+                Ok(())
+            })
+            .await
+            .expect("locked_update");
+        assert!(matches!(report.outcome, UpdateOutcome::NotFound));
+        assert_eq!(report.attempts, 1);
+    }
+    assert_eq!(db.all_nodes().await.len(), 1);
 }

@@ -88,47 +88,75 @@ impl LeaseLock for MySqlNamedLock {
         _ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let server_name = name.bounded(MAX_NAME, true).into_owned();
+        let fence_name = name.bounded(MAX_STORED_NAME, false).into_owned();
         let mut conn = self
             .locks
             .get_mysql_connection_pool()
             .acquire()
             .await
             .map_err(Self::fail)?;
-        let got: Option<i64> = sea_orm::sqlx::query_scalar("SELECT GET_LOCK(?, ?)")
-            .bind(&server_name)
-            .bind(wait.as_secs_f64())
-            .fetch_one(&mut *conn)
-            .await
-            .map_err(Self::fail)?;
-        if got != Some(1) {
+        // The fence is bumped on the lock's own connection (taking a second connection from
+        // the lock pool while every connection holds a lock would wait for ever), in the same
+        // message as `GET_LOCK` (see `grant_and_bump`).
+        let grant = sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(grant_and_bump(
+            &server_name,
+            wait,
+            &fence_name,
+        )));
+        let done = match grant.execute(&mut *conn).await {
+            Ok(done) => done,
+            Err(e) => {
+                // `GET_LOCK` may have been granted before the bump failed: closing the
+                // connection makes the server release it.
+                conn.close_on_drop();
+                return Err(missing_table_or(e));
+            }
+        };
+        // `GET_LOCK`'s SELECT affects no row; the bump one (inserted) or two (updated) when the
+        // lock was granted, none when it was not.
+        if done.rows_affected() == 0 {
             return Ok(None);
         }
-        let mut guard = MySqlNamedGuard {
-            conn: None,
+        Ok(Some(Box::new(MySqlNamedGuard {
+            conn: Some(conn),
             server_name,
-            fence_name: name.bounded(MAX_STORED_NAME, false).into_owned(),
-            fence: 0,
-        };
-        // The fence is bumped on the lock's own connection: taking a second connection from the
-        // lock pool while every connection holds a lock would wait for ever.
-        let bumped = bump_on(&mut conn, &guard.fence_name).await;
-        guard.conn = Some(conn);
-        // Dropping `guard` on error closes the connection, which frees the named lock.
-        guard.fence = bumped?;
-        Ok(Some(Box::new(guard)))
+            fence_name,
+            fence: done.last_insert_id(),
+        })))
     }
 }
 
-/// Issues the next fence of `name` on `conn`: the upsert writes it with `LAST_INSERT_ID(expr)`,
-/// so its own reply (the OK packet's insert id) carries it — one round trip.
-async fn bump_on(conn: &mut PoolConnection<MySql>, name: &str) -> Result<u64, LockError> {
-    // A new row starts one above the fence floor (read under a shared lock, see `floor.rs`).
-    let done = sea_orm::sqlx::query(super::floor::MYSQL_BUMP_FENCE)
-        .bind(name)
-        .execute(&mut **conn)
-        .await
-        .map_err(missing_table_or)?;
-    Ok(done.last_insert_id())
+/// `GET_LOCK` and the fence bump of [`super::floor::MYSQL_BUMP_FENCE`] as one multi-statement
+/// message (one round trip where two were), the bump made only when this connection now holds
+/// the lock (`HAVING IS_USED_LOCK(…) = CONNECTION_ID()`: the floor's aggregate row is filtered
+/// out otherwise). A message of several statements cannot be prepared, so the names travel in
+/// the SQL text: as hexadecimal literals converted to `utf8mb4` — the bytes of the name,
+/// whatever they hold (quotes, backslashes, NUL), and read the same under every `sql_mode`
+/// (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`), where an escaped string literal would not be.
+fn grant_and_bump(server_name: &str, wait: Duration, fence_name: &str) -> String {
+    let (lock, fence) = (utf8_literal(server_name), utf8_literal(fence_name));
+    let bump = super::floor::MYSQL_BUMP_FENCE
+        .replacen("SELECT ?,", &format!("SELECT {fence},"), 1)
+        .replacen(
+            "LOCK IN SHARE MODE",
+            &format!("HAVING IS_USED_LOCK({lock}) = CONNECTION_ID() LOCK IN SHARE MODE"),
+            1,
+        );
+    // MariaDB returns NULL for a negative timeout: waits are never negative here.
+    format!("SELECT GET_LOCK({lock}, {:.3}); {bump}", wait.as_secs_f64())
+}
+
+/// `text` as an SQL expression of MySQL/MariaDB that no `sql_mode` reads otherwise:
+/// `CONVERT(X'…' USING utf8mb4)`.
+fn utf8_literal(text: &str) -> String {
+    use std::fmt::Write as _;
+    let mut literal = String::with_capacity(text.len() * 2 + 24);
+    literal.push_str("CONVERT(X'");
+    for byte in text.bytes() {
+        let _ = write!(literal, "{byte:02x}");
+    }
+    literal.push_str("' USING utf8mb4)");
+    literal
 }
 
 /// The error of a fence statement, naming the migration when the table is missing.
@@ -208,6 +236,10 @@ impl Fencing for MySqlNamedGuard {
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
         fence::verify(txn, KIND, &self.fence_name, self.fence).await
     }
+
+    fn fence_row(&self) -> Option<&str> {
+        Some(&self.fence_name)
+    }
 }
 
 impl Drop for MySqlNamedGuard {
@@ -218,5 +250,26 @@ impl Drop for MySqlNamedGuard {
             warn!(lock = %self.server_name, "named lock dropped without release; closing its connection");
             conn.close_on_drop();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_grant_is_one_message_with_no_placeholder_and_a_guarded_bump() {
+        let sql = grant_and_bump("a'b\\c", Duration::from_millis(1500), "n\0'");
+        let lock = "CONVERT(X'6127625c63' USING utf8mb4)";
+        assert!(
+            sql.starts_with(&format!("SELECT GET_LOCK({lock}, 1.500); INSERT INTO ")),
+            "{sql}"
+        );
+        assert!(sql.contains("SELECT CONVERT(X'6e0027' USING utf8mb4), LAST_INSERT_ID("));
+        assert!(sql.contains(&format!(
+            "HAVING IS_USED_LOCK({lock}) = CONNECTION_ID() LOCK IN SHARE MODE ON DUPLICATE"
+        )));
+        assert!(!sql.contains('?'), "{sql}");
+        assert_eq!(sql.matches(';').count(), 1, "two statements: {sql}");
     }
 }

@@ -260,6 +260,10 @@ impl Fencing for RedisGuard {
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
         fence::verify(txn, KIND, &self.fence_name, self.fence).await
     }
+
+    fn fence_row(&self) -> Option<&str> {
+        Some(&self.fence_name)
+    }
 }
 
 #[async_trait]

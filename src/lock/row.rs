@@ -62,6 +62,20 @@ impl RowLock {
     /// waits.
     pub(crate) const FOLDED: &'static str = "EXISTS (SELECT 1 FROM freshlock_row_lock \
          WHERE name = $1 FOR NO KEY UPDATE SKIP LOCKED)";
+
+    /// [`Self::FOLDED`] on MySQL/MariaDB (10.6 and later have `SKIP LOCKED`; a subquery's own
+    /// locking clause locks its rows there).
+    pub(crate) const FOLDED_MYSQL: &'static str = "EXISTS (SELECT 1 FROM freshlock_row_lock \
+         WHERE name = ? FOR UPDATE SKIP LOCKED)";
+
+    /// The folded try of `backend`.
+    pub(crate) fn folded(backend: DbBackend) -> &'static str {
+        if backend == DbBackend::MySql {
+            Self::FOLDED_MYSQL
+        } else {
+            Self::FOLDED
+        }
+    }
 }
 
 impl LockBackend for RowLock {

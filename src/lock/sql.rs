@@ -37,6 +37,22 @@ pub(crate) fn for_update_skip_locked(backend: DbBackend) -> &'static str {
     }
 }
 
+/// A lease's fence check (`fence::verify`, for `mysql_named` and `redis`) as a condition of
+/// another statement's `WHERE` (see `Locking::folding`): true when the row of `name` (the first
+/// value) holds `fence` (the second), which it then locks until the transaction ends, as the
+/// check by a statement of its own does; false, never waiting, when it does not or another
+/// transaction has it locked (a fence being bumped). Not for SQLite, whose statements are no
+/// round trips.
+pub(crate) fn fence_folded(backend: DbBackend) -> &'static str {
+    if backend == DbBackend::Postgres {
+        "EXISTS (SELECT 1 FROM freshlock_lock WHERE name = $1 AND fence = $2 \
+         FOR UPDATE SKIP LOCKED)"
+    } else {
+        "EXISTS (SELECT 1 FROM freshlock_lock WHERE name = ? AND fence = ? \
+         FOR UPDATE SKIP LOCKED)"
+    }
+}
+
 /// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL). A `?`
 /// inside a quoted literal or identifier (`'…'`, `"…"`, quotes doubled inside) is text, not a
 /// placeholder.

@@ -250,12 +250,23 @@ pub trait Fencing: Send + Sync {
     fn fence(&self) -> u64;
 
     /// Checks, inside the transaction that is about to write, that this grant is still the
-    /// current one. `locked_update` calls it before its UPDATE and, when it returns `false`,
-    /// rolls back and reports [`crate::UpdateOutcome::LeaseLost`].
+    /// current one. `locked_update` calls it before its UPDATE (unless its reload checked the
+    /// fence, see [`fence_row`](Self::fence_row)) and, when it returns `false`, rolls back and
+    /// reports [`crate::UpdateOutcome::LeaseLost`].
     ///
     /// # Errors
     /// [`LockError`] when the check could not be made.
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError>;
+
+    /// The name this grant's fence is stored under in `freshlock_lock`, when
+    /// [`verify`](Self::verify) is exactly the check that this row still holds
+    /// [`fence`](Self::fence) (as for `mysql_named` and `redis`). `locked_update` then checks the
+    /// fence in the statement that reloads the row (one round trip less per write) and calls
+    /// `verify` only when that statement finds nothing. The default, `None`, always calls
+    /// `verify`.
+    fn fence_row(&self) -> Option<&str> {
+        None
+    }
 
     /// [`verify`](Self::verify), and also release the lease inside `txn`, so that it ends
     /// exactly when `txn` commits: one statement and one commit fewer than verifying, committing

@@ -63,7 +63,7 @@ struct Counters {
     cuts: AtomicU32,
     /// Round trips of the clients' statements: their first message after each reply of the
     /// server (messages a client sends without waiting in between are one round trip), not
-    /// counting PostgreSQL pings (a `Sync` alone).
+    /// counting pings (PostgreSQL: a `Sync` alone; MySQL: `COM_PING`).
     messages: AtomicU32,
     /// Instead of cutting, black-hole the connection: after the message, nothing passes either
     /// way and both sockets stay open (no FIN, no RST), as behind a firewall that forgot it.
@@ -206,7 +206,9 @@ async fn forward(
                 // A round trip starts with the client's first message after a reply.
                 // A PostgreSQL `Sync` alone is sqlx's ping (it pings every connection it is given
                 // back, in a task of its own): not a statement.
-                if std::mem::take(&mut replied) && chunk != b"S\0\0\0\x04" {
+                // A MySQL `COM_PING` (sequence 0, command 0x0e) is sqlx's ping there.
+                let ping = chunk == b"S\0\0\0\x04" || chunk == b"\x01\0\0\0\x0e";
+                if std::mem::take(&mut replied) && !ping {
                     counters.messages.fetch_add(1, Ordering::SeqCst);
                 }
                 let every = counters.every.load(Ordering::SeqCst);
