@@ -1139,11 +1139,31 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
         LockKind::MySqlNamed,
         LockKind::Table,
     ];
+    // The same writes on a pool whose connections default to READ COMMITTED
+    // (`freshlock::mysql_read_committed`): no `SET TRANSACTION` before each `BEGIN`.
+    let committed = {
+        let mut options = sea_orm::ConnectOptions::new(url);
+        options
+            .test_before_acquire(false)
+            .max_connections(20)
+            .min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+            .sqlx_logging(false);
+        freshlock::mysql_read_committed(&mut options);
+        sea_orm::Database::connect(options).await.expect("connect")
+    };
+    let committed_kinds = [LockKind::Local, LockKind::Row, LockKind::MySqlNamed];
+    let mut on_committed = vec![Vec::new(); committed_kinds.len()];
     let (mut floor, mut two) = (Vec::new(), Vec::new());
     let mut ours = vec![Vec::new(); kinds.len() + 1];
     for _ in 0..rounds {
         floor.push(floor_rate().await);
         two.push(two_rate().await);
+        for (kind, samples) in committed_kinds.iter().zip(on_committed.iter_mut()) {
+            let floored = Floored::Backend(*kind);
+            samples.push(floored.rate(&committed, url, redis, seconds).await);
+        }
         for (kind, samples) in kinds.iter().zip(ours.iter_mut()) {
             samples.push(
                 Floored::Backend(*kind)
@@ -1175,6 +1195,14 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
             what.label(),
             rate / floor,
             what.goal()
+        );
+    }
+    for (kind, samples) in committed_kinds.iter().zip(on_committed.iter_mut()) {
+        let rate = median(samples);
+        println!(
+            "| `locked_update` ({kind}), pool at READ COMMITTED, 1 task | {rate:.0} | {floor:.0} | {:.2}× | {} |",
+            rate / floor,
+            Floored::Backend(*kind).goal()
         );
     }
 }

@@ -130,6 +130,8 @@ pub use outcome::{
     DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,
     UpdateReport,
 };
+#[cfg(feature = "mysql")]
+pub use pool::mysql_read_committed;
 pub use repository::{PrimaryKeyOf, Repository};
 pub use row::lock_name;
 pub use section::{Section, SectionOutcome, SectionReport, SectionWork, section_work};

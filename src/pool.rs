@@ -75,9 +75,15 @@ pub(crate) fn state(db: &DatabaseConnection) -> Option<Arc<PoolState>> {
 /// error, which freshlock retries.
 pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
     let backend = db.get_database_backend();
-    let query = match backend {
-        DbBackend::Postgres => "SHOW default_transaction_isolation",
-        DbBackend::MySql => "SELECT @@tx_isolation",
+    // MariaDB before 11.1 names the variable `tx_isolation`, MySQL 8 only
+    // `transaction_isolation`: `SHOW VARIABLES` finds whichever the server has (both hold the
+    // session's level), where selecting the other name would fail on every `BEGIN`.
+    let (query, column) = match backend {
+        DbBackend::Postgres => ("SHOW default_transaction_isolation", 0),
+        DbBackend::MySql => (
+            "SHOW SESSION VARIABLES WHERE Variable_name IN ('tx_isolation', 'transaction_isolation')",
+            1,
+        ),
         _ => return false,
     };
     let Some(state) = state(db) else {
@@ -90,7 +96,7 @@ pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
         .query_one_raw(Statement::from_string(backend, query))
         .await
     {
-        Ok(Some(row)) => row.try_get_by_index::<String>(0).ok(),
+        Ok(Some(row)) => row.try_get_by_index::<String>(column).ok(),
         Ok(None) => None,
         Err(error) => {
             // Not remembered: a database that is down now is asked again on the next BEGIN.
@@ -102,6 +108,47 @@ pub(crate) async fn read_committed_by_default(db: &DatabaseConnection) -> bool {
         level.eq_ignore_ascii_case("read committed") || level.eq_ignore_ascii_case("READ-COMMITTED")
     });
     *state.read_committed.get_or_init(|| answer)
+}
+
+/// Makes every connection of the MySQL/MariaDB pool that `options` connects run its
+/// transactions at READ COMMITTED by default: `SET SESSION TRANSACTION ISOLATION LEVEL READ
+/// COMMITTED` as each connection is made (sqlx's `after_connect`, through
+/// [`ConnectOptions::map_sqlx_mysql_pool_opts`](sea_orm::ConnectOptions::map_sqlx_mysql_pool_opts),
+/// which replaces a mapping set before it; set yours first and call this last, or make your
+/// own mapping run the same statement).
+///
+/// freshlock's transactions run at READ COMMITTED, which MySQL and MariaDB do not default to
+/// (REPEATABLE READ): on such a pool each `BEGIN` needs a `SET TRANSACTION` before it, a round
+/// trip of its own. On a pool whose connections default to it already — read once per pool —
+/// that statement is skipped: a `locked_update` under `local` sends six statements instead of
+/// seven (`tests/round_trips.rs`; see `BENCHMARKS.md` for what that is worth).
+///
+/// The application's own transactions on the pool run at READ COMMITTED too (as Django's do on
+/// MySQL by default): reads within one of them see what other transactions committed since,
+/// and no gap locks are taken. Setting `transaction_isolation` in the server's configuration
+/// does the same for every client.
+///
+/// ```no_run
+/// # async fn connect() -> Result<(), sea_orm::DbErr> {
+/// let mut options = sea_orm::ConnectOptions::new("mysql://root@127.0.0.1:3306/test");
+/// freshlock::mysql_read_committed(&mut options);
+/// let db = sea_orm::Database::connect(options).await?;
+/// # let _ = db;
+/// # Ok(())
+/// # }
+/// ```
+#[cfg(feature = "mysql")]
+pub fn mysql_read_committed(options: &mut sea_orm::ConnectOptions) -> &mut sea_orm::ConnectOptions {
+    const SET: &str = "SET SESSION TRANSACTION ISOLATION LEVEL READ COMMITTED";
+    options.map_sqlx_mysql_pool_opts(|pool| {
+        pool.after_connect(|conn, _| {
+            Box::pin(async move {
+                sea_orm::sqlx::Executor::execute(conn, SET)
+                    .await
+                    .map(|_| ())
+            })
+        })
+    })
 }
 
 /// How long a seen incarnation token is used without looking again: a write within this of the

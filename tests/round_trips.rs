@@ -28,7 +28,17 @@ use servers::TestDb;
 const CALLS: u32 = 40;
 
 async fn proxied(db: &TestDb, proxy: &Proxy) -> DatabaseConnection {
+    proxied_with(db, proxy, |_| {}).await
+}
+
+/// [`proxied`], with the connect options changed by `change` first.
+async fn proxied_with(
+    db: &TestDb,
+    proxy: &Proxy,
+    change: impl FnOnce(&mut sea_orm::ConnectOptions),
+) -> DatabaseConnection {
     let mut options = sea_orm::ConnectOptions::new(proxy.url(&db.url));
+    change(&mut options);
     // One connection, no checkout ping: every message the proxy sees is a statement of a call.
     options
         .max_connections(1)
@@ -154,6 +164,41 @@ async fn every_backend_sends_the_statements_it_documents_mysql() {
         );
     }
     assert_eq!(db.score(1).await, Some(done));
+}
+
+/// A MySQL/MariaDB pool whose connections default to READ COMMITTED
+/// (`freshlock::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: six
+/// statements per write under `local` instead of seven; the application's own transactions on
+/// it run at that level too.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_read_committed_pool_skips_set_transaction_mysql() {
+    let Some(db) = servers::mysql("round_trips_read_committed").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied_with(&db, &proxy, |options| {
+        freshlock::mysql_read_committed(options);
+    })
+    .await;
+    let sent = round_trips_of(&session_with(&pool, Arc::new(LocalLock::new())), &proxy).await;
+    assert_eq!(sent, CALLS * 6, "round trips for {CALLS} calls");
+    assert_eq!(db.score(1).await, Some(5 + CALLS as i32));
+    let txn = pool.begin().await.expect("begin");
+    let level = txn
+        .query_one_raw(sea_orm::Statement::from_string(
+            sea_orm::DbBackend::MySql,
+            "SELECT @@tx_isolation AS level",
+        ))
+        .await
+        .expect("level")
+        .expect("a row");
+    assert_eq!(
+        level.try_get::<String>("", "level").unwrap(),
+        "READ-COMMITTED"
+    );
+    txn.commit().await.expect("commit");
 }
 
 /// Polls `waiting` (a count `n`) until it is not 0: the write waits for a lock.

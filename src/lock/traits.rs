@@ -262,8 +262,10 @@ pub trait Fencing: Send + Sync {
     /// [`verify`](Self::verify) is exactly the check that this row still holds
     /// [`fence`](Self::fence) (as for `mysql_named` and `redis`). `locked_update` then checks the
     /// fence in the statement that reloads the row (one round trip less per write) and calls
-    /// `verify` only when that statement finds nothing. The default, `None`, always calls
-    /// `verify`.
+    /// `verify` only when that statement finds nothing. The fence row is then locked from the
+    /// reload to the commit, not only from the check before the UPDATE: a newer grant of the
+    /// name, possible only once this lease is lost, waits for the write to end before its fence
+    /// is issued (and then reloads what it wrote). The default, `None`, always calls `verify`.
     fn fence_row(&self) -> Option<&str> {
         None
     }
