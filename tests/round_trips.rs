@@ -92,6 +92,27 @@ async fn round_trips_of(session: &Session, proxy: &Proxy) -> u32 {
     proxy.round_trips() - before
 }
 
+/// Each backend's `CALLS` increments of node 1 on `pool` send `statements` round trips per
+/// call, and the row gains exactly the acknowledged increments (warm-ups included).
+async fn sends_per_call(
+    db: &TestDb,
+    pool: &DatabaseConnection,
+    proxy: &Proxy,
+    backends: impl IntoIterator<Item = (&str, Arc<dyn LockBackend>, u32)>,
+) {
+    let mut done = 0;
+    for (name, lock, statements) in backends {
+        let sent = round_trips_of(&session_with(pool, lock), proxy).await;
+        done += 5 + CALLS as i32;
+        assert_eq!(
+            sent,
+            CALLS * statements,
+            "{name}: round trips for {CALLS} calls"
+        );
+    }
+    assert_eq!(db.score(1).await, Some(done));
+}
+
 /// The statements of one uncontended `locked_update` per backend, as a guard on the hot path:
 /// a statement added to it fails here. `local`, `pg_advisory` and `row` send four (BEGIN,
 /// reload, UPDATE, COMMIT: `pg_advisory` and `row` try their lock in the reload; a lock
@@ -112,17 +133,7 @@ async fn every_backend_sends_the_statements_it_documents() {
         ("row", Arc::new(RowLock::new(pool.clone())), 4),
         ("table", Arc::new(TableLock::new(pool.clone())), 6),
     ];
-    let mut done = 0;
-    for (name, lock, statements) in backends {
-        let sent = round_trips_of(&session_with(&pool, lock), &proxy).await;
-        done += 5 + CALLS as i32;
-        assert_eq!(
-            sent,
-            CALLS * statements,
-            "{name}: round trips for {CALLS} calls"
-        );
-    }
-    assert_eq!(db.score(1).await, Some(done));
+    sends_per_call(&db, &pool, &proxy, backends).await;
 }
 
 /// The same guard on MySQL/MariaDB, where a plain write sends seven statements (`SET
@@ -153,17 +164,7 @@ async fn every_backend_sends_the_statements_it_documents_mysql() {
         ),
         ("table", Arc::new(TableLock::new(pool.clone())), 9),
     ];
-    let mut done = 0;
-    for (name, lock, statements) in backends {
-        let sent = round_trips_of(&session_with(&pool, lock), &proxy).await;
-        done += 5 + CALLS as i32;
-        assert_eq!(
-            sent,
-            CALLS * statements,
-            "{name}: round trips for {CALLS} calls"
-        );
-    }
-    assert_eq!(db.score(1).await, Some(done));
+    sends_per_call(&db, &pool, &proxy, backends).await;
 }
 
 /// A MySQL/MariaDB pool whose connections default to READ COMMITTED
@@ -201,10 +202,11 @@ async fn a_read_committed_pool_skips_set_transaction_mysql() {
     txn.commit().await.expect("commit");
 }
 
-/// Polls `waiting` (a count `n`) until it is not 0: the write waits for a lock.
+/// Polls `waiting` (a count `n`, a BIGINT on either database) until it is not 0: the write
+/// waits for a lock.
 async fn until_waiting(db: &TestDb, waiting: &str) {
     let mut polls = 0;
-    while db.query_one(waiting).await.try_get::<i32>("", "n").unwrap() == 0 {
+    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
         polls += 1;
         assert!(polls < 3000, "the write never waited for the lock");
         tokio::time::sleep(Duration::from_millis(10)).await;
@@ -241,7 +243,7 @@ async fn a_busy_advisory_lock_is_waited_for_in_a_second_try_and_counted_once() {
     let writer = tokio::spawn(async move { increment(&session, 1).await });
     // The write's try in the reload failed; its second attempt waits in `pg_advisory_xact_lock`.
     let waiting = format!(
-        "SELECT count(*)::int AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
+        "SELECT count(*) AS n FROM pg_locks WHERE locktype = 'advisory' AND NOT granted \
          AND ((classid::bigint << 32) | objid::bigint) = {key}"
     );
     until_waiting(&db, &waiting).await;
@@ -299,7 +301,7 @@ async fn a_busy_lock_row_is_waited_for_in_a_second_try_and_counted_once() {
     // The write's try in the reload skipped the held row; its second attempt waits for it (for
     // this holder: not any lock wait of the server).
     let waiting = format!(
-        "SELECT count(*)::int AS n FROM pg_stat_activity WHERE {pid} = ANY(pg_blocking_pids(pid))"
+        "SELECT count(*) AS n FROM pg_stat_activity WHERE {pid} = ANY(pg_blocking_pids(pid))"
     );
     until_waiting(&db, &waiting).await;
     assert_eq!(
@@ -643,16 +645,6 @@ async fn a_fence_is_checked_by_the_reload_mysql() {
     }
 }
 
-/// Polls `waiting` (a count `n`, a BIGINT on MySQL) until it is not 0.
-async fn until_waiting_mysql(db: &TestDb, waiting: &str) {
-    let mut polls = 0;
-    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
-        polls += 1;
-        assert!(polls < 3000, "the write never waited for the lock");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
 /// `row` on MySQL/MariaDB tries its lock row in the reload too (`FOR UPDATE SKIP LOCKED` in a
 /// sub-select): a lock row held by another transaction is skipped, and the second try waits
 /// for it with a statement of its own; one attempt. A missing row and a lock row not made yet
@@ -685,7 +677,7 @@ async fn a_busy_lock_row_is_waited_for_in_a_second_try_mysql() {
     // statement of its own (MariaDB lists a wait in a constant table's read in no lock view).
     let waiting = "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST \
         WHERE db = DATABASE() AND info = 'SELECT name FROM freshlock_row_lock WHERE name = ? FOR UPDATE'";
-    until_waiting_mysql(&db, waiting).await;
+    until_waiting(&db, waiting).await;
     assert_eq!(
         db.score(1).await,
         Some(1),
