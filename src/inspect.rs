@@ -129,9 +129,10 @@ const BATCH: usize = 500;
 ///   new names wait while a batch is deleted (PostgreSQL: a `SHARE ROW EXCLUSIVE` table lock,
 ///   waited for at most 5 s; MySQL/MariaDB: the floor row; SQLite: the one writer); other
 ///   grants, checks and releases do not. Live and expired-but-unreleased leases are kept (clear
-///   those with [`release_stale`] first). A `mysql_named` / `redis` holder whose grant is older
-///   than `idle` may lose its fence row: its next write then reports
-///   [`crate::UpdateOutcome::LeaseLost`] and writes nothing.
+///   those with [`release_stale`] first). A `redis` holder whose grant is older than `idle` may
+///   lose its fence row: its next write then reports [`crate::UpdateOutcome::LeaseLost`] and
+///   writes nothing. A `mysql_named` holder loses nothing: its next checked transaction writes
+///   the row again, above the raised floor (a transaction holding the row is waited for).
 /// - from `freshlock_row_lock`, every row no transaction has locked now (`SKIP LOCKED`): a
 ///   section that locks a deleted name creates its row again.
 ///

@@ -163,7 +163,7 @@ impl Locking {
                 locking.report.waited += acquisition.waited;
                 match acquisition.result {
                     Ok(Some(held)) => {
-                        locking.report.fence = held.fence();
+                        locking.report.fence = issued(held.as_ref());
                         locking.report.held = true;
                         let fence_row = held.fencing().and_then(|f| f.fence_row()).is_some();
                         if fence_row {
@@ -384,15 +384,26 @@ impl Locking {
             backend,
             source: Box::new(crate::deadline::no_reply(reply)),
         };
-        if !releasing {
-            return tokio::time::timeout(reply, guard.verify(txn))
-                .await
-                .unwrap_or_else(|_| Err(no_reply()));
-        }
-        let check = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
-            .await
-            .unwrap_or_else(|_| Err(no_reply()))?;
+        let check = if releasing {
+            tokio::time::timeout(reply, guard.verify_and_release_in(txn)).await
+        } else {
+            let verified = tokio::time::timeout(reply, guard.verify(txn)).await;
+            verified.map(|held| {
+                held.map(|held| {
+                    if held {
+                        LeaseCheck::Held
+                    } else {
+                        LeaseCheck::Lost
+                    }
+                })
+            })
+        };
+        let check = check.unwrap_or_else(|_| Err(no_reply()))?;
         self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
+        if check.held() {
+            // A backend that issues its fence in the check (`mysql_named`) has it now.
+            self.report.fence = issued(guard.as_ref());
+        }
         Ok(check.held())
     }
 
@@ -444,6 +455,11 @@ impl fmt::Debug for Locking {
             .field("report", &self.report)
             .finish_non_exhaustive()
     }
+}
+
+/// The fence `guard` has issued, if any (0: none yet; see [`crate::lock::Fencing::fence`]).
+fn issued(guard: &dyn LockGuard) -> Option<u64> {
+    guard.fence().filter(|&fence| fence > 0)
 }
 
 /// [`begin`] in a task of its own, awaited: a caller dropped while `BEGIN` is in flight must not

@@ -69,7 +69,8 @@ pub struct LockReport {
     pub tries: u32,
     /// How long the section waited for the lock.
     pub waited: Duration,
-    /// The fence token of the grant, for backends that issue one.
+    /// The fence token of the grant, for backends that issue one (`mysql_named` issues one per
+    /// checked transaction: the write's, see [`crate::Fencing::fence`]).
     pub fence: Option<u64>,
     /// Set when releasing the lock failed *after* the transaction ended: the outcome stands (a
     /// committed update stays committed), and the lease runs out by its TTL.

@@ -103,19 +103,20 @@ servers::server_tests! {
     hostile_mysql: hostile, (), mysql;
 }
 
-/// `mysql_named` sends `GET_LOCK` and its fence bump as one message of two statements, which
-/// cannot be prepared: the lock's names travel in the SQL text (hexadecimal literals). Each
-/// hostile name — under the server's `sql_mode` and under `NO_BACKSLASH_ESCAPES` and
-/// `ANSI_QUOTES`, which change how escaped string literals read — is granted and released as
-/// the very name a bound parameter names (`IS_FREE_LOCK(?)`), its fence stored under it byte
-/// for byte and bumped by each grant.
+/// `mysql_named` sends `GET_LOCK` and the read of its fence row as one message of two
+/// statements, which cannot be prepared: the lock's names travel in the SQL text (hexadecimal
+/// literals). Each hostile name — under the server's `sql_mode` and under
+/// `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`, which change how escaped string literals read — is
+/// granted and released as the very name a bound parameter names (`IS_FREE_LOCK(?)`), and the
+/// grant reads (and waits for) the row its checked transactions bump under that name, byte for
+/// byte: a transaction holding that row makes the grant wait.
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn hostile_lock_names_mysql_named() {
     use std::time::Duration;
 
     use freshlock::{LeaseLock, LockName, MySqlNamedLock};
-    use sea_orm::{ConnectionTrait, Statement};
+    use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
 
     let Some(test) = servers::mysql("hostile_lock_names").await else {
         return;
@@ -149,12 +150,19 @@ async fn hostile_lock_names_mysql_named() {
                 .await
                 .expect("acquire")
                 .expect("granted: nobody else holds it");
+            assert_eq!(guard.fence(), Some(0), "issued by a checked transaction");
+            let txn = other.begin().await.expect("begin");
+            assert!(
+                guard.verify(&txn).await.expect("verify"),
+                "{value:?} {mode}: held"
+            );
+            txn.commit().await.expect("commit");
             let fence = guard.fence().expect("a fence");
             let last = fences.insert(value, fence);
             assert_eq!(
                 fence,
                 last.map_or(fence, |last| last + 1),
-                "{value:?}: each grant bumps the fence"
+                "{value:?}: each checked transaction bumps the fence"
             );
             // Names of ASCII that fit 64 bytes are the server's lock names themselves.
             let server_name = value.is_ascii().then(|| value.to_owned());
@@ -170,6 +178,29 @@ async fn hostile_lock_names_mysql_named() {
                 .expect("fence row")
                 .unwrap_or_else(|| panic!("{value:?} {mode}: stored under its name"));
             assert_eq!(stored.try_get::<i64>("", "fence").unwrap(), fence as i64);
+            guard.release().await.expect("release");
+            // A transaction holding the name's fence row: a grant of the name waits for it
+            // (its read found the row the hex literal names), and is had once it ended.
+            let holder = other.begin().await.expect("begin");
+            holder
+                .execute_raw(bound(
+                    "SELECT fence FROM freshlock_lock WHERE name = ? FOR UPDATE",
+                    value,
+                ))
+                .await
+                .expect("fence row locked");
+            let waiting = lock.acquire(&name, Duration::ZERO, Duration::from_secs(60));
+            tokio::pin!(waiting);
+            let early = tokio::time::timeout(Duration::from_millis(300), &mut waiting).await;
+            assert!(
+                early.is_err(),
+                "{value:?} {mode}: the grant waits for the fence row"
+            );
+            holder.rollback().await.expect("rollback");
+            let guard = waiting
+                .await
+                .expect("acquire")
+                .expect("granted after the wait");
             guard.release().await.expect("release");
             if let Some(server_name) = server_name {
                 assert!(free(server_name).await, "{value:?} {mode}: released");

@@ -218,7 +218,15 @@ async fn fences_strictly_increase(subject: &Subject) {
         let Some(Held::Lease(guard)) = subject.take(&name, Duration::ZERO, TTL).await else {
             panic!("lease expected");
         };
-        let fence = guard.fence().expect("a fence");
+        let mut fence = guard.fence().expect("a fence");
+        if fence == 0 {
+            // Issued by the check of the write's transaction (`mysql_named`): a checked
+            // transaction that commits has it.
+            let txn = subject.db.begin().await.expect("begin");
+            assert!(guard.verify(&txn).await.expect("verify"), "still held");
+            txn.commit().await.expect("commit");
+            fence = guard.fence().expect("a fence");
+        }
         assert!(fence > last, "{fence} after {last}");
         last = fence;
         guard.release().await.expect("release");
@@ -304,4 +312,145 @@ servers::server_tests! {
     redis_with_sqlite_fences: contract, LockKind::Redis, sqlite;
     redis_with_postgres_fences: contract, LockKind::Redis, postgres;
     redis_with_mysql_fences: contract, LockKind::Redis, mysql;
+}
+
+/// `mysql_named` writes nothing at a grant: each transaction it protects bumps the name's fence
+/// when checked, only while the grant's connection still holds its locks, and keeps the fence
+/// row locked until it ends. When that connection dies (the holder's session killed) after the
+/// check, the next grant of the name is had at once but waits, in its own reply, for the
+/// checked transaction to end — so its holder reads nothing that transaction had not committed
+/// — and the lost grant's next check is refused.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
+    use freshlock::{LeaseLock, MySqlNamedLock};
+    use sea_orm::{ConnectionTrait, Statement};
+
+    let Some(db) = servers::mysql("lost_named_lock").await else {
+        return;
+    };
+    let tag = db.url.rsplit('/').next().unwrap_or_default().to_owned();
+    let name = LockName::new(format!("{tag}/lost")).unwrap();
+    let stored =
+        |sql: &str| Statement::from_sql_and_values(DbBackend::MySql, sql, [name.as_str().into()]);
+    let fence_rows = || async {
+        let row = db
+            .db
+            .query_one_raw(stored(
+                "SELECT COUNT(*) AS n FROM freshlock_lock WHERE name = ?",
+            ))
+            .await
+            .unwrap()
+            .unwrap();
+        row.try_get::<i64>("", "n").unwrap()
+    };
+    let lock = MySqlNamedLock::new(servers::connect(&db.url, None, 3).await).unwrap();
+    let lost = lock
+        .acquire(&name, Duration::ZERO, TTL)
+        .await
+        .unwrap()
+        .expect("free");
+    assert_eq!(
+        lost.fence(),
+        Some(0),
+        "no fence before a checked transaction"
+    );
+    assert_eq!(fence_rows().await, 0, "a grant writes nothing");
+
+    let checked = db.db.begin().await.unwrap();
+    assert!(lost.verify(&checked).await.unwrap(), "held");
+    let first = lost.fence().expect("a fence");
+    assert!(first > 0);
+
+    // The holder's session dies (as a killed or partitioned client's does): its named locks go.
+    let owner = db
+        .db
+        .query_one_raw(stored("SELECT IS_USED_LOCK(?) AS id"))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get::<i64>("", "id")
+        .unwrap();
+    db.db
+        .execute_unprepared(&format!("KILL CONNECTION {owner}"))
+        .await
+        .unwrap();
+
+    let successor = {
+        let (lock, name) = (lock.clone(), name.clone());
+        tokio::spawn(async move { lock.acquire(&name, Duration::from_secs(30), TTL).await })
+    };
+    // Its grant waits in the read of the fence row the checked transaction holds (MariaDB lists
+    // a wait in a constant table's read in no lock view: the process list shows it).
+    let waiting = "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST \
+        WHERE info LIKE 'SELECT fence FROM freshlock_lock WHERE name = CONVERT(%' \
+        AND id <> CONNECTION_ID()";
+    let mut polls = 0;
+    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
+        polls += 1;
+        assert!(
+            polls < 3000,
+            "the successor's grant never waited for the fence row"
+        );
+        assert!(
+            !successor.is_finished(),
+            "granted while the checked transaction runs"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(!successor.is_finished());
+    checked.commit().await.unwrap();
+    let successor = successor
+        .await
+        .unwrap()
+        .unwrap()
+        .expect("granted once the transaction ended");
+
+    let txn = db.db.begin().await.unwrap();
+    assert!(
+        !lost.verify(&txn).await.unwrap(),
+        "the lost grant's next check is refused"
+    );
+    txn.rollback().await.unwrap();
+    assert_eq!(lost.fence(), Some(first), "a refused check issues no fence");
+    let txn = db.db.begin().await.unwrap();
+    assert!(
+        successor.verify(&txn).await.unwrap(),
+        "the successor holds it"
+    );
+    txn.commit().await.unwrap();
+    assert!(successor.fence().expect("a fence") > first, "fences grow");
+    successor.release().await.unwrap();
+    // Its connection is gone: the release reports it (or finds nothing to release).
+    let _ = lost.release().await;
+
+    // A write reports the fence its own transaction was given, the one stored.
+    db.seed_nodes(1).await;
+    let session = freshlock::Session::builder(db.db.clone())
+        .lock(Arc::new(lock))
+        .build()
+        .unwrap();
+    let report = session
+        .repository::<entity::node::Entity>()
+        .locked_update(1, |n| {
+            n.title = sea_orm::Set("fenced".into());
+            Ok(())
+        })
+        .await
+        .unwrap();
+    assert!(report.outcome.is_updated());
+    let row = freshlock::lock_name::<entity::node::Entity>(1).unwrap();
+    let stored = db
+        .db
+        .query_one_raw(Statement::from_sql_and_values(
+            DbBackend::MySql,
+            "SELECT fence FROM freshlock_lock WHERE name = ?",
+            [row.as_str().into()],
+        ))
+        .await
+        .unwrap()
+        .expect("the write's fence row")
+        .try_get::<i64>("", "fence")
+        .unwrap();
+    assert_eq!(report.lock.fence, Some(stored as u64));
 }

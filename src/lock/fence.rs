@@ -1,18 +1,17 @@
-//! Fence counters in `freshlock_lock` for lease backends whose server issues none (MySQL
-//! `GET_LOCK`, Redis): bumped on every grant (a new row starts one above the fence floor, see
-//! [`super::floor`]), checked in the transaction of the write.
+//! Fence counters in `freshlock_lock` for the Redis lease, whose server issues none
+//! (`mysql_named` bumps its own in the write's transaction): bumped on every grant (a new row
+//! starts one above the fence floor, see [`super::floor`]), checked in the transaction of the
+//! write.
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction};
-#[cfg(feature = "redis")]
-use sea_orm::{DatabaseConnection, DbBackend};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
 
-use super::sql::{for_update, lock_error, statement};
-#[cfg(feature = "redis")]
-use super::{floor, sql::now_ms};
+use super::{
+    floor,
+    sql::{for_update, lock_error, now_ms, statement},
+};
 use crate::{error::LockError, schema::LOCK_TABLE};
 
 /// Issues the next fence of `name` (the bounded, stored name) on `db`.
-#[cfg(feature = "redis")]
 pub(crate) async fn bump(
     db: &DatabaseConnection,
     backend: DbBackend,
@@ -33,7 +32,6 @@ pub(crate) async fn bump(
         })
 }
 
-#[cfg(feature = "redis")]
 async fn bump_now(
     db: &DatabaseConnection,
     backend: DbBackend,
@@ -82,7 +80,6 @@ async fn bump_now(
 /// Deletes the fence row of `name` when it still holds `fence` and has no fence above the floor
 /// but that one (see [`LockGuard::retire`](super::traits::LockGuard::retire)). Call it while the lock
 /// is still held, so no other grant bumps the row meanwhile. Returns whether it was deleted.
-#[cfg(feature = "redis")]
 pub(crate) async fn retire(
     db: &DatabaseConnection,
     kind: &'static str,

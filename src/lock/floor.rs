@@ -32,7 +32,8 @@ pub(crate) fn mysql_floor() -> String {
 /// MySQL/MariaDB: the next fence of a name (`?`) — a new row one above the floor, an existing
 /// row one above its last — written with `LAST_INSERT_ID(expr)`, so that the statement's own
 /// reply (its OK packet's insert id) carries it: no statement more to read it. The one fence bump
-/// on MySQL, for `mysql_named` (on its lock connection) and `redis`'s fences. A literal: sqlx
+/// on MySQL, for `redis`'s fences (and, gated by its grant's token, `mysql_named`'s, in the
+/// write's transaction). A literal: sqlx
 /// takes only audited SQL strings (the test below checks it against the parts it spells out).
 #[cfg_attr(not(any(feature = "mysql", feature = "redis")), allow(dead_code))]
 pub(crate) const MYSQL_BUMP_FENCE: &str = "INSERT INTO freshlock_lock (name, fence, expires_at, acquired_at) \

@@ -17,7 +17,7 @@
 
 mod any;
 mod backoff;
-#[cfg(any(feature = "mysql", feature = "redis"))]
+#[cfg(feature = "redis")]
 mod fence;
 pub(crate) mod floor;
 pub(crate) mod holder;

@@ -1,18 +1,21 @@
 //! MySQL / MariaDB named locks (`GET_LOCK`).
 
-use std::time::Duration;
+use std::{
+    sync::atomic::{AtomicU64, Ordering},
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use sea_orm::{
-    DatabaseConnection, DatabaseTransaction, DbBackend,
-    sqlx::{MySql, pool::PoolConnection},
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend,
+    sqlx::{MySql, Row as _, pool::PoolConnection},
 };
 use tracing::warn;
 
 use super::{
-    fence,
     kind::LockKind,
     name::LockName,
+    sql::{lock_error, statement},
     traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{
@@ -32,8 +35,15 @@ const MAX_NAME: usize = 64;
 /// crashed holder frees it at once; a guard dropped without `release` closes its connection
 /// instead of returning it to the pool with the lock held). Names longer than 64 characters or
 /// not ASCII are mapped to a stable 64-character name. Waits are always finite (MariaDB returns
-/// NULL for a negative timeout). Each grant bumps a fence in `freshlock_lock`, checked in the
-/// write's transaction.
+/// NULL for a negative timeout).
+///
+/// Fences: a grant writes nothing (it commits nothing, so it costs no log flush). Each
+/// transaction it protects bumps the name's fence in `freshlock_lock` when it is checked
+/// ([`Fencing::verify`]), only while the grant still holds its connection's second named lock
+/// (a token of its own), and the commit of the write carries the bump; the fence row stays locked
+/// until then, and a grant waits in its reply for a transaction that holds it. So
+/// [`Fencing::fence`] is 0 until the first transaction was checked, and then that transaction's
+/// fence: fences grow with every checked transaction of the name.
 ///
 /// `locks` must reach the same database as the data. Needs [`crate::schema::Migration`].
 ///
@@ -89,61 +99,110 @@ impl LeaseLock for MySqlNamedLock {
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let server_name = name.bounded(MAX_NAME, true).into_owned();
         let fence_name = name.bounded(MAX_STORED_NAME, false).into_owned();
+        let token = token();
         let mut conn = self
             .locks
             .get_mysql_connection_pool()
             .acquire()
             .await
             .map_err(Self::fail)?;
-        // The fence is bumped on the lock's own connection (taking a second connection from
-        // the lock pool while every connection holds a lock would wait for ever), in the same
-        // message as `GET_LOCK` (see `grant_and_bump`).
-        let grant = sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(grant_and_bump(
+        let grant = sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(grant(
             &server_name,
             wait,
+            &token,
             &fence_name,
         )));
-        let done = match grant.execute(&mut *conn).await {
-            Ok(done) => done,
+        let granted = match grant.fetch_all(&mut *conn).await {
+            Ok(rows) => rows
+                .first()
+                .map(|row| (row.try_get::<Option<i64>, _>(0), row.try_get::<u64, _>(1))),
             Err(e) => {
-                // `GET_LOCK` may have been granted before the bump failed: closing the
+                // `GET_LOCK` may have been granted before the wait failed: closing the
                 // connection makes the server release it.
                 conn.close_on_drop();
                 return Err(missing_table_or(e));
             }
         };
-        // `GET_LOCK`'s SELECT affects no row; the bump one (inserted) or two (updated) when the
-        // lock was granted, none when it was not.
-        if done.rows_affected() == 0 {
-            return Ok(None);
+        match granted {
+            Some((Ok(Some(0)), _)) => Ok(None),
+            Some((Ok(Some(2)), Ok(owner))) => Ok(Some(Box::new(MySqlNamedGuard {
+                conn: Some(conn),
+                server_name,
+                token,
+                owner,
+                fence_name,
+                fence: AtomicU64::new(0),
+            }))),
+            // The name granted without its token (or an unreadable reply): nothing to fence
+            // with, so let the server release both with the connection.
+            other => {
+                conn.close_on_drop();
+                Err(Self::fail(std::io::Error::other(format!(
+                    "GET_LOCK of the grant's token failed: {other:?}"
+                ))))
+            }
         }
-        Ok(Some(Box::new(MySqlNamedGuard {
-            conn: Some(conn),
-            server_name,
-            fence_name,
-            fence: done.last_insert_id(),
-        })))
     }
 }
 
-/// `GET_LOCK` and the fence bump of [`super::floor::MYSQL_BUMP_FENCE`] as one multi-statement
-/// message (one round trip where two were), the bump made only when this connection now holds
-/// the lock (`HAVING IS_USED_LOCK(…) = CONNECTION_ID()`: the floor's aggregate row is filtered
-/// out otherwise). A message of several statements cannot be prepared, so the names travel in
-/// the SQL text: as hexadecimal literals converted to `utf8mb4` — the bytes of the name,
-/// whatever they hold (quotes, backslashes, NUL), and read the same under every `sql_mode`
-/// (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`), where an escaped string literal would not be.
-fn grant_and_bump(server_name: &str, wait: Duration, fence_name: &str) -> String {
-    let (lock, fence) = (utf8_literal(server_name), utf8_literal(fence_name));
-    let bump = super::floor::MYSQL_BUMP_FENCE
-        .replacen("SELECT ?,", &format!("SELECT {fence},"), 1)
-        .replacen(
-            "LOCK IN SHARE MODE",
-            &format!("HAVING IS_USED_LOCK({lock}) = CONNECTION_ID() LOCK IN SHARE MODE"),
-            1,
-        );
-    // MariaDB returns NULL for a negative timeout: waits are never negative here.
-    format!("SELECT GET_LOCK({lock}, {:.3}); {bump}", wait.as_secs_f64())
+/// A name no other grant ever takes: the second named lock of a grant, held on the same
+/// connection as the name itself and so lost with it. [`MySqlNamedGuard::verify`] checks that it
+/// is still held by the grant's connection — the connection's id alone could be another's after
+/// a server restart, a fresh token cannot. 128 bits from the standard library's randomly keyed
+/// hasher (no crate for it).
+fn token() -> String {
+    use std::hash::BuildHasher as _;
+    static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let count = COUNT.fetch_add(1, Ordering::Relaxed);
+    let clock = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let seed = (std::process::id(), clock, count);
+    let (a, b) = (
+        std::hash::RandomState::new().hash_one(seed),
+        std::hash::RandomState::new().hash_one(seed),
+    );
+    format!("freshlock:{a:016x}{b:016x}")
+}
+
+/// The grant as one message of two statements (one round trip): `GET_LOCK` of the name and, only
+/// when granted, of the grant's [`token`] (`@freshlock_grant` is 2 when both are held, 0 when
+/// the name was not granted), with the connection's id; then, only when granted, a shared-lock
+/// read of the name's fence row. That read waits for a transaction that holds the row — one
+/// whose lease was lost while its [`verify`](MySqlNamedGuard::verify) had bumped the row — to
+/// end: this grant then reads nothing that transaction had not committed yet. A read, not a
+/// write: a grant commits nothing (no log flush), unlike a fence bumped at the grant. A message
+/// of several statements cannot be prepared, so the names travel in the SQL text: as
+/// hexadecimal literals converted to `utf8mb4` — the bytes of the name, whatever they hold
+/// (quotes, backslashes, NUL), and read the same under every `sql_mode` (`NO_BACKSLASH_ESCAPES`,
+/// `ANSI_QUOTES`), where an escaped string literal would not be.
+fn grant(server_name: &str, wait: Duration, token: &str, fence_name: &str) -> String {
+    let (lock, token, fence) = (
+        utf8_literal(server_name),
+        utf8_literal(token),
+        utf8_literal(fence_name),
+    );
+    // MariaDB returns NULL for a negative timeout: waits are never negative here. A user
+    // variable in a `WHERE` is a constant of the statement: a false one reads (and waits for)
+    // nothing.
+    format!(
+        "SELECT @freshlock_grant := IF(GET_LOCK({lock}, {wait:.3}) = 1, GET_LOCK({token}, 0) + 1, 0) \
+         AS granted, CONNECTION_ID() AS owner; \
+         SELECT fence FROM {LOCK_TABLE} WHERE name = {fence} AND @freshlock_grant = 2 \
+         LOCK IN SHARE MODE",
+        wait = wait.as_secs_f64()
+    )
+}
+
+/// The fence bump of [`super::floor::MYSQL_BUMP_FENCE`] made only while the grant's token is
+/// held by its connection (`HAVING IS_USED_LOCK(?) = ?`: the floor's aggregate row is filtered
+/// out otherwise): values the fence row's name, the token, the connection's id.
+fn checked_bump() -> String {
+    super::floor::MYSQL_BUMP_FENCE.replacen(
+        "LOCK IN SHARE MODE",
+        "HAVING IS_USED_LOCK(?) = ? LOCK IN SHARE MODE",
+        1,
+    )
 }
 
 /// `text` as an SQL expression of MySQL/MariaDB that no `sql_mode` reads otherwise:
@@ -179,8 +238,13 @@ fn missing_table_or(e: sea_orm::sqlx::Error) -> LockError {
 struct MySqlNamedGuard {
     conn: Option<PoolConnection<MySql>>,
     server_name: String,
+    /// The grant's second named lock (see [`token`]).
+    token: String,
+    /// The id of the connection holding both.
+    owner: u64,
     fence_name: String,
-    fence: u64,
+    /// The fence issued by the last transaction [`Fencing::verify`] checked; 0 before.
+    fence: AtomicU64,
 }
 
 #[async_trait]
@@ -197,7 +261,7 @@ impl LockGuard for MySqlNamedGuard {
         if let Some(conn) = self.conn.as_mut() {
             let deleted = sea_orm::sqlx::query(RETIRE)
                 .bind(&self.fence_name)
-                .bind(i64::try_from(self.fence).unwrap_or(i64::MAX))
+                .bind(i64::try_from(self.fence.load(Ordering::SeqCst)).unwrap_or(i64::MAX))
                 .execute(&mut **conn)
                 .await;
             if let Err(error) = deleted {
@@ -212,8 +276,9 @@ impl LockGuard for MySqlNamedGuard {
             return Ok(());
         };
         let released: Result<Option<i64>, _> =
-            sea_orm::sqlx::query_scalar("SELECT RELEASE_LOCK(?)")
+            sea_orm::sqlx::query_scalar("SELECT RELEASE_LOCK(?), RELEASE_LOCK(?)")
                 .bind(&self.server_name)
+                .bind(&self.token)
                 .fetch_one(&mut *conn)
                 .await;
         match released {
@@ -230,15 +295,30 @@ impl LockGuard for MySqlNamedGuard {
 #[async_trait]
 impl Fencing for MySqlNamedGuard {
     fn fence(&self) -> u64 {
-        self.fence
+        self.fence.load(Ordering::SeqCst)
     }
 
+    /// Bumps the name's fence in `txn` while the grant's token is still held by its connection:
+    /// the fence row then stays locked until `txn` ends, so a later grant (possible only once
+    /// this one is lost) waits for `txn` in its read of that row before it reads anything else.
+    /// Each transaction checked gets a fence of its own, and its commit carries the bump: a
+    /// grant writes nothing of its own.
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        fence::verify(txn, KIND, &self.fence_name, self.fence).await
-    }
-
-    fn fence_row(&self) -> Option<&str> {
-        Some(&self.fence_name)
+        let values = vec![
+            self.fence_name.as_str().into(),
+            self.token.as_str().into(),
+            self.owner.into(),
+        ];
+        let done = txn
+            .execute_raw(statement(DbBackend::MySql, &checked_bump(), values))
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+        // One row inserted or updated (1 or 2) when the token was held, none when it was not.
+        if done.rows_affected() == 0 {
+            return Ok(false);
+        }
+        self.fence.store(done.last_insert_id(), Ordering::SeqCst);
+        Ok(true)
     }
 }
 
@@ -258,18 +338,34 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_grant_is_one_message_with_no_placeholder_and_a_guarded_bump() {
-        let sql = grant_and_bump("a'b\\c", Duration::from_millis(1500), "n\0'");
+    fn the_grant_is_one_message_with_no_placeholder_and_a_gated_read() {
+        let sql = grant("a'b\\c", Duration::from_millis(1500), "t'", "n\0'");
         let lock = "CONVERT(X'6127625c63' USING utf8mb4)";
+        let token = "CONVERT(X'7427' USING utf8mb4)";
         assert!(
-            sql.starts_with(&format!("SELECT GET_LOCK({lock}, 1.500); INSERT INTO ")),
+            sql.starts_with(&format!(
+                "SELECT @freshlock_grant := IF(GET_LOCK({lock}, 1.500) = 1, GET_LOCK({token}, 0) + 1, 0)"
+            )),
             "{sql}"
         );
-        assert!(sql.contains("SELECT CONVERT(X'6e0027' USING utf8mb4), LAST_INSERT_ID("));
-        assert!(sql.contains(&format!(
-            "HAVING IS_USED_LOCK({lock}) = CONNECTION_ID() LOCK IN SHARE MODE ON DUPLICATE"
-        )));
+        assert!(sql.contains(
+            "WHERE name = CONVERT(X'6e0027' USING utf8mb4) AND @freshlock_grant = 2 LOCK IN SHARE MODE"
+        ));
         assert!(!sql.contains('?'), "{sql}");
         assert_eq!(sql.matches(';').count(), 1, "two statements: {sql}");
+    }
+
+    #[test]
+    fn the_bump_is_gated_by_the_token_and_reads_the_floor() {
+        let sql = checked_bump();
+        assert!(sql.contains("HAVING IS_USED_LOCK(?) = ? LOCK IN SHARE MODE ON DUPLICATE KEY"));
+        assert_eq!(sql.matches('?').count(), 3, "{sql}");
+    }
+
+    #[test]
+    fn tokens_differ() {
+        let (a, b) = (token(), token());
+        assert_ne!(a, b);
+        assert!(a.len() <= MAX_NAME, "{a}");
     }
 }

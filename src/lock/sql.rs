@@ -37,7 +37,7 @@ pub(crate) fn for_update_skip_locked(backend: DbBackend) -> &'static str {
     }
 }
 
-/// A lease's fence check (`fence::verify`, for `mysql_named` and `redis`) as a condition of
+/// A lease's fence check (`fence::verify`, for `redis`) as a condition of
 /// another statement's `WHERE` (see `Locking::folding`): true when the row of `name` (the first
 /// value) holds `fence` (the second), which it then locks until the transaction ends, as the
 /// check by a statement of its own does; false, never waiting, when it does not or another

@@ -246,7 +246,12 @@ pub trait LockGuard: Send + Sync + fmt::Debug {
 /// A grant's fence token, checked in the transaction of the write it guards.
 #[async_trait]
 pub trait Fencing: Send + Sync {
-    /// The fence token of this grant: it grows with every grant of the same name.
+    /// The fence token of this grant: it grows with every grant of the same name. A backend
+    /// may issue it in the transactions it checks instead of at the grant (`mysql_named`, whose
+    /// grants then write nothing): there it is 0 until [`verify`](Self::verify) first returned
+    /// `true`, and then the fence of the last transaction checked, growing with every checked
+    /// transaction of the name. [`crate::LockReport::fence`] is the one the write's transaction
+    /// had.
     fn fence(&self) -> u64;
 
     /// Checks, inside the transaction that is about to write, that this grant is still the
@@ -260,7 +265,7 @@ pub trait Fencing: Send + Sync {
 
     /// The name this grant's fence is stored under in `freshlock_lock`, when
     /// [`verify`](Self::verify) is exactly the check that this row still holds
-    /// [`fence`](Self::fence) (as for `mysql_named` and `redis`). `locked_update` then checks the
+    /// [`fence`](Self::fence) (as for `redis`). `locked_update` then checks the
     /// fence in the statement that reloads the row (one round trip less per write) and calls
     /// `verify` only when that statement finds nothing. The fence row is then locked from the
     /// reload to the commit, not only from the check before the UPDATE: a newer grant of the
