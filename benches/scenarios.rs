@@ -550,6 +550,15 @@ async fn main() {
         }
         return;
     }
+    // Not part of a full run either: log flushes and statements per write on MariaDB (issue 26).
+    #[cfg(feature = "mysql")]
+    if only.as_deref() == Some("fsyncs") {
+        match mysql.as_deref() {
+            Some(url) => mariadb_fsyncs(url).await,
+            None => println!("\n(fsyncs: skipped: needs DATABASE_URL_MYSQL)"),
+        }
+        return;
+    }
     // Not part of a full run either: what `mysql_read_committed` saves (issue 26).
     #[cfg(feature = "mysql")]
     if only.as_deref() == Some("committed") {
@@ -1132,6 +1141,67 @@ async fn read_committed_pool(url: &str) {
     {
         let (a, b) = (median(&mut on_default[i]), median(&mut on_committed[i]));
         println!("| {what} | {a:.0} | {b:.0} | {:.2}× |", b / a);
+    }
+}
+
+/// What one uncontended `locked_update` costs the MariaDB server, per backend: log flushes
+/// (`Innodb_data_fsyncs`: one per committed write transaction, none for reads, `GET_LOCK` or a
+/// locking read in autocommit) and statements (`Questions`, every connection's: the lock pool's
+/// too), over 300 writes after 20 of warm-up, on a quiet server. Counts, not times: they tell
+/// what a backend sends and commits, whatever this machine's fsync costs.
+#[cfg(feature = "mysql")]
+async fn mariadb_fsyncs(url: &str) {
+    use sea_orm::ConnectionTrait;
+    const WRITES: u32 = 300;
+    let _ = database(url, 2, 2).await;
+    let quiet = common::connect_with(url, 20, false).await;
+    let status = common::connect_with(url, 1, false).await;
+    let read = || async {
+        let rows = status
+            .query_all_raw(sea_orm::Statement::from_string(
+                sea_orm::DbBackend::MySql,
+                "SHOW GLOBAL STATUS WHERE Variable_name IN ('Innodb_data_fsyncs', 'Questions')",
+            ))
+            .await
+            .expect("status");
+        let value = |name: &str| {
+            rows.iter()
+                .find(|row| row.try_get_by_index::<String>(0).ok().as_deref() == Some(name))
+                .and_then(|row| row.try_get_by_index::<String>(1).ok())
+                .and_then(|value| value.parse::<f64>().ok())
+                .expect("a status value")
+        };
+        (value("Innodb_data_fsyncs"), value("Questions"))
+    };
+    println!(
+        "\n| on MariaDB, one row, 1 task, {WRITES} writes | log flushes per write | statements per write |\n|---|---|---|"
+    );
+    for kind in [
+        LockKind::Local,
+        LockKind::Row,
+        LockKind::MySqlNamed,
+        LockKind::Table,
+    ] {
+        let session = Session::builder(quiet.clone())
+            .lock(kind.connect(&quiet, url, None).await.expect("backend"))
+            .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+            .build()
+            .expect("session");
+        for _ in 0..20 {
+            increment(&session, 1).await;
+        }
+        let (fsyncs, questions) = read().await;
+        for _ in 0..WRITES {
+            increment(&session, 1).await;
+        }
+        let (fsyncs_after, questions_after) = read().await;
+        let writes = f64::from(WRITES);
+        // The second status read is one statement of its own.
+        println!(
+            "| `locked_update` ({kind}) | {:.2} | {:.2} |",
+            (fsyncs_after - fsyncs) / writes,
+            (questions_after - questions - 1.0) / writes
+        );
     }
 }
 
