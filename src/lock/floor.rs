@@ -33,8 +33,8 @@ pub(crate) fn mysql_floor() -> String {
 /// row one above its last — written with `LAST_INSERT_ID(expr)`, so that the statement's own
 /// reply (its OK packet's insert id) carries it: no statement more to read it. The one fence bump
 /// on MySQL, for `redis`'s fences (and, gated by its grant's token, `mysql_named`'s, in the
-/// write's transaction). A literal: sqlx
-/// takes only audited SQL strings (the test below checks it against the parts it spells out).
+/// write's transaction). A literal: sqlx takes only audited SQL strings (the test below checks
+/// it against the parts it spells out).
 #[cfg_attr(not(any(feature = "mysql", feature = "redis")), allow(dead_code))]
 pub(crate) const MYSQL_BUMP_FENCE: &str = "INSERT INTO freshlock_lock (name, fence, expires_at, acquired_at) \
     SELECT ?, LAST_INSERT_ID(COALESCE(MAX(floor_row.fence), 0) + 1), 0, \

@@ -113,9 +113,11 @@ impl LeaseLock for MySqlNamedLock {
             &fence_name,
         )));
         let granted = match grant.fetch_all(&mut *conn).await {
-            Ok(rows) => rows
-                .first()
-                .map(|row| (row.try_get::<Option<i64>, _>(0), row.try_get::<u64, _>(1))),
+            // The variables are the last row (the fence row, when read, comes before).
+            Ok(rows) => rows.last().map(|row| {
+                let owner = row.try_get::<i64, _>(1).map(|id| u64::try_from(id).ok());
+                (row.try_get::<Option<i64>, _>(0), owner)
+            }),
             Err(e) => {
                 // `GET_LOCK` may have been granted before the wait failed: closing the
                 // connection makes the server release it.
@@ -125,7 +127,7 @@ impl LeaseLock for MySqlNamedLock {
         };
         match granted {
             Some((Ok(Some(0)), _)) => Ok(None),
-            Some((Ok(Some(2)), Ok(owner))) => Ok(Some(Box::new(MySqlNamedGuard {
+            Some((Ok(Some(2)), Ok(Some(owner)))) => Ok(Some(Box::new(MySqlNamedGuard {
                 conn: Some(conn),
                 server_name,
                 token,
@@ -165,31 +167,33 @@ fn token() -> String {
     format!("freshlock:{a:016x}{b:016x}")
 }
 
-/// The grant as one message of two statements (one round trip): `GET_LOCK` of the name and, only
-/// when granted, of the grant's [`token`] (`@freshlock_grant` is 2 when both are held, 0 when
-/// the name was not granted), with the connection's id; then, only when granted, a shared-lock
-/// read of the name's fence row. That read waits for a transaction that holds the row — one
-/// whose lease was lost while its [`verify`](MySqlNamedGuard::verify) had bumped the row — to
-/// end: this grant then reads nothing that transaction had not committed yet. A read, not a
-/// write: a grant commits nothing (no log flush), unlike a fence bumped at the grant. A message
-/// of several statements cannot be prepared, so the names travel in the SQL text: as
-/// hexadecimal literals converted to `utf8mb4` — the bytes of the name, whatever they hold
-/// (quotes, backslashes, NUL), and read the same under every `sql_mode` (`NO_BACKSLASH_ESCAPES`,
-/// `ANSI_QUOTES`), where an escaped string literal would not be.
+/// The grant as one message of three statements (one round trip): `GET_LOCK` of the name and,
+/// only when granted, of the grant's [`token`] (`@freshlock_grant` is 2 when both are held, 0
+/// when the name was not granted), with the connection's id; then, only when granted, a
+/// shared-lock read of the name's fence row; then the two variables, as the reply's last row.
+/// The read waits for a transaction that holds the row — one whose lease was lost while its
+/// [`verify`](MySqlNamedGuard::verify) had bumped the row — to end: this grant then reads
+/// nothing that transaction had not committed yet. A read, not a write: a grant commits nothing
+/// (no log flush), unlike a fence bumped at the grant. A message of several statements cannot
+/// be prepared, so the names travel in the SQL text: as hexadecimal literals converted to
+/// `utf8mb4` — the bytes of the name, whatever they hold (quotes, backslashes, NUL), and read
+/// the same under every `sql_mode` (`NO_BACKSLASH_ESCAPES`, `ANSI_QUOTES`), where an escaped
+/// string literal would not be.
 fn grant(server_name: &str, wait: Duration, token: &str, fence_name: &str) -> String {
     let (lock, token, fence) = (
         utf8_literal(server_name),
         utf8_literal(token),
         utf8_literal(fence_name),
     );
-    // MariaDB returns NULL for a negative timeout: waits are never negative here. A user
-    // variable in a `WHERE` is a constant of the statement: a false one reads (and waits for)
-    // nothing.
+    // MariaDB returns NULL for a negative timeout: waits are never negative here. `SELECT …
+    // INTO` (MySQL deprecates assigning variables inside expressions). A user variable in a
+    // `WHERE` is a constant of the statement: a false one reads (and waits for) nothing.
     format!(
-        "SELECT @freshlock_grant := IF(GET_LOCK({lock}, {wait:.3}) = 1, GET_LOCK({token}, 0) + 1, 0) \
-         AS granted, CONNECTION_ID() AS owner; \
+        "SELECT IF(GET_LOCK({lock}, {wait:.3}) = 1, GET_LOCK({token}, 0) + 1, 0), CONNECTION_ID() \
+         INTO @freshlock_grant, @freshlock_owner; \
          SELECT fence FROM {LOCK_TABLE} WHERE name = {fence} AND @freshlock_grant = 2 \
-         LOCK IN SHARE MODE",
+         LOCK IN SHARE MODE; \
+         SELECT @freshlock_grant AS granted, CAST(@freshlock_owner AS SIGNED) AS owner",
         wait = wait.as_secs_f64()
     )
 }
@@ -344,15 +348,19 @@ mod tests {
         let token = "CONVERT(X'7427' USING utf8mb4)";
         assert!(
             sql.starts_with(&format!(
-                "SELECT @freshlock_grant := IF(GET_LOCK({lock}, 1.500) = 1, GET_LOCK({token}, 0) + 1, 0)"
+                "SELECT IF(GET_LOCK({lock}, 1.500) = 1, GET_LOCK({token}, 0) + 1, 0), CONNECTION_ID() \
+                 INTO @freshlock_grant, @freshlock_owner; "
             )),
             "{sql}"
         );
+        assert!(sql.ends_with(
+            "SELECT @freshlock_grant AS granted, CAST(@freshlock_owner AS SIGNED) AS owner"
+        ));
         assert!(sql.contains(
             "WHERE name = CONVERT(X'6e0027' USING utf8mb4) AND @freshlock_grant = 2 LOCK IN SHARE MODE"
         ));
         assert!(!sql.contains('?'), "{sql}");
-        assert_eq!(sql.matches(';').count(), 1, "two statements: {sql}");
+        assert_eq!(sql.matches(';').count(), 2, "three statements: {sql}");
     }
 
     #[test]
