@@ -454,3 +454,72 @@ async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
         .unwrap();
     assert_eq!(report.lock.fence, Some(stored as u64));
 }
+
+/// `LockKind::connect`'s `mysql_named` pool does not ping a connection when it hands it out (a
+/// round trip per grant): a grant whose pooled connection died while it idled (the server
+/// killed it, as a restart or `wait_timeout` does) is asked again on another, and granted.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_dead_pooled_lock_connection_does_not_fail_a_grant_mysql() {
+    use sea_orm::ConnectionTrait;
+
+    let Some(db) = servers::mysql("dead_lock_connection").await else {
+        return;
+    };
+    let tag = db.url.rsplit('/').next().unwrap_or_default().to_owned();
+    let backend = LockKind::MySqlNamed
+        .connect(&db.db, &db.url, None)
+        .await
+        .unwrap();
+    let names: Vec<_> = (0..3)
+        .map(|i| LockName::new(format!("{tag}/dead{i}")).unwrap())
+        .collect();
+    // Three connections in the lock pool, idle.
+    let mut held = Vec::new();
+    for name in &names {
+        held.push(
+            backend
+                .acquire(name, Duration::ZERO, TTL)
+                .await
+                .unwrap()
+                .unwrap(),
+        );
+    }
+    for guard in held {
+        guard.release().await.unwrap();
+    }
+    // The server ends every idle connection to this test's database (the lock pool's three
+    // among them).
+    let idle = format!(
+        "SELECT id FROM information_schema.PROCESSLIST WHERE db = '{tag}' \
+         AND command = 'Sleep' AND id <> CONNECTION_ID()"
+    );
+    let admin = servers::connect(&db.url, None, 1).await;
+    let ids = admin
+        .query_all_raw(sea_orm::Statement::from_string(DbBackend::MySql, idle))
+        .await
+        .unwrap();
+    assert!(
+        ids.len() >= 3,
+        "the lock pool's connections idle: {}",
+        ids.len()
+    );
+    for row in ids {
+        let id = row.try_get_by_index::<i64>(0).unwrap();
+        admin
+            .execute_unprepared(&format!("KILL CONNECTION {id}"))
+            .await
+            .ok();
+    }
+    for name in &names {
+        let guard = backend
+            .acquire(name, Duration::ZERO, TTL)
+            .await
+            .expect("no error: the dead connections are skipped")
+            .expect("granted");
+        let txn = admin.begin().await.unwrap();
+        assert!(guard.verify(&txn).await.unwrap(), "held");
+        txn.commit().await.unwrap();
+        guard.release().await.unwrap();
+    }
+}

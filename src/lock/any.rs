@@ -56,7 +56,12 @@ impl LockKind {
             #[cfg(feature = "mysql")]
             Self::MySqlNamed => {
                 let mut options = sea_orm::ConnectOptions::new(database_url);
-                options.max_connections(16).sqlx_logging(false);
+                // No ping on checkout (a round trip per grant): a grant that finds its pooled
+                // connection dead asks again on another (see `MySqlNamedLock`).
+                options
+                    .max_connections(16)
+                    .test_before_acquire(false)
+                    .sqlx_logging(false);
                 let locks =
                     sea_orm::Database::connect(options)
                         .await

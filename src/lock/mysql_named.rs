@@ -1,16 +1,19 @@
 //! MySQL / MariaDB named locks (`GET_LOCK`).
 
 use std::{
-    sync::atomic::{AtomicU64, Ordering},
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
     time::Duration,
 };
 
 use async_trait::async_trait;
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend,
+    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, RuntimeErr,
     sqlx::{MySql, Row as _, pool::PoolConnection},
 };
-use tracing::warn;
+use tracing::{debug, warn};
 
 use super::{
     kind::LockKind,
@@ -19,6 +22,7 @@ use super::{
     traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{
+    db_error::{Failure, classify},
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
@@ -44,6 +48,10 @@ const MAX_NAME: usize = 64;
 /// until then, and a grant waits in its reply for a transaction that holds it. So
 /// [`Fencing::fence`] is 0 until the first transaction was checked, and then that transaction's
 /// fence: fences grow with every checked transaction of the name.
+///
+/// A grant whose message finds its pooled connection dead (closed by the server while it
+/// idled: a restart, `wait_timeout`) is asked again on another connection, so the pool needs no
+/// ping on checkout; [`crate::LockKind::connect`]'s pool has none.
 ///
 /// `locks` must reach the same database as the data. Needs [`crate::schema::Migration`].
 ///
@@ -100,29 +108,44 @@ impl LeaseLock for MySqlNamedLock {
         let server_name = name.bounded(MAX_NAME, true).into_owned();
         let fence_name = name.bounded(MAX_STORED_NAME, false).into_owned();
         let token = token();
-        let mut conn = self
-            .locks
-            .get_mysql_connection_pool()
-            .acquire()
-            .await
-            .map_err(Self::fail)?;
-        let grant = sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(grant(
-            &server_name,
-            wait,
-            &token,
-            &fence_name,
-        )));
-        let granted = match grant.fetch_all(&mut *conn).await {
-            // The variables are the last row (the fence row, when read, comes before).
-            Ok(rows) => rows.last().map(|row| {
-                let owner = row.try_get::<i64, _>(1).map(|id| u64::try_from(id).ok());
-                (row.try_get::<Option<i64>, _>(0), owner)
-            }),
-            Err(e) => {
-                // `GET_LOCK` may have been granted before the wait failed: closing the
-                // connection makes the server release it.
-                conn.close_on_drop();
-                return Err(missing_table_or(e));
+        let pool = self.locks.get_mysql_connection_pool();
+        // Every connection the pool holds now may have died while it idled (a server restart,
+        // `wait_timeout`): one more try than there are, each on another connection.
+        let tries = pool.size() + 1;
+        let started = tokio::time::Instant::now();
+        let mut tried = 0;
+        let (mut conn, granted) = loop {
+            tried += 1;
+            let mut conn = pool.acquire().await.map_err(Self::fail)?;
+            let grant = sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(grant(
+                &server_name,
+                wait.saturating_sub(started.elapsed()),
+                &token,
+                &fence_name,
+            )));
+            match grant.fetch_all(&mut *conn).await {
+                // The variables are the last row (the fence row, when read, comes before).
+                Ok(rows) => {
+                    let granted = rows.last().map(|row| {
+                        let owner = row.try_get::<i64, _>(1).map(|id| u64::try_from(id).ok());
+                        (row.try_get::<Option<i64>, _>(0), owner)
+                    });
+                    break (conn, granted);
+                }
+                Err(e) => {
+                    // `GET_LOCK` may have been granted before the wait failed: closing the
+                    // connection makes the server release it.
+                    conn.close_on_drop();
+                    let e = DbErr::Query(RuntimeErr::SqlxError(Arc::new(e)));
+                    // A pooled connection found dead by the grant's message, the first it was
+                    // sent since it idled (`LockKind::connect`'s pool does not ping on
+                    // checkout): the grant is asked again on another connection.
+                    if classify(&e) == Failure::ConnectionLost && tried < tries {
+                        debug!(lock = %server_name, error = %e, "a pooled lock connection was dead; asking again on another");
+                        continue;
+                    }
+                    return Err(lock_error(KIND, LOCK_TABLE, e));
+                }
             }
         };
         match granted {
@@ -220,21 +243,6 @@ fn utf8_literal(text: &str) -> String {
     }
     literal.push_str("' USING utf8mb4)");
     literal
-}
-
-/// The error of a fence statement, naming the migration when the table is missing.
-fn missing_table_or(e: sea_orm::sqlx::Error) -> LockError {
-    let missing = e
-        .as_database_error()
-        .and_then(|db| db.try_downcast_ref::<sea_orm::sqlx::mysql::MySqlDatabaseError>())
-        .is_some_and(|db| db.number() == 1146);
-    if missing {
-        return LockError::MissingTable {
-            table: LOCK_TABLE,
-            migration: crate::schema::MIGRATION_NAME,
-        };
-    }
-    MySqlNamedLock::fail(e)
 }
 
 /// A held named lock and its connection.
