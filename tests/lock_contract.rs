@@ -523,3 +523,96 @@ async fn a_dead_pooled_lock_connection_does_not_fail_a_grant_mysql() {
         guard.release().await.unwrap();
     }
 }
+
+/// The `mysql_named` check of a transaction is made under the fence row's lock: a check that
+/// found the grant held, then waited for the row while the grant's connection died, is refused
+/// once it has the row (a check made before the lock would have let the write through, while a
+/// new grant of the name could already be reading).
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_grant_lost_while_its_check_waits_for_the_row_is_refused_mysql() {
+    use freshlock::{LeaseLock, MySqlNamedLock};
+    use sea_orm::{ConnectionTrait, Statement};
+
+    let Some(db) = servers::mysql("lost_while_waiting").await else {
+        return;
+    };
+    let tag = db.url.rsplit('/').next().unwrap_or_default().to_owned();
+    let name = LockName::new(format!("{tag}/waiting")).unwrap();
+    let stored =
+        |sql: &str| Statement::from_sql_and_values(DbBackend::MySql, sql, [name.as_str().into()]);
+    let lock = MySqlNamedLock::new(servers::connect(&db.url, None, 2).await).unwrap();
+    let lost = lock
+        .acquire(&name, Duration::ZERO, TTL)
+        .await
+        .unwrap()
+        .expect("free");
+    // The fence row exists (a first checked transaction made it).
+    let txn = db.db.begin().await.unwrap();
+    assert!(lost.verify(&txn).await.unwrap());
+    txn.commit().await.unwrap();
+    let first = lost.fence().unwrap();
+
+    // Another transaction holds the row: the next check waits for it.
+    let other = servers::connect(&db.url, None, 1).await;
+    let holder = other.begin().await.unwrap();
+    holder
+        .execute_raw(stored(
+            "SELECT fence FROM freshlock_lock WHERE name = ? FOR UPDATE",
+        ))
+        .await
+        .unwrap();
+    let owner = db
+        .db
+        .query_one_raw(stored("SELECT IS_USED_LOCK(?) AS id"))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get::<i64>("", "id")
+        .unwrap();
+    let check = {
+        let data = db.db.clone();
+        tokio::spawn(async move {
+            let txn = data.begin().await.unwrap();
+            let held = lost.verify(&txn).await.unwrap();
+            txn.rollback().await.unwrap();
+            (held, lost)
+        })
+    };
+    let waiting = "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST \
+        WHERE info LIKE 'INSERT INTO freshlock_lock%' AND id <> CONNECTION_ID()";
+    let mut polls = 0;
+    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
+        polls += 1;
+        assert!(polls < 3000, "the check never waited for the row");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // The grant's connection dies while its check waits; the server frees its locks.
+    db.db
+        .execute_unprepared(&format!("KILL CONNECTION {owner}"))
+        .await
+        .unwrap();
+    let mut polls = 0;
+    while db
+        .db
+        .query_one_raw(stored("SELECT IS_USED_LOCK(?) IS NULL AS free"))
+        .await
+        .unwrap()
+        .unwrap()
+        .try_get::<i64>("", "free")
+        .unwrap()
+        == 0
+    {
+        polls += 1;
+        assert!(polls < 3000, "the killed connection's lock was never freed");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    holder.rollback().await.unwrap();
+    let (held, lost) = check.await.unwrap();
+    assert!(
+        !held,
+        "a check that got the row after the grant was lost is refused"
+    );
+    assert_eq!(lost.fence(), Some(first), "and issues no fence");
+    let _ = lost.release().await;
+}

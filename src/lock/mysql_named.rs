@@ -221,16 +221,45 @@ fn grant(server_name: &str, wait: Duration, token: &str, fence_name: &str) -> St
     )
 }
 
-/// The fence bump of [`super::floor::MYSQL_BUMP_FENCE`] made only while the grant's token is
-/// held by its connection (`HAVING IS_USED_LOCK(?) = ?`: the floor's aggregate row is filtered
-/// out otherwise): values the fence row's name, the token, the connection's id.
+/// The grant is still held: the name and the grant's token both held by its connection (values:
+/// the name, the connection's id, the token, the id again). The name alone could be held by a
+/// connection that was given the same id after a server restart; the token alone could outlive
+/// the name for the moment the server takes to release a dead connection's locks one by one.
+const HELD: &str = "IS_USED_LOCK(?) = ? AND IS_USED_LOCK(?) = ?";
+
+/// The fence bump of [`super::floor::MYSQL_BUMP_FENCE`] made only while the grant is [`HELD`],
+/// checked after the fence row is locked: an existing row is locked by the upsert before its
+/// `UPDATE` clause runs, whose `IF` checks and bumps (or leaves the fence, and the reply's insert
+/// id 0); a new row is inserted only when the check before it held (`HAVING`: the floor's
+/// aggregate row is filtered out otherwise), and the check is then made again by a statement of
+/// its own (see [`MySqlNamedGuard::verify`]). A check made before the row is locked would leave
+/// a moment in which the grant is lost, the next grant's read of the row (which waits only for a
+/// locked row) passes, and this transaction then writes under the lost grant.
 fn checked_bump() -> String {
-    super::floor::MYSQL_BUMP_FENCE.replacen(
-        "LOCK IN SHARE MODE",
-        "HAVING IS_USED_LOCK(?) = ? LOCK IN SHARE MODE",
-        1,
-    )
+    super::floor::MYSQL_BUMP_FENCE
+        .replacen(
+            "LOCK IN SHARE MODE",
+            &format!("HAVING {HELD} LOCK IN SHARE MODE"),
+            1,
+        )
+        .replacen(
+            "fence = LAST_INSERT_ID(freshlock_lock.fence + 1)",
+            &format!(
+                "fence = IF({HELD}, LAST_INSERT_ID(freshlock_lock.fence + 1), freshlock_lock.fence)"
+            ),
+            1,
+        )
+        // The row is left exactly as it was when the check fails: two rows affected then mean
+        // a bumped fence, never only a new `acquired_at`.
+        .replacen(
+            &format!("acquired_at = {NOW_MS}"),
+            &format!("acquired_at = IF({HELD}, {NOW_MS}, freshlock_lock.acquired_at)"),
+            1,
+        )
 }
+
+/// `floor::MYSQL_BUMP_FENCE`'s clock.
+const NOW_MS: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
 
 /// `text` as an SQL expression of MySQL/MariaDB that no `sql_mode` reads otherwise:
 /// `CONVERT(X'…' USING utf8mb4)`.
@@ -316,20 +345,46 @@ impl Fencing for MySqlNamedGuard {
     /// Each transaction checked gets a fence of its own, and its commit carries the bump: a
     /// grant writes nothing of its own.
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        let values = vec![
-            self.fence_name.as_str().into(),
-            self.token.as_str().into(),
-            self.owner.into(),
-        ];
+        let held = || -> Vec<sea_orm::Value> {
+            vec![
+                self.server_name.as_str().into(),
+                self.owner.into(),
+                self.token.as_str().into(),
+                self.owner.into(),
+            ]
+        };
+        let mut values = vec![self.fence_name.as_str().into()];
+        // The check before an insert, the check of the fence's and of `acquired_at`'s update.
+        for _ in 0..3 {
+            values.extend(held());
+        }
+        let fail = |e| lock_error(KIND, LOCK_TABLE, e);
         let done = txn
             .execute_raw(statement(DbBackend::MySql, &checked_bump(), values))
             .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        // One row inserted or updated (1 or 2) when the token was held, none when it was not.
-        if done.rows_affected() == 0 {
+            .map_err(fail)?;
+        // Insert id 0: the check before the insert failed, nothing was written. Two rows
+        // affected: an existing row's fence bumped, its check made under its lock; the insert
+        // id is the fence. One (sqlx counts found rows): a new row inserted after a check made
+        // before it, or an existing row left exactly as it was because the check under its
+        // lock failed (the insert id is then the select's, no fence) — either way the check is
+        // made again, now that the row is locked.
+        let fence = done.last_insert_id();
+        if fence == 0 {
             return Ok(false);
         }
-        self.fence.store(done.last_insert_id(), Ordering::SeqCst);
+        if done.rows_affected() == 1 {
+            let check = format!("SELECT {HELD} AS held");
+            let row = txn
+                .query_one_raw(statement(DbBackend::MySql, &check, held()))
+                .await
+                .map_err(fail)?;
+            let held = row.and_then(|row| row.try_get::<Option<i64>>("", "held").ok().flatten());
+            if held != Some(1) {
+                return Ok(false);
+            }
+        }
+        self.fence.store(fence, Ordering::SeqCst);
         Ok(true)
     }
 }
@@ -372,10 +427,18 @@ mod tests {
     }
 
     #[test]
-    fn the_bump_is_gated_by_the_token_and_reads_the_floor() {
+    fn the_bump_checks_the_name_and_the_token_before_an_insert_and_under_the_row_lock() {
         let sql = checked_bump();
-        assert!(sql.contains("HAVING IS_USED_LOCK(?) = ? LOCK IN SHARE MODE ON DUPLICATE KEY"));
-        assert_eq!(sql.matches('?').count(), 3, "{sql}");
+        assert!(sql.contains(&format!(
+            "HAVING {HELD} LOCK IN SHARE MODE ON DUPLICATE KEY"
+        )));
+        assert!(sql.contains(&format!(
+            "fence = IF({HELD}, LAST_INSERT_ID(freshlock_lock.fence + 1), freshlock_lock.fence)"
+        )));
+        assert!(sql.contains(&format!(
+            "acquired_at = IF({HELD}, {NOW_MS}, freshlock_lock.acquired_at)"
+        )));
+        assert_eq!(sql.matches('?').count(), 13, "{sql}");
     }
 
     #[test]
