@@ -314,6 +314,78 @@ servers::server_tests! {
     redis_with_mysql_fences: contract, LockKind::Redis, mysql;
 }
 
+/// A `mysql_named` lock on a fresh database, and the name it is tested with.
+#[cfg(feature = "mysql")]
+struct Named {
+    db: TestDb,
+    name: LockName,
+    lock: freshlock::MySqlNamedLock,
+}
+
+#[cfg(feature = "mysql")]
+impl Named {
+    async fn start(tag: &str) -> Option<Self> {
+        let db = servers::mysql(tag).await?;
+        let database = db.url.rsplit('/').next().unwrap_or_default().to_owned();
+        let name = LockName::new(format!("{database}/{tag}")).unwrap();
+        let locks = servers::connect(&db.url, None, 3).await;
+        let lock = freshlock::MySqlNamedLock::new(locks).unwrap();
+        Some(Self { db, name, lock })
+    }
+
+    async fn grant(&self, wait: Duration) -> Option<Box<dyn LockGuard>> {
+        freshlock::LeaseLock::acquire(&self.lock, &self.name, wait, TTL)
+            .await
+            .unwrap()
+    }
+
+    /// The first column of `sql`'s row, an integer, with the name for each `?`.
+    async fn scalar(&self, sql: &str) -> i64 {
+        use sea_orm::ConnectionTrait;
+        let values = vec![self.name.as_str().into(); sql.matches('?').count()];
+        let statement = sea_orm::Statement::from_sql_and_values(DbBackend::MySql, sql, values);
+        let row = self.db.db.query_one_raw(statement).await.unwrap().unwrap();
+        row.try_get_by_index::<i64>(0).unwrap()
+    }
+
+    /// The server ends the session holding the name (as it ends a killed or partitioned
+    /// client's), and frees its locks.
+    async fn kill_holder(&self) {
+        use sea_orm::ConnectionTrait;
+        let owner = self.scalar("SELECT IS_USED_LOCK(?)").await;
+        self.db
+            .db
+            .execute_unprepared(&format!("KILL CONNECTION {owner}"))
+            .await
+            .unwrap();
+        self.until(
+            "SELECT IS_USED_LOCK(?) IS NULL",
+            "the holder's locks were freed",
+        )
+        .await;
+    }
+
+    /// Polls `sql` (with the name for each `?`) until it is not 0.
+    async fn until(&self, sql: &str, what: &str) {
+        let mut polls = 0;
+        while self.scalar(sql).await == 0 {
+            polls += 1;
+            assert!(polls < 3000, "never: {what}");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+}
+
+/// A statement of another connection that is running now, seen in the process list (MariaDB
+/// lists a wait in a constant table's read in no lock view).
+#[cfg(feature = "mysql")]
+fn running(info: &str) -> String {
+    format!(
+        "SELECT COUNT(*) FROM information_schema.PROCESSLIST WHERE info LIKE '{info}%' \
+         AND id <> CONNECTION_ID()"
+    )
+}
+
 /// `mysql_named` writes nothing at a grant: each transaction it protects bumps the name's fence
 /// when checked, only while the grant's connection still holds its locks, and keeps the fence
 /// row locked until it ends. When that connection dies (the holder's session killed) after the
@@ -323,82 +395,40 @@ servers::server_tests! {
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
-    use freshlock::{LeaseLock, MySqlNamedLock};
-    use sea_orm::{ConnectionTrait, Statement};
-
-    let Some(db) = servers::mysql("lost_named_lock").await else {
+    let Some(named) = Named::start("lost_named_lock").await else {
         return;
     };
-    let tag = db.url.rsplit('/').next().unwrap_or_default().to_owned();
-    let name = LockName::new(format!("{tag}/lost")).unwrap();
-    let stored =
-        |sql: &str| Statement::from_sql_and_values(DbBackend::MySql, sql, [name.as_str().into()]);
-    let fence_rows = || async {
-        let row = db
-            .db
-            .query_one_raw(stored(
-                "SELECT COUNT(*) AS n FROM freshlock_lock WHERE name = ?",
-            ))
-            .await
-            .unwrap()
-            .unwrap();
-        row.try_get::<i64>("", "n").unwrap()
-    };
-    let lock = MySqlNamedLock::new(servers::connect(&db.url, None, 3).await).unwrap();
-    let lost = lock
-        .acquire(&name, Duration::ZERO, TTL)
-        .await
-        .unwrap()
-        .expect("free");
+    let db = &named.db;
+    let fence_rows = "SELECT COUNT(*) FROM freshlock_lock WHERE name = ?";
+    let lost = named.grant(Duration::ZERO).await.expect("free");
     assert_eq!(
         lost.fence(),
         Some(0),
         "no fence before a checked transaction"
     );
-    assert_eq!(fence_rows().await, 0, "a grant writes nothing");
+    assert_eq!(named.scalar(fence_rows).await, 0, "a grant writes nothing");
 
     let checked = db.db.begin().await.unwrap();
     assert!(lost.verify(&checked).await.unwrap(), "held");
     let first = lost.fence().expect("a fence");
     assert!(first > 0);
-
-    // The holder's session dies (as a killed or partitioned client's does): its named locks go.
-    let owner = db
-        .db
-        .query_one_raw(stored("SELECT IS_USED_LOCK(?) AS id"))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get::<i64>("", "id")
-        .unwrap();
-    db.db
-        .execute_unprepared(&format!("KILL CONNECTION {owner}"))
-        .await
-        .unwrap();
+    named.kill_holder().await;
 
     let successor = {
-        let (lock, name) = (lock.clone(), name.clone());
-        tokio::spawn(async move { lock.acquire(&name, Duration::from_secs(30), TTL).await })
+        let (lock, name) = (named.lock.clone(), named.name.clone());
+        tokio::spawn(async move {
+            freshlock::LeaseLock::acquire(&lock, &name, Duration::from_secs(30), TTL).await
+        })
     };
-    // Its grant waits in the read of the fence row the checked transaction holds (MariaDB lists
-    // a wait in a constant table's read in no lock view: the process list shows it).
-    let waiting = "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST \
-        WHERE info LIKE 'SELECT fence FROM freshlock_lock WHERE name = CONVERT(%' \
-        AND id <> CONNECTION_ID()";
-    let mut polls = 0;
-    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
-        polls += 1;
-        assert!(
-            polls < 3000,
-            "the successor's grant never waited for the fence row"
-        );
-        assert!(
-            !successor.is_finished(),
-            "granted while the checked transaction runs"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert!(!successor.is_finished());
+    // Its grant waits in the read of the fence row the checked transaction holds.
+    let waiting = running("SELECT fence FROM freshlock_lock WHERE name = CONVERT(");
+    named
+        .until(&waiting, "the successor's grant waited for the fence row")
+        .await;
+    assert!(
+        !successor.is_finished(),
+        "granted while the checked transaction runs"
+    );
     checked.commit().await.unwrap();
     let successor = successor
         .await
@@ -427,7 +457,7 @@ async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
     // A write reports the fence its own transaction was given, the one stored.
     db.seed_nodes(1).await;
     let session = freshlock::Session::builder(db.db.clone())
-        .lock(Arc::new(lock))
+        .lock(Arc::new(named.lock.clone()))
         .build()
         .unwrap();
     let report = session
@@ -440,18 +470,9 @@ async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
         .unwrap();
     assert!(report.outcome.is_updated());
     let row = freshlock::lock_name::<entity::node::Entity>(1).unwrap();
-    let stored = db
-        .db
-        .query_one_raw(Statement::from_sql_and_values(
-            DbBackend::MySql,
-            "SELECT fence FROM freshlock_lock WHERE name = ?",
-            [row.as_str().into()],
-        ))
-        .await
-        .unwrap()
-        .expect("the write's fence row")
-        .try_get::<i64>("", "fence")
-        .unwrap();
+    let stored = Named { name: row, ..named }
+        .scalar("SELECT fence FROM freshlock_lock WHERE name = ?")
+        .await;
     assert_eq!(report.lock.fence, Some(stored as u64));
 }
 
@@ -531,22 +552,13 @@ async fn a_dead_pooled_lock_connection_does_not_fail_a_grant_mysql() {
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn a_grant_lost_while_its_check_waits_for_the_row_is_refused_mysql() {
-    use freshlock::{LeaseLock, MySqlNamedLock};
     use sea_orm::{ConnectionTrait, Statement};
 
-    let Some(db) = servers::mysql("lost_while_waiting").await else {
+    let Some(named) = Named::start("lost_while_waiting").await else {
         return;
     };
-    let tag = db.url.rsplit('/').next().unwrap_or_default().to_owned();
-    let name = LockName::new(format!("{tag}/waiting")).unwrap();
-    let stored =
-        |sql: &str| Statement::from_sql_and_values(DbBackend::MySql, sql, [name.as_str().into()]);
-    let lock = MySqlNamedLock::new(servers::connect(&db.url, None, 2).await).unwrap();
-    let lost = lock
-        .acquire(&name, Duration::ZERO, TTL)
-        .await
-        .unwrap()
-        .expect("free");
+    let db = &named.db;
+    let lost = named.grant(Duration::ZERO).await.expect("free");
     // The fence row exists (a first checked transaction made it).
     let txn = db.db.begin().await.unwrap();
     assert!(lost.verify(&txn).await.unwrap());
@@ -557,18 +569,12 @@ async fn a_grant_lost_while_its_check_waits_for_the_row_is_refused_mysql() {
     let other = servers::connect(&db.url, None, 1).await;
     let holder = other.begin().await.unwrap();
     holder
-        .execute_raw(stored(
+        .execute_raw(Statement::from_sql_and_values(
+            DbBackend::MySql,
             "SELECT fence FROM freshlock_lock WHERE name = ? FOR UPDATE",
+            [named.name.as_str().into()],
         ))
         .await
-        .unwrap();
-    let owner = db
-        .db
-        .query_one_raw(stored("SELECT IS_USED_LOCK(?) AS id"))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get::<i64>("", "id")
         .unwrap();
     let check = {
         let data = db.db.clone();
@@ -579,34 +585,14 @@ async fn a_grant_lost_while_its_check_waits_for_the_row_is_refused_mysql() {
             (held, lost)
         })
     };
-    let waiting = "SELECT COUNT(*) AS n FROM information_schema.PROCESSLIST \
-        WHERE info LIKE 'INSERT INTO freshlock_lock%' AND id <> CONNECTION_ID()";
-    let mut polls = 0;
-    while db.query_one(waiting).await.try_get::<i64>("", "n").unwrap() == 0 {
-        polls += 1;
-        assert!(polls < 3000, "the check never waited for the row");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    // The grant's connection dies while its check waits; the server frees its locks.
-    db.db
-        .execute_unprepared(&format!("KILL CONNECTION {owner}"))
-        .await
-        .unwrap();
-    let mut polls = 0;
-    while db
-        .db
-        .query_one_raw(stored("SELECT IS_USED_LOCK(?) IS NULL AS free"))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get::<i64>("", "free")
-        .unwrap()
-        == 0
-    {
-        polls += 1;
-        assert!(polls < 3000, "the killed connection's lock was never freed");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    named
+        .until(
+            &running("INSERT INTO freshlock_lock"),
+            "the check waited for the row",
+        )
+        .await;
+    // The grant's connection dies while its check waits.
+    named.kill_holder().await;
     holder.rollback().await.unwrap();
     let (held, lost) = check.await.unwrap();
     assert!(
