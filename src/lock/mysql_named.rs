@@ -43,9 +43,10 @@ const MAX_NAME: usize = 64;
 ///
 /// Fences: a grant writes nothing (it commits nothing, so it costs no log flush). Each
 /// transaction it protects bumps the name's fence in `freshlock_lock` when it is checked
-/// ([`Fencing::verify`]), only while the grant still holds its connection's second named lock
-/// (a token of its own), and the commit of the write carries the bump; the fence row stays locked
-/// until then, and a grant waits in its reply for a transaction that holds it. So
+/// ([`Fencing::verify`]), only while the grant's connection still holds the name and a second
+/// named lock (a token of its own) — checked under the fence row's lock — and the commit of the
+/// write carries the bump; the fence row stays locked until then, and a grant waits in its reply
+/// for a transaction that holds it. So
 /// [`Fencing::fence`] is 0 until the first transaction was checked, and then that transaction's
 /// fence: fences grow with every checked transaction of the name.
 ///
@@ -172,9 +173,9 @@ impl LeaseLock for MySqlNamedLock {
 
 /// A name no other grant ever takes: the second named lock of a grant, held on the same
 /// connection as the name itself and so lost with it. [`MySqlNamedGuard::verify`] checks that it
-/// is still held by the grant's connection — the connection's id alone could be another's after
-/// a server restart, a fresh token cannot. 128 bits from the standard library's randomly keyed
-/// hasher (no crate for it).
+/// (and the name) are still held by the grant's connection — the connection's id alone could be
+/// another's after a server restart, a fresh token cannot. 128 bits from the standard library's
+/// randomly keyed hasher (no crate for it).
 fn token() -> String {
     use std::hash::BuildHasher as _;
     static COUNT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -339,9 +340,10 @@ impl Fencing for MySqlNamedGuard {
         self.fence.load(Ordering::SeqCst)
     }
 
-    /// Bumps the name's fence in `txn` while the grant's token is still held by its connection:
-    /// the fence row then stays locked until `txn` ends, so a later grant (possible only once
-    /// this one is lost) waits for `txn` in its read of that row before it reads anything else.
+    /// Bumps the name's fence in `txn` while the name and the grant's token are still held by
+    /// its connection ([`HELD`], checked under the row's lock, see [`checked_bump`]): the fence
+    /// row then stays locked until `txn` ends, so a later grant (possible only once this one is
+    /// lost) waits for `txn` in its read of that row before it reads anything else.
     /// Each transaction checked gets a fence of its own, and its commit carries the bump: a
     /// grant writes nothing of its own.
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
