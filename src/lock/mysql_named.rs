@@ -230,8 +230,8 @@ const HELD: &str = "IS_USED_LOCK(?) = ? AND IS_USED_LOCK(?) = ?";
 
 /// The fence bump of [`super::floor::MYSQL_BUMP_FENCE`] made only while the grant is [`HELD`],
 /// checked after the fence row is locked: an existing row is locked by the upsert before its
-/// `UPDATE` clause runs, whose `IF` checks and bumps (or leaves the fence, and the reply's insert
-/// id 0); a new row is inserted only when the check before it held (`HAVING`: the floor's
+/// `UPDATE` clause runs, whose `IF` checks and bumps (or leaves the row exactly as it was: one
+/// row found, none changed); a new row is inserted only when the check before it held (`HAVING`: the floor's
 /// aggregate row is filtered out otherwise), and the check is then made again by a statement of
 /// its own (see [`MySqlNamedGuard::verify`]). A check made before the row is locked would leave
 /// a moment in which the grant is lost, the next grant's read of the row (which waits only for a
