@@ -505,7 +505,8 @@ async fn main() {
     // seed's workload; single: sections 1, 2 and 6; contention: hot key and spread; hot: commit
     // combining, section 8; floor: section 7, pgbench's four-statement transaction next to
     // `locked_update`, PostgreSQL only; pooler: section 9, the same through PgBouncer;
-    // evidence: what the commit marker costs, asked for by name only).
+    // evidence: what the commit marker costs; fsyncs, committed: MariaDB's flushes and
+    // statements per write, a pool at READ COMMITTED — these three asked for by name only).
     let only = std::env::var("FRESHLOCK_BENCH_ONLY").ok();
     let wants = |part: &str| only.as_deref().is_none_or(|o| o == part);
     let postgres = std::env::var("DATABASE_URL_POSTGRES")
@@ -550,21 +551,14 @@ async fn main() {
         }
         return;
     }
-    // Not part of a full run either: log flushes and statements per write on MariaDB (issue 26).
+    // Not part of a full run either (issue 26): log flushes and statements per write on MariaDB
+    // (fsyncs), what `mysql_read_committed` saves (committed).
     #[cfg(feature = "mysql")]
-    if only.as_deref() == Some("fsyncs") {
+    if let Some(part @ ("fsyncs" | "committed")) = only.as_deref() {
         match mysql.as_deref() {
-            Some(url) => mariadb_fsyncs(url).await,
-            None => println!("\n(fsyncs: skipped: needs DATABASE_URL_MYSQL)"),
-        }
-        return;
-    }
-    // Not part of a full run either: what `mysql_read_committed` saves (issue 26).
-    #[cfg(feature = "mysql")]
-    if only.as_deref() == Some("committed") {
-        match mysql.as_deref() {
+            Some(url) if part == "fsyncs" => mariadb_fsyncs(url).await,
             Some(url) => read_committed_pool(url).await,
-            None => println!("\n(committed: skipped: needs DATABASE_URL_MYSQL)"),
+            None => println!("\n({part}: skipped: needs DATABASE_URL_MYSQL)"),
         }
         return;
     }

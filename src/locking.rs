@@ -384,27 +384,22 @@ impl Locking {
             backend,
             source: Box::new(crate::deadline::no_reply(reply)),
         };
-        let check = if releasing {
-            tokio::time::timeout(reply, guard.verify_and_release_in(txn)).await
+        let held = if releasing {
+            let check = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
+                .await
+                .unwrap_or_else(|_| Err(no_reply()))?;
+            self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
+            check.held()
         } else {
-            let verified = tokio::time::timeout(reply, guard.verify(txn)).await;
-            verified.map(|held| {
-                held.map(|held| {
-                    if held {
-                        LeaseCheck::Held
-                    } else {
-                        LeaseCheck::Lost
-                    }
-                })
-            })
+            tokio::time::timeout(reply, guard.verify(txn))
+                .await
+                .unwrap_or_else(|_| Err(no_reply()))?
         };
-        let check = check.unwrap_or_else(|_| Err(no_reply()))?;
-        self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
-        if check.held() {
+        if held {
             // A backend that issues its fence in the check (`mysql_named`) has it now.
             self.report.fence = issued(guard.as_ref());
         }
-        Ok(check.held())
+        Ok(held)
     }
 
     /// The section's transaction committed: a lease it released is over.

@@ -228,6 +228,9 @@ fn grant(server_name: &str, wait: Duration, token: &str, fence_name: &str) -> St
 /// the name for the moment the server takes to release a dead connection's locks one by one.
 const HELD: &str = "IS_USED_LOCK(?) = ? AND IS_USED_LOCK(?) = ?";
 
+/// [`HELD`] by a statement of its own.
+const CHECK_HELD: &str = "SELECT IS_USED_LOCK(?) = ? AND IS_USED_LOCK(?) = ? AS held";
+
 /// The fence bump of [`super::floor::MYSQL_BUMP_FENCE`] made only while the grant is [`HELD`],
 /// checked after the fence row is locked: an existing row is locked by the upsert before its
 /// `UPDATE` clause runs, whose `IF` checks and bumps (or leaves the row exactly as it was: one
@@ -236,8 +239,10 @@ const HELD: &str = "IS_USED_LOCK(?) = ? AND IS_USED_LOCK(?) = ?";
 /// its own (see [`MySqlNamedGuard::verify`]). A check made before the row is locked would leave
 /// a moment in which the grant is lost, the next grant's read of the row (which waits only for a
 /// locked row) passes, and this transaction then writes under the lost grant.
-fn checked_bump() -> String {
-    super::floor::MYSQL_BUMP_FENCE
+fn checked_bump() -> &'static str {
+    // Built once: every checked transaction sends it.
+    static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        super::floor::MYSQL_BUMP_FENCE
         .replacen(
             "LOCK IN SHARE MODE",
             &format!("HAVING {HELD} LOCK IN SHARE MODE"),
@@ -257,6 +262,8 @@ fn checked_bump() -> String {
             &format!("acquired_at = IF({HELD}, {NOW_MS}, freshlock_lock.acquired_at)"),
             1,
         )
+    });
+    &SQL
 }
 
 /// `floor::MYSQL_BUMP_FENCE`'s clock.
@@ -362,7 +369,7 @@ impl Fencing for MySqlNamedGuard {
         }
         let fail = |e| lock_error(KIND, LOCK_TABLE, e);
         let done = txn
-            .execute_raw(statement(DbBackend::MySql, &checked_bump(), values))
+            .execute_raw(statement(DbBackend::MySql, checked_bump(), values))
             .await
             .map_err(fail)?;
         // Insert id 0: the check before the insert failed, nothing was written. Two rows
@@ -376,9 +383,8 @@ impl Fencing for MySqlNamedGuard {
             return Ok(false);
         }
         if done.rows_affected() == 1 {
-            let check = format!("SELECT {HELD} AS held");
             let row = txn
-                .query_one_raw(statement(DbBackend::MySql, &check, held()))
+                .query_one_raw(statement(DbBackend::MySql, CHECK_HELD, held()))
                 .await
                 .map_err(fail)?;
             let held = row.and_then(|row| row.try_get::<Option<i64>>("", "held").ok().flatten());
@@ -441,6 +447,7 @@ mod tests {
             "acquired_at = IF({HELD}, {NOW_MS}, freshlock_lock.acquired_at)"
         )));
         assert_eq!(sql.matches('?').count(), 13, "{sql}");
+        assert!(CHECK_HELD.contains(HELD));
     }
 
     #[test]

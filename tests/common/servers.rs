@@ -336,6 +336,22 @@ impl TestDb {
         rows
     }
 
+    /// Polls `sql` (a count, in its first column) until it is not 0: `what` has happened.
+    pub async fn until(&self, sql: &str, what: &str) {
+        let mut polls = 0;
+        while self
+            .query_one(sql)
+            .await
+            .try_get_by_index::<i64>(0)
+            .unwrap()
+            == 0
+        {
+            polls += 1;
+            assert!(polls < 3000, "never: {what}");
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+    }
+
     /// The first row of `sql`, read in a transaction (so also through a transaction pooler).
     pub async fn query_one(&self, sql: &str) -> sea_orm::QueryResult {
         use sea_orm::{ConnectionTrait, TransactionTrait};
