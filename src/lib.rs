@@ -88,6 +88,8 @@ mod detach;
 mod engine;
 mod error;
 mod identity_map;
+#[cfg(feature = "mysql")]
+mod inline;
 pub mod inspect;
 pub mod jobs;
 mod live;

@@ -155,8 +155,10 @@ pub(crate) enum Step {
 /// commit when `markers` asks for it, taken in the fewest round trips the database allows (see
 /// `commit.rs`): on PostgreSQL the UPDATE returns its transaction id (and the server
 /// incarnation's token when the pool has not seen it lately), or writes a marker in its own
-/// statement without `freshlock_incarnation`; elsewhere a marker's INSERT goes first. Each round
-/// trip waits at most `reply`.
+/// statement without `freshlock_incarnation`; on MySQL/MariaDB a marker's INSERT goes with the
+/// UPDATE as one message where their values can be written into its text
+/// ([`marked_update_mysql`]); elsewhere a marker's INSERT goes first. Each round trip waits at
+/// most `reply`.
 ///
 /// # Errors
 /// The failed step and its error; the transaction is to be rolled back.
@@ -189,6 +191,12 @@ where
     if !markers {
         return Ok((updated(update().await)?, None));
     }
+    #[cfg(feature = "mysql")]
+    if txn.get_database_backend() == DbBackend::MySql
+        && let Some(done) = marked_update_mysql::<E>(txn, original, changes, expected, reply).await
+    {
+        return done;
+    }
     if txn.get_database_backend() != DbBackend::Postgres {
         let marker = Marker::new();
         within(reply, marker.write(txn))
@@ -218,6 +226,63 @@ where
         Some((stored, None)) => Ok((Some(stored), None)),
         None => Ok((None, None)),
     }
+}
+
+/// [`update_with_evidence`] on MySQL/MariaDB in two round trips, not three: the marker's INSERT
+/// and the guarded UPDATE as one message of two statements (values written into the text, see
+/// `inline.rs`), then the read of the stored row by primary key (MySQL/MariaDB have no `UPDATE
+/// … RETURNING`). `None` when a value cannot be written in: the caller sends the three
+/// statements bound, one by one.
+///
+/// The message's reply counts the rows of both statements: the marker's one, and the row the
+/// UPDATE found (sqlx asks for found rows, not changed ones — as sea-orm's own check of an
+/// UPDATE relies on). A statement that fails stops the message there; the failure is reported
+/// as the UPDATE's, and the transaction is rolled back either way.
+#[cfg(feature = "mysql")]
+async fn marked_update_mysql<E>(
+    txn: &DatabaseTransaction,
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+    reply: Duration,
+) -> Option<Result<(Option<E::Model>, Option<Evidence>), (Step, DbErr)>>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    let failed = |e| (Step::Update, e);
+    let update = match guarded_update::<E>(original, changes, expected) {
+        Ok(update) => update.into_query(),
+        Err(e) => return Some(Err(failed(e))),
+    };
+    let marker = Marker::new();
+    let insert = crate::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
+    let message = format!("{insert}; {}", crate::inline::mysql(&update)?);
+    let sent = within(reply, txn.execute_unprepared(&message)).await;
+    let found = match sent.map(|sent| sent.rows_affected()) {
+        Ok(2) => true,
+        Ok(1) => false,
+        Ok(rows) => {
+            let e = DbErr::Custom(format!(
+                "the commit marker and the UPDATE reported {rows} rows, not 1 or 2"
+            ));
+            return Some(Err(failed(e)));
+        }
+        Err(e) => return Some(Err(failed(e))),
+    };
+    if !found {
+        return Some(Ok((None, Some(Evidence::Marker(marker)))));
+    }
+    let pk = original.get_primary_key_value();
+    let stored = match within(reply, select_by_key::<E>(&pk).one(txn)).await {
+        Ok(Some(stored)) => stored,
+        Ok(None) => {
+            let e = DbErr::RecordNotFound("the updated row, read back in its transaction".into());
+            return Some(Err(failed(e)));
+        }
+        Err(e) => return Some(Err(failed(e))),
+    };
+    Some(Ok((Some(stored), Some(Evidence::Marker(marker)))))
 }
 
 /// What [`update_returning_stamped`] carries besides the row (see `commit.rs`).

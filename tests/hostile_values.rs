@@ -31,25 +31,39 @@ const HOSTILE: [&str; 8] = [
 ];
 
 fn sessions(db: &sea_orm::DatabaseConnection) -> Vec<(&'static str, Session)> {
-    let build = |combine: bool, optimistic: bool| {
-        Session::builder(db.clone())
+    let build = |combine: bool, optimistic: bool, versioned: bool| {
+        let mut builder = Session::builder(db.clone())
             .lock(Arc::new(LocalLock::new()))
-            .version_column::<node::Entity>(node::Column::Changed)
             .combine_commits(combine)
-            .optimistic_first(optimistic)
-            .build()
-            .expect("session")
+            .optimistic_first(optimistic);
+        if versioned {
+            builder = builder.version_column::<node::Entity>(node::Column::Changed);
+        }
+        builder.build().expect("session")
     };
     vec![
-        ("locked", build(false, false)),
-        ("combined", build(true, false)),
-        ("optimistic", build(false, true)),
+        ("locked", build(false, false, true)),
+        // The guard compares the columns written with what was read: the hostile values are
+        // in the UPDATE's WHERE too.
+        ("unversioned", build(false, false, false)),
+        ("combined", build(true, false, true)),
+        ("optimistic", build(false, true, true)),
     ]
 }
 
-async fn hostile(db: Option<TestDb>, _: ()) {
+/// `sql_mode`: on MySQL/MariaDB, added to the server's for every statement (one connection),
+/// where the UPDATE goes with its values written into the text (see `inline.rs`).
+async fn hostile(db: Option<TestDb>, sql_mode: &str) {
     let Some(test) = db else { return };
-    let db = &test.db;
+    let db = &if sql_mode.is_empty() {
+        test.db.clone()
+    } else {
+        use sea_orm::ConnectionTrait;
+        let db = servers::connect(&test.url, None, 1).await;
+        let set = format!("SET SESSION sql_mode = CONCAT(@@sql_mode, '{sql_mode}')");
+        db.execute_unprepared(&set).await.expect("sql_mode");
+        db
+    };
     test.seed_nodes(1).await;
     let refuses_nul = db.get_database_backend() == DbBackend::Postgres;
     for (path, session) in sessions(db) {
@@ -83,6 +97,7 @@ async fn hostile(db: Option<TestDb>, _: ()) {
                 continue;
             }
             let report = result.unwrap_or_else(|e| panic!("{path} {value:?}: {e}"));
+            assert_eq!(report.conflicts, 0, "{path} {value:?}: the guard held");
             let stored = report.outcome.model().expect("written").clone();
             assert_eq!(after.title, value, "{path}");
             assert_eq!(
@@ -90,7 +105,8 @@ async fn hostile(db: Option<TestDb>, _: ()) {
                 Some(format!("{value}|{value}").as_str())
             );
             assert_eq!(*stored, after, "{path}: the report holds the row as stored");
-            assert_eq!(after.changed, before.changed + 1, "{path}: one write");
+            let bumped = i64::from(path != "unversioned");
+            assert_eq!(after.changed, before.changed + bumped, "{path}: one write");
         }
     }
     let count = node::Entity::find().all(db).await.expect("rows").len();
@@ -98,9 +114,10 @@ async fn hostile(db: Option<TestDb>, _: ()) {
 }
 
 servers::server_tests! {
-    hostile_sqlite: hostile, (), sqlite;
-    hostile_postgres: hostile, (), postgres;
-    hostile_mysql: hostile, (), mysql;
+    hostile_sqlite: hostile, "", sqlite;
+    hostile_postgres: hostile, "", postgres;
+    hostile_mysql: hostile, "", mysql;
+    hostile_mysql_no_backslash_escapes: hostile, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES", mysql;
 }
 
 /// `mysql_named` sends `GET_LOCK` and the read of its fence row as one message of two
@@ -230,4 +247,186 @@ async fn hostile_lock_names_mysql_named() {
         .unwrap()
         .unwrap();
     assert_eq!(rows.try_get::<i64>("", "n").unwrap(), HOSTILE.len() as i64);
+}
+
+/// A row of every type `inline.rs` writes into a MySQL/MariaDB message's text, and of one it
+/// does not (a date).
+#[cfg(feature = "mysql")]
+mod measure {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "inline_measure")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i32,
+        pub ratio: f64,
+        pub small: f32,
+        pub flag: bool,
+        pub big: i64,
+        pub wide: u32,
+        pub bytes: Vec<u8>,
+        pub stamp: DateTime,
+        pub note: Option<String>,
+        pub n: i32,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Every type written into the text of the marker-and-UPDATE message (`inline.rs`) is stored
+/// as a bound value would be, and compares equal in the guard of the next write (no version
+/// column: the guard checks each column written against what was read — an `f32` against a
+/// `FLOAT` column included); a write holding a value that is not written in (a date) is sent
+/// bound, one statement at a time. Under the server's `sql_mode` and under
+/// `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`; every acknowledged write is in the row once.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
+    use freshlock::UpdateOutcome;
+    use sea_orm::{ActiveModelTrait, ActiveValue::Set, ConnectionTrait, Statement};
+
+    let Some(test) = servers::mysql("inline_types").await else {
+        return;
+    };
+    test.db
+        .execute_unprepared(
+            "CREATE TABLE inline_measure (id INT PRIMARY KEY, ratio DOUBLE NOT NULL, \
+             small FLOAT NOT NULL, flag BOOL NOT NULL, big BIGINT NOT NULL, \
+             wide INT UNSIGNED NOT NULL, bytes VARBINARY(64) NOT NULL, stamp DATETIME(6) NOT NULL, \
+             note VARCHAR(64) NULL, n INT NOT NULL)",
+        )
+        .await
+        .expect("table");
+    fn stamp(s: u32) -> sea_orm::prelude::DateTime {
+        sea_orm::prelude::Date::from_ymd_opt(2026, 12, 3)
+            .and_then(|d| d.and_hms_micro_opt(7, 0, s, 123_456))
+            .expect("a time")
+    }
+    // Prepared statements run on the session's one connection (`Com_stmt_execute`).
+    let executed = |db: sea_orm::DatabaseConnection| async move {
+        let row = db
+            .query_one_raw(Statement::from_string(
+                DbBackend::MySql,
+                "SHOW SESSION STATUS LIKE 'Com_stmt_execute'",
+            ))
+            .await
+            .expect("status")
+            .expect("a row");
+        let value: String = row.try_get("", "Value").expect("value");
+        value.parse::<i64>().expect("a count")
+    };
+    for (id, mode) in [(1, ""), (2, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES")] {
+        let db = servers::connect(&test.url, None, 1).await;
+        let set = format!("SET SESSION sql_mode = CONCAT(@@sql_mode, '{mode}')");
+        db.execute_unprepared(&set).await.expect("sql_mode");
+        measure::ActiveModel {
+            id: Set(id),
+            ratio: Set(0.5),
+            small: Set(0.5),
+            flag: Set(false),
+            big: Set(0),
+            wide: Set(0),
+            bytes: Set(Vec::new()),
+            stamp: Set(stamp(0)),
+            note: Set(None),
+            n: Set(0),
+        }
+        .insert(&db)
+        .await
+        .expect("seed");
+        let session = Session::builder(db.clone())
+            .lock(Arc::new(LocalLock::new()))
+            .build()
+            .expect("session");
+        let rows = session.repository::<measure::Entity>();
+        type Change = fn(&mut measure::ActiveModel);
+        let steps: [(&str, Change); 5] = [
+            ("warm-up", |_| {}),
+            ("written in", |m| {
+                m.ratio = Set(0.1);
+                m.small = Set(0.1);
+                m.flag = Set(true);
+                m.big = Set(i64::MIN);
+                m.wide = Set(u32::MAX);
+                m.bytes = Set(vec![0, b'\'', b'\\', b'"', 0xff]);
+                m.note = Set(Some("O'Brien\\".to_owned()));
+            }),
+            ("written in", |m| {
+                m.ratio = Set(1e308);
+                m.small = Set(f32::MAX);
+                m.flag = Set(false);
+                m.big = Set(i64::MAX);
+                m.bytes = Set(Vec::new());
+                m.note = Set(None);
+            }),
+            ("bound", |m| {
+                m.ratio = Set(-2.5e-300);
+                m.small = Set(-1.0e-30);
+                m.stamp = Set(stamp(1));
+            }),
+            ("written in", |m| {
+                m.ratio = Set(0.3);
+                m.small = Set(0.3);
+            }),
+        ];
+        let mut acknowledged = 0;
+        for (step, (how, change)) in steps.into_iter().enumerate() {
+            let before = executed(db.clone()).await;
+            let report = rows
+                .locked_update(id, move |m| {
+                    change(m);
+                    let n = *m.n.as_ref();
+                    m.n = Set(n + 1);
+                    Ok(())
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{mode} step {step}: {e}"));
+            assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
+            acknowledged += 1;
+            assert_eq!(report.conflicts, 0, "{mode} step {step}: the guard held");
+            let prepared = executed(db.clone()).await - before - 1;
+            // `SET TRANSACTION`, the reload and the read-back; the marker and the UPDATE besides
+            // when bound. (A session's first write also makes a check of its own once: the
+            // warm-up step is not counted.)
+            let expected = match how {
+                "bound" => 5,
+                "written in" => 3,
+                _ => prepared,
+            };
+            assert_eq!(prepared, expected, "{mode} step {step}: {how}");
+            let stored = measure::Entity::find_by_id(id)
+                .one(&test.db)
+                .await
+                .expect("read")
+                .expect("row");
+            let reported = report.outcome.model().expect("written");
+            assert_eq!(**reported, stored, "{mode} step {step}: as stored");
+        }
+        let stored = measure::Entity::find_by_id(id)
+            .one(&test.db)
+            .await
+            .expect("read")
+            .expect("row");
+        assert_eq!(
+            (
+                stored.ratio,
+                stored.small,
+                stored.flag,
+                stored.big,
+                stored.wide
+            ),
+            (0.3, 0.3, false, i64::MAX, u32::MAX)
+        );
+        assert_eq!((stored.bytes.as_slice(), stored.note), (&[][..], None));
+        assert_eq!(stored.stamp, stamp(1));
+        assert_eq!(
+            stored.n, acknowledged,
+            "{mode}: every acknowledged write, once"
+        );
+        assert_eq!(acknowledged, 5);
+    }
 }

@@ -136,14 +136,14 @@ async fn every_backend_sends_the_statements_it_documents() {
     sends_per_call(&db, &pool, &proxy, backends).await;
 }
 
-/// The same guard on MySQL/MariaDB, where a plain write sends seven statements (`SET
-/// TRANSACTION`, `BEGIN`, the reload, the commit marker's INSERT, the UPDATE, the read-back,
-/// `COMMIT`): `row` tries its lock row in the reload (nine statements before: the lock row was
-/// looked up, then locked); `mysql_named` sends `GET_LOCK` and the read of its fence row as one
-/// message and `RELEASE_LOCK` on its own connection, and bumps its fence in the transaction, so
-/// its grant commits nothing (ten statements, one commit; eleven and two commits before, nine
-/// and two commits when the bump rode in the grant's message); `table` grants its lease before
-/// the transaction and checks (and frees) it in it.
+/// The same guard on MySQL/MariaDB, where a plain write takes six round trips (`SET
+/// TRANSACTION`, `BEGIN`, the reload, the commit marker's INSERT and the UPDATE as one message
+/// of two statements — seven round trips when they were sent one by one —, the read-back,
+/// `COMMIT`): `row` tries its lock row in the reload (eight before: the lock row was looked up,
+/// then locked); `mysql_named` sends `GET_LOCK` and the read of its fence row as one message and
+/// `RELEASE_LOCK` on its own connection, and bumps its fence in the transaction, so its grant
+/// commits nothing (nine round trips, one commit); `table` grants its lease before the
+/// transaction and checks (and frees) it in it.
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn every_backend_sends_the_statements_it_documents_mysql() {
@@ -157,21 +157,21 @@ async fn every_backend_sends_the_statements_it_documents_mysql() {
     let pool = proxied(&db, &proxy).await;
     let locks = proxied(&db, &proxy).await;
     let backends: [(&str, Arc<dyn LockBackend>, u32); 4] = [
-        ("local", Arc::new(LocalLock::new()), 7),
-        ("row", Arc::new(RowLock::new(pool.clone())), 7),
+        ("local", Arc::new(LocalLock::new()), 6),
+        ("row", Arc::new(RowLock::new(pool.clone())), 6),
         (
             "mysql_named",
             Arc::new(MySqlNamedLock::new(locks.clone()).expect("MySQL")),
-            10,
+            9,
         ),
-        ("table", Arc::new(TableLock::new(pool.clone())), 9),
+        ("table", Arc::new(TableLock::new(pool.clone())), 8),
     ];
     sends_per_call(&db, &pool, &proxy, backends).await;
 }
 
 /// A MySQL/MariaDB pool whose connections default to READ COMMITTED
-/// (`freshlock::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: six
-/// statements per write under `local` instead of seven; the application's own transactions on
+/// (`freshlock::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: five
+/// round trips per write under `local` instead of six; the application's own transactions on
 /// it run at that level too.
 #[cfg(feature = "mysql")]
 #[tokio::test]
@@ -186,7 +186,7 @@ async fn a_read_committed_pool_skips_set_transaction_mysql() {
     })
     .await;
     let sent = round_trips_of(&session_with(&pool, Arc::new(LocalLock::new())), &proxy).await;
-    assert_eq!(sent, CALLS * 6, "round trips for {CALLS} calls");
+    assert_eq!(sent, CALLS * 5, "round trips for {CALLS} calls");
     assert_eq!(db.score(1).await, Some(5 + CALLS as i32));
     let txn = pool.begin().await.expect("begin");
     let level = txn
