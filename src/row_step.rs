@@ -6,12 +6,16 @@
 
 use std::{sync::Arc, time::Duration};
 
-use sea_orm::{DatabaseTransaction, DbErr, EntityTrait, IntoActiveModel, ModelTrait};
+use sea_orm::{
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
+    ModelTrait,
+};
 use tokio::sync::mpsc;
 use tracing::debug;
 
 use crate::{
     combine::{Batch, RoomKey},
+    commit::{Evidence, Marker},
     deadline::within,
     decision::{Decision, Written},
     engine::{self, End, Fence, Step, Tried, Worked},
@@ -213,11 +217,19 @@ where
             return (txn, refused);
         }
         let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
-        let deleted = write::delete_row::<E, _>(&txn, &original, self.row.pk(), &expected).await;
+        // On MySQL/MariaDB the commit marker goes with the DELETE (one round trip less than a
+        // marker's INSERT before `COMMIT`); elsewhere the engine takes the evidence at the
+        // commit.
+        let marker = (txn.get_database_backend() == DbBackend::MySql
+            && self.session.commit_markers())
+        .then(Marker::new);
+        let pk = self.row.pk();
+        let deleted =
+            write::delete_row::<E, _>(&txn, &original, pk, &expected, marker.as_ref()).await;
         let worked = match deleted {
             Ok(true) => Worked::Write {
                 value: Written::Deleted(Arc::new(original)),
-                evidence: None,
+                evidence: marker.map(Evidence::Marker),
                 fence: Fence::Checked,
                 effects: vec![Change::Evict(self.row.key.clone())],
             },

@@ -422,7 +422,7 @@ where
             return Ok(DeleteOutcome::NotFound);
         };
         let expected = write::version_guard::<E>(self.tx.session.version_of::<E>(), &original);
-        let deleted = write::delete_row::<E, _>(self.tx, &original, row.pk(), &expected)
+        let deleted = write::delete_row::<E, _>(self.tx, &original, row.pk(), &expected, None)
             .await
             .map_err(|failed| database(failed.operation, &row, failed.error))?;
         if !deleted {

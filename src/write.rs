@@ -390,10 +390,16 @@ where
 }
 
 /// `DELETE … WHERE pk = <pk> AND <expected>`; whether a row was deleted.
+///
+/// With `marker`, the write's commit marker is inserted in the same transaction first: on
+/// MySQL/MariaDB in the same message as the DELETE where their values can be written into its
+/// text (see `inline.rs`; the reply then counts the marker's row too), else by a statement of
+/// its own.
 pub(crate) async fn delete_holding<E, C>(
     db: &C,
     pk: &ValueTuple,
     expected: &[ColumnValue<E>],
+    marker: Option<&Marker>,
 ) -> Result<bool, DbErr>
 where
     E: EntityTrait,
@@ -406,6 +412,30 @@ where
     for (column, value) in expected {
         delete = delete.filter(holds::<E>(*column, value));
     }
+    let Some(marker) = marker else {
+        return Ok(delete.exec(db).await?.rows_affected > 0);
+    };
+    let backend = db.get_database_backend();
+    let insert = marker.insert(backend, true);
+    #[cfg(feature = "mysql")]
+    if backend == DbBackend::MySql
+        && let (Some(insert), Some(delete)) = (
+            crate::inline::mysql(&insert),
+            crate::inline::mysql(delete.as_query()),
+        )
+    {
+        let rows = db
+            .execute_unprepared(&format!("{insert}; {delete}"))
+            .await?
+            .rows_affected();
+        return match rows {
+            1 | 2 => Ok(rows == 2),
+            rows => Err(DbErr::Custom(format!(
+                "the commit marker and the DELETE reported {rows} rows, not 1 or 2"
+            ))),
+        };
+    }
+    db.execute(&insert).await?;
     Ok(delete.exec(db).await?.rows_affected > 0)
 }
 
@@ -501,13 +531,14 @@ where
 }
 
 /// The guarded delete of one row, written once for every write path: `before_delete`,
-/// `DELETE … WHERE pk AND <expected>`, `after_delete`, on `db`. `false`: the guard refused
-/// (nothing deleted, no `after_delete`).
+/// `DELETE … WHERE pk AND <expected>` (with `marker`'s INSERT, see [`delete_holding`]),
+/// `after_delete`, on `db`. `false`: the guard refused (nothing deleted, no `after_delete`).
 pub(crate) async fn delete_row<E, C>(
     db: &C,
     original: &E::Model,
     pk: &ValueTuple,
     expected: &[ColumnValue<E>],
+    marker: Option<&Marker>,
 ) -> Result<bool, Failed>
 where
     E: EntityTrait,
@@ -519,7 +550,7 @@ where
     let draft = before_delete::<E, _>(draft, db)
         .await
         .map_err(step("running before_delete for"))?;
-    if !delete_holding::<E, _>(db, pk, expected)
+    if !delete_holding::<E, _>(db, pk, expected, marker)
         .await
         .map_err(step("deleting"))?
     {

@@ -169,6 +169,75 @@ async fn every_backend_sends_the_statements_it_documents_mysql() {
     sends_per_call(&db, &pool, &proxy, backends).await;
 }
 
+/// `locked_delete` on MySQL/MariaDB sends its commit marker's INSERT with the DELETE, as one
+/// message: five round trips with `local` (`SET TRANSACTION`, `BEGIN`, the reload, the marker
+/// and the DELETE, `COMMIT`), where the marker's INSERT before `COMMIT` made six. Then the reply
+/// of every third `COMMIT` is cut: each of those deletes is resolved by its marker, so every
+/// delete is reported `Deleted` exactly when its row is gone, and no other row is touched.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_locked_delete_sends_its_marker_with_the_delete_mysql() {
+    use freshlock::DeleteOutcome;
+    use sea_orm::{EntityTrait, PaginatorTrait};
+
+    let Some(db) = servers::mysql("round_trips_delete").await else {
+        return;
+    };
+    let rows = 2 * CALLS as i32 + 2;
+    db.seed_nodes(rows).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session_with(&pool, Arc::new(LocalLock::new()));
+    let nodes = session.repository::<node::Entity>();
+    let markers = || async {
+        let row = db
+            .query_one("SELECT COUNT(*) AS n FROM freshlock_commit")
+            .await;
+        row.try_get::<i64>("", "n").expect("count")
+    };
+    let delete = |id: i32| {
+        let nodes = nodes.clone();
+        async move {
+            let report = nodes.locked_delete(id).await.expect("delete");
+            assert!(
+                matches!(report.outcome, DeleteOutcome::Deleted(_)),
+                "{id}: {:?}",
+                report.outcome
+            );
+        }
+    };
+    // The session's first write also makes a check of its own once.
+    delete(1).await;
+    let (before, marked) = (proxy.round_trips(), markers().await);
+    for id in 2..CALLS as i32 + 2 {
+        delete(id).await;
+    }
+    assert_eq!(proxy.round_trips() - before, CALLS * 5, "round trips");
+    assert_eq!(
+        markers().await - marked,
+        i64::from(CALLS),
+        "one marker each"
+    );
+    proxy.cut_every(3);
+    for id in CALLS as i32 + 2..rows - 1 {
+        delete(id).await;
+    }
+    assert!(
+        proxy.cuts() >= CALLS / 3 - 1,
+        "replies cut: {}",
+        proxy.cuts()
+    );
+    let left = node::Entity::find().count(&db.db).await.expect("count");
+    assert_eq!(left, 2, "every acknowledged delete gone, nothing else");
+    for id in [rows, rows - 1] {
+        let kept = node::Entity::find_by_id(id)
+            .one(&db.db)
+            .await
+            .expect("read");
+        assert!(kept.is_some(), "{id} was never deleted");
+    }
+}
+
 /// A MySQL/MariaDB pool whose connections default to READ COMMITTED
 /// (`freshlock::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: five
 /// round trips per write under `local` instead of six; the application's own transactions on
