@@ -14,9 +14,15 @@
 //!   as the double it widens to, which is what the server compares a `FLOAT` column with. Not
 //!   finite or subnormal values: not written in.
 //!
-//! Dates, times, decimals, JSON, UUIDs and enums are not written in: how a bound value of those
-//! types is converted (precision, rounding, time zone) is the driver's, and a literal could
-//! compare differently in a guard.
+//! - chrono's dates, times and date-times (naive, or UTC as its naive UTC: sqlx binds it so) as
+//!   quoted text of digits and separators, with microseconds — the nanoseconds truncated, as
+//!   sqlx binds them — only when they are not zero; a server converts that text to the column's
+//!   type, and compares a temporal column with it as a date, as it does a bound value. Not years
+//!   outside 0–9999, nor leap seconds.
+//!
+//! Decimals, JSON, UUIDs, enums, date-times with an offset and the `time` and `jiff` crates'
+//! types are not written in: how a bound value of those types is converted is the driver's,
+//! and a literal could compare differently in a guard.
 
 use std::fmt::Write as _;
 
@@ -70,6 +76,10 @@ fn literal(value: &Value) -> Option<String> {
         Value::String(Some(s)) => format!("_utf8mb4 {}", hex(s.as_bytes())),
         Value::Char(Some(c)) => format!("_utf8mb4 {}", hex(c.to_string().as_bytes())),
         Value::Bytes(Some(bytes)) => hex(bytes),
+        Value::ChronoDate(Some(date)) => quoted(day(date.format("%Y-%m-%d").to_string())?),
+        Value::ChronoTime(Some(time)) => quoted(clock(time)?),
+        Value::ChronoDateTime(Some(at)) => quoted(moment(at)?),
+        Value::ChronoDateTimeUtc(Some(at)) => quoted(moment(&at.naive_utc())?),
         _ => return None,
     };
     Some(text)
@@ -79,6 +89,45 @@ fn literal(value: &Value) -> Option<String> {
 /// as an exact decimal): the shortest digits that read back as `x`. Zero and normal values only.
 fn double(x: f64) -> Option<String> {
     (x == 0.0 || x.is_normal()).then(|| format!("{x:e}"))
+}
+
+/// A date's text, `YYYY-MM-DD`, or `None` for a year that is not four digits (negative or past
+/// 9999: refused by the server either way, and then refused as a bound value is).
+fn day(text: String) -> Option<String> {
+    (text.len() == 10 && text.starts_with(|c: char| c.is_ascii_digit())).then_some(text)
+}
+
+/// A time of day's text as sqlx binds it: `HH:MM:SS`, with `.ffffff` (microseconds, the
+/// nanoseconds truncated) only when they are not zero. `None` for a leap second (sqlx sends
+/// those as they are, which the server refuses).
+fn clock(time: &sea_orm::prelude::ChronoTime) -> Option<String> {
+    let text = time.format("%H:%M:%S%.6f").to_string();
+    if text.get(6..8) == Some("60") {
+        return None;
+    }
+    Some(
+        text.strip_suffix(".000000")
+            .map_or(text.clone(), str::to_owned),
+    )
+}
+
+/// A date and time's text, as [`day`] and [`clock`] write them.
+fn moment(at: &sea_orm::prelude::ChronoDateTime) -> Option<String> {
+    Some(format!(
+        "{} {}",
+        day(at.date().format("%Y-%m-%d").to_string())?,
+        clock(&at.time())?
+    ))
+}
+
+/// A quoted literal of `text`, which holds only digits, `-`, `:`, `.` and spaces: no character
+/// any `sql_mode` reads otherwise.
+fn quoted(text: String) -> String {
+    debug_assert!(
+        text.chars()
+            .all(|c| c.is_ascii_digit() || "-:. ".contains(c))
+    );
+    format!("'{text}'")
 }
 
 /// A hexadecimal literal of `bytes` (`X''` when empty).
@@ -135,6 +184,38 @@ mod tests {
              `c8` = 1.0000000149011612e-1, `c9` = -0e0, `c10` = NULL, `c11` = NULL \
              WHERE `id` = 7"
         );
+    }
+
+    #[test]
+    fn dates_and_times_are_written_as_sqlx_binds_them() {
+        use sea_orm::prelude::{ChronoDate, ChronoDateTime, ChronoTime};
+
+        let day = ChronoDate::from_ymd_opt(2026, 12, 3).expect("a day");
+        let at = |nanos| {
+            ChronoDateTime::new(
+                day,
+                ChronoTime::from_hms_nano_opt(7, 5, 9, nanos).expect("t"),
+            )
+        };
+        let text = mysql(&update(vec![
+            Value::ChronoDate(Some(day)),
+            Value::ChronoTime(ChronoTime::from_hms_micro_opt(23, 59, 1, 5)),
+            Value::ChronoDateTime(Some(at(123_456_789))),
+            Value::ChronoDateTime(Some(at(0))),
+            Value::ChronoDateTimeUtc(Some(at(1_000).and_utc())),
+        ]))
+        .expect("written in");
+        assert_eq!(
+            text,
+            "UPDATE `t` SET `c0` = '2026-12-03', `c1` = '23:59:01.000005', \
+             `c2` = '2026-12-03 07:05:09.123456', `c3` = '2026-12-03 07:05:09', \
+             `c4` = '2026-12-03 07:05:09.000001' WHERE `id` = 7"
+        );
+        let leap = ChronoTime::from_hms_nano_opt(23, 59, 59, 1_500_000_000);
+        let far = ChronoDate::from_ymd_opt(12_026, 1, 1);
+        for value in [Value::ChronoTime(leap), Value::ChronoDate(far)] {
+            assert_eq!(mysql(&update(vec![value.clone()])), None, "{value:?}");
+        }
     }
 
     #[test]

@@ -250,7 +250,7 @@ async fn hostile_lock_names_mysql_named() {
 }
 
 /// A row of every type `inline.rs` writes into a MySQL/MariaDB message's text, and of one it
-/// does not (a date).
+/// does not (a decimal).
 #[cfg(feature = "mysql")]
 mod measure {
     use sea_orm::entity::prelude::*;
@@ -267,6 +267,8 @@ mod measure {
         pub wide: u32,
         pub bytes: Vec<u8>,
         pub stamp: DateTime,
+        pub day: Date,
+        pub price: Decimal,
         pub note: Option<String>,
         pub n: i32,
     }
@@ -280,7 +282,8 @@ mod measure {
 /// Every type written into the text of the marker-and-UPDATE message (`inline.rs`) is stored
 /// as a bound value would be, and compares equal in the guard of the next write (no version
 /// column: the guard checks each column written against what was read — an `f32` against a
-/// `FLOAT` column included); a write holding a value that is not written in (a date) is sent
+/// `FLOAT` column included, and dates with and without microseconds); a write holding a value
+/// that is not written in (a decimal) is sent
 /// bound, one statement at a time. Under the server's `sql_mode` and under
 /// `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`; every acknowledged write is in the row once.
 #[cfg(feature = "mysql")]
@@ -296,15 +299,18 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
         .execute_unprepared(
             "CREATE TABLE inline_measure (id INT PRIMARY KEY, ratio DOUBLE NOT NULL, \
              small FLOAT NOT NULL, flag BOOL NOT NULL, big BIGINT NOT NULL, \
-             wide INT UNSIGNED NOT NULL, bytes VARBINARY(64) NOT NULL, stamp DATETIME(6) NOT NULL, \
+             wide INT UNSIGNED NOT NULL, bytes VARBINARY(64) NOT NULL, \
+             stamp DATETIME(6) NOT NULL, day DATE NOT NULL, price DECIMAL(10, 2) NOT NULL, \
              note VARCHAR(64) NULL, n INT NOT NULL)",
         )
         .await
         .expect("table");
-    fn stamp(s: u32) -> sea_orm::prelude::DateTime {
-        sea_orm::prelude::Date::from_ymd_opt(2026, 12, 3)
-            .and_then(|d| d.and_hms_micro_opt(7, 0, s, 123_456))
-            .expect("a time")
+    use sea_orm::prelude::{Date, DateTime, Decimal};
+    fn day(d: u32) -> Date {
+        Date::from_ymd_opt(2026, 12, d).expect("a day")
+    }
+    fn stamp(s: u32, micros: u32) -> DateTime {
+        day(3).and_hms_micro_opt(7, 0, s, micros).expect("a time")
     }
     // Prepared statements run on the session's one connection (`Com_stmt_execute`).
     let executed = |db: sea_orm::DatabaseConnection| async move {
@@ -331,7 +337,9 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
             big: Set(0),
             wide: Set(0),
             bytes: Set(Vec::new()),
-            stamp: Set(stamp(0)),
+            stamp: Set(stamp(0, 123_456)),
+            day: Set(day(3)),
+            price: Set(Decimal::ZERO),
             note: Set(None),
             n: Set(0),
         }
@@ -344,7 +352,7 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
             .expect("session");
         let rows = session.repository::<measure::Entity>();
         type Change = fn(&mut measure::ActiveModel);
-        let steps: [(&str, Change); 5] = [
+        let steps: [(&str, Change); 7] = [
             ("warm-up", |_| {}),
             ("written in", |m| {
                 m.ratio = Set(0.1);
@@ -363,14 +371,22 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
                 m.bytes = Set(Vec::new());
                 m.note = Set(None);
             }),
-            ("bound", |m| {
+            ("written in", |m| {
                 m.ratio = Set(-2.5e-300);
                 m.small = Set(-1.0e-30);
-                m.stamp = Set(stamp(1));
+                m.stamp = Set(stamp(1, 5));
+                m.day = Set(day(4));
+            }),
+            ("written in", |m| {
+                m.stamp = Set(stamp(2, 0));
+            }),
+            ("bound", |m| {
+                m.price = Set(Decimal::new(1234, 2));
             }),
             ("written in", |m| {
                 m.ratio = Set(0.3);
                 m.small = Set(0.3);
+                m.stamp = Set(stamp(3, 999_999));
             }),
         ];
         let mut acknowledged = 0;
@@ -422,11 +438,12 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
             (0.3, 0.3, false, i64::MAX, u32::MAX)
         );
         assert_eq!((stored.bytes.as_slice(), stored.note), (&[][..], None));
-        assert_eq!(stored.stamp, stamp(1));
+        assert_eq!((stored.stamp, stored.day), (stamp(3, 999_999), day(4)));
+        assert_eq!(stored.price, Decimal::new(1234, 2));
         assert_eq!(
             stored.n, acknowledged,
             "{mode}: every acknowledged write, once"
         );
-        assert_eq!(acknowledged, 5);
+        assert_eq!(acknowledged, 7);
     }
 }
