@@ -131,7 +131,7 @@ fn quoted(text: String) -> String {
 }
 
 /// A hexadecimal literal of `bytes` (`X''` when empty).
-fn hex(bytes: &[u8]) -> String {
+pub(crate) fn hex(bytes: &[u8]) -> String {
     let mut text = String::with_capacity(bytes.len() * 2 + 3);
     text.push_str("X'");
     for byte in bytes {

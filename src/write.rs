@@ -234,10 +234,8 @@ where
 /// … RETURNING`). `None` when a value cannot be written in: the caller sends the three
 /// statements bound, one by one.
 ///
-/// The message's reply counts the rows of both statements: the marker's one, and the row the
-/// UPDATE found (sqlx asks for found rows, not changed ones — as sea-orm's own check of an
-/// UPDATE relies on). A statement that fails stops the message there; the failure is reported
-/// as the UPDATE's, and the transaction is rolled back either way.
+/// A failure of either statement is reported as the UPDATE's (see [`send_marked`]); the
+/// transaction is rolled back either way.
 #[cfg(feature = "mysql")]
 async fn marked_update_mysql<E>(
     txn: &DatabaseTransaction,
@@ -256,18 +254,9 @@ where
         Err(e) => return Some(Err(failed(e))),
     };
     let marker = Marker::new();
-    let insert = crate::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
-    let message = format!("{insert}; {}", crate::inline::mysql(&update)?);
-    let sent = within(reply, txn.execute_unprepared(&message)).await;
-    let found = match sent.map(|sent| sent.rows_affected()) {
-        Ok(2) => true,
-        Ok(1) => false,
-        Ok(rows) => {
-            let e = DbErr::Custom(format!(
-                "the commit marker and the UPDATE reported {rows} rows, not 1 or 2"
-            ));
-            return Some(Err(failed(e)));
-        }
+    let message = marked_message(&marker, &update)?;
+    let found = match within(reply, send_marked(txn, &message, "UPDATE")).await {
+        Ok(found) => found,
         Err(e) => return Some(Err(failed(e))),
     };
     if !found {
@@ -283,6 +272,32 @@ where
         Err(e) => return Some(Err(failed(e))),
     };
     Some(Ok((Some(stored), Some(Evidence::Marker(marker)))))
+}
+
+/// `marker`'s INSERT and `statement` (the guarded UPDATE or DELETE of one row) as the text of
+/// one MySQL/MariaDB message, or `None` when a value cannot be written in (see `inline.rs`).
+#[cfg(feature = "mysql")]
+fn marked_message(
+    marker: &Marker,
+    statement: &impl sea_orm::sea_query::QueryStatementWriter,
+) -> Option<String> {
+    let insert = crate::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
+    Some(format!("{insert}; {}", crate::inline::mysql(statement)?))
+}
+
+/// Sends a [`marked_message`] on `db`; whether its `what` (UPDATE or DELETE) found the row. The
+/// reply counts the rows of both statements: the marker's one, and the row the statement found
+/// (sqlx asks for found rows, not changed ones — as sea-orm's own check of an UPDATE relies
+/// on). A statement that fails stops the message there.
+#[cfg(feature = "mysql")]
+async fn send_marked<C: ConnectionTrait>(db: &C, message: &str, what: &str) -> Result<bool, DbErr> {
+    match db.execute_unprepared(message).await?.rows_affected() {
+        2 => Ok(true),
+        1 => Ok(false),
+        rows => Err(DbErr::Custom(format!(
+            "the commit marker and the {what} reported {rows} rows, not 1 or 2"
+        ))),
+    }
 }
 
 /// What [`update_returning_stamped`] carries besides the row (see `commit.rs`).
@@ -416,26 +431,13 @@ where
         return Ok(delete.exec(db).await?.rows_affected > 0);
     };
     let backend = db.get_database_backend();
-    let insert = marker.insert(backend, true);
     #[cfg(feature = "mysql")]
     if backend == DbBackend::MySql
-        && let (Some(insert), Some(delete)) = (
-            crate::inline::mysql(&insert),
-            crate::inline::mysql(delete.as_query()),
-        )
+        && let Some(message) = marked_message(marker, delete.as_query())
     {
-        let rows = db
-            .execute_unprepared(&format!("{insert}; {delete}"))
-            .await?
-            .rows_affected();
-        return match rows {
-            1 | 2 => Ok(rows == 2),
-            rows => Err(DbErr::Custom(format!(
-                "the commit marker and the DELETE reported {rows} rows, not 1 or 2"
-            ))),
-        };
+        return send_marked(db, &message, "DELETE").await;
     }
-    db.execute(&insert).await?;
+    db.execute(&marker.insert(backend, true)).await?;
     Ok(delete.exec(db).await?.rows_affected > 0)
 }
 

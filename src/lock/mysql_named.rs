@@ -272,14 +272,10 @@ const NOW_MS: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
 /// `text` as an SQL expression of MySQL/MariaDB that no `sql_mode` reads otherwise:
 /// `CONVERT(X'…' USING utf8mb4)`.
 fn utf8_literal(text: &str) -> String {
-    use std::fmt::Write as _;
-    let mut literal = String::with_capacity(text.len() * 2 + 24);
-    literal.push_str("CONVERT(X'");
-    for byte in text.bytes() {
-        let _ = write!(literal, "{byte:02x}");
-    }
-    literal.push_str("' USING utf8mb4)");
-    literal
+    format!(
+        "CONVERT({} USING utf8mb4)",
+        crate::inline::hex(text.as_bytes())
+    )
 }
 
 /// A held named lock and its connection.
@@ -415,7 +411,7 @@ mod tests {
     #[test]
     fn the_grant_is_one_message_with_no_placeholder_and_a_gated_read() {
         let sql = grant("a'b\\c", Duration::from_millis(1500), "t'", "n\0'");
-        let lock = "CONVERT(X'6127625c63' USING utf8mb4)";
+        let lock = "CONVERT(X'6127625C63' USING utf8mb4)";
         let token = "CONVERT(X'7427' USING utf8mb4)";
         assert!(
             sql.starts_with(&format!(
@@ -428,7 +424,7 @@ mod tests {
             "SELECT @freshlock_grant AS granted, CAST(@freshlock_owner AS SIGNED) AS owner"
         ));
         assert!(sql.contains(
-            "WHERE name = CONVERT(X'6e0027' USING utf8mb4) AND @freshlock_grant = 2 LOCK IN SHARE MODE"
+            "WHERE name = CONVERT(X'6E0027' USING utf8mb4) AND @freshlock_grant = 2 LOCK IN SHARE MODE"
         ));
         assert!(!sql.contains('?'), "{sql}");
         assert_eq!(sql.matches(';').count(), 2, "three statements: {sql}");
