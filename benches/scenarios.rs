@@ -552,7 +552,13 @@ async fn main() {
         return;
     }
     // Not part of a full run either (issue 26): log flushes and statements per write on MariaDB
-    // (fsyncs), what `mysql_read_committed` saves (committed).
+    // and PostgreSQL (fsyncs), what `mysql_read_committed` saves (committed).
+    #[cfg(feature = "postgres")]
+    if only.as_deref() == Some("fsyncs")
+        && let Some(url) = postgres.as_deref()
+    {
+        postgres_fsyncs(url).await;
+    }
     #[cfg(feature = "mysql")]
     if let Some(part @ ("fsyncs" | "committed")) = only.as_deref() {
         match mysql.as_deref() {
@@ -1138,6 +1144,79 @@ async fn read_committed_pool(url: &str) {
     }
 }
 
+/// A session on `quiet` under `kind`'s lock (failing when it cannot be had), after 20 writes
+/// of row 1 (the lock's rows made, the statements prepared): for counting what the next
+/// writes cost the server.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn warmed_session(quiet: &DatabaseConnection, url: &str, kind: LockKind) -> Session {
+    let session = Session::builder(quiet.clone())
+        .lock(kind.connect(quiet, url, None).await.expect("backend"))
+        .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+        .build()
+        .expect("session");
+    for _ in 0..20 {
+        increment(&session, 1).await;
+    }
+    session
+}
+
+/// What one uncontended `locked_update` costs the PostgreSQL server, per backend: log flushes
+/// (`pg_stat_wal.wal_sync`, the server's: a commit that waits for its flush makes one, the WAL
+/// writer's background flushes count too) and committed transactions (`xact_commit` of the
+/// database, read-only ones included), over 300 writes after 20 of warm-up, on a quiet server.
+/// A backend that goes idle reports its statistics within 10 s (PostgreSQL 15's idle
+/// interval), so each read waits 11 s first (and counts itself). Counts, not times, as
+/// [`mariadb_fsyncs`]'s.
+#[cfg(feature = "postgres")]
+async fn postgres_fsyncs(url: &str) {
+    use sea_orm::ConnectionTrait;
+    const WRITES: u32 = 300;
+    let _ = database(url, 2, 2).await;
+    let quiet = common::connect_with(url, 20, false).await;
+    let status = common::connect_with(url, 1, false).await;
+    let read = || async {
+        tokio::time::sleep(Duration::from_secs(11)).await;
+        let row = status
+            .query_one_raw(sea_orm::Statement::from_string(
+                sea_orm::DbBackend::Postgres,
+                "SELECT (SELECT wal_sync FROM pg_stat_wal)::float8 AS syncs, \
+                 (SELECT xact_commit FROM pg_stat_database \
+                  WHERE datname = current_database())::float8 AS commits",
+            ))
+            .await
+            .expect("statistics")
+            .expect("a row");
+        let value = |name: &str| row.try_get::<f64>("", name).expect("a statistic");
+        (value("syncs"), value("commits"))
+    };
+    println!(
+        "\n| on PostgreSQL, one row, 1 task, {WRITES} writes | log flushes per write | transactions per write | ms per write (one run: a time, not a count) |\n|---|---|---|---|"
+    );
+    for kind in [
+        LockKind::Local,
+        LockKind::PgAdvisory,
+        LockKind::Row,
+        LockKind::Table,
+    ] {
+        let session = warmed_session(&quiet, url, kind).await;
+        let (syncs, commits) = read().await;
+        let started = Instant::now();
+        for _ in 0..WRITES {
+            increment(&session, 1).await;
+        }
+        let took = started.elapsed();
+        let (syncs_after, commits_after) = read().await;
+        let writes = f64::from(WRITES);
+        // The first read's own transaction is counted by the second.
+        println!(
+            "| `locked_update` ({kind}) | {:.2} | {:.2} | {:.2} |",
+            (syncs_after - syncs) / writes,
+            (commits_after - commits - 1.0) / writes,
+            took.as_secs_f64() * 1000.0 / writes
+        );
+    }
+}
+
 /// What one uncontended `locked_update` costs the MariaDB server, per backend: log flushes
 /// (`Innodb_data_fsyncs`: one per committed write transaction, none for reads, `GET_LOCK` or a
 /// locking read in autocommit) and statements (`Questions`, every connection's: the lock pool's
@@ -1176,14 +1255,7 @@ async fn mariadb_fsyncs(url: &str) {
         LockKind::MySqlNamed,
         LockKind::Table,
     ] {
-        let session = Session::builder(quiet.clone())
-            .lock(kind.connect(&quiet, url, None).await.expect("backend"))
-            .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
-            .build()
-            .expect("session");
-        for _ in 0..20 {
-            increment(&session, 1).await;
-        }
+        let session = warmed_session(&quiet, url, kind).await;
         let (fsyncs, questions) = read().await;
         for _ in 0..WRITES {
             increment(&session, 1).await;

@@ -220,6 +220,7 @@ impl Claims {
             token,
             ttl: lease,
             label: self.label.as_deref(),
+            durable: true,
         };
         let grant = CLAIMS
             .grant(txn, name, &holder, false)

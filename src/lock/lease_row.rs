@@ -76,6 +76,10 @@ pub(crate) struct Holder<'a> {
     pub(crate) ttl: Duration,
     /// A worker or task name, for the inspector.
     pub(crate) label: Option<&'a str>,
+    /// Whether the grant's commit waits for its log flush. Not on PostgreSQL for a lease whose
+    /// every use is checked in a transaction that commits after it (see [`returning_fence`] and
+    /// `LeaseLock::acquire_checked`); elsewhere always.
+    pub(crate) durable: bool,
 }
 
 impl Holder<'_> {
@@ -99,6 +103,23 @@ pub(crate) struct Grant {
     pub(crate) fence: i64,
     /// Whether it was taken over from a holder whose lease had run out.
     pub(crate) taken_over: bool,
+}
+
+/// ` RETURNING fence` of a grant (PostgreSQL, SQLite). For a grant that need not be durable by
+/// itself on PostgreSQL ([`Holder::durable`] false), also `set_config('synchronous_commit',
+/// 'off', true)`: evaluated for the row the statement takes, it lets that statement's own
+/// (autocommit) transaction commit without waiting for the log flush. Safe there because the
+/// log is flushed in order: the transaction of a write that checks the lease commits after the
+/// grant, so its flush makes the grant durable first; a grant lost with a crash before any such
+/// commit fails every check (the row does not hold its token), and nothing committed under it.
+/// A busy try (no row) writes nothing to flush.
+fn returning_fence(backend: DbBackend, holder: &Holder<'_>) -> String {
+    if backend == DbBackend::Postgres && !holder.durable {
+        " RETURNING fence, set_config('synchronous_commit', 'off', true) AS relaxed_commit"
+            .to_owned()
+    } else {
+        " RETURNING fence".to_owned()
+    }
 }
 
 impl LeaseTable {
@@ -231,9 +252,9 @@ impl LeaseTable {
         // MySQL has no RETURNING: `LAST_INSERT_ID(expr)` puts the new fence in the statement's
         // own reply (its OK packet's insert id, `ExecResult::last_insert_id`).
         let (fence, returning) = if backend == DbBackend::MySql {
-            ("LAST_INSERT_ID(fence + 1)", "")
+            ("LAST_INSERT_ID(fence + 1)", String::new())
         } else {
-            ("fence + 1", " RETURNING fence")
+            ("fence + 1", returning_fence(backend, holder))
         };
         let sql = format!(
             "UPDATE {t} SET fence = {fence}, owner = ?, expires_at = {now} + ?, host = ?, \
@@ -287,7 +308,8 @@ impl LeaseTable {
              ON CONFLICT (name) DO UPDATE SET owner = excluded.owner, fence = {t}.fence + 1, \
              expires_at = excluded.expires_at, host = excluded.host, pid = excluded.pid, \
              label = excluded.label, {granted_at} = excluded.{granted_at}{state} \
-             WHERE {condition} RETURNING fence",
+             WHERE {condition}{returning}",
+            returning = returning_fence(backend, holder),
             state = self.state_set(),
             condition = self.condition(backend, takeable),
         );
@@ -329,6 +351,7 @@ mod tests {
             token: "t",
             ttl: Duration::from_secs(1),
             label: None,
+            durable: true,
         }
     }
 
@@ -387,5 +410,31 @@ mod tests {
             .take(DbBackend::Postgres, "n", &holder(), Takeable::Free)
             .sql;
         assert!(take.contains("SET fence = fence + 1,") && take.ends_with(" RETURNING fence"));
+    }
+
+    /// A grant that need not be durable by itself commits without waiting for its log flush on
+    /// PostgreSQL, by both statements that can grant; never elsewhere, never when durable.
+    #[test]
+    fn only_a_checked_grant_on_postgres_skips_its_flush() {
+        let relaxed = "set_config('synchronous_commit', 'off', true)";
+        let checked = Holder {
+            durable: false,
+            ..holder()
+        };
+        for backend in [DbBackend::Postgres, DbBackend::Sqlite] {
+            for h in [&holder(), &checked] {
+                let upsert = LOCKS.upsert(backend, "n", h, Takeable::Free).sql;
+                let take = LOCKS.take(backend, "n", h, Takeable::Expired).sql;
+                let expected = backend == DbBackend::Postgres && !h.durable;
+                for sql in [upsert, take] {
+                    assert_eq!(sql.contains(relaxed), expected, "{sql}");
+                    assert!(sql.contains(" RETURNING fence"), "{sql}");
+                }
+            }
+        }
+        let mysql = LOCKS
+            .take(DbBackend::MySql, "n", &checked, Takeable::Free)
+            .sql;
+        assert!(!mysql.contains("set_config"), "{mysql}");
     }
 }

@@ -146,7 +146,10 @@ impl LockPolicy {
         let mut result = Ok(None);
         while tries < self.lock_tries.max(1) {
             tries += 1;
-            result = lease.acquire(name, self.wait_per_try, self.ttl).await;
+            // The engine's leases are checked in the transaction of each write they guard.
+            result = lease
+                .acquire_checked(name, self.wait_per_try, self.ttl)
+                .await;
             match &result {
                 Ok(Some(_)) => break,
                 Ok(None) => debug!(lock = %name, tries, "lock busy"),

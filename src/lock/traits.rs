@@ -156,6 +156,27 @@ pub trait LeaseLock: Send + Sync {
         wait: Duration,
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError>;
+
+    /// [`acquire`](Self::acquire), for a caller that acts under the lease only in transactions
+    /// that check it first ([`Fencing::verify`], [`Fencing::fence_row`]) on the database whose
+    /// commits it guards, and shows the grant's fence to nobody before such a transaction has
+    /// ended — as `locked_update`, `locked_delete` and sections do (their
+    /// [`LockReport`](crate::LockReport) comes after). Such a grant need not be durable by
+    /// itself: one lost with a crash of the database fails every later check (its token is in
+    /// no row), and a check's transaction that commits makes it durable with it where the
+    /// database's log is flushed in order (PostgreSQL). [`TableLock`](super::TableLock) grants
+    /// it on PostgreSQL without waiting for its own log flush. The default is `acquire`.
+    ///
+    /// # Errors
+    /// As [`acquire`](Self::acquire).
+    async fn acquire_checked(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        self.acquire(name, wait, ttl).await
+    }
 }
 
 /// A lock taken inside the write's transaction, ended by its commit or rollback.
