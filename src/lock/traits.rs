@@ -158,14 +158,16 @@ pub trait LeaseLock: Send + Sync {
     ) -> Result<Option<Box<dyn LockGuard>>, LockError>;
 
     /// [`acquire`](Self::acquire), for a caller that acts under the lease only in transactions
-    /// that check it first ([`Fencing::verify`], [`Fencing::fence_row`]) on the database whose
-    /// commits it guards, and shows the grant's fence to nobody before such a transaction has
-    /// ended — as `locked_update`, `locked_delete` and sections do (their
-    /// [`LockReport`](crate::LockReport) comes after). Such a grant need not be durable by
-    /// itself: one lost with a crash of the database fails every later check (its token is in
-    /// no row), and a check's transaction that commits makes it durable with it where the
-    /// database's log is flushed in order (PostgreSQL). [`TableLock`](super::TableLock) grants
-    /// it on PostgreSQL without waiting for its own log flush. The default is `acquire`.
+    /// on the database whose rows it guards, each checking the lease before it commits
+    /// ([`Fencing::verify`], [`Fencing::fence_row`]) unless all it writes is new rows (which
+    /// the key refuses to a second writer), and that shows the grant's fence to nobody before
+    /// such a transaction has ended — as `locked_update`, `locked_delete`, `get_or_insert` and
+    /// sections do (their [`LockReport`](crate::LockReport) comes after). Such a grant need not
+    /// be durable by itself: one lost with a crash of the database fails every later check (its
+    /// token is in no row), and a transaction that commits after it makes it durable too where
+    /// the database flushes its log in order (PostgreSQL). [`TableLock`](super::TableLock)
+    /// grants it on PostgreSQL without waiting for its own log flush. The default is
+    /// `acquire`.
     ///
     /// # Errors
     /// As [`acquire`](Self::acquire).
