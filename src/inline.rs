@@ -76,7 +76,7 @@ fn literal(value: &Value) -> Option<String> {
         Value::String(Some(s)) => format!("_utf8mb4 {}", hex(s.as_bytes())),
         Value::Char(Some(c)) => format!("_utf8mb4 {}", hex(c.to_string().as_bytes())),
         Value::Bytes(Some(bytes)) => hex(bytes),
-        Value::ChronoDate(Some(date)) => quoted(day(date.format("%Y-%m-%d").to_string())?),
+        Value::ChronoDate(Some(date)) => quoted(day(date)?),
         Value::ChronoTime(Some(time)) => quoted(clock(time)?),
         Value::ChronoDateTime(Some(at)) => quoted(moment(at)?),
         Value::ChronoDateTimeUtc(Some(at)) => quoted(moment(&at.naive_utc())?),
@@ -93,7 +93,8 @@ fn double(x: f64) -> Option<String> {
 
 /// A date's text, `YYYY-MM-DD`, or `None` for a year that is not four digits (negative or past
 /// 9999: refused by the server either way, and then refused as a bound value is).
-fn day(text: String) -> Option<String> {
+fn day(date: &sea_orm::prelude::ChronoDate) -> Option<String> {
+    let text = date.format("%Y-%m-%d").to_string();
     (text.len() == 10 && text.starts_with(|c: char| c.is_ascii_digit())).then_some(text)
 }
 
@@ -105,19 +106,15 @@ fn clock(time: &sea_orm::prelude::ChronoTime) -> Option<String> {
     if text.get(6..8) == Some("60") {
         return None;
     }
-    Some(
-        text.strip_suffix(".000000")
-            .map_or(text.clone(), str::to_owned),
-    )
+    Some(match text.strip_suffix(".000000") {
+        Some(whole) => whole.to_owned(),
+        None => text,
+    })
 }
 
 /// A date and time's text, as [`day`] and [`clock`] write them.
 fn moment(at: &sea_orm::prelude::ChronoDateTime) -> Option<String> {
-    Some(format!(
-        "{} {}",
-        day(at.date().format("%Y-%m-%d").to_string())?,
-        clock(&at.time())?
-    ))
+    Some(format!("{} {}", day(&at.date())?, clock(&at.time())?))
 }
 
 /// A quoted literal of `text`, which holds only digits, `-`, `:`, `.` and spaces: no character

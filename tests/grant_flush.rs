@@ -99,20 +99,14 @@ async fn a_grant_lost_with_a_crash_is_reported_lease_lost_postgres() {
             .policy(policy.clone())
             .build()
             .unwrap();
-        let (crashed, token) = (
-            Arc::new(std::sync::Mutex::new(false)),
-            Arc::new(std::sync::Mutex::new(String::new())),
-        );
-        let (server_in, crashed_in, token_in) = (
-            Arc::clone(&server),
-            Arc::clone(&crashed),
-            Arc::clone(&token),
-        );
+        // The grant's token, read just before the crash (none: no crash yet).
+        let crashed = Arc::new(std::sync::Mutex::new(None::<String>));
+        let (server_in, crashed_in) = (Arc::clone(&server), Arc::clone(&crashed));
         let report = session
             .repository::<node::Entity>()
             .locked_update(1, move |n| {
                 let mut crashed = crashed_in.lock().unwrap();
-                if !*crashed {
+                if crashed.is_none() {
                     // The lease is granted (and not flushed), the row reloaded in the write's
                     // transaction: now the crash.
                     let owner = psql(
@@ -120,9 +114,8 @@ async fn a_grant_lost_with_a_crash_is_reported_lease_lost_postgres() {
                         "SELECT owner FROM freshlock_lock WHERE owner IS NOT NULL",
                     );
                     assert!(!owner.is_empty(), "round {round}: the lease is held");
-                    *token_in.lock().unwrap() = owner;
                     crash(&server_in);
-                    *crashed = true;
+                    *crashed = Some(owner);
                 }
                 let score = n.score.as_ref().unwrap_or(0);
                 n.score = Set(Some(score + 1));
@@ -130,11 +123,8 @@ async fn a_grant_lost_with_a_crash_is_reported_lease_lost_postgres() {
             })
             .await
             .expect("the write is retried on a new connection and ends");
-        assert!(
-            *crashed.lock().unwrap(),
-            "round {round}: the crash happened"
-        );
-        let token = token.lock().unwrap().clone();
+        let token = (crashed.lock().unwrap().take())
+            .unwrap_or_else(|| panic!("round {round}: the crash happened"));
         let kept = psql(
             &server,
             &format!("SELECT count(*) FROM freshlock_lock WHERE owner = '{token}'"),

@@ -113,12 +113,11 @@ pub(crate) struct Grant {
 /// grant, so its flush makes the grant durable first; a grant lost with a crash before any such
 /// commit fails every check (the row does not hold its token), and nothing committed under it.
 /// A busy try (no row) writes nothing to flush.
-fn returning_fence(backend: DbBackend, holder: &Holder<'_>) -> String {
+fn returning_fence(backend: DbBackend, holder: &Holder<'_>) -> &'static str {
     if backend == DbBackend::Postgres && !holder.durable {
         " RETURNING fence, set_config('synchronous_commit', 'off', true) AS relaxed_commit"
-            .to_owned()
     } else {
-        " RETURNING fence".to_owned()
+        " RETURNING fence"
     }
 }
 
@@ -252,7 +251,7 @@ impl LeaseTable {
         // MySQL has no RETURNING: `LAST_INSERT_ID(expr)` puts the new fence in the statement's
         // own reply (its OK packet's insert id, `ExecResult::last_insert_id`).
         let (fence, returning) = if backend == DbBackend::MySql {
-            ("LAST_INSERT_ID(fence + 1)", String::new())
+            ("LAST_INSERT_ID(fence + 1)", "")
         } else {
             ("fence + 1", returning_fence(backend, holder))
         };

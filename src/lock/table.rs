@@ -62,6 +62,51 @@ impl TableLock {
         self
     }
 
+    /// [`LeaseLock::acquire`]; `durable`: the grant's commit waits for its log flush.
+    async fn acquire_with(
+        &self,
+        name: &LockName,
+        wait: Duration,
+        ttl: Duration,
+        durable: bool,
+    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+        let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
+        let deadline = Instant::now() + wait;
+        let mut backoff = Backoff::new();
+        loop {
+            // A grant on a connection that died while idle in the pool fails at once: it is
+            // released by its token in the background like any lost grant (`try_once`), and
+            // asked again under a new token on another connection (`live`).
+            let (this, key) = (self, stored.as_str());
+            let tried = crate::live::on_live_connection(&self.db, || async move {
+                let token = holder::new_token();
+                let grant = this.try_once(key, &token, ttl, durable).await?;
+                Ok(grant.map(|grant| (grant, token)))
+            })
+            .await
+            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
+            if let Some((Grant { fence, taken_over }, token)) = tried {
+                if taken_over {
+                    warn!(lock = %name, fence, "stale lock taken over: the previous holder's lease had expired");
+                    crate::metrics::stale_lock_taken_over(KIND);
+                } else {
+                    debug!(lock = %name, fence, "table lease taken");
+                }
+                return Ok(Some(Box::new(TableGuard {
+                    db: self.db.clone(),
+                    name: stored,
+                    token,
+                    fence,
+                    released: false,
+                    lease_ends: tokio::time::Instant::now() + ttl,
+                })));
+            }
+            if !backoff.wait_until(deadline).await {
+                return Ok(None);
+            }
+        }
+    }
+
     /// One try: the new fence when the lease was taken, and whether it was taken over from a
     /// holder whose lease had expired (a free row is tried first, so a takeover is visible).
     /// Each statement is its own transaction; the rare deadlock InnoDB still reports on one of
@@ -137,53 +182,6 @@ impl LeaseLock for TableLock {
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         self.acquire_with(name, wait, ttl, false).await
-    }
-}
-
-impl TableLock {
-    /// [`LeaseLock::acquire`]; `durable`: the grant's commit waits for its log flush.
-    async fn acquire_with(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-        durable: bool,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
-        let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
-        let deadline = Instant::now() + wait;
-        let mut backoff = Backoff::new();
-        loop {
-            // A grant on a connection that died while idle in the pool fails at once: it is
-            // released by its token in the background like any lost grant (`try_once`), and
-            // asked again under a new token on another connection (`live`).
-            let (this, key) = (self, stored.as_str());
-            let tried = crate::live::on_live_connection(&self.db, || async move {
-                let token = holder::new_token();
-                let grant = this.try_once(key, &token, ttl, durable).await?;
-                Ok(grant.map(|grant| (grant, token)))
-            })
-            .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-            if let Some((Grant { fence, taken_over }, token)) = tried {
-                if taken_over {
-                    warn!(lock = %name, fence, "stale lock taken over: the previous holder's lease had expired");
-                    crate::metrics::stale_lock_taken_over(KIND);
-                } else {
-                    debug!(lock = %name, fence, "table lease taken");
-                }
-                return Ok(Some(Box::new(TableGuard {
-                    db: self.db.clone(),
-                    name: stored,
-                    token,
-                    fence,
-                    released: false,
-                    lease_ends: tokio::time::Instant::now() + ttl,
-                })));
-            }
-            if !backoff.wait_until(deadline).await {
-                return Ok(None);
-            }
-        }
     }
 }
 
