@@ -343,6 +343,11 @@ async fn attempt<S: Step>(
                 End::Commit => within(reply, txn.commit()).await,
                 End::RollBack => within(reply, txn.rollback()).await,
             };
+            // A lease freed by the step's first statement (see `Locking::folding`) ends with
+            // a commit that wrote nothing else, too.
+            if end == End::Commit && ended.is_ok() {
+                lockings.iter_mut().for_each(Locking::committed);
+            }
             (
                 value,
                 ended.map_err(|e| database("committing", &label, e)),

@@ -51,6 +51,19 @@ pub(crate) enum Folded {
         /// The grant's fence.
         fence: i64,
     },
+    /// `WITH freed AS (UPDATE freshlock_lock SET owner = NULL … WHERE name = … AND owner = … AND
+    /// fence = … AND expires_at > now RETURNING 1)` before the statement, and `EXISTS (SELECT 1
+    /// FROM freed)` in its `WHERE` (PostgreSQL only): a held lease's check that also frees it,
+    /// so the commit ends the lease (see [`crate::lock::Fencing::owned_row`]), its row locked
+    /// until the transaction ends as the check by a statement of its own does.
+    Lease {
+        /// The lease row's (stored) name.
+        name: String,
+        /// The grant's owner token.
+        owner: String,
+        /// The grant's fence.
+        fence: i64,
+    },
 }
 
 /// The lock of one locked section while it runs.
@@ -165,8 +178,10 @@ impl Locking {
                     Ok(Some(held)) => {
                         locking.report.fence = issued(held.as_ref());
                         locking.report.held = true;
-                        let fence_row = held.fencing().and_then(|f| f.fence_row()).is_some();
-                        if fence_row {
+                        let fencing = held.fencing();
+                        let checked_by_row = fencing
+                            .is_some_and(|f| f.fence_row().is_some() || f.owned_row().is_some());
+                        if checked_by_row {
                             locking.fold = Fold::Allowed;
                         }
                         locking.guard = Some(held);
@@ -245,7 +260,8 @@ impl Locking {
         fold: bool,
     ) -> Result<DatabaseTransaction> {
         // Not on SQLite: its `row` lock sends nothing, and its statements are no round trips.
-        let folds = fold && lockings.len() == 1 && db.get_database_backend() != DbBackend::Sqlite;
+        let backend = db.get_database_backend();
+        let folds = fold && lockings.len() == 1 && backend != DbBackend::Sqlite;
         // A lease released (or a fence checked) in an earlier attempt's transaction was not
         // released (checked) by this one's.
         for locking in lockings.iter_mut() {
@@ -276,7 +292,8 @@ impl Locking {
             })?;
             for (locking, skipped) in lockings.iter_mut().zip(skipped.iter_mut()) {
                 let lease = locking.guard.is_some();
-                if folds && locking.fold == Fold::Allowed && (lease || !*skipped) {
+                let foldable = folds && locking.fold == Fold::Allowed && (lease || !*skipped);
+                if foldable && (backend == DbBackend::Postgres || !locking.frees_in_fold()) {
                     locking.fold = Fold::Pending;
                     continue;
                 }
@@ -305,9 +322,15 @@ impl Locking {
             return None;
         }
         if let Some(guard) = &self.guard {
-            let name = guard.fencing()?.fence_row()?.to_owned();
-            let fence = i64::try_from(guard.fencing()?.fence()).unwrap_or(i64::MAX);
-            return Some(Folded::Fence { name, fence });
+            let fencing = guard.fencing()?;
+            let fence = i64::try_from(fencing.fence()).unwrap_or(i64::MAX);
+            if let Some(name) = fencing.fence_row() {
+                let name = name.to_owned();
+                return Some(Folded::Fence { name, fence });
+            }
+            let (name, owner) = fencing.owned_row()?;
+            let (name, owner) = (name.to_owned(), owner.to_owned());
+            return Some(Folded::Lease { name, owner, fence });
         }
         let name = &self.report.name;
         Some(match self.report.backend {
@@ -321,8 +344,10 @@ impl Locking {
     /// the attempt is to be run again, the lock then taken by a statement of its own.
     pub(crate) fn folded(&mut self, held: bool, waited: Duration) {
         if self.guard.is_some() {
-            // A lease's fence: the lease itself was had before the transaction.
+            // A lease's fence: the lease itself was had before the transaction. A lease row
+            // freed by the statement is freed by this transaction's commit.
             self.fence_checked = held;
+            self.release_rides = held && self.frees_in_fold();
             self.fold = if held { Fold::Allowed } else { Fold::Never };
             return;
         }
@@ -334,6 +359,13 @@ impl Locking {
         } else {
             self.fold = Fold::Never;
         }
+    }
+
+    /// Whether this lease is checked in the step's first statement by freeing its row there
+    /// ([`Folded::Lease`], PostgreSQL only), not by reading its fence row ([`Folded::Fence`]).
+    fn frees_in_fold(&self) -> bool {
+        let fencing = self.guard.as_ref().and_then(|guard| guard.fencing());
+        fencing.is_some_and(|f| f.fence_row().is_none() && f.owned_row().is_some())
     }
 
     /// Takes this transaction-scoped lock in `txn`: `Err` with the backend's error, if any, when
@@ -370,14 +402,15 @@ impl Locking {
         txn: &DatabaseTransaction,
         releasing: bool,
     ) -> std::result::Result<bool, LockError> {
+        if self.fence_checked {
+            // Checked (and its row locked until the end, or freed by the commit: see
+            // `folded`) by the transaction's first statement.
+            return Ok(true);
+        }
         self.release_rides = false;
         let Some(guard) = &self.guard else {
             return Ok(true);
         };
-        if self.fence_checked {
-            // Checked (and its row locked until the end) by the transaction's first statement.
-            return Ok(true);
-        }
         // A fence check whose reply does not come fails like a lost connection (`deadline.rs`).
         let (reply, backend) = (self.reply, self.report.backend.as_str());
         let no_reply = || LockError::Backend {
@@ -402,7 +435,8 @@ impl Locking {
         Ok(held)
     }
 
-    /// The section's transaction committed: a lease it released is over.
+    /// The section's transaction committed (a write, or a commit that wrote nothing after a first
+    /// statement that freed the lease): a lease it released is over.
     pub(crate) fn committed(&mut self) {
         self.released_by_commit |= self.release_rides;
     }

@@ -4,7 +4,7 @@ use std::{any::TypeId, fmt, fmt::Write as _};
 
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, Iterable,
-    PrimaryKeyToColumn, QueryFilter, QuerySelect, Select, sea_query::ValueTuple,
+    PrimaryKeyToColumn, QueryFilter, QuerySelect, Select, Statement, sea_query::ValueTuple,
 };
 
 use crate::{
@@ -121,9 +121,10 @@ pub(crate) fn select_by_key<E: EntityTrait>(pk: &ValueTuple) -> Select<E> {
 /// The row, read in `txn` (`FOR UPDATE` where the database has it; SQLite's `BEGIN IMMEDIATE`
 /// already excludes other writers). With `folded` (PostgreSQL, MySQL/MariaDB), the same
 /// statement first tries that lock — a `pg_advisory_xact_lock` key, a `row` backend's lock row,
-/// or a lease's fence row — as a one-time filter: no row comes back unless the lock was had (see
-/// `Locking::folding`). On MySQL/MariaDB the filter is read as a constant before the row, but
-/// the row may be locked already when it fails; the attempt then rolls back at once.
+/// a lease's fence row, or (PostgreSQL) a lease row it checks and frees — as a one-time filter:
+/// no row comes back unless the lock was had (see `Locking::folding`). On MySQL/MariaDB the
+/// filter is read as a constant before the row, but the row may be locked already when it fails;
+/// the attempt then rolls back at once.
 pub(crate) async fn reload_for_update<E: EntityTrait>(
     txn: &DatabaseTransaction,
     pk: &ValueTuple,
@@ -146,11 +147,38 @@ pub(crate) async fn reload_for_update<E: EntityTrait>(
             let values: [sea_orm::Value; 2] = [name.into(), fence.into()];
             reload = reload.filter(Expr::cust_with_values(check, values));
         }
+        Some(Folded::Lease { name, owner, fence }) => {
+            let backend = txn.get_database_backend();
+            if backend != DbBackend::Postgres {
+                return Err(DbErr::Custom(format!(
+                    "a lease freed by the reload needs PostgreSQL, not {backend:?}"
+                )));
+            }
+            let lease = [name.into(), owner.into(), fence.into()];
+            let statement = freeing_lease(reload, lease);
+            return E::find().from_raw_sql(statement).one(txn).await;
+        }
     }
     if txn.get_database_backend() != DbBackend::Sqlite {
         reload = reload.lock_exclusive();
     }
     reload.one(txn).await
+}
+
+/// The reload of [`Folded::Lease`] (PostgreSQL only: MySQL/MariaDB have no data-modifying
+/// `WITH`, and `Locking::begin_all` folds no such check there): behind a `WITH` that checks and
+/// frees the lease (name, owner token and fence in `lease`), reading the row only when it did.
+fn freeing_lease<E: EntityTrait>(reload: Select<E>, lease: [sea_orm::Value; 3]) -> Statement {
+    use sea_orm::{QueryTrait, sea_query::Expr};
+    let reload = reload
+        .filter(Expr::cust("EXISTS (SELECT 1 FROM freed)"))
+        .lock_exclusive();
+    let built = reload.build(DbBackend::Postgres);
+    let mut values = built.values.map(|values| values.0).unwrap_or_default();
+    // The reload's own values are `$1` to `$n`; the lease's follow.
+    let with = crate::lock::sql::lease_freed(values.len() + 1);
+    values.extend(lease);
+    Statement::from_sql_and_values(DbBackend::Postgres, format!("{with}{}", built.sql), values)
 }
 
 #[cfg(test)]
@@ -183,6 +211,37 @@ mod tests {
             Row::new::<item::Entity>(ValueTuple::Two(Value::from("it's"), Value::Int(Some(7))))
                 .expect("valid key");
         assert_eq!(row.name.as_str(), r"item:'it\'s',7");
+    }
+
+    #[test]
+    fn a_freed_lease_is_numbered_after_the_reloads_own_values() {
+        let pk = ValueTuple::Two(Value::from("shop"), Value::Int(Some(7)));
+        let lease = [
+            Value::from("item:x"),
+            Value::from("token"),
+            Value::BigInt(Some(3)),
+        ];
+        let statement = freeing_lease(select_by_key::<item::Entity>(&pk), lease.clone());
+        let sql = statement.sql.as_str();
+        assert!(
+            sql.starts_with("WITH freed AS (UPDATE freshlock_lock SET owner = NULL"),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("WHERE name = $3 AND owner = $4 AND fence = $5 AND expires_at > "),
+            "{sql}"
+        );
+        assert!(
+            sql.contains(r#""shop" = $1"#) && sql.contains(r#""id" = $2"#),
+            "{sql}"
+        );
+        assert!(
+            sql.contains("EXISTS (SELECT 1 FROM freed)") && sql.ends_with("FOR UPDATE"),
+            "{sql}"
+        );
+        let values = statement.values.expect("values").0;
+        assert_eq!(values[..2], [Value::from("shop"), Value::Int(Some(7))]);
+        assert_eq!(values[2..], lease);
     }
 
     #[test]

@@ -117,7 +117,8 @@ async fn sends_per_call(
 /// a statement added to it fails here. `local`, `pg_advisory` and `row` send four (BEGIN,
 /// reload, UPDATE, COMMIT: `pg_advisory` and `row` try their lock in the reload; a lock
 /// statement of its own made five); `table` grants its lease before the transaction and checks
-/// (and frees) it in it. sqlx also pings each connection it is given
+/// (and frees) it in the reload itself (five; a check of its own made six). sqlx also pings
+/// each connection it is given
 /// back, a round trip off the caller's path, which the proxy does not count.
 #[tokio::test]
 async fn every_backend_sends_the_statements_it_documents() {
@@ -131,9 +132,51 @@ async fn every_backend_sends_the_statements_it_documents() {
         ("local", Arc::new(LocalLock::new()), 4),
         ("pg_advisory", Arc::new(PgAdvisoryLock::new()), 4),
         ("row", Arc::new(RowLock::new(pool.clone())), 4),
-        ("table", Arc::new(TableLock::new(pool.clone())), 6),
+        ("table", Arc::new(TableLock::new(pool.clone())), 5),
     ];
     sends_per_call(&db, &pool, &proxy, backends).await;
+}
+
+/// `table` on PostgreSQL checks its lease and frees it in the statement that reloads the row (a
+/// data-modifying `WITH` before the `SELECT … FOR UPDATE`), so the commit ends the lease: also
+/// when the write changed nothing — four round trips (the grant, `BEGIN`, the reload, `COMMIT`),
+/// no release statement after it (five before) — and the lease row is free after every call.
+#[tokio::test]
+async fn a_table_write_that_changes_nothing_ends_its_lease_with_its_commit() {
+    let Some(db) = servers::postgres("round_trips_table_unchanged").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session_with(&pool, Arc::new(TableLock::new(pool.clone())));
+    let nodes = session.repository::<node::Entity>();
+    let unchanged = || async {
+        let report = nodes
+            .locked_update(1, |_| Ok(()))
+            .await
+            .expect("locked_update");
+        assert!(matches!(report.outcome, UpdateOutcome::Unchanged(_)));
+        assert!(report.lock.held && report.lock.release_error.is_none());
+        assert_eq!((report.attempts, report.conflicts), (1, 0));
+    };
+    for _ in 0..5 {
+        unchanged().await;
+    }
+    for _ in 0..CALLS {
+        let before = proxy.round_trips();
+        unchanged().await;
+        assert_eq!(proxy.round_trips() - before, 4, "round trips of one call");
+        let held = db
+            .query_one("SELECT COUNT(*) AS n FROM freshlock_lock WHERE owner IS NOT NULL")
+            .await;
+        assert_eq!(
+            held.try_get::<i64>("", "n").expect("count"),
+            0,
+            "lease freed"
+        );
+    }
+    assert_eq!(db.score(1).await, None, "nothing written");
 }
 
 /// The same guard on MySQL/MariaDB, where a plain write takes six round trips (`SET

@@ -5,7 +5,7 @@ use sea_orm::{DbBackend, DbErr, Statement, Value};
 use crate::{
     db_error::{Failure, classify},
     error::LockError,
-    schema::MIGRATION_NAME,
+    schema::{LOCK_TABLE, MIGRATION_NAME},
 };
 
 /// The database clock in milliseconds since the Unix epoch. Only this clock decides whether a
@@ -51,6 +51,22 @@ pub(crate) fn fence_folded(backend: DbBackend) -> &'static str {
         "EXISTS (SELECT 1 FROM freshlock_lock WHERE name = ? AND fence = ? \
          FOR UPDATE SKIP LOCKED)"
     }
+}
+
+/// A held lease's check and release (`table`'s `verify_and_release_in`, see
+/// [`crate::lock::Fencing::owned_row`]) as a data-modifying `WITH` before a PostgreSQL
+/// statement whose own values are `$1` to `$first - 1`: `freed` has a row when the lease row of
+/// name `$first` still has owner `$first + 1`, fence `$first + 2` and an expiry in the future,
+/// and this statement's transaction then frees it (and keeps it locked until it ends). PostgreSQL
+/// runs the `UPDATE` once, whether or not the statement reads `freed`.
+pub(crate) fn lease_freed(first: usize) -> String {
+    let now = now_ms(DbBackend::Postgres);
+    let (owner, fence) = (first + 1, first + 2);
+    format!(
+        "WITH freed AS (UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
+         WHERE name = ${first} AND owner = ${owner} AND fence = ${fence} \
+         AND expires_at > {now} RETURNING 1) "
+    )
 }
 
 /// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL). A `?`

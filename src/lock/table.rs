@@ -265,6 +265,10 @@ impl Fencing for TableGuard {
         u64::try_from(self.fence).unwrap_or_default()
     }
 
+    fn owned_row(&self) -> Option<(&str, &str)> {
+        Some((&self.name, &self.token))
+    }
+
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
         let backend = txn.get_database_backend();
         let now = now_ms(backend);

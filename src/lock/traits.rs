@@ -298,6 +298,21 @@ pub trait Fencing: Send + Sync {
         None
     }
 
+    /// The row of `freshlock_lock` this grant holds, as `(name, owner)`, when
+    /// [`verify_and_release_in`](Self::verify_and_release_in) is exactly one statement that frees
+    /// that row (`owner` to NULL, `expires_at` to 0) where it still has this owner token, this
+    /// [`fence`](Self::fence) and an `expires_at` (ms since the epoch, the database's clock) in
+    /// the future (as for `table`). On PostgreSQL `locked_update` then checks and frees the lease
+    /// in the statement that reloads the row (a data-modifying `WITH`: one round trip less per
+    /// write): the lease row is locked from the reload to the commit, which ends the lease; after
+    /// a rollback the lease is still held and is released as usual. When that statement finds
+    /// nothing (the lease lost, or no row), the attempt runs again with the check by a statement
+    /// of its own. Ignored when [`fence_row`](Self::fence_row) is given. The default, `None`,
+    /// checks with a statement of its own.
+    fn owned_row(&self) -> Option<(&str, &str)> {
+        None
+    }
+
     /// [`verify`](Self::verify), and also release the lease inside `txn`, so that it ends
     /// exactly when `txn` commits: one statement and one commit fewer than verifying, committing
     /// and then releasing. On [`LeaseCheck::HeldReleasedByCommit`], once `txn` commits, end the
