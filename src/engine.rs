@@ -155,17 +155,16 @@ impl Retries {
 }
 
 /// The fence check of every lock in `lockings`, in the write's transaction, before its commit:
-/// whether each lease (if any) is still this write's. `releasing`: a backend that can also
-/// releases the lease in `txn`, so the commit ends it (see [`Locking::verify`]). A lost lease is
-/// logged and counted here; the caller rolls back and reports it.
+/// whether each lease (if any) is still this write's; a backend that can also releases the lease
+/// in `txn`, so the commit ends it (see [`Locking::verify`]). A lost lease is logged and counted
+/// here; the caller rolls back and reports it.
 pub(crate) async fn fences(
     txn: &DatabaseTransaction,
     lockings: &mut [Locking],
-    releasing: bool,
     target: &str,
 ) -> Result<bool> {
     for locking in lockings.iter_mut() {
-        match locking.verify(txn, releasing).await {
+        match locking.verify(txn).await {
             Ok(true) => {}
             Ok(false) => {
                 let fence = locking.report.fence;
@@ -361,7 +360,7 @@ async fn attempt<S: Step>(
             effects,
         } => {
             if fence == Fence::Releasing {
-                let held = fences(&txn, lockings, true, label).await;
+                let held = fences(&txn, lockings, label).await;
                 if !matches!(held, Ok(true)) {
                     commit::rollback(txn, reply).await;
                     return held.map(|_| Tried::Done(step.lease_lost()));

@@ -395,12 +395,12 @@ impl Locking {
     }
 
     /// The fence check in the write's transaction: whether the lease (if any) is still this
-    /// section's. With `releasing`, a backend that can also releases the lease in `txn`, so the
-    /// commit ends it (call [`committed`](Self::committed) once `txn` committed).
+    /// section's. A backend that can also releases the lease in `txn`, so the commit ends it
+    /// (call [`committed`](Self::committed) once `txn` committed; after a rollback the lease is
+    /// still held, and [`release`](Self::release) frees it).
     pub(crate) async fn verify(
         &mut self,
         txn: &DatabaseTransaction,
-        releasing: bool,
     ) -> std::result::Result<bool, LockError> {
         if self.fence_checked {
             // Checked (and its row locked until the end, or freed by the commit: see
@@ -417,22 +417,15 @@ impl Locking {
             backend,
             source: Box::new(crate::deadline::no_reply(reply)),
         };
-        let held = if releasing {
-            let check = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
-                .await
-                .unwrap_or_else(|_| Err(no_reply()))?;
-            self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
-            check.held()
-        } else {
-            tokio::time::timeout(reply, guard.verify(txn))
-                .await
-                .unwrap_or_else(|_| Err(no_reply()))?
-        };
-        if held {
+        let check = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
+            .await
+            .unwrap_or_else(|_| Err(no_reply()))?;
+        self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
+        if check.held() {
             // A backend that issues its fence in the check (`mysql_named`) has it now.
             self.report.fence = issued(guard.as_ref());
         }
-        Ok(held)
+        Ok(check.held())
     }
 
     /// The section's transaction committed (a write, or a commit that wrote nothing after a first

@@ -132,7 +132,7 @@ where
         }
         // Checked before the UPDATE, so a lost lease sends none; the lease (table backend) is
         // released in this transaction: the commit ends it.
-        if let Some(refused) = self.fence(&txn, lockings, true).await {
+        if let Some(refused) = self.fence(&txn, lockings).await {
             return (txn, refused);
         }
         // The optimistic guard: the UPDATE also checks that the row still holds what was read
@@ -205,7 +205,8 @@ where
         (txn, worked)
     }
 
-    /// The fence check, `before_delete`, DELETE (guarded by the version column when one is
+    /// The fence check (which frees a `table` lease in this transaction, as an update's does:
+    /// the commit ends it), `before_delete`, DELETE (guarded by the version column when one is
     /// declared), `after_delete`; the commit evicts the row.
     async fn delete(
         &self,
@@ -213,7 +214,7 @@ where
         lockings: &mut [Locking],
         original: E::Model,
     ) -> Attempted<E> {
-        if let Some(refused) = self.fence(&txn, lockings, false).await {
+        if let Some(refused) = self.fence(&txn, lockings).await {
             return (txn, refused);
         }
         let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
@@ -245,9 +246,8 @@ where
         &self,
         txn: &DatabaseTransaction,
         lockings: &mut [Locking],
-        releasing: bool,
     ) -> Option<Worked<Written<E::Model>>> {
-        match engine::fences(txn, lockings, releasing, self.row.name.as_str()).await {
+        match engine::fences(txn, lockings, self.row.name.as_str()).await {
             Ok(true) => None,
             Ok(false) => Some(Worked::Undone(Tried::Done(Written::LeaseLost))),
             Err(error) => Some(Worked::Undone(Tried::failed(error))),

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use entity::node;
 use freshlock::{Session, TableLock};
-use sea_orm::{ConnectionTrait, Set, Statement};
+use sea_orm::{ConnectionTrait, EntityTrait, Set, Statement};
 
 #[tokio::test]
 async fn the_write_commits_the_release() {
@@ -59,4 +59,53 @@ async fn the_write_commits_the_release() {
         assert_eq!(owner, None, "round {round}: released by the commit");
     }
     assert_eq!(common::node_in_db(&db, 1).await.score, Some(3));
+}
+
+/// `locked_delete` frees the lease in its transaction too: the lease's two statements (the grant;
+/// the check that frees it), no release after the commit, and the name free once the row is
+/// gone (before, a release statement — and on a server its own commit — followed the delete).
+#[tokio::test]
+async fn the_delete_commits_the_release() {
+    let (db, recorder) = common::memory_db_recorded().await;
+    common::seed_nodes(&db, 3).await;
+    let session = Session::builder(db.clone())
+        .lock(Arc::new(TableLock::new(db.clone())))
+        .build()
+        .expect("session");
+    let nodes = session.repository::<node::Entity>();
+    for id in 1..=3 {
+        recorder.clear();
+        let report = nodes.locked_delete(id).await.expect("deleted");
+        assert!(
+            matches!(report.outcome, freshlock::DeleteOutcome::Deleted(_)),
+            "{:?}",
+            report.outcome
+        );
+        assert!(report.lock.held && report.lock.release_error.is_none());
+        let lease_statements: Vec<String> = recorder
+            .statements()
+            .into_iter()
+            .filter(|sql| sql.contains("freshlock_lock"))
+            .collect();
+        assert_eq!(
+            lease_statements.len(),
+            2,
+            "take the lease, then check and free it in the delete: {lease_statements:?}"
+        );
+        let name = format!("node:{id}");
+        let owner = db
+            .query_one_raw(Statement::from_sql_and_values(
+                db.get_database_backend(),
+                "SELECT owner FROM freshlock_lock WHERE name = ?",
+                [name.into()],
+            ))
+            .await
+            .expect("read")
+            .expect("lease row")
+            .try_get::<Option<String>>("", "owner")
+            .expect("owner");
+        assert_eq!(owner, None, "node {id}: released by the commit");
+    }
+    let left = node::Entity::find().all(&db).await.expect("rows");
+    assert!(left.is_empty(), "{left:?}");
 }
