@@ -27,7 +27,8 @@ enum Fold {
     /// It is not (a lease, another backend, another database, or a try there failed).
     Never,
     /// It may be (`pg_advisory` or `row` on PostgreSQL, `row` on MySQL/MariaDB, a lease whose
-    /// fence lives in `freshlock_lock` on either), in a transaction begun to fold it.
+    /// fence lives in `freshlock_lock` on either, a `table` lease row on PostgreSQL), in a
+    /// transaction begun to fold it.
     Allowed,
     /// This transaction's lock is to be tried by the step's first statement.
     Pending,

@@ -432,7 +432,8 @@ async fn a_busy_lock_row_is_waited_for_in_a_second_try_and_counted_once() {
 /// An update of a missing row under a lock tried in the reload: the try cannot tell a busy lock
 /// from a missing row, so a second try takes the lock with statements of its own and finds no
 /// row either; one attempt, nothing written (and, for `row`, no lock row left behind: each call
-/// tries again).
+/// tries again). For `table` the reload's `WITH` freed the lease in the rolled-back try: the
+/// lease is still held in the second, which finds no row and retires it — no lease is left held.
 #[tokio::test]
 async fn a_folded_update_of_a_missing_row_is_not_found_once() {
     let Some(db) = servers::postgres("round_trips_missing").await else {
@@ -440,9 +441,10 @@ async fn a_folded_update_of_a_missing_row_is_not_found_once() {
     };
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let pool = proxied(&db, &proxy).await;
-    let backends: [Arc<dyn LockBackend>; 2] = [
+    let backends: [Arc<dyn LockBackend>; 3] = [
         Arc::new(PgAdvisoryLock::new()),
         Arc::new(RowLock::new(pool.clone())),
+        Arc::new(TableLock::new(pool.clone())),
     ];
     for lock in backends {
         let session = session_with(&pool, lock);
@@ -457,9 +459,16 @@ async fn a_folded_update_of_a_missing_row_is_not_found_once() {
                 .expect("locked_update");
             assert!(matches!(report.outcome, UpdateOutcome::NotFound));
             assert_eq!(report.attempts, 1);
+            assert!(report.lock.held && report.lock.release_error.is_none());
         }
     }
     assert!(db.all_nodes().await.is_empty());
+    let leases = db
+        .query_one("SELECT COUNT(*) AS n FROM freshlock_lock WHERE name <> ''")
+        .await;
+    let leases = leases.try_get::<i64>("", "n").expect("count");
+    // (The row named '' is the fence floor a retired row raises: not a lease.)
+    assert_eq!(leases, 0, "the missing key's lease row retired");
 }
 
 /// Runs `n` no-op jobs of kind `noop` (keyed by `key(i)` when it gives one) through a worker on

@@ -278,9 +278,10 @@ pub trait Fencing: Send + Sync {
     fn fence(&self) -> u64;
 
     /// Checks, inside the transaction that is about to write, that this grant is still the
-    /// current one. `locked_update` calls it before its UPDATE (unless its reload checked the
-    /// fence, see [`fence_row`](Self::fence_row)) and, when it returns `false`, rolls back and
-    /// reports [`crate::UpdateOutcome::LeaseLost`].
+    /// current one. `locked_update` calls it before its UPDATE, through
+    /// [`verify_and_release_in`](Self::verify_and_release_in) (unless its reload checked the
+    /// fence, see [`fence_row`](Self::fence_row) and [`owned_row`](Self::owned_row)) and, when it
+    /// returns `false`, rolls back and reports [`crate::UpdateOutcome::LeaseLost`].
     ///
     /// # Errors
     /// [`LockError`] when the check could not be made.
