@@ -118,8 +118,8 @@ async fn sends_per_call(
 /// reload, UPDATE, COMMIT: `pg_advisory` and `row` try their lock in the reload; a lock
 /// statement of its own made five); `table` grants its lease before the transaction and checks
 /// (and frees) it in the reload itself (five; a check of its own made six). sqlx also pings
-/// each connection it is given
-/// back, a round trip off the caller's path, which the proxy does not count.
+/// each connection it is given back, a round trip off the caller's path, which the proxy does
+/// not count.
 #[tokio::test]
 async fn every_backend_sends_the_statements_it_documents() {
     let Some(db) = servers::postgres("round_trips_backends").await else {
