@@ -74,25 +74,7 @@ pub(crate) fn lease_freed(first: usize) -> String {
 /// placeholder.
 pub(crate) fn statement(backend: DbBackend, sql: &str, values: Vec<Value>) -> Statement {
     let sql = if backend == DbBackend::Postgres {
-        let mut numbered = String::with_capacity(sql.len() + 8);
-        let mut n = 0;
-        let mut quote: Option<char> = None;
-        for c in sql.chars() {
-            match quote {
-                // A doubled quote closes and reopens: the same state either way.
-                Some(q) if c == q => quote = None,
-                None if c == '\'' || c == '"' => quote = Some(c),
-                _ => {}
-            }
-            if c == '?' && quote.is_none() {
-                n += 1;
-                numbered.push('$');
-                numbered.push_str(&n.to_string());
-            } else {
-                numbered.push(c);
-            }
-        }
-        numbered
+        numbered(sql)
     } else {
         sql.to_owned()
     };
@@ -118,6 +100,33 @@ pub(crate) fn millis(duration: std::time::Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// `sql` with each `?` outside quotes numbered `$1`, `$2`, …: scanned as bytes (every byte of
+/// a multi-byte UTF-8 character is above ASCII, so no quote or `?` is misread and every cut is
+/// at a character boundary), the text between placeholders copied in slices. Every grant and
+/// lease check goes through here: a character at a time cost ~25,000 instructions per grant.
+fn numbered(sql: &str) -> String {
+    use std::fmt::Write as _;
+    let mut numbered = String::with_capacity(sql.len() + 16);
+    let (mut n, mut quote, mut copied) = (0_u32, None::<u8>, 0);
+    for (at, byte) in sql.bytes().enumerate() {
+        match quote {
+            // A doubled quote closes and reopens: the same state either way.
+            Some(q) if byte == q => quote = None,
+            Some(_) => {}
+            None if byte == b'\'' || byte == b'"' => quote = Some(byte),
+            None if byte == b'?' => {
+                n += 1;
+                numbered.push_str(&sql[copied..at]);
+                let _ = write!(numbered, "${n}");
+                copied = at + 1;
+            }
+            None => {}
+        }
+    }
+    numbered.push_str(&sql[copied..]);
+    numbered
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -132,5 +141,13 @@ mod tests {
         );
         let mysql = statement(DbBackend::MySql, sql, vec![]);
         assert_eq!(mysql.sql, sql);
+        // Multi-byte text next to placeholders, in and out of quotes.
+        let sql = "SELECT 'é?ß' AS \"ü?\", ? AS ö, ?";
+        let pg = statement(DbBackend::Postgres, sql, vec![]);
+        assert_eq!(pg.sql, "SELECT 'é?ß' AS \"ü?\", $1 AS ö, $2");
+        assert_eq!(numbered("?"), "$1");
+        assert_eq!(numbered(""), "");
+        let many = "?,".repeat(12);
+        assert!(numbered(&many).ends_with("$11,$12,"), "{}", numbered(&many));
     }
 }
