@@ -176,7 +176,8 @@ fn freeing_lease<E: EntityTrait>(reload: Select<E>, lease: [sea_orm::Value; 3]) 
     let built = reload.build(DbBackend::Postgres);
     let mut values = built.values.map(|values| values.0).unwrap_or_default();
     // The reload's own values are `$1` to `$n`; the lease's follow.
-    let with = crate::lock::sql::lease_freed(values.len() + 1);
+    let first = u32::try_from(values.len() + 1).unwrap_or(u32::MAX);
+    let with = crate::lock::sql::lease_freed(first);
     values.extend(lease);
     Statement::from_sql_and_values(DbBackend::Postgres, format!("{with}{}", built.sql), values)
 }

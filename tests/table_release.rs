@@ -8,16 +8,42 @@ use std::sync::Arc;
 
 use entity::node;
 use freshlock::{Session, TableLock};
-use sea_orm::{ConnectionTrait, EntityTrait, Set, Statement};
+use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set, Statement};
+
+/// A session on `db` under the `table` backend.
+fn table_session(db: &DatabaseConnection) -> Session {
+    Session::builder(db.clone())
+        .lock(Arc::new(TableLock::new(db.clone())))
+        .build()
+        .expect("session")
+}
+
+/// The statements `recorder` saw that touch the lease table.
+fn lease_statements(recorder: &common::Recorder) -> Vec<String> {
+    (recorder.statements().into_iter())
+        .filter(|sql| sql.contains("freshlock_lock"))
+        .collect()
+}
+
+/// The owner of the lease row of `name` (`None`: free).
+async fn lease_owner(db: &DatabaseConnection, name: &str) -> Option<String> {
+    db.query_one_raw(Statement::from_sql_and_values(
+        db.get_database_backend(),
+        "SELECT owner FROM freshlock_lock WHERE name = ?",
+        [name.into()],
+    ))
+    .await
+    .expect("read")
+    .expect("lease row")
+    .try_get::<Option<String>>("", "owner")
+    .expect("owner")
+}
 
 #[tokio::test]
 async fn the_write_commits_the_release() {
     let (db, recorder) = common::memory_db_recorded().await;
     common::seed_nodes(&db, 1).await;
-    let session = Session::builder(db.clone())
-        .lock(Arc::new(TableLock::new(db.clone())))
-        .build()
-        .expect("session");
+    let session = table_session(&db);
     let nodes = session.repository::<node::Entity>();
     for round in 1..=3 {
         recorder.clear();
@@ -30,11 +56,7 @@ async fn the_write_commits_the_release() {
             .expect("written");
         assert!(report.outcome.is_updated());
         assert!(report.lock.held && report.lock.release_error.is_none());
-        let lease_statements: Vec<String> = recorder
-            .statements()
-            .into_iter()
-            .filter(|sql| sql.contains("freshlock_lock"))
-            .collect();
+        let lease_statements = lease_statements(&recorder);
         assert_eq!(
             lease_statements.len(),
             2,
@@ -46,16 +68,7 @@ async fn the_write_commits_the_release() {
             "{lease_statements:?}"
         );
         // Free once the write is visible: the next taker gets it at once.
-        let owner = db
-            .query_one_raw(Statement::from_string(
-                db.get_database_backend(),
-                "SELECT owner FROM freshlock_lock WHERE name = 'node:1'",
-            ))
-            .await
-            .expect("read")
-            .expect("lease row")
-            .try_get::<Option<String>>("", "owner")
-            .expect("owner");
+        let owner = lease_owner(&db, "node:1").await;
         assert_eq!(owner, None, "round {round}: released by the commit");
     }
     assert_eq!(common::node_in_db(&db, 1).await.score, Some(3));
@@ -68,10 +81,7 @@ async fn the_write_commits_the_release() {
 async fn the_delete_commits_the_release() {
     let (db, recorder) = common::memory_db_recorded().await;
     common::seed_nodes(&db, 3).await;
-    let session = Session::builder(db.clone())
-        .lock(Arc::new(TableLock::new(db.clone())))
-        .build()
-        .expect("session");
+    let session = table_session(&db);
     let nodes = session.repository::<node::Entity>();
     for id in 1..=3 {
         recorder.clear();
@@ -82,28 +92,13 @@ async fn the_delete_commits_the_release() {
             report.outcome
         );
         assert!(report.lock.held && report.lock.release_error.is_none());
-        let lease_statements: Vec<String> = recorder
-            .statements()
-            .into_iter()
-            .filter(|sql| sql.contains("freshlock_lock"))
-            .collect();
+        let lease_statements = lease_statements(&recorder);
         assert_eq!(
             lease_statements.len(),
             2,
             "take the lease, then check and free it in the delete: {lease_statements:?}"
         );
-        let name = format!("node:{id}");
-        let owner = db
-            .query_one_raw(Statement::from_sql_and_values(
-                db.get_database_backend(),
-                "SELECT owner FROM freshlock_lock WHERE name = ?",
-                [name.into()],
-            ))
-            .await
-            .expect("read")
-            .expect("lease row")
-            .try_get::<Option<String>>("", "owner")
-            .expect("owner");
+        let owner = lease_owner(&db, &format!("node:{id}")).await;
         assert_eq!(owner, None, "node {id}: released by the commit");
     }
     let left = node::Entity::find().all(&db).await.expect("rows");

@@ -53,20 +53,24 @@ pub(crate) fn fence_folded(backend: DbBackend) -> &'static str {
     }
 }
 
-/// A held lease's check and release (`table`'s `verify_and_release_in`, see
-/// [`crate::lock::Fencing::owned_row`]) as a data-modifying `WITH` before a PostgreSQL
-/// statement whose own values are `$1` to `$first - 1`: `freed` has a row when the lease row of
-/// name `$first` still has owner `$first + 1`, fence `$first + 2` and an expiry in the future,
-/// and this statement's transaction then frees it (and keeps it locked until it ends). PostgreSQL
-/// runs the `UPDATE` once, whether or not the statement reads `freed`.
-pub(crate) fn lease_freed(first: usize) -> String {
-    let now = now_ms(DbBackend::Postgres);
-    let (owner, fence) = (first + 1, first + 2);
+/// A held lease's check and release (`table`'s `verify_and_release_in`): frees the lease row
+/// of name `?` where it still has owner `?`, fence `?` and an expiry in the future, keeping it
+/// locked until the transaction ends. One row changed: the lease was still held.
+pub(crate) fn lease_free(backend: DbBackend) -> String {
+    let now = now_ms(backend);
     format!(
-        "WITH freed AS (UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
-         WHERE name = ${first} AND owner = ${owner} AND fence = ${fence} \
-         AND expires_at > {now} RETURNING 1) "
+        "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
+         WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}"
     )
+}
+
+/// [`lease_free`] as a data-modifying `WITH` before a PostgreSQL statement whose own values are
+/// `$1` to `$first - 1` (see [`crate::lock::Fencing::owned_row`]): `freed` has a row when the
+/// lease was still held, and this statement's transaction then frees it. PostgreSQL runs the
+/// `UPDATE` once, whether or not the statement reads `freed`.
+pub(crate) fn lease_freed(first: u32) -> String {
+    let free = numbered(&lease_free(DbBackend::Postgres), first);
+    format!("WITH freed AS ({free} RETURNING 1) ")
 }
 
 /// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL). A `?`
@@ -74,7 +78,7 @@ pub(crate) fn lease_freed(first: usize) -> String {
 /// placeholder.
 pub(crate) fn statement(backend: DbBackend, sql: &str, values: Vec<Value>) -> Statement {
     let sql = if backend == DbBackend::Postgres {
-        numbered(sql)
+        numbered(sql, 1)
     } else {
         sql.to_owned()
     };
@@ -100,14 +104,14 @@ pub(crate) fn millis(duration: std::time::Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// `sql` with each `?` outside quotes numbered `$1`, `$2`, …: scanned as bytes (every byte of
+/// `sql` with each `?` outside quotes numbered `$first`, `$first + 1`, …: scanned as bytes (every byte of
 /// a multi-byte UTF-8 character is above ASCII, so no quote or `?` is misread and every cut is
 /// at a character boundary), the text between placeholders copied in slices. Every grant and
 /// lease check goes through here: a character at a time cost ~25,000 instructions per grant.
-fn numbered(sql: &str) -> String {
+fn numbered(sql: &str, first: u32) -> String {
     use std::fmt::Write as _;
     let mut numbered = String::with_capacity(sql.len() + 16);
-    let (mut n, mut quote, mut copied) = (0_u32, None::<u8>, 0);
+    let (mut n, mut quote, mut copied) = (first.saturating_sub(1), None::<u8>, 0);
     for (at, byte) in sql.bytes().enumerate() {
         match quote {
             // A doubled quote closes and reopens: the same state either way.
@@ -145,9 +149,14 @@ mod tests {
         let sql = "SELECT 'é?ß' AS \"ü?\", ? AS ö, ?";
         let pg = statement(DbBackend::Postgres, sql, vec![]);
         assert_eq!(pg.sql, "SELECT 'é?ß' AS \"ü?\", $1 AS ö, $2");
-        assert_eq!(numbered("?"), "$1");
-        assert_eq!(numbered(""), "");
+        assert_eq!(numbered("?", 1), "$1");
+        assert_eq!(numbered("", 1), "");
+        assert_eq!(numbered("? '?' ?", 4), "$4 '?' $5");
         let many = "?,".repeat(12);
-        assert!(numbered(&many).ends_with("$11,$12,"), "{}", numbered(&many));
+        assert!(
+            numbered(&many, 1).ends_with("$11,$12,"),
+            "{}",
+            numbered(&many, 1)
+        );
     }
 }

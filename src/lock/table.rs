@@ -13,7 +13,7 @@ use super::{
     kind::LockKind,
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
-    sql::{for_update, lock_error, millis, now_ms, statement},
+    sql::{for_update, lease_free, lock_error, millis, now_ms, statement},
     traits::{Fencing, LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
 };
 use crate::{
@@ -299,11 +299,7 @@ impl Fencing for TableGuard {
         txn: &DatabaseTransaction,
     ) -> Result<LeaseCheck, LockError> {
         let backend = txn.get_database_backend();
-        let now = now_ms(backend);
-        let sql = format!(
-            "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
-             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}"
-        );
+        let sql = lease_free(backend);
         let values = vec![
             self.name.clone().into(),
             self.token.clone().into(),
