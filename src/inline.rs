@@ -36,6 +36,12 @@ use sea_orm::{
 /// (only backquoted identifiers and `?` placeholders are expected from sea-query).
 pub(crate) fn mysql(statement: &impl QueryStatementWriter) -> Option<String> {
     let (sql, values) = statement.build(MysqlQueryBuilder);
+    written(&sql, values)
+}
+
+/// MySQL/MariaDB text `sql`, written with `?` placeholders, with `values` written in as
+/// [`mysql`] writes a statement's, or `None` as it answers.
+pub(crate) fn written(sql: &str, values: impl IntoIterator<Item = Value>) -> Option<String> {
     let mut values = values.into_iter();
     let mut text = String::with_capacity(sql.len() + 32);
     let mut identifier = false;

@@ -27,10 +27,12 @@ enum Fold {
     /// It is not (a lease, another backend, another database, or a try there failed).
     Never,
     /// It may be (`pg_advisory` or `row` on PostgreSQL, `row` on MySQL/MariaDB, a lease whose
-    /// fence lives in `freshlock_lock` on either, a `table` lease row on PostgreSQL), in a
-    /// transaction begun to fold it.
+    /// fence lives in `freshlock_lock` on either, a `table` lease row on PostgreSQL — on
+    /// MySQL/MariaDB in a row write's UPDATE message instead, see [`Locking::riding_write`]),
+    /// in a transaction begun to fold it.
     Allowed,
-    /// This transaction's lock is to be tried by the step's first statement.
+    /// This transaction's lock is to be tried by the step's first statement (by a row write's
+    /// UPDATE message, for a lease that rides there).
     Pending,
 }
 
@@ -362,8 +364,31 @@ impl Locking {
         }
     }
 
-    /// Whether this lease is checked in the step's first statement by freeing its row there
-    /// ([`Folded::Lease`], PostgreSQL only), not by reading its fence row ([`Folded::Fence`]).
+    /// The values of this lease's check-and-free ([`crate::lock::sql::lease_values`]) for a
+    /// row write on MySQL/MariaDB to send first in its UPDATE's message (see
+    /// [`crate::write::update_with_evidence`]), where no statement before it can free the lease
+    /// (no data-modifying `WITH` there): a held `table` lease this transaction has not checked,
+    /// whose check-and-free has not failed to ride before. The write then reports how it went
+    /// with [`folded`](Self::folded); a check that did not confirm the lease runs the attempt
+    /// again with the lease checked by a statement of its own.
+    pub(crate) fn riding_write(&mut self, backend: DbBackend) -> Option<[sea_orm::Value; 3]> {
+        if backend != DbBackend::MySql || self.fold != Fold::Allowed || self.fence_checked {
+            return None;
+        }
+        if !self.frees_in_fold() {
+            return None;
+        }
+        let fencing = self.guard.as_ref()?.fencing()?;
+        let (name, owner) = fencing.owned_row()?;
+        let fence = i64::try_from(fencing.fence()).unwrap_or(i64::MAX);
+        let values = crate::lock::sql::lease_values(name, owner, fence);
+        self.fold = Fold::Pending;
+        Some(values)
+    }
+
+    /// Whether this lease is checked by a statement that frees its row ([`Folded::Lease`] on
+    /// PostgreSQL, [`Self::riding_write`] on MySQL/MariaDB), not by reading its fence row
+    /// ([`Folded::Fence`]).
     fn frees_in_fold(&self) -> bool {
         let fencing = self.guard.as_ref().and_then(|guard| guard.fencing());
         fencing.is_some_and(|f| f.fence_row().is_none() && f.owned_row().is_some())

@@ -154,7 +154,7 @@ pub(crate) async fn reload_for_update<E: EntityTrait>(
                     "a lease freed by the reload needs PostgreSQL, not {backend:?}"
                 )));
             }
-            let lease = [name.into(), owner.into(), fence.into()];
+            let lease = crate::lock::sql::lease_values(&name, &owner, fence);
             let statement = freeing_lease(reload, lease);
             return E::find().from_raw_sql(statement).one(txn).await;
         }

@@ -149,32 +149,57 @@ pub(crate) enum Step {
     Evidence,
     /// The guarded UPDATE.
     Update,
+    /// The check-and-free of a held lease sent in the UPDATE's message (see
+    /// [`update_with_evidence`]'s `lease`) did not confirm the lease: it was lost, or the UPDATE
+    /// found no row, and the message's count of rows cannot tell which. Nothing is to be kept:
+    /// the attempt is run again with the lease checked by a statement of its own.
+    Lease,
+}
+
+/// How [`update_with_evidence`] sends a locked write's UPDATE.
+pub(crate) struct Sending<'a> {
+    /// The session's pool (the evidence's checks of the server incarnation use it).
+    pub(crate) db: &'a DatabaseConnection,
+    /// Whether the commit's evidence is taken (the session's `commit_markers`).
+    pub(crate) markers: bool,
+    /// The bound on each round trip.
+    pub(crate) reply: Duration,
+    /// MySQL/MariaDB only, with `markers`: the values of a held `table` lease's check-and-free
+    /// ([`crate::lock::sql::lease_free`]: name, owner token, fence), sent first in the marker's
+    /// and the UPDATE's message — or, where that message cannot be written, as a statement of
+    /// its own before them. The caller has not checked the lease; a write returned then found
+    /// it held, and its transaction frees it.
+    pub(crate) lease: Option<[Value; 3]>,
 }
 
 /// The guarded UPDATE of a locked write (as [`update_returning`]), with the evidence of its
-/// commit when `markers` asks for it, taken in the fewest round trips the database allows (see
-/// `commit.rs`): on PostgreSQL the UPDATE returns its transaction id (and the server
+/// commit when `sending.markers` asks for it, taken in the fewest round trips the database
+/// allows (see `commit.rs`): on PostgreSQL the UPDATE returns its transaction id (and the server
 /// incarnation's token when the pool has not seen it lately), or writes a marker in its own
 /// statement without `freshlock_incarnation`; on MySQL/MariaDB a marker's INSERT goes with the
 /// UPDATE as one message where their values can be written into its text
-/// ([`marked_update_mysql`]); elsewhere a marker's INSERT goes first. Each round trip waits at
-/// most `reply`.
+/// ([`marked_update_mysql`]), with a lease's check-and-free first when there is one; elsewhere
+/// a marker's INSERT goes first. Each round trip waits at most `sending.reply`.
 ///
 /// # Errors
 /// The failed step and its error; the transaction is to be rolled back.
 pub(crate) async fn update_with_evidence<E>(
     txn: &DatabaseTransaction,
-    db: &DatabaseConnection,
-    markers: bool,
+    sending: Sending<'_>,
     original: &E::Model,
     changes: &[ColumnValue<E>],
     expected: &[ColumnValue<E>],
-    reply: Duration,
 ) -> Result<(Option<E::Model>, Option<Evidence>), (Step, DbErr)>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
 {
+    let Sending {
+        db,
+        markers,
+        reply,
+        lease,
+    } = sending;
     let update = || {
         within(
             reply,
@@ -188,16 +213,39 @@ where
     fn updated<T>(row: Result<T, DbErr>) -> Result<T, (Step, DbErr)> {
         row.map_err(|e| (Step::Update, e))
     }
+    let backend = txn.get_database_backend();
+    if lease.is_some() && (!markers || backend != DbBackend::MySql) {
+        // Not asked for by the row step (see `Locking::riding_write`): checked on its own then.
+        let e = format!(
+            "a lease checked in the UPDATE's message needs MySQL/MariaDB and commit markers, not {backend:?}"
+        );
+        return Err((Step::Lease, DbErr::Custom(e)));
+    }
     if !markers {
         return Ok((updated(update().await)?, None));
     }
     #[cfg(feature = "mysql")]
-    if txn.get_database_backend() == DbBackend::MySql
-        && let Some(done) = marked_update_mysql::<E>(txn, original, changes, expected, reply).await
-    {
-        return done;
+    if backend == DbBackend::MySql {
+        let marked = marked_update_mysql::<E>(txn, original, changes, expected, reply, &lease);
+        if let Some(done) = marked.await {
+            return done;
+        }
+        // Not written into one message: the lease is checked (and freed) by a statement of
+        // its own first, the marker and the UPDATE follow bound.
+        if let Some(lease) = lease {
+            let free = crate::lock::sql::lease_free(backend);
+            let free = crate::lock::sql::statement(backend, &free, lease.to_vec());
+            match within(reply, txn.execute_raw(free)).await {
+                Ok(freed) if freed.rows_affected() == 1 => {}
+                Ok(_) => {
+                    let e = DbErr::Custom("the lease was lost before the write".into());
+                    return Err((Step::Lease, e));
+                }
+                Err(e) => return Err((Step::Lease, e)),
+            }
+        }
     }
-    if txn.get_database_backend() != DbBackend::Postgres {
+    if backend != DbBackend::Postgres {
         let marker = Marker::new();
         within(reply, marker.write(txn))
             .await
@@ -232,9 +280,10 @@ where
 /// and the guarded UPDATE as one message of two statements (values written into the text, see
 /// `inline.rs`), then the read of the stored row by primary key (MySQL/MariaDB have no `UPDATE
 /// … RETURNING`). `None` when a value cannot be written in: the caller sends the three
-/// statements bound, one by one.
+/// statements bound, one by one. With `lease`, its check-and-free goes first in the message
+/// (three statements): the write stands only when both it and the UPDATE found their row.
 ///
-/// A failure of either statement is reported as the UPDATE's (see [`send_marked`]); the
+/// A failure of any statement is reported as the UPDATE's (see [`send_marked`]); the
 /// transaction is rolled back either way.
 #[cfg(feature = "mysql")]
 async fn marked_update_mysql<E>(
@@ -243,6 +292,7 @@ async fn marked_update_mysql<E>(
     changes: &[ColumnValue<E>],
     expected: &[ColumnValue<E>],
     reply: Duration,
+    lease: &Option<[Value; 3]>,
 ) -> Option<Result<(Option<E::Model>, Option<Evidence>), (Step, DbErr)>>
 where
     E: EntityTrait,
@@ -254,13 +304,23 @@ where
         Err(e) => return Some(Err(failed(e))),
     };
     let marker = Marker::new();
-    let message = marked_message(&marker, &update)?;
-    let found = match within(reply, send_marked(txn, &message, "UPDATE")).await {
+    let mut message = marked_message(&marker, &update)?;
+    if let Some(lease) = lease {
+        let free = crate::lock::sql::lease_free_written(lease.clone())?;
+        message = format!("{free}; {message}");
+    }
+    let sent = send_marked(txn, &message, "UPDATE", lease.is_some());
+    let found = match within(reply, sent).await {
         Ok(found) => found,
         Err(e) => return Some(Err(failed(e))),
     };
-    if !found {
-        return Some(Ok((None, Some(Evidence::Marker(marker)))));
+    match (found, lease) {
+        (true, _) => {}
+        (false, None) => return Some(Ok((None, Some(Evidence::Marker(marker))))),
+        (false, Some(_)) => {
+            let e = DbErr::Custom("the lease or the row not found by the UPDATE's message".into());
+            return Some(Err((Step::Lease, e)));
+        }
     }
     let pk = original.get_primary_key_value();
     let stored = match within(reply, select_by_key::<E>(&pk).one(txn)).await {
@@ -285,17 +345,24 @@ fn marked_message(
     Some(format!("{insert}; {}", crate::inline::mysql(statement)?))
 }
 
-/// Sends a [`marked_message`] on `db`; whether its `what` (UPDATE or DELETE) found the row. The
-/// reply counts the rows of both statements: the marker's one, and the row the statement found
-/// (sqlx asks for found rows, not changed ones — as sea-orm's own check of an UPDATE relies
-/// on). A statement that fails stops the message there.
+/// Sends a [`marked_message`] on `db`; whether its `what` (UPDATE or DELETE) found the row —
+/// with `leased` (the message begins with a lease's check-and-free), whether both found theirs.
+/// The reply counts the rows of every statement: the marker's one, and the row each other
+/// statement found (sqlx asks for found rows, not changed ones — as sea-orm's own check of an
+/// UPDATE relies on). A statement that fails stops the message there.
 #[cfg(feature = "mysql")]
-async fn send_marked<C: ConnectionTrait>(db: &C, message: &str, what: &str) -> Result<bool, DbErr> {
+async fn send_marked<C: ConnectionTrait>(
+    db: &C,
+    message: &str,
+    what: &str,
+    leased: bool,
+) -> Result<bool, DbErr> {
+    let all = if leased { 3 } else { 2 };
     match db.execute_unprepared(message).await?.rows_affected() {
-        2 => Ok(true),
-        1 => Ok(false),
+        rows if rows == all => Ok(true),
+        rows if (1..all).contains(&rows) => Ok(false),
         rows => Err(DbErr::Custom(format!(
-            "the commit marker and the {what} reported {rows} rows, not 1 or 2"
+            "the commit marker and the {what} reported {rows} rows, not 1 to {all}"
         ))),
     }
 }
@@ -435,7 +502,7 @@ where
     if backend == DbBackend::MySql
         && let Some(message) = marked_message(marker, delete.as_query())
     {
-        return send_marked(db, &message, "DELETE").await;
+        return send_marked(db, &message, "DELETE", false).await;
     }
     db.execute(&marker.insert(backend, true)).await?;
     Ok(delete.exec(db).await?.rows_affected > 0)

@@ -447,3 +447,137 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
         assert_eq!(acknowledged, 7);
     }
 }
+
+/// Under `table` on MySQL/MariaDB a row write checks and frees its lease in the UPDATE's own
+/// message, the lease's name written into the text (`inline.rs`): rows keyed by the hostile
+/// values (their lock names hold them too) are each written in one attempt — the closure runs
+/// once, so the check written in found the very lease the bound grant took — and the commit
+/// frees the lease; under the server's `sql_mode` and under `NO_BACKSLASH_ESCAPES` and
+/// `ANSI_QUOTES`. A write holding a value that is not written in (a decimal) checks its lease
+/// by a bound statement of its own, also in one attempt. Every acknowledged write is in its row
+/// once.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn hostile_keys_check_their_lease_in_the_update_mysql() {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    use freshlock::{TableLock, UpdateOutcome};
+    use sea_orm::{
+        ActiveModelTrait, ActiveValue::Set, ConnectionTrait, Statement, prelude::Decimal,
+    };
+
+    let Some(test) = servers::mysql("hostile_keys_table").await else {
+        return;
+    };
+    test.db
+        .execute_unprepared(
+            "CREATE TABLE hostile_tag (name VARCHAR(64) CHARACTER SET utf8mb4 \
+             COLLATE utf8mb4_bin PRIMARY KEY, price DECIMAL(10, 2) NOT NULL, n INT NOT NULL)",
+        )
+        .await
+        .expect("table");
+    let owned = || async {
+        let row = test
+            .db
+            .query_one_raw(Statement::from_string(
+                DbBackend::MySql,
+                "SELECT COUNT(*) AS n FROM freshlock_lock WHERE owner IS NOT NULL",
+            ))
+            .await
+            .expect("count")
+            .expect("a row");
+        row.try_get::<i64>("", "n").expect("n")
+    };
+    for mode in ["", ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES"] {
+        let db = servers::connect(&test.url, None, 1).await;
+        let set = format!("SET SESSION sql_mode = CONCAT(@@sql_mode, '{mode}')");
+        db.execute_unprepared(&set).await.expect("sql_mode");
+        let session = Session::builder(db.clone())
+            .lock(Arc::new(TableLock::new(db.clone())))
+            .build()
+            .expect("session");
+        let tags = session.repository::<tag::Entity>();
+        for value in HOSTILE {
+            let key = format!("{value}{mode}");
+            tag::ActiveModel {
+                name: Set(key.clone()),
+                price: Set(Decimal::ZERO),
+                n: Set(0),
+            }
+            .insert(&test.db)
+            .await
+            .expect("seed");
+            for (how, price) in [("written in", None), ("bound", Some(Decimal::new(1234, 2)))] {
+                let applied = AtomicU32::new(0);
+                let report = tags
+                    .locked_update(key.clone(), |t| {
+                        applied.fetch_add(1, Ordering::SeqCst);
+                        if let Some(price) = price {
+                            t.price = Set(price);
+                        }
+                        let n = *t.n.as_ref();
+                        t.n = Set(n + 1);
+                        Ok(())
+                    })
+                    .await
+                    .unwrap_or_else(|e| panic!("{key:?} {how}: {e}"));
+                assert!(
+                    matches!(report.outcome, UpdateOutcome::Updated(_)),
+                    "{key:?} {how}: {:?}",
+                    report.outcome
+                );
+                assert!(report.lock.held && report.lock.release_error.is_none());
+                assert_eq!(
+                    applied.load(Ordering::SeqCst),
+                    1,
+                    "{key:?} {how}: one attempt, the lease found by the check"
+                );
+                assert_eq!(
+                    owned().await,
+                    0,
+                    "{key:?} {how}: the commit freed the lease"
+                );
+            }
+            let stored = tag::Entity::find_by_id(key.clone())
+                .one(&test.db)
+                .await
+                .expect("read")
+                .unwrap_or_else(|| panic!("{key:?}: the row"));
+            assert_eq!(
+                (stored.n, stored.price),
+                (2, Decimal::new(1234, 2)),
+                "{key:?}"
+            );
+        }
+    }
+    let rows = tag::Entity::find().all(&test.db).await.expect("rows");
+    assert_eq!(
+        rows.len(),
+        2 * HOSTILE.len(),
+        "no statement ran that was not ours"
+    );
+    assert!(
+        rows.iter().all(|t| t.n == 2),
+        "every acknowledged write, once"
+    );
+}
+
+/// A row keyed by text, with a value `inline.rs` does not write in (a decimal).
+#[cfg(feature = "mysql")]
+mod tag {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "hostile_tag")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub name: String,
+        pub price: Decimal,
+        pub n: i32,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}

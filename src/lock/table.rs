@@ -13,7 +13,7 @@ use super::{
     kind::LockKind,
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
-    sql::{for_update, lease_free, lock_error, millis, now_ms, statement},
+    sql::{for_update, lease_free, lease_values, lock_error, millis, now_ms, statement},
     traits::{Fencing, LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
 };
 use crate::{
@@ -300,11 +300,7 @@ impl Fencing for TableGuard {
     ) -> Result<LeaseCheck, LockError> {
         let backend = txn.get_database_backend();
         let sql = lease_free(backend);
-        let values = vec![
-            self.name.clone().into(),
-            self.token.clone().into(),
-            self.fence.into(),
-        ];
+        let values = lease_values(&self.name, &self.token, self.fence).to_vec();
         let updated = txn
             .execute_raw(statement(backend, &sql, values))
             .await
