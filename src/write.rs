@@ -241,7 +241,9 @@ where
                     let e = DbErr::Custom("the lease was lost before the write".into());
                     return Err((Step::Lease, e));
                 }
-                Err(e) => return Err((Step::Lease, e)),
+                // A failed statement is the write's failure, classified (and retried) as an
+                // UPDATE's would be; the next attempt checks the lease on its own.
+                Err(e) => return Err((Step::Update, e)),
             }
         }
     }
