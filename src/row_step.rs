@@ -24,7 +24,7 @@ use crate::{
     locking::Locking,
     row::{Row, reload_for_update},
     session::Session,
-    write::{self, Inserted},
+    write::{self, Inserted, Removed},
 };
 
 /// The row write of one `locked_update` (or delete, get-or-insert, update-or-insert), talking to
@@ -231,35 +231,50 @@ where
     }
 
     /// The fence check (which frees a `table` lease in this transaction, as an update's does:
-    /// the commit ends it), `before_delete`, DELETE (guarded by the version column when one is
-    /// declared), `after_delete`; the commit evicts the row.
+    /// the commit ends it; on MySQL/MariaDB sent with the DELETE, as an update's with its
+    /// UPDATE), `before_delete`, DELETE (guarded by the version column when one is declared),
+    /// `after_delete`; the commit evicts the row.
     async fn delete(
         &self,
         txn: DatabaseTransaction,
         lockings: &mut [Locking],
         original: E::Model,
     ) -> Attempted<E> {
-        if let Some(refused) = self.fence(&txn, lockings).await {
+        // On MySQL/MariaDB the commit marker goes with the DELETE (one round trip less than a
+        // marker's INSERT before `COMMIT`), and a single `table` lease's check-and-free with
+        // them, as an update's; elsewhere the engine takes the evidence at the commit.
+        let backend = txn.get_database_backend();
+        let marker =
+            (backend == DbBackend::MySql && self.session.commit_markers()).then(Marker::new);
+        let riding = match lockings {
+            [locking] if marker.is_some() => locking.riding_write(backend),
+            _ => None,
+        };
+        let rides = riding.is_some();
+        if !rides && let Some(refused) = self.fence(&txn, lockings).await {
             return (txn, refused);
         }
         let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
-        // On MySQL/MariaDB the commit marker goes with the DELETE (one round trip less than a
-        // marker's INSERT before `COMMIT`); elsewhere the engine takes the evidence at the
-        // commit.
-        let marker = (txn.get_database_backend() == DbBackend::MySql
-            && self.session.commit_markers())
-        .then(Marker::new);
         let pk = self.row.pk();
         let deleted =
-            write::delete_row::<E, _>(&txn, &original, pk, &expected, marker.as_ref()).await;
+            write::delete_row::<E, _>(&txn, &original, pk, &expected, marker.as_ref(), riding)
+                .await;
+        if rides && let [locking] = lockings {
+            let held = matches!(deleted, Ok(Removed::Deleted | Removed::Refused));
+            locking.folded(held, Duration::ZERO);
+        }
         let worked = match deleted {
-            Ok(true) => Worked::Write {
+            Ok(Removed::Deleted) => Worked::Write {
                 value: Written::Deleted(Arc::new(original)),
                 evidence: marker.map(Evidence::Marker),
                 fence: Fence::Checked,
                 effects: vec![Change::Evict(self.row.key.clone())],
             },
-            Ok(false) => Worked::Undone(Tried::conflict(self.row.to_string())),
+            Ok(Removed::Refused) => Worked::Undone(Tried::conflict(self.row.to_string())),
+            Ok(Removed::LeaseNotConfirmed) => {
+                debug!(row = %self.row.name, "the lease's check in the DELETE's message did not confirm it; again, checked on its own");
+                Worked::Undone(Tried::Uncounted)
+            }
             Err(failed) => return self.failed(txn, failed.operation, failed.error),
         };
         (txn, worked)

@@ -422,10 +422,12 @@ where
             return Ok(DeleteOutcome::NotFound);
         };
         let expected = write::version_guard::<E>(self.tx.session.version_of::<E>(), &original);
-        let deleted = write::delete_row::<E, _>(self.tx, &original, row.pk(), &expected, None)
-            .await
-            .map_err(|failed| database(failed.operation, &row, failed.error))?;
-        if !deleted {
+        let deleted =
+            write::delete_row::<E, _>(self.tx, &original, row.pk(), &expected, None, None)
+                .await
+                .map_err(|failed| database(failed.operation, &row, failed.error))?;
+        // No lease sent with it: only `Deleted` or `Refused`.
+        if deleted != write::Removed::Deleted {
             // Locked by us since the read: only a write outside every lock can get here.
             self.tx.note_conflict();
             self.tx.gone(&row.key);

@@ -231,18 +231,15 @@ where
             return done;
         }
         // Not written into one message: the lease is checked (and freed) by a statement of
-        // its own first, the marker and the UPDATE follow bound.
+        // its own first, the marker and the UPDATE follow bound. A failed statement is the
+        // write's failure, classified (and retried) as an UPDATE's would be.
         if let Some(lease) = lease {
-            let free = crate::lock::sql::lease_free(backend);
-            let free = crate::lock::sql::statement(backend, &free, lease.to_vec());
-            match within(reply, txn.execute_raw(free)).await {
-                Ok(freed) if freed.rows_affected() == 1 => {}
-                Ok(_) => {
+            match within(reply, free_lease(txn, lease)).await {
+                Ok(true) => {}
+                Ok(false) => {
                     let e = DbErr::Custom("the lease was lost before the write".into());
                     return Err((Step::Lease, e));
                 }
-                // A failed statement is the write's failure, classified (and retried) as an
-                // UPDATE's would be; the next attempt checks the lease on its own.
                 Err(e) => return Err((Step::Update, e)),
             }
         }
@@ -306,11 +303,7 @@ where
         Err(e) => return Some(Err(failed(e))),
     };
     let marker = Marker::new();
-    let mut message = marked_message(&marker, &update)?;
-    if let Some(lease) = lease {
-        let free = crate::lock::sql::lease_free_written(lease.clone())?;
-        message = format!("{free}; {message}");
-    }
+    let message = marked_message(&marker, &update, lease.as_ref())?;
     let sent = send_marked(txn, &message, "UPDATE", lease.is_some());
     let found = match within(reply, sent).await {
         Ok(found) => found,
@@ -337,14 +330,33 @@ where
 }
 
 /// `marker`'s INSERT and `statement` (the guarded UPDATE or DELETE of one row) as the text of
-/// one MySQL/MariaDB message, or `None` when a value cannot be written in (see `inline.rs`).
+/// one MySQL/MariaDB message — after `lease`'s check-and-free when given (its values, see
+/// [`Sending::lease`]) —, or `None` when a value cannot be written in (see `inline.rs`).
 #[cfg(feature = "mysql")]
 fn marked_message(
     marker: &Marker,
     statement: &impl sea_orm::sea_query::QueryStatementWriter,
+    lease: Option<&[Value; 3]>,
 ) -> Option<String> {
     let insert = crate::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
-    Some(format!("{insert}; {}", crate::inline::mysql(statement)?))
+    let message = format!("{insert}; {}", crate::inline::mysql(statement)?);
+    match lease {
+        None => Some(message),
+        Some(lease) => {
+            let free = crate::lock::sql::lease_free_written(lease.clone())?;
+            Some(format!("{free}; {message}"))
+        }
+    }
+}
+
+/// A held lease's check-and-free ([`crate::lock::sql::lease_free`], `lease` its values) as a
+/// bound statement of its own on MySQL/MariaDB, in `db`'s transaction: whether it found the
+/// lease held (and freed it, for this transaction's commit to end).
+#[cfg(feature = "mysql")]
+async fn free_lease<C: ConnectionTrait>(db: &C, lease: [Value; 3]) -> Result<bool, DbErr> {
+    let free = crate::lock::sql::lease_free(DbBackend::MySql);
+    let free = crate::lock::sql::statement(DbBackend::MySql, &free, lease.to_vec());
+    Ok(db.execute_raw(free).await?.rows_affected() == 1)
 }
 
 /// Sends a [`marked_message`] on `db`; whether its `what` (UPDATE or DELETE) found the row —
@@ -473,18 +485,34 @@ where
     select.one(db).await
 }
 
+/// How a guarded delete ([`delete_row`]) ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Removed {
+    /// The row was deleted.
+    Deleted,
+    /// The guard refused: nothing deleted.
+    Refused,
+    /// The check-and-free of the lease sent with the DELETE (`lease`) did not confirm it (lost,
+    /// or the DELETE found no row: the count of rows cannot tell which), as
+    /// [`Step::Lease`]: nothing is to be kept, the attempt runs again with the lease checked by
+    /// a statement of its own.
+    LeaseNotConfirmed,
+}
+
 /// `DELETE … WHERE pk = <pk> AND <expected>`; whether a row was deleted.
 ///
 /// With `marker`, the write's commit marker is inserted in the same transaction first: on
 /// MySQL/MariaDB in the same message as the DELETE where their values can be written into its
 /// text (see `inline.rs`; the reply then counts the marker's row too), else by a statement of
-/// its own.
+/// its own. `lease` (MySQL/MariaDB with `marker` only): a held lease's check-and-free, first in
+/// that message or bound before it, as [`Sending::lease`] says for an UPDATE.
 pub(crate) async fn delete_holding<E, C>(
     db: &C,
     pk: &ValueTuple,
     expected: &[ColumnValue<E>],
     marker: Option<&Marker>,
-) -> Result<bool, DbErr>
+    lease: Option<[Value; 3]>,
+) -> Result<Removed, DbErr>
 where
     E: EntityTrait,
     C: ConnectionTrait,
@@ -496,18 +524,40 @@ where
     for (column, value) in expected {
         delete = delete.filter(holds::<E>(*column, value));
     }
-    let Some(marker) = marker else {
-        return Ok(delete.exec(db).await?.rows_affected > 0);
+    let removed = |deleted: bool| {
+        if deleted {
+            Removed::Deleted
+        } else {
+            Removed::Refused
+        }
     };
     let backend = db.get_database_backend();
+    let marker = match marker {
+        // Not asked for by the row step (see `Locking::riding_write`): checked on its own then.
+        _ if lease.is_some() && (marker.is_none() || backend != DbBackend::MySql) => {
+            return Ok(Removed::LeaseNotConfirmed);
+        }
+        Some(marker) => marker,
+        None => return Ok(removed(delete.exec(db).await?.rows_affected > 0)),
+    };
     #[cfg(feature = "mysql")]
-    if backend == DbBackend::MySql
-        && let Some(message) = marked_message(marker, delete.as_query())
-    {
-        return send_marked(db, &message, "DELETE", false).await;
+    if backend == DbBackend::MySql {
+        let leased = lease.is_some();
+        if let Some(message) = marked_message(marker, delete.as_query(), lease.as_ref()) {
+            return Ok(match send_marked(db, &message, "DELETE", leased).await? {
+                true => Removed::Deleted,
+                false if leased => Removed::LeaseNotConfirmed,
+                false => Removed::Refused,
+            });
+        }
+        if let Some(lease) = lease
+            && !free_lease(db, lease).await?
+        {
+            return Ok(Removed::LeaseNotConfirmed);
+        }
     }
     db.execute(&marker.insert(backend, true)).await?;
-    Ok(delete.exec(db).await?.rows_affected > 0)
+    Ok(removed(delete.exec(db).await?.rows_affected > 0))
 }
 
 /// The optimistic guard of a write, written once for every write path: what its `WHERE` checks,
@@ -602,15 +652,17 @@ where
 }
 
 /// The guarded delete of one row, written once for every write path: `before_delete`,
-/// `DELETE … WHERE pk AND <expected>` (with `marker`'s INSERT, see [`delete_holding`]),
-/// `after_delete`, on `db`. `false`: the guard refused (nothing deleted, no `after_delete`).
+/// `DELETE … WHERE pk AND <expected>` (with `marker`'s INSERT and `lease`'s check, see
+/// [`delete_holding`]), `after_delete`, on `db`. Anything but [`Removed::Deleted`]: nothing
+/// deleted, no `after_delete`.
 pub(crate) async fn delete_row<E, C>(
     db: &C,
     original: &E::Model,
     pk: &ValueTuple,
     expected: &[ColumnValue<E>],
     marker: Option<&Marker>,
-) -> Result<bool, Failed>
+    lease: Option<[Value; 3]>,
+) -> Result<Removed, Failed>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
@@ -621,16 +673,16 @@ where
     let draft = before_delete::<E, _>(draft, db)
         .await
         .map_err(step("running before_delete for"))?;
-    if !delete_holding::<E, _>(db, pk, expected, marker)
+    let removed = delete_holding::<E, _>(db, pk, expected, marker, lease)
         .await
-        .map_err(step("deleting"))?
-    {
-        return Ok(false);
+        .map_err(step("deleting"))?;
+    if removed != Removed::Deleted {
+        return Ok(removed);
     }
     after_delete::<E, _>(draft, db)
         .await
         .map_err(step("running after_delete for"))?;
-    Ok(true)
+    Ok(Removed::Deleted)
 }
 
 /// The row a save of `model` writes: its key must be set, and not `Set`.

@@ -448,17 +448,17 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
     }
 }
 
-/// Under `table` on MySQL/MariaDB a row write checks and frees its lease in the UPDATE's own
-/// message, the lease's name written into the text (`inline.rs`): rows keyed by the hostile
-/// values (their lock names hold them too) are each written in one attempt — the closure runs
-/// once, so the check written in found the very lease the bound grant took — and the commit
-/// frees the lease; under the server's `sql_mode` and under `NO_BACKSLASH_ESCAPES` and
-/// `ANSI_QUOTES`. A write holding a value that is not written in (a decimal) checks its lease
-/// by a bound statement of its own, also in one attempt. Every acknowledged write is in its row
-/// once.
+/// Under `table` on MySQL/MariaDB a row write checks and frees its lease in the UPDATE's (the
+/// DELETE's) own message, the lease's name written into the text (`inline.rs`): rows keyed by
+/// the hostile values (their lock names hold them too) are each written in one attempt — the
+/// closure (`before_delete`) runs once, so the check written in found the very lease the bound
+/// grant took — and the commit frees the lease; under the server's `sql_mode` and under
+/// `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`. A write holding a value that is not written in (a
+/// decimal) checks its lease by a bound statement of its own, also in one attempt. Every
+/// acknowledged write is in its row once, every acknowledged delete gone.
 #[cfg(feature = "mysql")]
 #[tokio::test]
-async fn hostile_keys_check_their_lease_in_the_update_mysql() {
+async fn hostile_keys_check_their_lease_in_the_write_mysql() {
     use std::sync::atomic::{AtomicU32, Ordering};
 
     use freshlock::{TableLock, UpdateOutcome};
@@ -548,24 +548,45 @@ async fn hostile_keys_check_their_lease_in_the_update_mysql() {
                 (2, Decimal::new(1234, 2)),
                 "{key:?}"
             );
+            // The delete's check rides in its message the same way: one attempt (one
+            // `before_delete`), the row gone, the lease freed.
+            let before = tag::BEFORE_DELETE.load(Ordering::SeqCst);
+            let report = tags.locked_delete(key.clone()).await.expect("delete");
+            assert!(
+                matches!(report.outcome, freshlock::DeleteOutcome::Deleted(_)),
+                "{key:?}: {:?}",
+                report.outcome
+            );
+            let attempts = tag::BEFORE_DELETE.load(Ordering::SeqCst) - before;
+            assert_eq!(
+                attempts, 1,
+                "{key:?}: the delete's lease found by its check"
+            );
+            assert_eq!(
+                owned().await,
+                0,
+                "{key:?}: the delete's commit freed the lease"
+            );
+            let gone = tag::Entity::find_by_id(key.clone()).one(&test.db).await;
+            assert_eq!(gone.expect("read"), None, "{key:?}: deleted");
         }
     }
     let rows = tag::Entity::find().all(&test.db).await.expect("rows");
-    assert_eq!(
-        rows.len(),
-        2 * HOSTILE.len(),
-        "no statement ran that was not ours"
-    );
     assert!(
-        rows.iter().all(|t| t.n == 2),
-        "every acknowledged write, once"
+        rows.is_empty(),
+        "no statement ran that was not ours: {rows:?}"
     );
 }
 
-/// A row keyed by text, with a value `inline.rs` does not write in (a decimal).
+/// A row keyed by text, with a value `inline.rs` does not write in (a decimal); counts its
+/// `before_delete` calls (one per attempt of a delete).
 #[cfg(feature = "mysql")]
 mod tag {
+    use std::sync::atomic::{AtomicU32, Ordering};
+
     use sea_orm::entity::prelude::*;
+
+    pub static BEFORE_DELETE: AtomicU32 = AtomicU32::new(0);
 
     #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
     #[sea_orm(table_name = "hostile_tag")]
@@ -579,5 +600,11 @@ mod tag {
     #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
     pub enum Relation {}
 
-    impl ActiveModelBehavior for ActiveModel {}
+    #[async_trait::async_trait]
+    impl ActiveModelBehavior for ActiveModel {
+        async fn before_delete<C: ConnectionTrait>(self, _db: &C) -> Result<Self, DbErr> {
+            BEFORE_DELETE.fetch_add(1, Ordering::SeqCst);
+            Ok(self)
+        }
+    }
 }

@@ -282,6 +282,100 @@ async fn a_locked_delete_sends_its_marker_with_the_delete_mysql() {
     }
 }
 
+/// `locked_delete` under `table` on MySQL/MariaDB checks and frees its lease in the DELETE's
+/// message, as its first statement: seven round trips (the grant of a name not held before —
+/// its take finds no row, then the INSERT —, `SET TRANSACTION`, `BEGIN`, the reload, the
+/// lease's check with the marker and the DELETE, `COMMIT`; eight with the check as a statement
+/// of its own), each delete reported `Deleted` exactly when its row is gone, its lease freed by
+/// its commit. A lease that ran out before the delete is reported `LeaseLost`:
+/// the message's count of rows does not confirm it, the attempt runs again with the check on
+/// its own, and the row stays.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_table_delete_checks_its_lease_in_the_delete_mysql() {
+    use freshlock::{DeleteOutcome, LeaseLock, LockError, LockGuard, LockName, LockRole};
+    use sea_orm::{EntityTrait, PaginatorTrait};
+
+    /// Hands its lease over only once the database says it has run out.
+    #[derive(Debug)]
+    struct Expired(TableLock);
+
+    impl LockBackend for Expired {
+        fn kind(&self) -> freshlock::LockKind {
+            freshlock::LockKind::Table
+        }
+
+        fn role(&self) -> LockRole<'_> {
+            LockRole::Lease(self)
+        }
+    }
+
+    #[async_trait::async_trait]
+    impl LeaseLock for Expired {
+        async fn acquire(
+            &self,
+            name: &LockName,
+            wait: Duration,
+            _ttl: Duration,
+        ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+            let guard = self.0.acquire(name, wait, Duration::from_millis(1)).await?;
+            if let Some(guard) = &guard {
+                while guard.extend(Duration::from_millis(1)).await? {
+                    tokio::task::yield_now().await;
+                }
+            }
+            Ok(guard)
+        }
+    }
+
+    let Some(db) = servers::mysql("round_trips_table_delete").await else {
+        return;
+    };
+    let rows = CALLS as i32 + 2;
+    db.seed_nodes(rows).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session_with(&pool, Arc::new(TableLock::new(pool.clone())));
+    let nodes = session.repository::<node::Entity>();
+    let owned = || async {
+        let row = db
+            .query_one("SELECT COUNT(*) AS n FROM freshlock_lock WHERE owner IS NOT NULL")
+            .await;
+        row.try_get::<i64>("", "n").expect("count")
+    };
+    // The session's first write also makes a check of its own once.
+    nodes.locked_delete(1).await.expect("delete");
+    for id in 2..CALLS as i32 + 2 {
+        let before = proxy.round_trips();
+        let report = nodes.locked_delete(id).await.expect("delete");
+        assert_eq!(proxy.round_trips() - before, 7, "{id}: round trips");
+        assert!(matches!(report.outcome, DeleteOutcome::Deleted(_)));
+        assert!(report.lock.held && report.lock.release_error.is_none());
+        assert_eq!(report.attempts, 1);
+        assert_eq!(owned().await, 0, "{id}: the commit freed the lease");
+    }
+    let expired = session_with(&pool, Arc::new(Expired(TableLock::new(pool.clone()))));
+    let report = (expired.repository::<node::Entity>())
+        .locked_delete(rows)
+        .await
+        .expect("delete");
+    assert!(
+        matches!(report.outcome, DeleteOutcome::LeaseLost),
+        "{:?}",
+        report.outcome
+    );
+    let left = node::Entity::find().count(&db.db).await.expect("count");
+    assert_eq!(
+        left, 1,
+        "every acknowledged delete gone, the fenced one kept"
+    );
+    let kept = node::Entity::find_by_id(rows)
+        .one(&db.db)
+        .await
+        .expect("read");
+    assert!(kept.is_some(), "the fenced delete wrote nothing");
+}
+
 /// A MySQL/MariaDB pool whose connections default to READ COMMITTED
 /// (`freshlock::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: five
 /// round trips per write under `local` instead of six; the application's own transactions on

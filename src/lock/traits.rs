@@ -309,9 +309,9 @@ pub trait Fencing: Send + Sync {
     /// a rollback the lease is still held and is released as usual. When that statement finds
     /// nothing (the lease lost, or no row), the attempt runs again with the check by a statement
     /// of its own. On MySQL/MariaDB (no data-modifying `WITH`) the same statement is sent first
-    /// in the message of the commit marker's INSERT and the UPDATE, its values written into the
-    /// text; the write stands only where the message's count of rows confirms both the lease and
-    /// the row, and otherwise runs again the same way. Ignored when
+    /// in the message of the commit marker's INSERT and the UPDATE (or DELETE), its values
+    /// written into the text; the write stands only where the message's count of rows confirms
+    /// both the lease and the row, and otherwise runs again the same way. Ignored when
     /// [`fence_row`](Self::fence_row) is given. The default, `None`, checks with a statement of
     /// its own.
     fn owned_row(&self) -> Option<(&str, &str)> {
