@@ -1,6 +1,8 @@
 //! Nothing is lost even when the lock fails or expires: on a SQLite file, PostgreSQL and MariaDB.
 
 mod common;
+#[path = "common/expiring.rs"]
+mod expiring;
 #[path = "common/servers.rs"]
 mod servers;
 
@@ -14,6 +16,7 @@ use std::{
 
 use common::FakeLock;
 use entity::node;
+use expiring::ExpiresBeforeUse;
 use freshlock::{
     Error, LeaseLock, LockBackend, LockError, LockGuard, LockName, LockPolicy, LockRole,
     OnLockFailure, Session, TableLock, UpdateOutcome,
@@ -181,40 +184,6 @@ async fn lease_shorter_than_the_section(db: Option<TestDb>) {
     assert_eq!(fenced, 20, "an expired lease never writes");
     let score = db.score(1).await;
     assert_eq!(score.unwrap_or(0), committed);
-}
-
-/// Waits (on the database clock, by polling the lease itself) until the lease has expired before
-/// handing it over: the "holder paused past its TTL" case, every time.
-#[derive(Debug)]
-struct ExpiresBeforeUse(TableLock);
-
-impl LockBackend for ExpiresBeforeUse {
-    fn kind(&self) -> freshlock::LockKind {
-        freshlock::LockKind::Table
-    }
-
-    fn role(&self) -> LockRole<'_> {
-        LockRole::Lease(self)
-    }
-}
-
-#[async_trait::async_trait]
-impl LeaseLock for ExpiresBeforeUse {
-    async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
-        let guard = self.0.acquire(name, wait, ttl).await?;
-        if let Some(guard) = &guard {
-            // `extend` only succeeds while unexpired: poll until the database says it has run out.
-            while guard.extend(Duration::from_millis(1)).await? {
-                tokio::task::yield_now().await;
-            }
-        }
-        Ok(guard)
-    }
 }
 
 /// The row deleted after the lock was taken and before the reload: not found, nothing written.

@@ -8,6 +8,9 @@
 //!
 //! PostgreSQL only (the shared server, a schema of the test's own).
 
+#[cfg(feature = "mysql")]
+#[path = "common/expiring.rs"]
+mod expiring;
 #[path = "common/proxy.rs"]
 mod proxy;
 #[path = "common/servers.rs"]
@@ -293,40 +296,9 @@ async fn a_locked_delete_sends_its_marker_with_the_delete_mysql() {
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn a_table_delete_checks_its_lease_in_the_delete_mysql() {
-    use freshlock::{DeleteOutcome, LeaseLock, LockError, LockGuard, LockName, LockRole};
+    use expiring::ExpiresBeforeUse;
+    use freshlock::DeleteOutcome;
     use sea_orm::{EntityTrait, PaginatorTrait};
-
-    /// Hands its lease over only once the database says it has run out.
-    #[derive(Debug)]
-    struct Expired(TableLock);
-
-    impl LockBackend for Expired {
-        fn kind(&self) -> freshlock::LockKind {
-            freshlock::LockKind::Table
-        }
-
-        fn role(&self) -> LockRole<'_> {
-            LockRole::Lease(self)
-        }
-    }
-
-    #[async_trait::async_trait]
-    impl LeaseLock for Expired {
-        async fn acquire(
-            &self,
-            name: &LockName,
-            wait: Duration,
-            _ttl: Duration,
-        ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
-            let guard = self.0.acquire(name, wait, Duration::from_millis(1)).await?;
-            if let Some(guard) = &guard {
-                while guard.extend(Duration::from_millis(1)).await? {
-                    tokio::task::yield_now().await;
-                }
-            }
-            Ok(guard)
-        }
-    }
 
     let Some(db) = servers::mysql("round_trips_table_delete").await else {
         return;
@@ -354,7 +326,12 @@ async fn a_table_delete_checks_its_lease_in_the_delete_mysql() {
         assert_eq!(report.attempts, 1);
         assert_eq!(owned().await, 0, "{id}: the commit freed the lease");
     }
-    let expired = session_with(&pool, Arc::new(Expired(TableLock::new(pool.clone()))));
+    // A lease of 1 ms, handed over once it has run out.
+    let expired = Session::builder(pool.clone())
+        .lock(Arc::new(ExpiresBeforeUse(TableLock::new(pool.clone()))))
+        .policy(LockPolicy::default().with_ttl(Duration::from_millis(1)))
+        .build()
+        .expect("session");
     let report = (expired.repository::<node::Entity>())
         .locked_delete(rows)
         .await
