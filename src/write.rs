@@ -499,7 +499,7 @@ pub(crate) enum Removed {
     LeaseNotConfirmed,
 }
 
-/// `DELETE … WHERE pk = <pk> AND <expected>`; whether a row was deleted.
+/// `DELETE … WHERE pk = <pk> AND <expected>`; how it ended ([`Removed`]).
 ///
 /// With `marker`, the write's commit marker is inserted in the same transaction first: on
 /// MySQL/MariaDB in the same message as the DELETE where their values can be written into its
