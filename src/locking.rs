@@ -326,7 +326,7 @@ impl Locking {
         }
         if let Some(guard) = &self.guard {
             let fencing = guard.fencing()?;
-            let fence = i64::try_from(fencing.fence()).unwrap_or(i64::MAX);
+            let fence = fence_of(fencing);
             if let Some(name) = fencing.fence_row() {
                 let name = name.to_owned();
                 return Some(Folded::Fence { name, fence });
@@ -364,26 +364,42 @@ impl Locking {
         }
     }
 
-    /// The values of this lease's check-and-free ([`crate::lock::sql::lease_values`]) for a
-    /// row write on MySQL/MariaDB to send first in its UPDATE's message (see
+    /// The values of the lease's check-and-free ([`crate::lock::sql::lease_values`]) for a row
+    /// write under `lockings` on MySQL/MariaDB to send first in the message of its commit marker
+    /// (`marked`: it has one) and its UPDATE or DELETE (see
     /// [`crate::write::update_with_evidence`]), where no statement before it can free the lease
-    /// (no data-modifying `WITH` there): a held `table` lease this transaction has not checked,
-    /// whose check-and-free has not failed to ride before. The write then reports how it went
-    /// with [`folded`](Self::folded); a check that did not confirm the lease runs the attempt
-    /// again with the lease checked by a statement of its own.
-    pub(crate) fn riding_write(&mut self, backend: DbBackend) -> Option<[sea_orm::Value; 3]> {
-        if backend != DbBackend::MySql || self.fold != Fold::Allowed || self.fence_checked {
+    /// (no data-modifying `WITH` there): a single held `table` lease this transaction has not
+    /// checked, whose check-and-free has not failed to ride before. The write then reports how
+    /// it went with [`rode`](Self::rode); a check that did not confirm the lease runs the
+    /// attempt again with the lease checked by a statement of its own.
+    pub(crate) fn riding_write(
+        lockings: &mut [Locking],
+        backend: DbBackend,
+        marked: bool,
+    ) -> Option<[sea_orm::Value; 3]> {
+        let [locking] = lockings else {
+            return None;
+        };
+        let rides = marked && backend == DbBackend::MySql && locking.fold == Fold::Allowed;
+        if !rides || locking.fence_checked || !locking.frees_in_fold() {
             return None;
         }
-        if !self.frees_in_fold() {
-            return None;
-        }
-        let fencing = self.guard.as_ref()?.fencing()?;
+        let fencing = locking.guard.as_ref()?.fencing()?;
         let (name, owner) = fencing.owned_row()?;
-        let fence = i64::try_from(fencing.fence()).unwrap_or(i64::MAX);
-        let values = crate::lock::sql::lease_values(name, owner, fence);
-        self.fold = Fold::Pending;
+        let values = crate::lock::sql::lease_values(name, owner, fence_of(fencing));
+        locking.fold = Fold::Pending;
         Some(values)
+    }
+
+    /// How the row write that a lease rode in went ([`riding_write`](Self::riding_write), the
+    /// one thing that leaves a lock `Pending` past the reload): `held`, it found the lease and
+    /// its transaction frees it. Nothing when no lease rode.
+    pub(crate) fn rode(lockings: &mut [Locking], held: bool) {
+        if let [locking] = lockings
+            && locking.fold == Fold::Pending
+        {
+            locking.folded(held, Duration::ZERO);
+        }
     }
 
     /// Whether this lease is checked by a statement that frees its row ([`Folded::Lease`] on
@@ -503,6 +519,11 @@ impl fmt::Debug for Locking {
             .field("report", &self.report)
             .finish_non_exhaustive()
     }
+}
+
+/// A fence as the lock tables store it (BIGINT).
+fn fence_of(fencing: &dyn crate::lock::Fencing) -> i64 {
+    i64::try_from(fencing.fence()).unwrap_or(i64::MAX)
 }
 
 /// The fence `guard` has issued, if any (0: none yet; see [`crate::lock::Fencing::fence`]).

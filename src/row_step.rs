@@ -135,11 +135,7 @@ where
         // lease's check-and-free rides in the UPDATE's message instead (one round trip less):
         // the write stands only where it found the lease held.
         let markers = self.session.commit_markers();
-        let backend = txn.get_database_backend();
-        let riding = match lockings {
-            [locking] if markers => locking.riding_write(backend),
-            _ => None,
-        };
+        let riding = Locking::riding_write(lockings, txn.get_database_backend(), markers);
         if riding.is_none()
             && let Some(refused) = self.fence(&txn, lockings).await
         {
@@ -161,7 +157,6 @@ where
         };
         // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
         // statement where the database allows (see `commit.rs`).
-        let rides = riding.is_some();
         let sending = write::Sending {
             db: self.session.connection(),
             markers,
@@ -171,12 +166,9 @@ where
         let update =
             write::update_with_evidence::<E>(&txn, sending, &original, &changes, &expected);
         let updated = update.await;
-        if rides && let [locking] = lockings {
-            // Freed by this transaction when the write went through; after a failure the lease
-            // is checked by a statement of its own in the next attempt.
-            let held = updated.is_ok();
-            locking.folded(held, Duration::ZERO);
-        }
+        // Freed by this transaction when the write went through; after a failure the lease is
+        // checked by a statement of its own in the next attempt.
+        Locking::rode(lockings, updated.is_ok());
         let (stored, evidence) = match updated {
             Ok((Some(stored), evidence)) => (stored, evidence),
             Ok((None, _)) => {
@@ -246,12 +238,10 @@ where
         let backend = txn.get_database_backend();
         let marker =
             (backend == DbBackend::MySql && self.session.commit_markers()).then(Marker::new);
-        let riding = match lockings {
-            [locking] if marker.is_some() => locking.riding_write(backend),
-            _ => None,
-        };
-        let rides = riding.is_some();
-        if !rides && let Some(refused) = self.fence(&txn, lockings).await {
+        let riding = Locking::riding_write(lockings, backend, marker.is_some());
+        if riding.is_none()
+            && let Some(refused) = self.fence(&txn, lockings).await
+        {
             return (txn, refused);
         }
         let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
@@ -259,10 +249,8 @@ where
         let deleted =
             write::delete_row::<E, _>(&txn, &original, pk, &expected, marker.as_ref(), riding)
                 .await;
-        if rides && let [locking] = lockings {
-            let held = matches!(deleted, Ok(Removed::Deleted | Removed::Refused));
-            locking.folded(held, Duration::ZERO);
-        }
+        let held = matches!(deleted, Ok(Removed::Deleted | Removed::Refused));
+        Locking::rode(lockings, held);
         let worked = match deleted {
             Ok(Removed::Deleted) => Worked::Write {
                 value: Written::Deleted(Arc::new(original)),

@@ -118,9 +118,9 @@ pub(crate) fn millis(duration: std::time::Duration) -> i64 {
     i64::try_from(duration.as_millis()).unwrap_or(i64::MAX)
 }
 
-/// `sql` with each `?` outside quotes numbered `$first`, `$first + 1`, …: scanned as bytes (every byte of
-/// a multi-byte UTF-8 character is above ASCII, so no quote or `?` is misread and every cut is
-/// at a character boundary), the text between placeholders copied in slices. Every grant and
+/// `sql` with each `?` outside quotes numbered `$first`, `$first + 1`, …: scanned as bytes
+/// (every byte of a multi-byte UTF-8 character is above ASCII, so no quote or `?` is misread
+/// and every cut is at a character boundary), the text between placeholders copied in slices. Every grant and
 /// lease check goes through here: a character at a time cost ~25,000 instructions per grant.
 fn numbered(sql: &str, first: u32) -> String {
     use std::fmt::Write as _;
