@@ -29,9 +29,7 @@ use std::{
 };
 
 use dashmap::DashMap;
-use sea_orm::{
-    DatabaseConnection, DatabaseTransaction, DbErr, EntityTrait, IdenStatic, ModelTrait,
-};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, IdenStatic, ModelTrait};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
@@ -315,7 +313,7 @@ where
     /// the transaction; that waiter got its error, and the attempt must run again without it.
     pub(crate) async fn serve(
         &mut self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         original: &E::Model,
         changes: &mut Vec<write::ColumnValue<E>>,
         row: &Row,
@@ -397,7 +395,7 @@ where
     pub(crate) async fn after_saves(
         &mut self,
         stored: &E::Model,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         row: &Row,
     ) -> Option<Vec<(usize, E::Model)>> {
         let mut theirs = Vec::new();

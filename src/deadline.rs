@@ -6,7 +6,10 @@
 //! may be a proxy whose kernel still acknowledges every byte, so no socket option
 //! (`TCP_USER_TIMEOUT`, keepalive) would notice; sqlx sets none anyway. So the deadline is the
 //! client's own: a statement, `BEGIN`, `COMMIT` or `ROLLBACK` whose reply does not come within
-//! [`crate::LockPolicy::reply_timeout`] fails with an error that reads as a lost connection.
+//! [`crate::LockPolicy::reply_timeout`] fails with an error that reads as a lost connection —
+//! freshlock's own statements and those the entity's hooks (`before_save`, `after_delete`, …)
+//! send on the write's transaction alike ([`Bounded`]); the bound is per round trip, so a hook
+//! may send several.
 //! Before a `COMMIT` that is transient (the section runs again on another connection); for a
 //! `COMMIT` it leaves the outcome in doubt, and the commit marker resolves it on another
 //! connection (see `commit.rs`), as after a cut. The section then ends and releases its lock, so
@@ -21,12 +24,16 @@
 //! release check waits on the same dead socket, so its pool slot stays taken until the OS gives
 //! up on the socket (TCP retransmissions, about 15 minutes when the peer is really gone). Size
 //! pools with headroom where partitions happen; and set the server's
-//! `idle_in_transaction_session_timeout` (PostgreSQL) or `wait_timeout` (MySQL) so that a
-//! transaction whose client vanished before its `COMMIT` does not keep its row locks.
+//! `idle_in_transaction_session_timeout` (PostgreSQL), `idle_transaction_timeout` (MariaDB) or
+//! `wait_timeout` (MySQL) so that a transaction whose client vanished before its `COMMIT` does
+//! not keep its row locks (the write's next attempt waits for them until then).
 
 use std::{future::Future, io, sync::Arc, time::Duration};
 
-use sea_orm::{DbErr, RuntimeErr, sqlx};
+use async_trait::async_trait;
+use sea_orm::{
+    ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, RuntimeErr, Statement, sqlx,
+};
 
 /// The bound used where no policy applies (claims): [`crate::LockPolicy`]'s default.
 pub(crate) const DEFAULT_REPLY: Duration = Duration::from_secs(10);
@@ -46,6 +53,53 @@ pub(crate) async fn within<T>(
     match tokio::time::timeout(bound, round_trip).await {
         Ok(result) => result,
         Err(_) => Err(no_reply(bound)),
+    }
+}
+
+/// A connection (a write's transaction) whose every round trip waits at most `bound`: what a
+/// write hands to the statements it does not send itself — the entity's hooks, a combined
+/// batch's, the generic insert and delete — so that none of them can wait on a silent partition
+/// with the key's lock held.
+pub(crate) struct Bounded<'c, C> {
+    on: &'c C,
+    bound: Duration,
+}
+
+impl<'c, C> Bounded<'c, C> {
+    /// `on`, each of its round trips bounded by `bound`.
+    pub(crate) fn new(on: &'c C, bound: Duration) -> Self {
+        Self { on, bound }
+    }
+}
+
+#[async_trait]
+impl<C: ConnectionTrait> ConnectionTrait for Bounded<'_, C> {
+    fn get_database_backend(&self) -> DbBackend {
+        self.on.get_database_backend()
+    }
+
+    async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        within(self.bound, self.on.execute_raw(stmt)).await
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        within(self.bound, self.on.execute_unprepared(sql)).await
+    }
+
+    async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        within(self.bound, self.on.query_one_raw(stmt)).await
+    }
+
+    async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        within(self.bound, self.on.query_all_raw(stmt)).await
+    }
+
+    fn support_returning(&self) -> bool {
+        self.on.support_returning()
+    }
+
+    fn is_mock_connection(&self) -> bool {
+        self.on.is_mock_connection()
     }
 }
 

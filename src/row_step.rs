@@ -16,7 +16,7 @@ use tracing::debug;
 use crate::{
     combine::{Batch, RoomKey},
     commit::{Evidence, Marker},
-    deadline::within,
+    deadline::{Bounded, within},
     decision::{Decision, Written},
     engine::{self, End, Fence, Step, Tried, Worked},
     error::{Error, Result, database},
@@ -96,7 +96,8 @@ where
         original: E::Model,
         draft: E::ActiveModel,
     ) -> Attempted<E> {
-        let mut draft = match write::before_save::<E, _>(draft, &txn, false).await {
+        let bounded = Bounded::new(&txn, self.reply());
+        let mut draft = match write::before_save::<E, _>(draft, &bounded, false).await {
             Ok(draft) => draft,
             Err(e) => return self.failed(txn, "running before_save for", e),
         };
@@ -114,7 +115,10 @@ where
         let excludes = lockings.iter().all(Locking::excludes_process);
         if let Some(room) = self.room.as_ref().filter(|_| excludes) {
             let batch = self.batch.get_or_insert_with(|| Batch::take(room));
-            match batch.serve(&txn, &original, &mut changes, &self.row).await {
+            match batch
+                .serve(&bounded, &original, &mut changes, &self.row)
+                .await
+            {
                 Ok(true) => {}
                 Ok(false) => return (txn, Worked::Undone(Tried::Uncounted)),
                 Err(e) => return self.failed(txn, "combining writes of", e),
@@ -182,14 +186,15 @@ where
             Err((write::Step::Evidence, e)) => return self.failed(txn, "marking the commit of", e),
             Err((write::Step::Update, e)) => return self.failed(txn, "writing", e),
         };
-        let reported = match write::after_save::<E, _>(stored.clone(), &txn, false).await {
+        let bounded = Bounded::new(&txn, self.reply());
+        let reported = match write::after_save::<E, _>(stored.clone(), &bounded, false).await {
             Ok(reported) => reported,
             Err(e) => return self.failed(txn, "running after_save for", e),
         };
         // Each served waiter that changed something gets its own `after_save`.
         let theirs = match self.batch.as_mut() {
             None => Vec::new(),
-            Some(batch) => match batch.after_saves(&stored, &txn, &self.row).await {
+            Some(batch) => match batch.after_saves(&stored, &bounded, &self.row).await {
                 Some(theirs) => theirs,
                 None => return (txn, Worked::Undone(Tried::Uncounted)),
             },
@@ -209,7 +214,8 @@ where
     /// overwrite anything, and a concurrent creator makes it fail on the key (a conflict: the
     /// next attempt finds the winner's row).
     async fn insert(&self, txn: DatabaseTransaction, draft: E::ActiveModel) -> Attempted<E> {
-        let worked = match write::insert_row::<E, _>(&txn, draft).await {
+        let inserted = write::insert_row::<E, _>(&Bounded::new(&txn, self.reply()), draft).await;
+        let worked = match inserted {
             Ok(Inserted::Stored { stored, reported }) => Worked::Write {
                 value: Written::Inserted(Arc::new(reported)),
                 evidence: None,
@@ -246,8 +252,9 @@ where
         }
         let expected = write::version_guard::<E>(self.session.version_of::<E>(), &original);
         let pk = self.row.pk();
+        let bounded = Bounded::new(&txn, self.reply());
         let deleted =
-            write::delete_row::<E, _>(&txn, &original, pk, &expected, marker.as_ref(), riding)
+            write::delete_row::<E, _>(&bounded, &original, pk, &expected, marker.as_ref(), riding)
                 .await;
         let held = matches!(deleted, Ok(Removed::Deleted | Removed::Refused));
         Locking::rode(lockings, held);

@@ -32,7 +32,7 @@ use sea_orm::{
 };
 
 use crate::{
-    deadline::within,
+    deadline::{Bounded, within},
     error::{Error, Result, database},
     identity_map::{Change, Key},
     outcome::{DeleteOutcome, SaveOutcome},
@@ -93,6 +93,11 @@ impl Tx {
     /// The bound on each reply of the database in this section (see `deadline.rs`).
     fn reply(&self) -> std::time::Duration {
         self.session.policy().reply_deadline()
+    }
+
+    /// The transaction, each round trip bounded by [`Self::reply`].
+    fn bounded(&self) -> Bounded<'_, DatabaseTransaction> {
+        Bounded::new(&self.txn, self.reply())
     }
 
     pub(crate) fn new(txn: DatabaseTransaction, session: Session) -> Self {
@@ -182,30 +187,30 @@ impl Tx {
     }
 }
 
+// Each statement waits at most the policy's reply bound (see `deadline.rs`).
 #[async_trait]
 impl ConnectionTrait for Tx {
     fn get_database_backend(&self) -> DbBackend {
         self.txn.get_database_backend()
     }
 
-    // Each statement waits at most the policy's reply bound (see `deadline.rs`).
     async fn execute_raw(&self, stmt: Statement) -> std::result::Result<ExecResult, DbErr> {
-        within(self.reply(), self.txn.execute_raw(stmt)).await
+        self.bounded().execute_raw(stmt).await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> std::result::Result<ExecResult, DbErr> {
-        within(self.reply(), self.txn.execute_unprepared(sql)).await
+        self.bounded().execute_unprepared(sql).await
     }
 
     async fn query_one_raw(
         &self,
         stmt: Statement,
     ) -> std::result::Result<Option<QueryResult>, DbErr> {
-        within(self.reply(), self.txn.query_one_raw(stmt)).await
+        self.bounded().query_one_raw(stmt).await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> std::result::Result<Vec<QueryResult>, DbErr> {
-        within(self.reply(), self.txn.query_all_raw(stmt)).await
+        self.bounded().query_all_raw(stmt).await
     }
 
     fn support_returning(&self) -> bool {
@@ -459,17 +464,16 @@ where
         let draft = keyed::<E>(init(), row.pk())?;
         let target = &row;
         let fail = |operation| move |e| database(operation, target, e);
-        let savepoint = self
-            .tx
-            .txn
-            .begin()
+        // Each round trip bounded, as every statement of the section (see `deadline.rs`).
+        let reply = self.tx.reply();
+        let savepoint = within(reply, self.tx.txn.begin())
             .await
             .map_err(fail("beginning a savepoint for"))?;
-        let (stored, reported) = match write::insert_row::<E, _>(&savepoint, draft).await {
+        let inserted = write::insert_row::<E, _>(&Bounded::new(&savepoint, reply), draft).await;
+        let (stored, reported) = match inserted {
             Ok(Inserted::Stored { stored, reported }) => (stored, reported),
             Ok(Inserted::Taken(_)) => {
-                savepoint
-                    .rollback()
+                within(reply, savepoint.rollback())
                     .await
                     .map_err(fail("rolling back a savepoint for"))?;
                 let found = self.load_row_locked(&row, ForUpdate::Wait).await?;
@@ -482,8 +486,7 @@ where
             }
             Err(failed) => return Err(database(failed.operation, &row, failed.error)),
         };
-        savepoint
-            .commit()
+        within(reply, savepoint.commit())
             .await
             .map_err(fail("releasing a savepoint for"))?;
         self.tx.seen(&row.key, &Arc::new(stored), true);

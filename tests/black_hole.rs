@@ -8,6 +8,11 @@
 //! 4 tasks × 40 increments of one row, every 25th `COMMIT` black-holed, each backend on
 //! PostgreSQL and MariaDB: acknowledged = the counter (± unknown), no call hangs, and no call
 //! waited out the lock policy's 30 s behind a frozen key.
+//!
+//! The same for the statements a locked write sends besides the reload and the `UPDATE`: a
+//! black-holed `DELETE` (`locked_delete`) and `INSERT` (`get_or_insert`, and a section's, whose
+//! INSERT runs in a savepoint) give up after the bound and run again, and every row is as
+//! acknowledged.
 
 mod common;
 #[path = "common/proxy.rs"]
@@ -24,7 +29,10 @@ use std::{
 };
 
 use entity::node;
-use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
+use freshlock::{
+    DeleteOutcome, Error, LockKind, LockPolicy, OnLockFailure, SectionOutcome, Session, lock_name,
+    section_work,
+};
 use proxy::{CutAfter, Proxy};
 use sea_orm::Set;
 use servers::{TestDb, databases};
@@ -35,6 +43,30 @@ const ROUNDS: u32 = 40;
 const REPLY: Duration = Duration::from_secs(1);
 /// The lock policy's wait: what a call behind a frozen key would wait out.
 const WAIT: Duration = Duration::from_secs(30);
+
+/// A pool's options through `proxy` to `db`, and its URL.
+fn through(proxy: &Proxy, db: &TestDb) -> (sea_orm::ConnectOptions, String) {
+    let url = proxy.url(&db.url);
+    let mut options = sea_orm::ConnectOptions::new(&url);
+    // Each black-holed connection keeps its pool slot (see the library's deadline docs).
+    options
+        .max_connections(16)
+        .acquire_timeout(Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = &db.schema {
+        options.set_schema_search_path(schema);
+    }
+    (options, url)
+}
+
+/// One try of the lock, waiting up to [`WAIT`]; each reply bounded by `reply`.
+fn policy(reply: Duration) -> LockPolicy {
+    LockPolicy::default()
+        .with_lock_tries(1)
+        .with_wait_per_try(WAIT)
+        .with_ttl(Duration::from_secs(30))
+        .with_reply_timeout(reply)
+}
 
 async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     let Some(db) = db else { return };
@@ -47,16 +79,7 @@ async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     };
     db.seed_nodes(1).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
-    let url = proxy.url(&db.url);
-    let mut options = sea_orm::ConnectOptions::new(&url);
-    // Each black-holed connection keeps its pool slot (see the library's deadline docs).
-    options
-        .max_connections(16)
-        .acquire_timeout(Duration::from_secs(30))
-        .sqlx_logging(false);
-    if let Some(schema) = &db.schema {
-        options.set_schema_search_path(schema);
-    }
+    let (options, url) = through(&proxy, &db);
     let proxied = sea_orm::Database::connect(options).await.unwrap();
     let backend = kind
         .connect(&proxied, &url, redis.as_deref())
@@ -72,16 +95,10 @@ async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     );
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
+            let policy = policy(REPLY).with_on_failure(OnLockFailure::Proceed);
             let session = Session::builder(proxied.clone())
                 .lock(Arc::clone(&backend))
-                .policy(
-                    LockPolicy::default()
-                        .with_lock_tries(1)
-                        .with_wait_per_try(WAIT)
-                        .with_ttl(Duration::from_secs(30))
-                        .with_on_failure(OnLockFailure::Proceed)
-                        .with_reply_timeout(REPLY),
-                )
+                .policy(policy)
                 .build()
                 .unwrap();
             let (acknowledged, unknown, slowest_ms) = (
@@ -146,6 +163,155 @@ async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     );
 }
 
+/// Rows written by the black-holed deletes and inserts.
+const ROWS: i32 = 24;
+/// Their reply bound: longer than the server's idle-transaction timeout below, so that the
+/// abandoned transaction is gone when the write runs again.
+const WRITE_REPLY: Duration = Duration::from_secs(2);
+
+/// A black-holed `DELETE` (`cut` = [`CutAfter::NodeDelete`], through `locked_delete`) or
+/// `INSERT` (`NodeInsert`, through `get_or_insert`), every 5th: the write's statement reached
+/// the server (which ran it, and holds its row locked in a transaction nobody ends) and no
+/// reply ever comes. The write's deadline gives up on it, the attempt runs again on another
+/// connection, and — once the server ended the abandoned transaction, as its idle-transaction
+/// timeout does (`idle_in_transaction_session_timeout`, MariaDB's `idle_transaction_timeout`:
+/// what `deadline.rs` tells users to set) — goes through. Every call is acknowledged within
+/// the bound, never after waiting out a frozen key, and the rows are exactly what was
+/// acknowledged: each deleted row gone, each inserted row there once.
+async fn black_holed_writes(db: Option<TestDb>, kind: LockKind, cut: CutAfter, in_section: bool) {
+    let Some(db) = db else { return };
+    let deleting = cut == CutAfter::NodeDelete;
+    if deleting {
+        db.seed_nodes(ROWS).await;
+    }
+    let proxy = Proxy::start(proxy::target(&db.url), cut).await;
+    let (mut options, url) = through(&proxy, &db);
+    // Every statement carries its text (no prepared-statement cache), so every write can be
+    // matched; the server ends a transaction left idle for a second.
+    #[cfg(feature = "postgres")]
+    options.map_sqlx_postgres_opts(|o| {
+        o.statement_cache_capacity(0)
+            .options([("idle_in_transaction_session_timeout", "1000")])
+    });
+    #[cfg(feature = "mysql")]
+    {
+        use sea_orm::sqlx::Executor;
+        options
+            .map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0))
+            .map_sqlx_mysql_pool_opts(|pool| {
+                pool.after_connect(|conn, _| {
+                    Box::pin(async move {
+                        conn.execute("SET SESSION idle_transaction_timeout = 1")
+                            .await
+                            .map(|_| ())
+                    })
+                })
+            });
+    }
+    let proxied = sea_orm::Database::connect(options).await.unwrap();
+    let backend = kind.connect(&proxied, &url, None).await.unwrap();
+    proxy.black_hole(true);
+    proxy.cut_every(5);
+
+    let slowest_ms = Arc::new(AtomicU32::new(0));
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let session = Session::builder(proxied.clone())
+                .lock(Arc::clone(&backend))
+                .policy(policy(WRITE_REPLY))
+                .build()
+                .unwrap();
+            let slowest_ms = Arc::clone(&slowest_ms);
+            tokio::spawn(async move {
+                let nodes = session.repository::<node::Entity>();
+                let mine = (1..=ROWS).filter(|id| id.rem_euclid(TASKS as i32) == task as i32);
+                for id in mine {
+                    let started = tokio::time::Instant::now();
+                    let hang = Duration::from_secs(25);
+                    if deleting {
+                        let report = tokio::time::timeout(hang, nodes.locked_delete(id))
+                            .await
+                            .expect("no delete hangs on a black-holed reply")
+                            .unwrap_or_else(|e| panic!("{kind}: delete {id} failed: {e:?}"));
+                        assert!(
+                            matches!(report.outcome, DeleteOutcome::Deleted(_)),
+                            "{kind}: {report:?}"
+                        );
+                        assert!(report.lock.held, "{kind}: {report:?}");
+                    } else if in_section {
+                        let key = lock_name::<node::Entity>(id).unwrap();
+                        let insert = section_work(move |tx| {
+                            Box::pin(async move {
+                                let nodes = tx.repository::<node::Entity>();
+                                Ok(nodes.get_or_insert(id, || node::ActiveModel::fresh(id)).await?)
+                            })
+                        });
+                        let report = tokio::time::timeout(
+                            hang,
+                            session.section([key]).run_retrying(insert),
+                        )
+                        .await
+                        .expect("no section hangs on a black-holed reply")
+                        .unwrap_or_else(|e| panic!("{kind}: insert {id} failed: {e:?}"));
+                        assert!(
+                            matches!(&report.outcome, SectionOutcome::Committed((m, true)) if m.id == id),
+                            "{kind}: {report:?}"
+                        );
+                    } else {
+                        let insert = nodes.get_or_insert(id, || node::ActiveModel::fresh(id));
+                        let (model, created) = tokio::time::timeout(hang, insert)
+                            .await
+                            .expect("no insert hangs on a black-holed reply")
+                            .unwrap_or_else(|e| panic!("{kind}: insert {id} failed: {e:?}"));
+                        assert!(created && model.id == id, "{kind}: {model:?} {created}");
+                    }
+                    let took = u32::try_from(started.elapsed().as_millis()).unwrap_or(u32::MAX);
+                    slowest_ms.fetch_max(took, Ordering::SeqCst);
+                }
+            })
+        })
+        .collect();
+    for task in tasks {
+        task.await.unwrap();
+    }
+    let mut left: Vec<i32> = db.all_nodes().await.into_iter().map(|n| n.id).collect();
+    left.sort_unstable();
+    let slowest = slowest_ms.load(Ordering::SeqCst);
+    eprintln!(
+        "{kind} {cut:?}: {} black-holed, rows left {}, slowest call {slowest} ms",
+        proxy.cuts(),
+        left.len()
+    );
+    assert!(proxy.cuts() >= 2, "the proxy black-holed writes");
+    if deleting {
+        assert_eq!(left, Vec::<i32>::new(), "{kind}: every acknowledged delete");
+    } else {
+        assert_eq!(
+            left,
+            (1..=ROWS).collect::<Vec<_>>(),
+            "{kind}: each insert once"
+        );
+    }
+    // Each black-holed write waited out its bound, not the lock policy's wait.
+    assert!(
+        u64::from(slowest) < WAIT.as_millis() as u64,
+        "{kind}: {slowest} ms"
+    );
+}
+
+async fn black_holed_deletes(db: Option<TestDb>, kind: LockKind) {
+    black_holed_writes(db, kind, CutAfter::NodeDelete, false).await;
+}
+
+async fn black_holed_inserts(db: Option<TestDb>, kind: LockKind) {
+    black_holed_writes(db, kind, CutAfter::NodeInsert, false).await;
+}
+
+/// A section's `get_or_insert` (its INSERT in a savepoint of the section's transaction).
+async fn black_holed_section_inserts(db: Option<TestDb>, kind: LockKind) {
+    black_holed_writes(db, kind, CutAfter::NodeInsert, true).await;
+}
+
 servers::server_tests! {
     black_hole_local_postgres: black_holed_commits, LockKind::Local, postgres;
     black_hole_row_postgres: black_holed_commits, LockKind::Row, postgres;
@@ -155,6 +321,14 @@ servers::server_tests! {
     black_hole_row_mysql: black_holed_commits, LockKind::Row, mysql;
     black_hole_table_mysql: black_holed_commits, LockKind::Table, mysql;
     black_hole_mysql_named_mysql: black_holed_commits, LockKind::MySqlNamed, mysql;
+    black_hole_delete_local_postgres: black_holed_deletes, LockKind::Local, postgres;
+    black_hole_delete_row_postgres: black_holed_deletes, LockKind::Row, postgres;
+    black_hole_delete_local_mysql: black_holed_deletes, LockKind::Local, mysql;
+    black_hole_delete_table_mysql: black_holed_deletes, LockKind::Table, mysql;
+    black_hole_insert_local_postgres: black_holed_inserts, LockKind::Local, postgres;
+    black_hole_insert_local_mysql: black_holed_inserts, LockKind::Local, mysql;
+    black_hole_section_insert_local_postgres: black_holed_section_inserts, LockKind::Local, postgres;
+    black_hole_section_insert_table_mysql: black_holed_section_inserts, LockKind::Table, mysql;
 }
 
 #[cfg(feature = "redis")]

@@ -29,26 +29,35 @@ pub enum CutAfter {
     /// never hears). A statement with parameters crosses in two exchanges (prepare, then
     /// execute): the cut follows the client's next message after the one naming the table.
     Grant,
+    /// A statement that deletes from the `node` table (with its statement cache off, every
+    /// execution carries the text).
+    NodeDelete,
+    /// A statement that inserts into the `node` table (same).
+    NodeInsert,
 }
 
 impl CutAfter {
     /// Whether `chunk` (client to server) holds the message: the `COMMIT` statement itself
-    /// (not `READ COMMITTED`: the word must end there), or a locking read.
+    /// (not `READ COMMITTED`: the word must end there), a locking read, or a write of `node`.
     fn matches(self, chunk: &[u8]) -> bool {
-        let pattern: &[u8] = match self {
-            Self::Commit => b"COMMIT",
-            Self::Reload => b"FOR UPDATE",
-            Self::Grant => b"freshlock_lock",
+        let patterns: &[&[u8]] = match self {
+            Self::Commit => &[b"COMMIT"],
+            Self::Reload => &[b"FOR UPDATE"],
+            Self::Grant => &[b"freshlock_lock"],
+            Self::NodeDelete => &[b"DELETE FROM \"node\"", b"DELETE FROM `node`"],
+            Self::NodeInsert => &[b"INSERT INTO \"node\"", b"INSERT INTO `node`"],
         };
-        chunk
-            .windows(pattern.len())
-            .enumerate()
-            .any(|(at, window)| {
-                window == pattern
-                    && chunk
-                        .get(at + pattern.len())
-                        .is_none_or(|next| !next.is_ascii_alphabetic())
-            })
+        patterns.iter().any(|pattern| {
+            chunk
+                .windows(pattern.len())
+                .enumerate()
+                .any(|(at, window)| {
+                    window == *pattern
+                        && chunk
+                            .get(at + pattern.len())
+                            .is_none_or(|next| !next.is_ascii_alphabetic())
+                })
+        })
     }
 }
 
@@ -230,11 +239,16 @@ async fn forward(
                 }
                 if cut && counters.hole.load(Ordering::SeqCst) {
                     counters.cuts.fetch_add(1, Ordering::SeqCst);
-                    // Both sockets stay open; whatever either side sends is swallowed.
+                    // Both sockets stay open; whatever either side sends is swallowed. The
+                    // server may end its side (its idle-transaction timeout): the client is not
+                    // told either, as behind a real partition.
+                    let mut server_open = true;
                     loop {
                         tokio::select! {
                             read = client.read(&mut up) => if read? == 0 { return Ok(()) },
-                            read = server.read(&mut down) => if read? == 0 { return Ok(()) },
+                            read = server.read(&mut down), if server_open => {
+                                server_open = matches!(read, Ok(n) if n > 0);
+                            }
                         }
                     }
                 }
