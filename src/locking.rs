@@ -304,7 +304,9 @@ impl Locking {
                     continue;
                 }
                 if let Err(failure) = locking.lock_in(&txn).await {
-                    let _ = txn.rollback().await;
+                    // Bounded too: after a lock statement without reply, so would its rollback
+                    // be (the connection is then dropped; the server ends the transaction).
+                    let _ = within(reply, txn.rollback()).await;
                     locking.unavailable(failure)?;
                     *skipped = true;
                     continue 'again;
@@ -419,8 +421,18 @@ impl Locking {
         let started = tokio::time::Instant::now();
         let locked = match self.backend.role() {
             LockRole::Transaction(lock) => {
-                lock.lock_in_transaction(txn, &self.report.name, self.wait)
-                    .await
+                // Its statements wait for the lock up to `wait` (MySQL/MariaDB count it in whole
+                // seconds, rounded up); a reply later than that by a reply's bound is not coming
+                // (`deadline.rs`): the backend failed, and the transaction is rolled back.
+                let bound = (self.wait + Duration::from_secs(1)).saturating_add(self.reply);
+                let locking = lock.lock_in_transaction(txn, &self.report.name, self.wait);
+                match tokio::time::timeout(bound, locking).await {
+                    Ok(locked) => locked,
+                    Err(_) => Err(LockError::Backend {
+                        backend: self.report.backend.as_str(),
+                        source: Box::new(crate::deadline::no_reply(bound)),
+                    }),
+                }
             }
             LockRole::Lease(_) => Ok(false),
         };

@@ -30,10 +30,11 @@ use std::{
 
 use entity::node;
 use freshlock::{
-    DeleteOutcome, Error, LockKind, LockPolicy, OnLockFailure, SectionOutcome, Session, lock_name,
-    section_work,
+    DeleteOutcome, Error, LockBackend, LockKind, LockPolicy, OnLockFailure, Repository,
+    SectionOutcome, Session, UpdateReport, lock_name, section_work,
 };
 use proxy::{CutAfter, Proxy};
+use sea_orm::DatabaseConnection;
 use sea_orm::Set;
 use servers::{TestDb, databases};
 
@@ -57,6 +58,67 @@ fn through(proxy: &Proxy, db: &TestDb) -> (sea_orm::ConnectOptions, String) {
         options.set_schema_search_path(schema);
     }
     (options, url)
+}
+
+/// `options` with no prepared-statement cache: every statement crosses with its text.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(unused_mut))]
+fn uncached(mut options: sea_orm::ConnectOptions) -> sea_orm::ConnectOptions {
+    #[cfg(feature = "postgres")]
+    options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0));
+    #[cfg(feature = "mysql")]
+    options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
+    options
+}
+
+/// `options` whose sessions the server ends once they sit in a transaction for a second (what
+/// `deadline.rs` tells users to set). Replaces [`uncached`]'s PostgreSQL setting: apply it after.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(unused_mut))]
+fn idle_transactions_end(mut options: sea_orm::ConnectOptions) -> sea_orm::ConnectOptions {
+    #[cfg(feature = "postgres")]
+    options.map_sqlx_postgres_opts(|o| {
+        o.statement_cache_capacity(0)
+            .options([("idle_in_transaction_session_timeout", "1000")])
+    });
+    #[cfg(feature = "mysql")]
+    options.map_sqlx_mysql_pool_opts(|pool| {
+        use sea_orm::sqlx::Executor;
+        pool.after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION idle_transaction_timeout = 1")
+                    .await
+                    .map(|_| ())
+            })
+        })
+    });
+    options
+}
+
+/// A session on `db` locking with `backend` under `policy`.
+fn session(db: &DatabaseConnection, backend: &Arc<dyn LockBackend>, policy: LockPolicy) -> Session {
+    Session::builder(db.clone())
+        .lock(Arc::clone(backend))
+        .policy(policy)
+        .build()
+        .unwrap()
+}
+
+/// `locked_update` adding 1 to row `id`'s score, which must be acknowledged as an update within
+/// 25 s (it never hangs).
+async fn increment(
+    nodes: &Repository<node::Entity>,
+    id: i32,
+    what: &str,
+) -> UpdateReport<node::Model> {
+    let call = nodes.locked_update(id, |n| {
+        n.score = Set(Some(n.score.as_ref().unwrap_or(0) + 1));
+        Ok(())
+    });
+    let report = tokio::time::timeout(Duration::from_secs(25), call)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: a call hung on a black-holed reply"))
+        .unwrap_or_else(|e| panic!("{what}: {e:?}"));
+    assert!(report.outcome.is_updated(), "{what}: {:?}", report.outcome);
+    report
 }
 
 /// One try of the lock, waiting up to [`WAIT`]; each reply bounded by `reply`.
@@ -96,11 +158,7 @@ async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
             let policy = policy(REPLY).with_on_failure(OnLockFailure::Proceed);
-            let session = Session::builder(proxied.clone())
-                .lock(Arc::clone(&backend))
-                .policy(policy)
-                .build()
-                .unwrap();
+            let session = session(&proxied, &backend, policy);
             let (acknowledged, unknown, slowest_ms) = (
                 Arc::clone(&acknowledged),
                 Arc::clone(&unknown),
@@ -185,29 +243,10 @@ async fn black_holed_writes(db: Option<TestDb>, kind: LockKind, cut: CutAfter, i
         db.seed_nodes(ROWS).await;
     }
     let proxy = Proxy::start(proxy::target(&db.url), cut).await;
-    let (mut options, url) = through(&proxy, &db);
+    let (options, url) = through(&proxy, &db);
     // Every statement carries its text (no prepared-statement cache), so every write can be
     // matched; the server ends a transaction left idle for a second.
-    #[cfg(feature = "postgres")]
-    options.map_sqlx_postgres_opts(|o| {
-        o.statement_cache_capacity(0)
-            .options([("idle_in_transaction_session_timeout", "1000")])
-    });
-    #[cfg(feature = "mysql")]
-    {
-        use sea_orm::sqlx::Executor;
-        options
-            .map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0))
-            .map_sqlx_mysql_pool_opts(|pool| {
-                pool.after_connect(|conn, _| {
-                    Box::pin(async move {
-                        conn.execute("SET SESSION idle_transaction_timeout = 1")
-                            .await
-                            .map(|_| ())
-                    })
-                })
-            });
-    }
+    let options = idle_transactions_end(uncached(options));
     let proxied = sea_orm::Database::connect(options).await.unwrap();
     let backend = kind.connect(&proxied, &url, None).await.unwrap();
     proxy.black_hole(true);
@@ -216,11 +255,7 @@ async fn black_holed_writes(db: Option<TestDb>, kind: LockKind, cut: CutAfter, i
     let slowest_ms = Arc::new(AtomicU32::new(0));
     let tasks: Vec<_> = (0..TASKS)
         .map(|task| {
-            let session = Session::builder(proxied.clone())
-                .lock(Arc::clone(&backend))
-                .policy(policy(WRITE_REPLY))
-                .build()
-                .unwrap();
+            let session = session(&proxied, &backend, policy(WRITE_REPLY));
             let slowest_ms = Arc::clone(&slowest_ms);
             tokio::spawn(async move {
                 let nodes = session.repository::<node::Entity>();
@@ -312,6 +347,135 @@ async fn black_holed_section_inserts(db: Option<TestDb>, kind: LockKind) {
     black_holed_writes(db, kind, CutAfter::NodeInsert, true).await;
 }
 
+/// `mysql_named` holds its lock on a connection of its own, outside the write's transaction: a
+/// grant (`GET_LOCK`) or a release (`RELEASE_LOCK`) whose reply never comes, once. The grant
+/// gives up after its wait and a reply's bound, the release after the bound; either closes its
+/// connection (so the server frees the names) and the call goes on — unlocked after a lost
+/// grant (`Proceed`), acknowledged with a release error after a lost release. No call hangs,
+/// every call is acknowledged, and the counter holds each acknowledged increment once.
+async fn black_holed_lock_connection(db: Option<TestDb>, cut: CutAfter) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), cut).await;
+    let (options, url) = through(&proxy, &db);
+    let proxied = sea_orm::Database::connect(options).await.unwrap();
+    let backend = LockKind::MySqlNamed
+        .connect(&proxied, &url, None)
+        .await
+        .unwrap();
+    proxy.black_hole(true);
+    proxy.cut_once();
+    const CALLS: u32 = 10;
+    let tasks: Vec<_> = (0..2)
+        .map(|_| {
+            // A try waits 2 s; a reply's bound is a third of the TTL (1 s).
+            let policy = LockPolicy::default()
+                .with_lock_tries(10)
+                .with_wait_per_try(Duration::from_secs(2))
+                .with_ttl(Duration::from_secs(3))
+                .with_on_failure(OnLockFailure::Proceed)
+                .with_reply_timeout(REPLY);
+            let session = session(&proxied, &backend, policy);
+            tokio::spawn(async move {
+                let nodes = session.repository::<node::Entity>();
+                let (mut unlocked, mut unreleased) = (0, 0);
+                for _ in 0..CALLS {
+                    let report = increment(&nodes, 1, "mysql_named").await;
+                    unlocked += u32::from(!report.lock.held);
+                    unreleased += u32::from(report.lock.release_error.is_some());
+                }
+                (unlocked, unreleased)
+            })
+        })
+        .collect();
+    let (mut unlocked, mut unreleased) = (0, 0);
+    for task in tasks {
+        let (u, r) = task.await.unwrap();
+        (unlocked, unreleased) = (unlocked + u, unreleased + r);
+    }
+    let counter = db.score(1).await.unwrap_or(0) as u32;
+    eprintln!(
+        "mysql_named {cut:?}: {} black-holed, {unlocked} calls unlocked, {unreleased} releases \
+         failed, counter {counter}",
+        proxy.cuts()
+    );
+    assert_eq!(
+        proxy.cuts(),
+        1,
+        "the proxy black-holed the lock's connection once"
+    );
+    assert_eq!(counter, 2 * CALLS, "every call acknowledged, each once");
+    match cut {
+        CutAfter::GetLock => assert!(unlocked >= 1, "the lost grant's call went on unlocked"),
+        _ => assert_eq!(unreleased, 1, "the lost release is reported"),
+    }
+}
+
+/// A transaction-scoped lock (`row`) taken by statements of its own — as it is the first time
+/// a name is used, before its lock row exists — whose lock-wait setting (sent before the lock
+/// statement, and on MySQL/MariaDB reset after it) gets no reply, every 5th: the lock gives up
+/// after its wait and a reply's bound, its transaction's rollback after a bound too, and the
+/// call goes on unlocked (`Proceed`). Every row gains exactly its one acknowledged increment.
+async fn black_holed_lock_statements(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    db.seed_nodes(ROWS).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::LockWait).await;
+    let (options, url) = through(&proxy, &db);
+    // Every statement carries its text: the PostgreSQL setting is a bound statement.
+    let options = uncached(options);
+    let proxied = sea_orm::Database::connect(options).await.unwrap();
+    let backend = kind.connect(&proxied, &url, None).await.unwrap();
+    proxy.black_hole(true);
+    proxy.cut_every(5);
+    let tasks: Vec<_> = (0..TASKS)
+        .map(|task| {
+            let policy = LockPolicy::default()
+                .with_lock_tries(1)
+                .with_wait_per_try(Duration::from_secs(2))
+                .with_on_failure(OnLockFailure::Proceed)
+                .with_reply_timeout(REPLY);
+            let session = session(&proxied, &backend, policy);
+            tokio::spawn(async move {
+                let nodes = session.repository::<node::Entity>();
+                let mut unlocked = 0;
+                let mine = (1..=ROWS).filter(|id| id.rem_euclid(TASKS as i32) == task as i32);
+                for id in mine {
+                    let report = increment(&nodes, id, kind.as_str()).await;
+                    unlocked += u32::from(!report.lock.held);
+                }
+                unlocked
+            })
+        })
+        .collect();
+    let mut unlocked = 0;
+    for task in tasks {
+        unlocked += task.await.unwrap();
+    }
+    let scores: Vec<_> = db.all_nodes().await.into_iter().map(|n| n.score).collect();
+    eprintln!(
+        "{kind} lock statements: {} black-holed, {unlocked} calls unlocked",
+        proxy.cuts()
+    );
+    assert!(proxy.cuts() >= 2, "the proxy black-holed lock statements");
+    assert!(
+        unlocked >= 1,
+        "a call whose lock got no reply went on unlocked"
+    );
+    assert_eq!(scores.len(), ROWS as usize);
+    assert!(
+        scores.iter().all(|score| *score == Some(1)),
+        "{kind}: each row gained its one acknowledged increment: {scores:?}"
+    );
+}
+
+async fn black_holed_grants(db: Option<TestDb>, _kind: LockKind) {
+    black_holed_lock_connection(db, CutAfter::GetLock).await;
+}
+
+async fn black_holed_releases(db: Option<TestDb>, _kind: LockKind) {
+    black_holed_lock_connection(db, CutAfter::ReleaseLock).await;
+}
+
 servers::server_tests! {
     black_hole_local_postgres: black_holed_commits, LockKind::Local, postgres;
     black_hole_row_postgres: black_holed_commits, LockKind::Row, postgres;
@@ -329,6 +493,10 @@ servers::server_tests! {
     black_hole_insert_local_mysql: black_holed_inserts, LockKind::Local, mysql;
     black_hole_section_insert_local_postgres: black_holed_section_inserts, LockKind::Local, postgres;
     black_hole_section_insert_table_mysql: black_holed_section_inserts, LockKind::Table, mysql;
+    black_hole_lock_statement_row_postgres: black_holed_lock_statements, LockKind::Row, postgres;
+    black_hole_lock_statement_row_mysql: black_holed_lock_statements, LockKind::Row, mysql;
+    black_hole_grant_mysql_named_mysql: black_holed_grants, LockKind::MySqlNamed, mysql;
+    black_hole_release_mysql_named_mysql: black_holed_releases, LockKind::MySqlNamed, mysql;
 }
 
 #[cfg(feature = "redis")]

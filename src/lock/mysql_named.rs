@@ -23,6 +23,7 @@ use super::{
 };
 use crate::{
     db_error::{Failure, classify},
+    deadline::reply_bound,
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
@@ -104,7 +105,7 @@ impl LeaseLock for MySqlNamedLock {
         &self,
         name: &LockName,
         wait: Duration,
-        _ttl: Duration,
+        ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
         let server_name = name.bounded(MAX_NAME, true).into_owned();
         let fence_name = name.bounded(MAX_STORED_NAME, false).into_owned();
@@ -113,18 +114,28 @@ impl LeaseLock for MySqlNamedLock {
         // Every connection the pool holds now may have died while it idled (a server restart,
         // `wait_timeout`): one more try than there are, each on another connection.
         let tries = pool.size() + 1;
+        let reply = reply_bound(ttl);
         let started = tokio::time::Instant::now();
         let mut tried = 0;
         let (mut conn, granted) = loop {
             tried += 1;
             let mut conn = pool.acquire().await.map_err(Self::fail)?;
+            let waits = wait.saturating_sub(started.elapsed());
             let grant = sea_orm::sqlx::raw_sql(sea_orm::sqlx::AssertSqlSafe(grant(
                 &server_name,
-                wait.saturating_sub(started.elapsed()),
+                waits,
                 &token,
                 &fence_name,
             )));
-            match grant.fetch_all(&mut *conn).await {
+            // `GET_LOCK` answers within its wait; a reply later than that by more than a reply's
+            // bound is not coming (a silent partition, see `deadline.rs`). Closing the
+            // connection then makes the server release whatever it granted, once it notices.
+            let bound = waits.saturating_add(reply);
+            let Ok(replied) = tokio::time::timeout(bound, grant.fetch_all(&mut *conn)).await else {
+                conn.close_on_drop();
+                return Err(Self::fail(no_reply_io(bound)));
+            };
+            match replied {
                 // The variables are the last row (the fence row, when read, comes before).
                 Ok(rows) => {
                     let granted = rows.last().map(|row| {
@@ -153,6 +164,7 @@ impl LeaseLock for MySqlNamedLock {
             Some((Ok(Some(0)), _)) => Ok(None),
             Some((Ok(Some(2)), Ok(Some(owner)))) => Ok(Some(Box::new(MySqlNamedGuard {
                 conn: Some(conn),
+                reply,
                 server_name,
                 token,
                 owner,
@@ -169,6 +181,14 @@ impl LeaseLock for MySqlNamedLock {
             }
         }
     }
+}
+
+/// The error of a reply on a lock connection that did not come within `bound`.
+fn no_reply_io(bound: Duration) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("no reply from the database within {bound:?}; the lock's connection is closed"),
+    )
 }
 
 /// A name no other grant ever takes: the second named lock of a grant, held on the same
@@ -282,6 +302,8 @@ fn utf8_literal(text: &str) -> String {
 #[derive(Debug)]
 struct MySqlNamedGuard {
     conn: Option<PoolConnection<MySql>>,
+    /// The bound on each reply on `conn` (see `deadline.rs`).
+    reply: Duration,
     server_name: String,
     /// The grant's second named lock (see [`token`]).
     token: String,
@@ -307,10 +329,20 @@ impl LockGuard for MySqlNamedGuard {
             let deleted = sea_orm::sqlx::query(RETIRE)
                 .bind(&self.fence_name)
                 .bind(i64::try_from(self.fence.load(Ordering::SeqCst)).unwrap_or(i64::MAX))
-                .execute(&mut **conn)
-                .await;
-            if let Err(error) = deleted {
-                warn!(lock = %self.server_name, %error, "deleting the fence row of a missing key failed");
+                .execute(&mut **conn);
+            match tokio::time::timeout(self.reply, deleted).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    warn!(lock = %self.server_name, %error, "deleting the fence row of a missing key failed");
+                }
+                Err(_) => {
+                    // No reply: the connection is closed (its locks with it), not released.
+                    let error = no_reply_io(self.reply);
+                    if let Some(mut conn) = self.conn.take() {
+                        conn.close_on_drop();
+                    }
+                    return Err(MySqlNamedLock::fail(error));
+                }
             }
         }
         self.release().await
@@ -320,18 +352,24 @@ impl LockGuard for MySqlNamedGuard {
         let Some(mut conn) = self.conn.take() else {
             return Ok(());
         };
-        let released: Result<Option<i64>, _> =
-            sea_orm::sqlx::query_scalar("SELECT RELEASE_LOCK(?), RELEASE_LOCK(?)")
-                .bind(&self.server_name)
-                .bind(&self.token)
-                .fetch_one(&mut *conn)
-                .await;
-        match released {
+        let released = sea_orm::sqlx::query_scalar::<_, Option<i64>>(
+            "SELECT RELEASE_LOCK(?), RELEASE_LOCK(?)",
+        )
+        .bind(&self.server_name)
+        .bind(&self.token)
+        .fetch_one(&mut *conn);
+        match tokio::time::timeout(self.reply, released).await {
             // Back to the pool only when the server says the lock is gone.
-            Ok(_) => Ok(()),
-            Err(e) => {
+            Ok(Ok(_)) => Ok(()),
+            Ok(Err(e)) => {
                 conn.close_on_drop();
                 Err(MySqlNamedLock::fail(e))
+            }
+            // No reply within the bound (a silent partition): closing the connection makes the
+            // server release both locks once it notices; the call does not wait for that.
+            Err(_) => {
+                conn.close_on_drop();
+                Err(MySqlNamedLock::fail(no_reply_io(self.reply)))
             }
         }
     }

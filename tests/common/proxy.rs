@@ -34,11 +34,19 @@ pub enum CutAfter {
     NodeDelete,
     /// A statement that inserts into the `node` table (same).
     NodeInsert,
+    /// A lock wait set for a transaction-scoped lock's statements (PostgreSQL `lock_timeout`,
+    /// MySQL/MariaDB `innodb_lock_wait_timeout`).
+    LockWait,
+    /// A `mysql_named` grant (`GET_LOCK`, a text query: every grant carries it).
+    GetLock,
+    /// A `mysql_named` release (`RELEASE_LOCK`; prepared, so its text crosses once per
+    /// connection: in its prepare).
+    ReleaseLock,
 }
 
 impl CutAfter {
     /// Whether `chunk` (client to server) holds the message: the `COMMIT` statement itself
-    /// (not `READ COMMITTED`: the word must end there), a locking read, or a write of `node`.
+    /// (not `READ COMMITTED`: the word must end there), a locking read, a write of `node`, or a named lock's grant or release.
     fn matches(self, chunk: &[u8]) -> bool {
         let patterns: &[&[u8]] = match self {
             Self::Commit => &[b"COMMIT"],
@@ -46,6 +54,9 @@ impl CutAfter {
             Self::Grant => &[b"freshlock_lock"],
             Self::NodeDelete => &[b"DELETE FROM \"node\"", b"DELETE FROM `node`"],
             Self::NodeInsert => &[b"INSERT INTO \"node\"", b"INSERT INTO `node`"],
+            Self::LockWait => &[b"'lock_timeout'", b"innodb_lock_wait_timeout"],
+            Self::GetLock => &[b"GET_LOCK"],
+            Self::ReleaseLock => &[b"RELEASE_LOCK"],
         };
         patterns.iter().any(|pattern| {
             chunk
