@@ -28,8 +28,8 @@ use sea_orm::{
 };
 
 use crate::{
-    commit::commit_write,
-    deadline::DEFAULT_REPLY,
+    commit::{commit_write, rollback_after},
+    deadline::{Bounded, DEFAULT_REPLY, within},
     error::{ApplyError, Error, Result},
     lock::{
         LockName, holder,
@@ -132,7 +132,8 @@ impl Claims {
 
     /// Claims `key` for `lease`, unless it is done or claimed by a live claim. One short
     /// transaction (one statement in it, two or three on MySQL, plus the commit marker); no
-    /// transaction stays open.
+    /// transaction stays open. Each round trip waits at most 10 s: one whose reply never comes
+    /// (a silent partition) fails the call as transient, as a lost connection does.
     ///
     /// # Errors
     /// - [`Error::InvalidLease`] when `lease` is shorter than a millisecond (the lease would have
@@ -153,15 +154,13 @@ impl Claims {
         let (txn, taken) = loop {
             tries += 1;
             let txn = self.begin().await.map_err(fail)?;
-            match self.take(&txn, &name, &token, lease).await {
+            match self.take(&bounded(&txn), &name, &token, lease).await {
                 Ok(taken) => break (txn, taken),
                 // Two claimants of one new key can still deadlock on InnoDB; nothing was
                 // written, so the claim is simply tried again.
-                Err(e) if tries < 5 && e.is_deadlock() => {
-                    let _ = txn.rollback().await;
-                }
+                Err(e) if tries < 5 && e.is_deadlock() => rollback(txn).await,
                 Err(e) => {
-                    let _ = txn.rollback().await;
+                    rollback_after(txn, DEFAULT_REPLY, &e).await;
                     return Err(e);
                 }
             }
@@ -176,14 +175,18 @@ impl Claims {
         }
         let backend = txn.get_database_backend();
         let read = format!("SELECT state FROM {CLAIM_TABLE} WHERE name = ?");
-        let row = txn
+        let row = bounded(&txn)
             .query_one_raw(statement(backend, &read, vec![name.clone().into()]))
             .await;
-        // Nothing was written: end the transaction either way.
-        let _ = txn.rollback().await;
         let state = row
             .and_then(|row| row.map(|r| r.try_get::<String>("", "state")).transpose())
-            .map_err(fail)?;
+            .map_err(fail);
+        // Nothing was written: end the transaction either way.
+        match &state {
+            Ok(_) => rollback(txn).await,
+            Err(e) => rollback_after(txn, DEFAULT_REPLY, e).await,
+        }
+        let state = state?;
         Ok(match state.as_deref() {
             Some("done") => ClaimOutcome::Done,
             _ => ClaimOutcome::Busy,
@@ -211,7 +214,7 @@ impl Claims {
     /// returned: the caller rolls back and tries again).
     async fn take(
         &self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         name: &str,
         token: &str,
         lease: Duration,
@@ -240,10 +243,10 @@ impl Claims {
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;
-        let outcome = match mark_done(&txn, claim).await {
+        let outcome = match mark_done(&bounded(&txn), claim).await {
             Ok(outcome) => outcome,
             Err(e) => {
-                let _ = txn.rollback().await;
+                rollback_after(txn, DEFAULT_REPLY, &e).await;
                 return Err(e);
             }
         };
@@ -259,7 +262,7 @@ impl Claims {
         name: &str,
     ) -> Result<FinishOutcome> {
         if outcome == FinishOutcome::Stale {
-            let _ = txn.rollback().await;
+            rollback(txn).await;
             return Ok(outcome);
         }
         commit_write(txn, self.markers, &self.db, name, DEFAULT_REPLY).await?;
@@ -284,17 +287,17 @@ impl Claims {
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;
-        let outcome = match mark_done(&txn, claim).await {
+        let outcome = match mark_done(&bounded(&txn), claim).await {
             Ok(outcome) => outcome,
             Err(e) => {
-                let _ = txn.rollback().await;
+                rollback_after(txn, DEFAULT_REPLY, &e).await;
                 return Err(e);
             }
         };
         if outcome == FinishOutcome::Finished
             && let Err(source) = also(&txn).await
         {
-            let _ = txn.rollback().await;
+            rollback(txn).await;
             return Err(Error::FinishAborted {
                 claim: claim.name.clone(),
                 source: source.into_inner(),
@@ -304,7 +307,20 @@ impl Claims {
     }
 }
 
-async fn mark_done(txn: &DatabaseTransaction, claim: &Claim) -> Result<FinishOutcome> {
+/// A claim's transaction, each of its round trips bounded by [`DEFAULT_REPLY`] (see
+/// `deadline.rs`): a statement whose reply does not come fails as a lost connection (transient:
+/// nothing was committed) instead of waiting on a silent partition.
+fn bounded(txn: &DatabaseTransaction) -> Bounded<'_, DatabaseTransaction> {
+    Bounded::new(txn, DEFAULT_REPLY)
+}
+
+/// Ends a claim's transaction that wrote nothing to keep: its rollback bounded as its
+/// statements are (without a reply the connection is dropped; the server ends the transaction).
+async fn rollback(txn: DatabaseTransaction) {
+    let _ = within(DEFAULT_REPLY, txn.rollback()).await;
+}
+
+async fn mark_done(txn: &impl ConnectionTrait, claim: &Claim) -> Result<FinishOutcome> {
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let sql = format!(

@@ -62,7 +62,7 @@ use sea_orm::{
     ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
     sea_query::{ExprTrait, Query},
 };
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::{
     db_error::{classify, in_doubt},
@@ -488,6 +488,18 @@ pub(crate) async fn commit_write(
         }
     };
     commit(txn, &evidence, db, target, reply).await
+}
+
+/// Ends `txn` after `error`: rolled back as [`rollback`] does, or — when `error` is a reply
+/// that never came — dropped at once (which queues the rollback on its connection): a second
+/// round trip on a connection gone silent would only wait out another bound.
+pub(crate) async fn rollback_after(txn: DatabaseTransaction, reply: Duration, error: &Error) {
+    if error.is_no_reply() {
+        debug!("no reply on the transaction's connection: dropped, not rolled back");
+        drop(txn);
+    } else {
+        rollback(txn, reply).await;
+    }
 }
 
 /// Rolls `txn` back, waiting at most `reply` (a connection whose reply does not come is dropped,

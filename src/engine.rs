@@ -330,7 +330,10 @@ async fn attempt<S: Step>(
     let (txn, worked) = step.run(txn, lockings).await;
     let (value, ended, effects) = match worked {
         Worked::Undone(tried) => {
-            commit::rollback(txn, reply).await;
+            match &tried {
+                Tried::Failed { error, .. } => commit::rollback_after(txn, reply, error).await,
+                _ => commit::rollback(txn, reply).await,
+            }
             return Ok(tried);
         }
         Worked::Kept {

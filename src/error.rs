@@ -207,12 +207,27 @@ impl Error {
         }
     }
 
+    /// Whether a round trip got no reply within its deadline (`deadline.rs`): its connection
+    /// is gone silent, and nothing more is to be sent on it, a rollback included.
+    pub(crate) fn is_no_reply(&self) -> bool {
+        match self {
+            Self::Database { source, .. } => no_reply(source),
+            Self::Lock { source, .. } => source.is_no_reply(),
+            _ => false,
+        }
+    }
+
     /// Whether the database broke a deadlock by failing this statement.
     pub(crate) fn is_deadlock(&self) -> bool {
         matches!(self, Self::Database { source, .. } if source
             .downcast_ref::<sea_orm::DbErr>()
             .is_some_and(|e| crate::db_error::classify(e) == crate::db_error::Failure::Deadlock))
     }
+}
+
+/// Whether `source` is a round trip cut by its deadline (see `deadline.rs`).
+fn no_reply(source: &BoxError) -> bool {
+    (source.downcast_ref::<sea_orm::DbErr>()).is_some_and(crate::deadline::is_no_reply)
 }
 
 /// What went wrong in a lock backend.
@@ -362,6 +377,12 @@ pub(crate) fn pooler_clash(operation: &str, target: &str, source: BoxError) -> E
 }
 
 impl LockError {
+    /// Whether the backend's statement got no reply within its deadline (its connection is
+    /// gone silent: nothing more is to be sent on it).
+    pub(crate) fn is_no_reply(&self) -> bool {
+        matches!(self, Self::Backend { source, .. } if no_reply(source))
+    }
+
     /// Whether the backend failed because a statement met another client's prepared statement
     /// behind a transaction pooler: a misconfiguration, never a busy lock.
     pub(crate) fn is_pooler_clash(&self) -> bool {

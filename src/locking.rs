@@ -304,9 +304,13 @@ impl Locking {
                     continue;
                 }
                 if let Err(failure) = locking.lock_in(&txn).await {
-                    // Bounded too: after a lock statement without reply, so would its rollback
-                    // be (the connection is then dropped; the server ends the transaction).
-                    let _ = within(reply, txn.rollback()).await;
+                    // A lock statement without reply leaves its connection silent: dropped
+                    // then (which queues the rollback), else rolled back within the bound.
+                    if failure.as_ref().is_some_and(LockError::is_no_reply) {
+                        drop(txn);
+                    } else {
+                        let _ = within(reply, txn.rollback()).await;
+                    }
                     locking.unavailable(failure)?;
                     *skipped = true;
                     continue 'again;

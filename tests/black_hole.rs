@@ -30,8 +30,9 @@ use std::{
 
 use entity::node;
 use freshlock::{
-    DeleteOutcome, Error, LockBackend, LockKind, LockPolicy, OnLockFailure, Repository,
-    SectionOutcome, Session, UpdateReport, lock_name, section_work,
+    ClaimOutcome, Claims, DeleteOutcome, Error, FinishOutcome, LockBackend, LockKind, LockName,
+    LockPolicy, OnLockFailure, Repository, SectionOutcome, Session, UpdateReport, lock_name,
+    section_work,
 };
 use proxy::{CutAfter, Proxy};
 use sea_orm::DatabaseConnection;
@@ -468,6 +469,60 @@ async fn black_holed_lock_statements(db: Option<TestDb>, kind: LockKind) {
     );
 }
 
+/// A claim's statement, then a finish's, whose reply never comes: each call fails within the
+/// claims' 10 s bound as transient (nothing was committed), the server ends the abandoned
+/// transaction (its idle-transaction timeout), and the call made again claims, then finishes:
+/// one claim, done once.
+async fn black_holed_claims(db: Option<TestDb>, _kind: LockKind) {
+    let Some(db) = db else { return };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Claim).await;
+    let (options, _) = through(&proxy, &db);
+    let proxied = sea_orm::Database::connect(idle_transactions_end(uncached(options)))
+        .await
+        .unwrap();
+    let claims = Claims::new(proxied);
+    let key = LockName::new("ham:7").unwrap();
+    let hang = Duration::from_secs(25);
+    proxy.black_hole(true);
+    proxy.cut_once();
+    let lost = tokio::time::timeout(hang, claims.claim(&key, Duration::from_secs(60)))
+        .await
+        .expect("no claim hangs on a black-holed reply");
+    assert!(
+        matches!(&lost, Err(e) if e.is_transient()),
+        "a claim without reply is transient: {lost:?}"
+    );
+    let claimed = tokio::time::timeout(hang, claims.claim(&key, Duration::from_secs(60)))
+        .await
+        .expect("the claim made again does not hang")
+        .unwrap();
+    let ClaimOutcome::Claimed(claim) = claimed else {
+        panic!("the claim made again claims: {claimed:?}");
+    };
+    proxy.cut_once();
+    let lost = tokio::time::timeout(hang, claims.finish(&claim))
+        .await
+        .expect("no finish hangs on a black-holed reply");
+    assert!(
+        matches!(&lost, Err(e) if e.is_transient()),
+        "a finish without reply is transient: {lost:?}"
+    );
+    let finished = tokio::time::timeout(hang, claims.finish(&claim))
+        .await
+        .expect("the finish made again does not hang")
+        .unwrap();
+    assert_eq!(finished, FinishOutcome::Finished);
+    assert_eq!(proxy.cuts(), 2);
+    let row = db
+        .query_one("SELECT COUNT(*) AS n, MIN(state) AS state FROM freshlock_claim")
+        .await;
+    let (rows, state) = (
+        row.try_get::<i64>("", "n").unwrap(),
+        row.try_get::<String>("", "state").unwrap(),
+    );
+    assert_eq!((rows, state.as_str()), (1, "done"));
+}
+
 async fn black_holed_grants(db: Option<TestDb>, _kind: LockKind) {
     black_holed_lock_connection(db, CutAfter::GetLock).await;
 }
@@ -495,6 +550,8 @@ servers::server_tests! {
     black_hole_section_insert_table_mysql: black_holed_section_inserts, LockKind::Table, mysql;
     black_hole_lock_statement_row_postgres: black_holed_lock_statements, LockKind::Row, postgres;
     black_hole_lock_statement_row_mysql: black_holed_lock_statements, LockKind::Row, mysql;
+    black_hole_claims_postgres: black_holed_claims, LockKind::Local, postgres;
+    black_hole_claims_mysql: black_holed_claims, LockKind::Local, mysql;
     black_hole_grant_mysql_named_mysql: black_holed_grants, LockKind::MySqlNamed, mysql;
     black_hole_release_mysql_named_mysql: black_holed_releases, LockKind::MySqlNamed, mysql;
 }

@@ -37,6 +37,8 @@ pub enum CutAfter {
     /// A lock wait set for a transaction-scoped lock's statements (PostgreSQL `lock_timeout`,
     /// MySQL/MariaDB `innodb_lock_wait_timeout`).
     LockWait,
+    /// A statement on the claims' table (`freshlock_claim`).
+    Claim,
     /// A `mysql_named` grant (`GET_LOCK`, a text query: every grant carries it).
     GetLock,
     /// A `mysql_named` release (`RELEASE_LOCK`; prepared, so its text crosses once per
@@ -46,7 +48,7 @@ pub enum CutAfter {
 
 impl CutAfter {
     /// Whether `chunk` (client to server) holds the message: the `COMMIT` statement itself
-    /// (not `READ COMMITTED`: the word must end there), a locking read, a write of `node`, or a named lock's grant or release.
+    /// (not `READ COMMITTED`: the word must end there), a locking read, a write of `node`, a claim's statement, or a named lock's grant or release.
     fn matches(self, chunk: &[u8]) -> bool {
         let patterns: &[&[u8]] = match self {
             Self::Commit => &[b"COMMIT"],
@@ -55,6 +57,7 @@ impl CutAfter {
             Self::NodeDelete => &[b"DELETE FROM \"node\"", b"DELETE FROM `node`"],
             Self::NodeInsert => &[b"INSERT INTO \"node\"", b"INSERT INTO `node`"],
             Self::LockWait => &[b"'lock_timeout'", b"innodb_lock_wait_timeout"],
+            Self::Claim => &[b"freshlock_claim"],
             Self::GetLock => &[b"GET_LOCK"],
             Self::ReleaseLock => &[b"RELEASE_LOCK"],
         };
