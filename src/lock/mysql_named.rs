@@ -133,7 +133,7 @@ impl LeaseLock for MySqlNamedLock {
             let bound = waits.saturating_add(reply);
             let Ok(replied) = tokio::time::timeout(bound, grant.fetch_all(&mut *conn)).await else {
                 conn.close_on_drop();
-                return Err(Self::fail(no_reply_io(bound)));
+                return Err(no_reply(bound));
             };
             match replied {
                 // The variables are the last row (the fence row, when read, comes before).
@@ -183,12 +183,10 @@ impl LeaseLock for MySqlNamedLock {
     }
 }
 
-/// The error of a reply on a lock connection that did not come within `bound`.
-fn no_reply_io(bound: Duration) -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::TimedOut,
-        format!("no reply from the database within {bound:?}; the lock's connection is closed"),
-    )
+/// A reply on a lock connection that did not come within `bound`: read as a lost connection
+/// (see `deadline.rs`).
+fn no_reply(bound: Duration) -> LockError {
+    lock_error(KIND, LOCK_TABLE, crate::deadline::no_reply(bound))
 }
 
 /// A name no other grant ever takes: the second named lock of a grant, held on the same
@@ -337,11 +335,10 @@ impl LockGuard for MySqlNamedGuard {
                 }
                 Err(_) => {
                     // No reply: the connection is closed (its locks with it), not released.
-                    let error = no_reply_io(self.reply);
                     if let Some(mut conn) = self.conn.take() {
                         conn.close_on_drop();
                     }
-                    return Err(MySqlNamedLock::fail(error));
+                    return Err(no_reply(self.reply));
                 }
             }
         }
@@ -369,7 +366,7 @@ impl LockGuard for MySqlNamedGuard {
             // server release both locks once it notices; the call does not wait for that.
             Err(_) => {
                 conn.close_on_drop();
-                Err(MySqlNamedLock::fail(no_reply_io(self.reply)))
+                Err(no_reply(self.reply))
             }
         }
     }
