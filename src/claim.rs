@@ -28,8 +28,8 @@ use sea_orm::{
 };
 
 use crate::{
-    commit::{commit_write, rollback_after},
-    deadline::{Bounded, DEFAULT_REPLY, within},
+    commit::{commit_write, rollback, rollback_after},
+    deadline::{Bounded, DEFAULT_REPLY},
     error::{ApplyError, Error, Result},
     lock::{
         LockName, holder,
@@ -158,9 +158,9 @@ impl Claims {
                 Ok(taken) => break (txn, taken),
                 // Two claimants of one new key can still deadlock on InnoDB; nothing was
                 // written, so the claim is simply tried again.
-                Err(e) if tries < 5 && e.is_deadlock() => rollback(txn).await,
+                Err(e) if tries < 5 && e.is_deadlock() => rollback(txn, DEFAULT_REPLY).await,
                 Err(e) => {
-                    rollback_after(txn, DEFAULT_REPLY, &e).await;
+                    rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await;
                     return Err(e);
                 }
             }
@@ -183,8 +183,8 @@ impl Claims {
             .map_err(fail);
         // Nothing was written: end the transaction either way.
         match &state {
-            Ok(_) => rollback(txn).await,
-            Err(e) => rollback_after(txn, DEFAULT_REPLY, e).await,
+            Ok(_) => rollback(txn, DEFAULT_REPLY).await,
+            Err(e) => rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await,
         }
         let state = state?;
         Ok(match state.as_deref() {
@@ -246,7 +246,7 @@ impl Claims {
         let outcome = match mark_done(&bounded(&txn), claim).await {
             Ok(outcome) => outcome,
             Err(e) => {
-                rollback_after(txn, DEFAULT_REPLY, &e).await;
+                rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await;
                 return Err(e);
             }
         };
@@ -262,7 +262,7 @@ impl Claims {
         name: &str,
     ) -> Result<FinishOutcome> {
         if outcome == FinishOutcome::Stale {
-            rollback(txn).await;
+            rollback(txn, DEFAULT_REPLY).await;
             return Ok(outcome);
         }
         commit_write(txn, self.markers, &self.db, name, DEFAULT_REPLY).await?;
@@ -290,14 +290,14 @@ impl Claims {
         let outcome = match mark_done(&bounded(&txn), claim).await {
             Ok(outcome) => outcome,
             Err(e) => {
-                rollback_after(txn, DEFAULT_REPLY, &e).await;
+                rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await;
                 return Err(e);
             }
         };
         if outcome == FinishOutcome::Finished
             && let Err(source) = also(&txn).await
         {
-            rollback(txn).await;
+            rollback(txn, DEFAULT_REPLY).await;
             return Err(Error::FinishAborted {
                 claim: claim.name.clone(),
                 source: source.into_inner(),
@@ -312,12 +312,6 @@ impl Claims {
 /// nothing was committed) instead of waiting on a silent partition.
 fn bounded(txn: &DatabaseTransaction) -> Bounded<'_, DatabaseTransaction> {
     Bounded::new(txn, DEFAULT_REPLY)
-}
-
-/// Ends a claim's transaction that wrote nothing to keep: its rollback bounded as its
-/// statements are (without a reply the connection is dropped; the server ends the transaction).
-async fn rollback(txn: DatabaseTransaction) {
-    let _ = within(DEFAULT_REPLY, txn.rollback()).await;
 }
 
 async fn mark_done(txn: &impl ConnectionTrait, claim: &Claim) -> Result<FinishOutcome> {

@@ -490,11 +490,12 @@ pub(crate) async fn commit_write(
     commit(txn, &evidence, db, target, reply).await
 }
 
-/// Ends `txn` after `error`: rolled back as [`rollback`] does, or — when `error` is a reply
-/// that never came — dropped at once (which queues the rollback on its connection): a second
-/// round trip on a connection gone silent would only wait out another bound.
-pub(crate) async fn rollback_after(txn: DatabaseTransaction, reply: Duration, error: &Error) {
-    if error.is_no_reply() {
+/// Ends `txn` after a failure: rolled back as [`rollback`] does, or — when `silent`, a round
+/// trip on it got no reply ([`Error::is_no_reply`]) — dropped at once (which queues the
+/// rollback on its connection): a second round trip on a connection gone silent would only
+/// wait out another bound.
+pub(crate) async fn rollback_after(txn: DatabaseTransaction, reply: Duration, silent: bool) {
+    if silent {
         debug!("no reply on the transaction's connection: dropped, not rolled back");
         drop(txn);
     } else {

@@ -330,10 +330,8 @@ async fn attempt<S: Step>(
     let (txn, worked) = step.run(txn, lockings).await;
     let (value, ended, effects) = match worked {
         Worked::Undone(tried) => {
-            match &tried {
-                Tried::Failed { error, .. } => commit::rollback_after(txn, reply, error).await,
-                _ => commit::rollback(txn, reply).await,
-            }
+            let silent = matches!(&tried, Tried::Failed { error, .. } if error.is_no_reply());
+            commit::rollback_after(txn, reply, silent).await;
             return Ok(tried);
         }
         Worked::Kept {

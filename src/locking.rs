@@ -10,7 +10,7 @@ use sea_orm::{
 use tracing::warn;
 
 use crate::{
-    deadline::within,
+    deadline::{lock_within, within},
     error::{Error, LockError, Result, database},
     lock::{
         LeaseCheck, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole,
@@ -304,13 +304,8 @@ impl Locking {
                     continue;
                 }
                 if let Err(failure) = locking.lock_in(&txn).await {
-                    // A lock statement without reply leaves its connection silent: dropped
-                    // then (which queues the rollback), else rolled back within the bound.
-                    if failure.as_ref().is_some_and(LockError::is_no_reply) {
-                        drop(txn);
-                    } else {
-                        let _ = within(reply, txn.rollback()).await;
-                    }
+                    let silent = failure.as_ref().is_some_and(LockError::is_no_reply);
+                    crate::commit::rollback_after(txn, reply, silent).await;
                     locking.unavailable(failure)?;
                     *skipped = true;
                     continue 'again;
@@ -430,13 +425,7 @@ impl Locking {
                 // (`deadline.rs`): the backend failed, and the transaction is rolled back.
                 let bound = (self.wait + Duration::from_secs(1)).saturating_add(self.reply);
                 let locking = lock.lock_in_transaction(txn, &self.report.name, self.wait);
-                match tokio::time::timeout(bound, locking).await {
-                    Ok(locked) => locked,
-                    Err(_) => Err(LockError::Backend {
-                        backend: self.report.backend.as_str(),
-                        source: Box::new(crate::deadline::no_reply(bound)),
-                    }),
-                }
+                lock_within(self.report.backend.as_str(), bound, locking).await
             }
             LockRole::Lease(_) => Ok(false),
         };
@@ -470,14 +459,8 @@ impl Locking {
             return Ok(true);
         };
         // A fence check whose reply does not come fails like a lost connection (`deadline.rs`).
-        let (reply, backend) = (self.reply, self.report.backend.as_str());
-        let no_reply = || LockError::Backend {
-            backend,
-            source: Box::new(crate::deadline::no_reply(reply)),
-        };
-        let check = tokio::time::timeout(reply, guard.verify_and_release_in(txn))
-            .await
-            .unwrap_or_else(|_| Err(no_reply()))?;
+        let backend = self.report.backend.as_str();
+        let check = lock_within(backend, self.reply, guard.verify_and_release_in(txn)).await?;
         self.release_rides = check == LeaseCheck::HeldReleasedByCommit;
         if check.held() {
             // A backend that issues its fence in the check (`mysql_named`) has it now.

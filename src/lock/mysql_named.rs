@@ -23,7 +23,7 @@ use super::{
 };
 use crate::{
     db_error::{Failure, classify},
-    deadline::reply_bound,
+    deadline::{lock_no_reply, reply_bound},
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
@@ -132,8 +132,7 @@ impl LeaseLock for MySqlNamedLock {
             // connection then makes the server release whatever it granted, once it notices.
             let bound = waits.saturating_add(reply);
             let Ok(replied) = tokio::time::timeout(bound, grant.fetch_all(&mut *conn)).await else {
-                conn.close_on_drop();
-                return Err(no_reply(bound));
+                return Err(silent(conn, bound));
             };
             match replied {
                 // The variables are the last row (the fence row, when read, comes before).
@@ -183,10 +182,12 @@ impl LeaseLock for MySqlNamedLock {
     }
 }
 
-/// A reply on a lock connection that did not come within `bound`: read as a lost connection
-/// (see `deadline.rs`).
-fn no_reply(bound: Duration) -> LockError {
-    lock_error(KIND, LOCK_TABLE, crate::deadline::no_reply(bound))
+/// A reply on `conn` that did not come within `bound` (see `deadline.rs`): the connection is
+/// closed, which makes the server release its named locks once it notices, and the grant or
+/// release fails as on a lost connection.
+fn silent(mut conn: PoolConnection<MySql>, bound: Duration) -> LockError {
+    conn.close_on_drop();
+    lock_no_reply(KIND, bound)
 }
 
 /// A name no other grant ever takes: the second named lock of a grant, held on the same
@@ -323,24 +324,20 @@ impl LockGuard for MySqlNamedGuard {
         const RETIRE: &str = "DELETE FROM freshlock_lock WHERE name = ? AND fence = ? AND \
             fence <= (SELECT bound FROM (SELECT COALESCE(MAX(fence), 0) + 1 AS bound \
             FROM freshlock_lock WHERE name = '') AS floor_row)";
-        if let Some(conn) = self.conn.as_mut() {
+        if let Some(mut conn) = self.conn.take() {
             let deleted = sea_orm::sqlx::query(RETIRE)
                 .bind(&self.fence_name)
                 .bind(i64::try_from(self.fence.load(Ordering::SeqCst)).unwrap_or(i64::MAX))
-                .execute(&mut **conn);
+                .execute(&mut *conn);
             match tokio::time::timeout(self.reply, deleted).await {
                 Ok(Ok(_)) => {}
                 Ok(Err(error)) => {
                     warn!(lock = %self.server_name, %error, "deleting the fence row of a missing key failed");
                 }
-                Err(_) => {
-                    // No reply: the connection is closed (its locks with it), not released.
-                    if let Some(mut conn) = self.conn.take() {
-                        conn.close_on_drop();
-                    }
-                    return Err(no_reply(self.reply));
-                }
+                // No reply: the connection is closed (its locks with it), not released.
+                Err(_) => return Err(silent(conn, self.reply)),
             }
+            self.conn = Some(conn);
         }
         self.release().await
     }
@@ -362,12 +359,9 @@ impl LockGuard for MySqlNamedGuard {
                 conn.close_on_drop();
                 Err(MySqlNamedLock::fail(e))
             }
-            // No reply within the bound (a silent partition): closing the connection makes the
-            // server release both locks once it notices; the call does not wait for that.
-            Err(_) => {
-                conn.close_on_drop();
-                Err(no_reply(self.reply))
-            }
+            // No reply within the bound (a silent partition): the call does not wait for the
+            // server to notice the closed connection.
+            Err(_) => Err(silent(conn, self.reply)),
         }
     }
 }

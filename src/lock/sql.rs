@@ -120,8 +120,9 @@ pub(crate) fn millis(duration: std::time::Duration) -> i64 {
 
 /// `sql` with each `?` outside quotes numbered `$first`, `$first + 1`, …: scanned as bytes
 /// (every byte of a multi-byte UTF-8 character is above ASCII, so no quote or `?` is misread
-/// and every cut is at a character boundary), the text between placeholders copied in slices. Every grant and
-/// lease check goes through here: a character at a time cost ~25,000 instructions per grant.
+/// and every cut is at a character boundary), the text between placeholders copied in slices.
+/// Every grant and lease check goes through here: a character at a time cost ~25,000
+/// instructions per grant.
 fn numbered(sql: &str, first: u32) -> String {
     use std::fmt::Write as _;
     let mut numbered = String::with_capacity(sql.len() + 16);

@@ -48,7 +48,8 @@ pub enum CutAfter {
 
 impl CutAfter {
     /// Whether `chunk` (client to server) holds the message: the `COMMIT` statement itself
-    /// (not `READ COMMITTED`: the word must end there), a locking read, a write of `node`, a claim's statement, or a named lock's grant or release.
+    /// (not `READ COMMITTED`: the word must end there), a locking read, a write of `node`, a
+    /// claim's statement, or a named lock's grant or release.
     fn matches(self, chunk: &[u8]) -> bool {
         let patterns: &[&[u8]] = match self {
             Self::Commit => &[b"COMMIT"],
