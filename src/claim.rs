@@ -30,7 +30,7 @@ use sea_orm::{
 use crate::{
     commit::{commit_write, rollback, rollback_after},
     deadline::{Bounded, DEFAULT_REPLY},
-    error::{ApplyError, Error, Result},
+    error::{ApplyError, Error, Result, work_error},
     lock::{
         LockName, holder,
         lease_row::{CLAIMS, Holder},
@@ -65,6 +65,8 @@ pub struct Claims {
     db: DatabaseConnection,
     label: Option<String>,
     markers: bool,
+    /// The bound on each round trip (see [`Claims::with_reply_timeout`]).
+    reply: Duration,
 }
 
 /// A claim this worker holds: pass it to [`Claims::finish`].
@@ -114,6 +116,7 @@ impl Claims {
             db,
             label: None,
             markers,
+            reply: DEFAULT_REPLY,
         }
     }
 
@@ -121,6 +124,19 @@ impl Claims {
     /// is resolved (see the module docs). Without, a lost reply is [`Error::CommitUnknown`].
     pub fn commit_markers(mut self, on: bool) -> Self {
         self.markers = on;
+        self
+    }
+
+    /// Sets how long one reply of the database may take (10 s by default): a round trip of a
+    /// claim or a finish — a statement, the commit, a rollback, each statement of
+    /// [`finish_with`](Self::finish_with)'s work — whose reply does not come within it fails
+    /// the call as a lost connection does, instead of waiting on a silent partition for TCP to
+    /// give up (hours). A commit cut so is resolved by its evidence (see the type's docs).
+    ///
+    /// A zero bound could not wait for any reply: calls then fail with
+    /// [`Error::InvalidPolicy`] before sending anything.
+    pub fn with_reply_timeout(mut self, bound: Duration) -> Self {
+        self.reply = bound;
         self
     }
 
@@ -132,10 +148,12 @@ impl Claims {
 
     /// Claims `key` for `lease`, unless it is done or claimed by a live claim. One short
     /// transaction (one statement in it, two or three on MySQL, plus the commit marker); no
-    /// transaction stays open. Each round trip waits at most 10 s: one whose reply never comes
-    /// (a silent partition) fails the call as transient, as a lost connection does.
+    /// transaction stays open. Each round trip waits at most the reply timeout (10 s unless
+    /// [`with_reply_timeout`](Self::with_reply_timeout) says otherwise): one whose reply never
+    /// comes (a silent partition) fails the call as transient, as a lost connection does.
     ///
     /// # Errors
+    /// - [`Error::InvalidPolicy`] when the reply timeout is zero; nothing is written.
     /// - [`Error::InvalidLease`] when `lease` is shorter than a millisecond (the lease would have
     ///   run out when it was granted, and a second worker would claim the same work); nothing is
     ///   written.
@@ -147,6 +165,7 @@ impl Claims {
         if millis(lease) < 1 {
             return Err(Error::InvalidLease { lease });
         }
+        self.check()?;
         let name = key.bounded(MAX_STORED_NAME, false).into_owned();
         let token = holder::new_token();
         let fail = |e| database("claiming", &name, e);
@@ -154,19 +173,19 @@ impl Claims {
         let (txn, taken) = loop {
             tries += 1;
             let txn = self.begin().await.map_err(fail)?;
-            match self.take(&bounded(&txn), &name, &token, lease).await {
+            match self.take(&self.bounded(&txn), &name, &token, lease).await {
                 Ok(taken) => break (txn, taken),
                 // Two claimants of one new key can still deadlock on InnoDB; nothing was
                 // written, so the claim is simply tried again.
-                Err(e) if tries < 5 && e.is_deadlock() => rollback(txn, DEFAULT_REPLY).await,
+                Err(e) if tries < 5 && e.is_deadlock() => rollback(txn, self.reply).await,
                 Err(e) => {
-                    rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await;
+                    rollback_after(txn, self.reply, e.is_no_reply()).await;
                     return Err(e);
                 }
             }
         };
         if let Some(fence) = taken {
-            commit_write(txn, self.markers, &self.db, &name, DEFAULT_REPLY).await?;
+            commit_write(txn, self.markers, &self.db, &name, self.reply).await?;
             return Ok(ClaimOutcome::Claimed(Claim {
                 name,
                 token,
@@ -175,7 +194,8 @@ impl Claims {
         }
         let backend = txn.get_database_backend();
         let read = format!("SELECT state FROM {CLAIM_TABLE} WHERE name = ?");
-        let row = bounded(&txn)
+        let row = self
+            .bounded(&txn)
             .query_one_raw(statement(backend, &read, vec![name.clone().into()]))
             .await;
         let state = row
@@ -183,14 +203,31 @@ impl Claims {
             .map_err(fail);
         // Nothing was written: end the transaction either way.
         match &state {
-            Ok(_) => rollback(txn, DEFAULT_REPLY).await,
-            Err(e) => rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await,
+            Ok(_) => rollback(txn, self.reply).await,
+            Err(e) => rollback_after(txn, self.reply, e.is_no_reply()).await,
         }
         let state = state?;
         Ok(match state.as_deref() {
             Some("done") => ClaimOutcome::Done,
             _ => ClaimOutcome::Busy,
         })
+    }
+
+    /// [`Error::InvalidPolicy`] when the reply timeout could not wait for any reply.
+    fn check(&self) -> Result<()> {
+        if self.reply.is_zero() {
+            return Err(Error::InvalidPolicy {
+                reason: "reply_timeout must be longer than zero",
+            });
+        }
+        Ok(())
+    }
+
+    /// A claim's transaction, each of its round trips bounded by the reply timeout (see
+    /// `deadline.rs`): a statement whose reply does not come fails as a lost connection
+    /// (transient: nothing was committed) instead of waiting on a silent partition.
+    fn bounded<'t>(&self, txn: &'t DatabaseTransaction) -> Bounded<'t, DatabaseTransaction> {
+        Bounded::new(txn, self.reply)
     }
 
     /// A claim's transaction: READ COMMITTED on MySQL/MariaDB, where REPEATABLE READ would
@@ -238,19 +275,26 @@ impl Claims {
     /// [`Error::Database`] when the database fails; when [`is_transient`](Error::is_transient),
     /// nothing was written and the claim is still this worker's: call again.
     /// [`Error::CommitUnknown`] when the commit's reply was lost and could not be resolved.
+    /// [`Error::InvalidPolicy`] when the reply timeout is zero (nothing is written).
     pub async fn finish(&self, claim: &Claim) -> Result<FinishOutcome> {
+        let (txn, outcome) = self.mark_done(claim).await?;
+        self.end(txn, outcome, &claim.name).await
+    }
+
+    /// Begins a finish's transaction and marks `claim` done in it (rolled back on failure).
+    async fn mark_done(&self, claim: &Claim) -> Result<(DatabaseTransaction, FinishOutcome)> {
+        self.check()?;
         let txn = self
             .begin()
             .await
             .map_err(|e| database("finishing", &claim.name, e))?;
-        let outcome = match mark_done(&bounded(&txn), claim).await {
-            Ok(outcome) => outcome,
+        match mark_done(&self.bounded(&txn), claim).await {
+            Ok(outcome) => Ok((txn, outcome)),
             Err(e) => {
-                rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await;
-                return Err(e);
+                rollback_after(txn, self.reply, e.is_no_reply()).await;
+                Err(e)
             }
-        };
-        self.end(txn, outcome, &claim.name).await
+        }
     }
 
     /// Commits a finish that marked the claim done (with a marker), or rolls back one that
@@ -262,56 +306,51 @@ impl Claims {
         name: &str,
     ) -> Result<FinishOutcome> {
         if outcome == FinishOutcome::Stale {
-            rollback(txn, DEFAULT_REPLY).await;
+            rollback(txn, self.reply).await;
             return Ok(outcome);
         }
-        commit_write(txn, self.markers, &self.db, name, DEFAULT_REPLY).await?;
+        commit_write(txn, self.markers, &self.db, name, self.reply).await?;
         Ok(outcome)
     }
 
     /// Like [`finish`](Self::finish), and runs `also` in the same transaction when the claim is
     /// still ours (to set your own state column, store the result…): both commit, or neither.
     ///
+    /// `also` gets the claim's transaction as a [`Bounded`] connection: each of its round trips
+    /// waits at most the reply timeout, as the claim's own do, so a reply that never comes
+    /// fails the finish (transient: call again) instead of freezing it. Write through it as
+    /// through the transaction (`active_model.update(txn)`, `Entity::find().one(txn)`);
+    /// [`Bounded::inner`] is the transaction itself, with no bound.
+    ///
     /// # Errors
-    /// As [`finish`](Self::finish) (`also`'s writes commit or not with the claim's); and
-    /// [`Error::FinishAborted`] when `also` fails (nothing is committed then; the claim stays
-    /// held).
+    /// As [`finish`](Self::finish) (`also`'s writes commit or not with the claim's). When `also`
+    /// fails, nothing is committed and the claim stays held: a database error it returns (a
+    /// `sea_orm::DbErr`, one that went without reply included) comes back as
+    /// [`Error::Database`], transient when the finish can be made again, a freshlock
+    /// [`Error`] as it is, and any other error as [`Error::FinishAborted`].
     pub async fn finish_with<F>(&self, claim: &Claim, also: F) -> Result<FinishOutcome>
     where
         F: for<'t> FnOnce(
-            &'t DatabaseTransaction,
+            &'t Bounded<'t, DatabaseTransaction>,
         )
             -> Pin<Box<dyn Future<Output = Result<(), ApplyError>> + Send + 't>>,
     {
-        let txn = self
-            .begin()
-            .await
-            .map_err(|e| database("finishing", &claim.name, e))?;
-        let outcome = match mark_done(&bounded(&txn), claim).await {
-            Ok(outcome) => outcome,
-            Err(e) => {
-                rollback_after(txn, DEFAULT_REPLY, e.is_no_reply()).await;
-                return Err(e);
+        let (txn, outcome) = self.mark_done(claim).await?;
+        if outcome == FinishOutcome::Finished {
+            let work = self.bounded(&txn);
+            if let Err(error) = also(&work).await {
+                let silent = work.went_silent();
+                rollback_after(txn, self.reply, silent).await;
+                return Err(work_error("finishing", &claim.name, error, |source| {
+                    Error::FinishAborted {
+                        claim: claim.name.clone(),
+                        source,
+                    }
+                }));
             }
-        };
-        if outcome == FinishOutcome::Finished
-            && let Err(source) = also(&txn).await
-        {
-            rollback(txn, DEFAULT_REPLY).await;
-            return Err(Error::FinishAborted {
-                claim: claim.name.clone(),
-                source: source.into_inner(),
-            });
         }
         self.end(txn, outcome, &claim.name).await
     }
-}
-
-/// A claim's transaction, each of its round trips bounded by [`DEFAULT_REPLY`] (see
-/// `deadline.rs`): a statement whose reply does not come fails as a lost connection (transient:
-/// nothing was committed) instead of waiting on a silent partition.
-fn bounded(txn: &DatabaseTransaction) -> Bounded<'_, DatabaseTransaction> {
-    Bounded::new(txn, DEFAULT_REPLY)
 }
 
 async fn mark_done(txn: &impl ConnectionTrait, claim: &Claim) -> Result<FinishOutcome> {

@@ -28,7 +28,15 @@
 //! `wait_timeout` (MySQL) so that a transaction whose client vanished before its `COMMIT` does
 //! not keep its row locks (the write's next attempt waits for them until then).
 
-use std::{future::Future, io, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    io,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use async_trait::async_trait;
 use sea_orm::{
@@ -78,19 +86,59 @@ pub(crate) fn lock_no_reply(backend: &'static str, bound: Duration) -> crate::er
     }
 }
 
-/// A connection (a write's transaction) whose every round trip waits at most `bound`: what a
-/// write hands to the statements it does not send itself — the entity's hooks, a combined
-/// batch's, the generic insert and delete — so that none of them can wait on a silent partition
-/// with the key's lock held.
-pub(crate) struct Bounded<'c, C> {
+/// A connection whose every round trip waits at most a bound: a statement whose reply does
+/// not come within it fails as a lost connection instead of waiting on a silent partition.
+///
+/// A write hands it to the statements it does not send itself — the entity's hooks, a combined
+/// batch's, the generic insert and delete — so that none of them can wait with the key's lock
+/// held; [`crate::Claims::finish_with`] hands its work the claim's transaction as one. It is a
+/// [`ConnectionTrait`], so sea-orm's queries and `ActiveModel` writes take it as they take the
+/// transaction; [`inner`](Self::inner) is the connection itself, for what needs more (a
+/// savepoint's `begin`), with no bound.
+#[derive(Debug)]
+pub struct Bounded<'c, C> {
     on: &'c C,
     bound: Duration,
+    /// Whether a round trip went without reply: nothing more is to be sent on the connection.
+    silent: AtomicBool,
 }
 
 impl<'c, C> Bounded<'c, C> {
     /// `on`, each of its round trips bounded by `bound`.
     pub(crate) fn new(on: &'c C, bound: Duration) -> Self {
-        Self { on, bound }
+        Self {
+            on,
+            bound,
+            silent: AtomicBool::new(false),
+        }
+    }
+
+    /// The connection itself (its round trips are not bounded).
+    pub fn inner(&self) -> &'c C {
+        self.on
+    }
+
+    /// How long each round trip may wait for its reply.
+    pub fn bound(&self) -> Duration {
+        self.bound
+    }
+
+    /// Whether a round trip got no reply within the bound: the connection has gone silent,
+    /// and nothing more (a rollback included) is to be sent on it.
+    pub(crate) fn went_silent(&self) -> bool {
+        self.silent.load(Ordering::Relaxed)
+    }
+
+    /// `round_trip` within the bound, noting a reply that did not come.
+    async fn trip<T>(
+        &self,
+        round_trip: impl Future<Output = Result<T, DbErr>>,
+    ) -> Result<T, DbErr> {
+        let result = within(self.bound, round_trip).await;
+        if matches!(&result, Err(e) if is_no_reply(e)) {
+            self.silent.store(true, Ordering::Relaxed);
+        }
+        result
     }
 }
 
@@ -101,19 +149,19 @@ impl<C: ConnectionTrait> ConnectionTrait for Bounded<'_, C> {
     }
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
-        within(self.bound, self.on.execute_raw(stmt)).await
+        self.trip(self.on.execute_raw(stmt)).await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
-        within(self.bound, self.on.execute_unprepared(sql)).await
+        self.trip(self.on.execute_unprepared(sql)).await
     }
 
     async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
-        within(self.bound, self.on.query_one_raw(stmt)).await
+        self.trip(self.on.query_one_raw(stmt)).await
     }
 
     async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
-        within(self.bound, self.on.query_all_raw(stmt)).await
+        self.trip(self.on.query_all_raw(stmt)).await
     }
 
     fn support_returning(&self) -> bool {

@@ -149,7 +149,8 @@ pub enum Error {
         /// The lease given.
         lease: Duration,
     },
-    /// A [`crate::LockPolicy`] that cannot work (zero tries, zero TTL).
+    /// A [`crate::LockPolicy`] that cannot work (zero tries, zero TTL, a zero reply timeout), or
+    /// [`crate::Claims`] with a zero reply timeout.
     #[error("invalid lock policy: {reason}")]
     InvalidPolicy {
         /// Why the policy was rejected.
@@ -345,6 +346,26 @@ impl<E: Into<BoxError>> From<E> for ApplyError {
 impl std::fmt::Display for ApplyError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         std::fmt::Display::fmt(&self.0, f)
+    }
+}
+
+/// The error a caller's work (a section's, a finish's) returned, as the caller gets it:
+/// freshlock's own errors as they are, a database error as [`Error::Database`] of `operation`
+/// on `target` (so that [`Error::is_transient`] reads it), anything else as `aborted` makes it.
+pub(crate) fn work_error(
+    operation: &'static str,
+    target: &impl ToString,
+    error: ApplyError,
+    aborted: impl FnOnce(BoxError) -> Error,
+) -> Error {
+    let source = error.into_inner();
+    let source = match source.downcast::<Error>() {
+        Ok(error) => return *error,
+        Err(source) => source,
+    };
+    match source.downcast::<sea_orm::DbErr>() {
+        Ok(e) => database(operation, target, *e),
+        Err(source) => aborted(source),
     }
 }
 

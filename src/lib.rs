@@ -117,6 +117,7 @@ mod unlocked;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
+pub use deadline::Bounded;
 pub use error::{ApplyError, BoxError, Error, LockError, ReleaseError, Result};
 pub use identity_map::CacheStats;
 #[cfg(feature = "mysql")]

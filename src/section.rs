@@ -3,12 +3,12 @@
 
 use std::{future::Future, pin::Pin};
 
-use sea_orm::{DatabaseTransaction, DbErr};
+use sea_orm::DatabaseTransaction;
 use tracing::{Instrument, info_span};
 
 use crate::{
     engine::{self, Engine, Fence, Retries, Step, Tried, Worked},
-    error::{ApplyError, Error, Result, database},
+    error::{ApplyError, Error, Result, work_error},
     lock::LockName,
     locking::Locking,
     outcome::LockReport,
@@ -322,16 +322,10 @@ where
 /// The error a section's work returned, as the caller gets it: freshlock's own errors and
 /// database errors as they are, anything else as [`Error::SectionAborted`].
 pub(crate) fn section_error(label: &str, error: ApplyError) -> Error {
-    let source = error.into_inner();
-    let source = match source.downcast::<Error>() {
-        Ok(error) => return *error,
-        Err(source) => source,
-    };
-    match source.downcast::<DbErr>() {
-        Ok(e) => database("running the locked section", &label, *e),
-        Err(source) => Error::SectionAborted {
+    work_error("running the locked section", &label, error, |source| {
+        Error::SectionAborted {
             lock: label.to_owned(),
             source,
-        },
-    }
+        }
+    })
 }

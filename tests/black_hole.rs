@@ -12,7 +12,7 @@
 //! The same for the statements a locked write sends besides the reload and the `UPDATE`: a
 //! black-holed `DELETE` (`locked_delete`) and `INSERT` (`get_or_insert`, and a section's, whose
 //! INSERT runs in a savepoint) give up after the bound and run again, and every row is as
-//! acknowledged.
+//! acknowledged. So do a claim's and a finish's statements, and those of `finish_with`'s work.
 
 mod common;
 #[path = "common/proxy.rs"]
@@ -469,18 +469,36 @@ async fn black_holed_lock_statements(db: Option<TestDb>, kind: LockKind) {
     );
 }
 
+/// Claims through a proxy cutting after `cut`, each reply bounded by [`REPLY`], on a pool whose
+/// sessions the server ends after a second idle in a transaction.
+async fn proxied_claims(db: &TestDb, cut: CutAfter) -> (Proxy, Claims) {
+    let proxy = Proxy::start(proxy::target(&db.url), cut).await;
+    let (options, _) = through(&proxy, db);
+    let proxied = sea_orm::Database::connect(idle_transactions_end(uncached(options)))
+        .await
+        .unwrap();
+    (proxy, Claims::new(proxied).with_reply_timeout(REPLY))
+}
+
+/// The claims' table holds one claim, done.
+async fn one_claim_done(db: &TestDb) {
+    let row = db
+        .query_one("SELECT COUNT(*) AS n, MIN(state) AS state FROM freshlock_claim")
+        .await;
+    let (rows, state) = (
+        row.try_get::<i64>("", "n").unwrap(),
+        row.try_get::<String>("", "state").unwrap(),
+    );
+    assert_eq!((rows, state.as_str()), (1, "done"));
+}
+
 /// A claim's statement, then a finish's, whose reply never comes: each call fails within the
-/// claims' 10 s bound as transient (nothing was committed), the server ends the abandoned
+/// claims' reply bound (1 s here) as transient (nothing was committed), the server ends the abandoned
 /// transaction (its idle-transaction timeout), and the call made again claims, then finishes:
 /// one claim, done once.
 async fn black_holed_claims(db: Option<TestDb>, _kind: LockKind) {
     let Some(db) = db else { return };
-    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Claim).await;
-    let (options, _) = through(&proxy, &db);
-    let proxied = sea_orm::Database::connect(idle_transactions_end(uncached(options)))
-        .await
-        .unwrap();
-    let claims = Claims::new(proxied);
+    let (proxy, claims) = proxied_claims(&db, CutAfter::Claim).await;
     let key = LockName::new("ham:7").unwrap();
     let hang = Duration::from_secs(25);
     proxy.black_hole(true);
@@ -513,14 +531,64 @@ async fn black_holed_claims(db: Option<TestDb>, _kind: LockKind) {
         .unwrap();
     assert_eq!(finished, FinishOutcome::Finished);
     assert_eq!(proxy.cuts(), 2);
-    let row = db
-        .query_one("SELECT COUNT(*) AS n, MIN(state) AS state FROM freshlock_claim")
-        .await;
-    let (rows, state) = (
-        row.try_get::<i64>("", "n").unwrap(),
-        row.try_get::<String>("", "state").unwrap(),
+    one_claim_done(&db).await;
+}
+
+/// The work of `finish_with` whose statement's reply never comes: the finish fails within the
+/// claims' reply bound as transient, its silent connection is dropped (no rollback waits on
+/// it), the server ends the abandoned transaction, and the finish made again commits the work
+/// once with the claim.
+async fn black_holed_finish_work(db: Option<TestDb>, _kind: LockKind) {
+    use sea_orm::{ColumnTrait, EntityTrait, QueryFilter, sea_query::Expr};
+
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (proxy, claims) = proxied_claims(&db, CutAfter::NodeUpdate).await;
+    let key = LockName::new("node:1").unwrap();
+    let hang = Duration::from_secs(25);
+    let ClaimOutcome::Claimed(claim) = claims.claim(&key, Duration::from_secs(60)).await.unwrap()
+    else {
+        panic!("claimed");
+    };
+    let finish = || {
+        claims.finish_with(&claim, |txn| {
+            Box::pin(async move {
+                node::Entity::update_many()
+                    .col_expr(node::Column::Score, Expr::cust("COALESCE(score, 0) + 1"))
+                    .filter(node::Column::Id.eq(1))
+                    .exec(txn)
+                    .await?;
+                Ok(())
+            })
+        })
+    };
+    proxy.black_hole(true);
+    proxy.cut_once();
+    let started = std::time::Instant::now();
+    let lost = tokio::time::timeout(hang, finish())
+        .await
+        .expect("no finish hangs on its work's black-holed reply");
+    eprintln!(
+        "black-holed finish work: {lost:?} after {:?}",
+        started.elapsed()
     );
-    assert_eq!((rows, state.as_str()), (1, "done"));
+    assert!(
+        matches!(&lost, Err(e @ Error::Database { .. }) if e.is_transient()),
+        "a finish whose work got no reply is transient: {lost:?}"
+    );
+    let finished = tokio::time::timeout(hang, finish())
+        .await
+        .expect("the finish made again does not hang")
+        .unwrap();
+    assert_eq!(finished, FinishOutcome::Finished);
+    assert_eq!(proxy.cuts(), 1);
+    let scores: Vec<_> = db.all_nodes().await.into_iter().map(|n| n.score).collect();
+    assert_eq!(
+        scores,
+        [Some(1)],
+        "the work committed once, with the finish"
+    );
+    one_claim_done(&db).await;
 }
 
 async fn black_holed_grants(db: Option<TestDb>, _kind: LockKind) {
@@ -552,6 +620,8 @@ servers::server_tests! {
     black_hole_lock_statement_row_mysql: black_holed_lock_statements, LockKind::Row, mysql;
     black_hole_claims_postgres: black_holed_claims, LockKind::Local, postgres;
     black_hole_claims_mysql: black_holed_claims, LockKind::Local, mysql;
+    black_hole_finish_work_postgres: black_holed_finish_work, LockKind::Local, postgres;
+    black_hole_finish_work_mysql: black_holed_finish_work, LockKind::Local, mysql;
     black_hole_grant_mysql_named_mysql: black_holed_grants, LockKind::MySqlNamed, mysql;
     black_hole_release_mysql_named_mysql: black_holed_releases, LockKind::MySqlNamed, mysql;
 }

@@ -14,6 +14,14 @@ fn key(s: &str) -> LockName {
     LockName::new(s).unwrap()
 }
 
+/// `claims`' claim of the new key `name`.
+async fn claimed(claims: &Claims, name: &str) -> freshlock::Claim {
+    match claims.claim(&key(name), Duration::from_secs(60)).await {
+        Ok(ClaimOutcome::Claimed(claim)) => claim,
+        other => panic!("{name} is claimed: {other:?}"),
+    }
+}
+
 #[tokio::test]
 async fn a_claim_without_a_lease_is_refused_and_writes_nothing() {
     let db = memory_db().await;
@@ -43,6 +51,43 @@ async fn a_claim_without_a_lease_is_refused_and_writes_nothing() {
             .unwrap(),
         ClaimOutcome::Claimed(_)
     ));
+}
+
+#[tokio::test]
+async fn a_zero_reply_timeout_is_refused_and_writes_nothing() {
+    let db = memory_db().await;
+    let claim = claimed(&Claims::new(db.clone()), "spam:1").await;
+    let zero = Claims::new(db.clone()).with_reply_timeout(Duration::ZERO);
+    let invalid = |error: freshlock::Error| matches!(error, freshlock::Error::InvalidPolicy { reason } if reason.contains("reply_timeout"));
+    let claimed = zero.claim(&key("spam:0"), Duration::from_secs(60)).await;
+    assert!(invalid(claimed.unwrap_err()));
+    let finished = zero.finish(&claim).await;
+    assert!(invalid(finished.unwrap_err()));
+    let finished = zero
+        .finish_with(&claim, |_| Box::pin(async { Ok(()) }))
+        .await;
+    assert!(invalid(finished.unwrap_err()));
+    let rows = db
+        .query_one_raw(sea_orm::Statement::from_string(
+            db.get_database_backend(),
+            "SELECT COUNT(*) AS n, MIN(state) AS state FROM freshlock_claim",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        rows.try_get::<i64>("", "n").unwrap(),
+        1,
+        "spam:0 not claimed"
+    );
+    assert_eq!(
+        rows.try_get::<String>("", "state").unwrap(),
+        "processing",
+        "spam:1 not finished"
+    );
+    // A short bound works.
+    let short = Claims::new(db).with_reply_timeout(Duration::from_millis(500));
+    assert_eq!(short.finish(&claim).await.unwrap(), FinishOutcome::Finished);
 }
 
 #[tokio::test]
@@ -160,13 +205,7 @@ async fn finish_with_commits_the_users_change_with_the_claim() {
     let db = memory_db().await;
     common::seed_nodes(&db, 1).await;
     let claims = Claims::new(db.clone());
-    let ClaimOutcome::Claimed(claim) = claims
-        .claim(&key("node:1"), Duration::from_secs(60))
-        .await
-        .unwrap()
-    else {
-        panic!("claimed");
-    };
+    let claim = claimed(&claims, "node:1").await;
     // Work that fails: nothing it wrote commits, the claim is not finished.
     let failed = claims
         .finish_with(&claim, |txn| {
@@ -182,9 +221,35 @@ async fn finish_with_commits_the_users_change_with_the_claim() {
         "{failed:?}"
     );
     assert_eq!(common::node_in_db(&db, 1).await.summary, None);
+    // Work whose statement fails: a database error, as from a section's work.
+    let failed = claims
+        .finish_with(&claim, |txn| {
+            Box::pin(async move {
+                txn.execute_unprepared("UPDATE node SET summary = 'half' WHERE id = 1")
+                    .await?;
+                txn.execute_unprepared("UPDATE no_such_table SET x = 1")
+                    .await?;
+                Ok(())
+            })
+        })
+        .await;
+    assert!(
+        matches!(
+            &failed,
+            Err(freshlock::Error::Database { operation: "finishing", target, .. }) if target == "node:1"
+        ),
+        "a sea-orm error of the work reads as a database error: {failed:?}"
+    );
+    assert!(
+        !failed.unwrap_err().is_transient(),
+        "a missing table is not"
+    );
+    assert_eq!(common::node_in_db(&db, 1).await.summary, None);
+    // The claim is still held: the finish made again commits, its work under the reply bound.
     let outcome = claims
         .finish_with(&claim, |txn| {
             Box::pin(async move {
+                assert_eq!(txn.bound(), Duration::from_secs(10));
                 txn.execute_unprepared("UPDATE node SET summary = 'done' WHERE id = 1")
                     .await?;
                 Ok(())

@@ -114,7 +114,9 @@ impl LockPolicy {
     /// Checks the policy.
     ///
     /// # Errors
-    /// [`Error::InvalidPolicy`] when `lock_tries` or `write_attempts` is 0 or `ttl` is zero.
+    /// [`Error::InvalidPolicy`] when `lock_tries` or `write_attempts` is 0, or `ttl` or
+    /// `reply_timeout` is zero (no reply could come within it: every write would fail, or be
+    /// left in doubt at its `COMMIT`).
     pub fn validate(&self) -> Result<(), Error> {
         if self.write_attempts == 0 {
             return Err(Error::InvalidPolicy {
@@ -129,6 +131,11 @@ impl LockPolicy {
         if self.ttl.is_zero() {
             return Err(Error::InvalidPolicy {
                 reason: "ttl must be longer than zero",
+            });
+        }
+        if self.reply_timeout.is_some_and(|bound| bound.is_zero()) {
+            return Err(Error::InvalidPolicy {
+                reason: "reply_timeout must be longer than zero",
             });
         }
         Ok(())
@@ -205,5 +212,16 @@ mod tests {
             zero_ttl.validate(),
             Err(Error::InvalidPolicy { .. })
         ));
+    }
+
+    #[test]
+    fn a_zero_reply_timeout_is_rejected() {
+        let zero = LockPolicy::default().with_reply_timeout(Duration::ZERO);
+        assert!(matches!(
+            zero.validate(),
+            Err(Error::InvalidPolicy { reason }) if reason.contains("reply_timeout")
+        ));
+        let short = LockPolicy::default().with_reply_timeout(Duration::from_millis(1));
+        assert!(short.validate().is_ok());
     }
 }

@@ -34,6 +34,8 @@ pub enum CutAfter {
     NodeDelete,
     /// A statement that inserts into the `node` table (same).
     NodeInsert,
+    /// A statement that updates the `node` table (same).
+    NodeUpdate,
     /// A lock wait set for a transaction-scoped lock's statements (PostgreSQL `lock_timeout`,
     /// MySQL/MariaDB `innodb_lock_wait_timeout`).
     LockWait,
@@ -57,6 +59,7 @@ impl CutAfter {
             Self::Grant => &[b"freshlock_lock"],
             Self::NodeDelete => &[b"DELETE FROM \"node\"", b"DELETE FROM `node`"],
             Self::NodeInsert => &[b"INSERT INTO \"node\"", b"INSERT INTO `node`"],
+            Self::NodeUpdate => &[b"UPDATE \"node\"", b"UPDATE `node`"],
             Self::LockWait => &[b"'lock_timeout'", b"innodb_lock_wait_timeout"],
             Self::Claim => &[b"freshlock_claim"],
             Self::GetLock => &[b"GET_LOCK"],
