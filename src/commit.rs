@@ -531,7 +531,7 @@ pub(crate) async fn commit(
     let lost = match within(reply, txn.commit()).await {
         Ok(()) => {
             if let Evidence::Marker(marker) = evidence {
-                sweep(db, marker).await;
+                sweep(db, marker, reply).await;
             }
             return Ok(());
         }
@@ -547,13 +547,15 @@ pub(crate) async fn commit(
 }
 
 /// Now and then (every [`SWEEP_EVERY`] markers of this process) deletes the markers older than
-/// [`KEEP_MARKERS`]. A failure is logged: it only leaves rows for the next sweep.
-async fn sweep(db: &DatabaseConnection, marker: &Marker) {
+/// [`KEEP_MARKERS`]. A failure is logged: it only leaves rows for the next sweep. The write
+/// that runs it still holds its locks, so the sweep waits at most `reply` (a reply's bound, see
+/// `deadline.rs`): a reply that never comes must not freeze the write's key.
+async fn sweep(db: &DatabaseConnection, marker: &Marker, reply: Duration) {
     static WRITTEN: AtomicU64 = AtomicU64::new(0);
     if WRITTEN.fetch_add(1, Ordering::Relaxed) % SWEEP_EVERY != SWEEP_EVERY - 1 {
         return;
     }
-    if let Err(error) = delete_old_markers(db).await {
+    if let Err(error) = within(reply, delete_old_markers(db)).await {
         warn!(%error, token = %marker.token, "deleting old commit markers failed");
     }
 }

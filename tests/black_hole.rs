@@ -34,7 +34,7 @@ use freshlock::{
     LockPolicy, OnLockFailure, Repository, SectionOutcome, Session, UpdateReport, lock_name,
     section_work,
 };
-use proxy::{CutAfter, Proxy};
+use proxy::{CutAfter, Proxy, idle_transactions_end};
 use sea_orm::DatabaseConnection;
 use sea_orm::Set;
 use servers::{TestDb, databases};
@@ -68,29 +68,6 @@ fn uncached(mut options: sea_orm::ConnectOptions) -> sea_orm::ConnectOptions {
     options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0));
     #[cfg(feature = "mysql")]
     options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
-    options
-}
-
-/// `options` whose sessions the server ends once they sit in a transaction for a second (what
-/// `deadline.rs` tells users to set). Replaces [`uncached`]'s PostgreSQL setting: apply it after.
-#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(unused_mut))]
-fn idle_transactions_end(mut options: sea_orm::ConnectOptions) -> sea_orm::ConnectOptions {
-    #[cfg(feature = "postgres")]
-    options.map_sqlx_postgres_opts(|o| {
-        o.statement_cache_capacity(0)
-            .options([("idle_in_transaction_session_timeout", "1000")])
-    });
-    #[cfg(feature = "mysql")]
-    options.map_sqlx_mysql_pool_opts(|pool| {
-        use sea_orm::sqlx::Executor;
-        pool.after_connect(|conn, _| {
-            Box::pin(async move {
-                conn.execute("SET SESSION idle_transaction_timeout = 1")
-                    .await
-                    .map(|_| ())
-            })
-        })
-    });
     options
 }
 
@@ -591,6 +568,42 @@ async fn black_holed_finish_work(db: Option<TestDb>, _kind: LockKind) {
     one_claim_done(&db).await;
 }
 
+/// The writers' sweep of old commit markers (run by the write that commits a process's
+/// 1,024th marker, with the write's lock still held; MySQL/MariaDB, where every locked write
+/// commits with a marker — on PostgreSQL it commits with its transaction id) whose reply never
+/// comes: the sweep gives up
+/// after the reply bound, the write is acknowledged, and the key serves the next call. The count
+/// is process-wide (other tests of this binary may write markers in the same process): the
+/// test writes until its own proxy saw the sweep.
+async fn black_holed_marker_sweep(db: Option<TestDb>, kind: LockKind) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::MarkerSweep).await;
+    let (options, url) = through(&proxy, &db);
+    let proxied = sea_orm::Database::connect(options).await.unwrap();
+    let backend = kind.connect(&proxied, &url, None).await.unwrap();
+    let nodes = session(&proxied, &backend, policy(REPLY)).repository::<node::Entity>();
+    proxy.black_hole(true);
+    proxy.cut_once();
+    let mut acknowledged = 0;
+    // Two sweeps' worth, and the other tests' markers: the sweep comes well before.
+    while proxy.cuts() == 0 && acknowledged < 4 * 1024 {
+        increment(&nodes, 1, "the sweeping write").await;
+        acknowledged += 1;
+    }
+    // One more call on the key after the sweep: it is free.
+    increment(&nodes, 1, "the write after the sweep").await;
+    acknowledged += 1;
+    eprintln!("marker sweep black-holed after {acknowledged} writes");
+    assert_eq!(proxy.cuts(), 1, "the sweep's statement was black-holed");
+    let scores: Vec<_> = db.all_nodes().await.into_iter().map(|n| n.score).collect();
+    assert_eq!(
+        scores,
+        [Some(acknowledged)],
+        "every write acknowledged, once"
+    );
+}
+
 async fn black_holed_grants(db: Option<TestDb>, _kind: LockKind) {
     black_holed_lock_connection(db, CutAfter::GetLock).await;
 }
@@ -622,6 +635,7 @@ servers::server_tests! {
     black_hole_claims_mysql: black_holed_claims, LockKind::Local, mysql;
     black_hole_finish_work_postgres: black_holed_finish_work, LockKind::Local, postgres;
     black_hole_finish_work_mysql: black_holed_finish_work, LockKind::Local, mysql;
+    black_hole_marker_sweep_mysql: black_holed_marker_sweep, LockKind::Local, mysql;
     black_hole_grant_mysql_named_mysql: black_holed_grants, LockKind::MySqlNamed, mysql;
     black_hole_release_mysql_named_mysql: black_holed_releases, LockKind::MySqlNamed, mysql;
 }

@@ -22,7 +22,7 @@ use std::{
 };
 
 use freshlock::{
-    Error, Session,
+    Error, LockPolicy, Session,
     jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
 use job_support::bump_node;
@@ -37,6 +37,12 @@ const WORKERS: usize = 4;
 /// A pool through `proxy` to the test's database, without a statement cache when `uncached`
 /// (so that every statement's text crosses the proxy and the take can be recognized).
 async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> DatabaseConnection {
+    let options = options_through(proxy, db, uncached);
+    sea_orm::Database::connect(options).await.expect("connect")
+}
+
+/// [`through`]'s pool options.
+fn options_through(proxy: &Proxy, db: &TestDb, uncached: bool) -> sea_orm::ConnectOptions {
     let mut options = sea_orm::ConnectOptions::new(proxy.url(&db.url));
     options
         .max_connections(8)
@@ -53,7 +59,7 @@ async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> DatabaseConnecti
         #[cfg(feature = "mysql")]
         options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
     }
-    sea_orm::Database::connect(options).await.expect("connect")
+    options
 }
 
 async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
@@ -184,7 +190,63 @@ async fn leased_lost_commit_replies(db: Option<TestDb>) {
     jobs_through_cuts(db, CutAfter::Commit, 4, true).await;
 }
 
+/// A savepoint's statement whose reply never comes (a silent partition): after a handler
+/// failed in a batch's first attempt, the attempt runs again with a savepoint per job, and the
+/// first savepoint is black-holed. The attempt gives up after the session policy's reply bound
+/// (1 s) instead of waiting for TCP (hours) with the jobs' keys held, runs again on another
+/// connection (the server ends the abandoned transaction: its idle-transaction timeout), and
+/// each job ends once: the failing one failed, the other's effect in the database once.
+async fn black_holed_savepoint(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let handlers = Jobs::new()
+        .handle("fails", job_support::at_once(1), |_tx, _job: Job<i32>| {
+            Box::pin(async { Err(freshlock::ApplyError::msg("fails")) })
+        })
+        .handle("bump", RetryPolicy::default(), bump_node);
+    for kind in ["fails", "bump"] {
+        job_support::add(&db.db, NewJob::new(kind, &1).unwrap())
+            .await
+            .unwrap();
+    }
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Savepoint).await;
+    let options = proxy::idle_transactions_end(options_through(&proxy, &db, true));
+    let proxied = sea_orm::Database::connect(options).await.unwrap();
+    let policy = LockPolicy::default().with_reply_timeout(Duration::from_secs(1));
+    let session = Session::builder(proxied).policy(policy).build().unwrap();
+    let worker = Worker::new(session, handlers).with_batch(2);
+    proxy.black_hole(true);
+    proxy.cut_once();
+    let started = std::time::Instant::now();
+    let runs = tokio::time::timeout(Duration::from_secs(25), worker.run_until_idle())
+        .await
+        .expect("no job hangs on a black-holed savepoint")
+        .unwrap();
+    eprintln!(
+        "black-holed savepoint: {} cut, {runs:?} in {:?}",
+        proxy.cuts(),
+        started.elapsed()
+    );
+    assert_eq!(proxy.cuts(), 1, "a savepoint's reply was black-holed");
+    let mut outcomes: Vec<_> = runs.iter().map(|r| (r.kind.as_str(), &r.outcome)).collect();
+    outcomes.sort_by_key(|(kind, _)| *kind);
+    assert!(
+        matches!(
+            outcomes.as_slice(),
+            [
+                ("bump", JobOutcome::Completed),
+                ("fails", JobOutcome::Failed(_))
+            ]
+        ),
+        "each job ended once: {outcomes:?}"
+    );
+    assert_eq!(job_support::total_score(&db.db).await, 1, "bumped once");
+    assert_eq!(job_support::jobs_in(&db.db, 2).await, 1, "one job done");
+}
+
 on_databases! {
+    job_savepoint_black_holed_postgres: black_holed_savepoint, postgres;
+    job_savepoint_black_holed_mysql: black_holed_savepoint, mysql;
     job_commit_replies_lost_postgres: lost_commit_replies, postgres;
     job_commit_replies_lost_mysql: lost_commit_replies, mysql;
     job_takes_cut_postgres: cut_after_the_take, postgres;

@@ -1281,7 +1281,11 @@ impl JobStep<'_> {
                 }
             };
         }
-        let savepoint = match txn.begin().await {
+        // The savepoint's own round trips are bounded as every statement of the attempt (a
+        // handler's go through its `Tx`): one whose reply never comes fails the attempt as a
+        // lost connection, and the engine drops the silent connection (see `deadline.rs`).
+        let reply = self.worker.reply();
+        let savepoint = match within(reply, txn.begin()).await {
             Ok(savepoint) => savepoint,
             Err(e) => return (txn, Err(("starting the savepoint of", e))),
         };
@@ -1289,7 +1293,7 @@ impl JobStep<'_> {
         let ran = run_handler(&tx, kind, kind_name, start).await;
         let (savepoint, effects, conflicted) = tx.into_parts();
         let ended = match failed(ran, conflicted) {
-            None => match savepoint.commit().await {
+            None => match within(reply, savepoint.commit()).await {
                 Ok(()) => {
                     debug!("job completed");
                     Ok(Ran::Ended(JobOutcome::Completed, effects))
@@ -1299,14 +1303,18 @@ impl JobStep<'_> {
             // When the database ended the whole transaction (a deadlock on MySQL), the
             // savepoint is gone: the attempt fails with the handler's error, and the engine
             // runs it again if that error is transient.
-            Some((failure, retries, handler)) => match savepoint.rollback().await {
+            Some((failure, retries, handler)) => match within(reply, savepoint.rollback()).await {
                 Ok(()) => {
                     let outcome = decide(&kind.policy, id, attempt, failure, retries);
                     Ok(Ran::Ended(outcome, Vec::new()))
                 }
                 Err(e) => Err(match handler {
-                    Some(handler) => ("running a job's handler in", handler),
-                    None => ("rolling back the savepoint of", e),
+                    // A rollback without reply: the connection is silent, which the attempt
+                    // must say (nothing more is sent on it).
+                    Some(handler) if !crate::deadline::is_no_reply(&e) => {
+                        ("running a job's handler in", handler)
+                    }
+                    _ => ("rolling back the savepoint of", e),
                 }),
             },
         };

@@ -36,6 +36,10 @@ pub enum CutAfter {
     NodeInsert,
     /// A statement that updates the `node` table (same).
     NodeUpdate,
+    /// A savepoint's statement (`SAVEPOINT`, `RELEASE SAVEPOINT`, `ROLLBACK TO SAVEPOINT`).
+    Savepoint,
+    /// The writers' sweep of old commit markers (its statement that finds them by age).
+    MarkerSweep,
     /// A lock wait set for a transaction-scoped lock's statements (PostgreSQL `lock_timeout`,
     /// MySQL/MariaDB `innodb_lock_wait_timeout`).
     LockWait,
@@ -60,6 +64,8 @@ impl CutAfter {
             Self::NodeDelete => &[b"DELETE FROM \"node\"", b"DELETE FROM `node`"],
             Self::NodeInsert => &[b"INSERT INTO \"node\"", b"INSERT INTO `node`"],
             Self::NodeUpdate => &[b"UPDATE \"node\"", b"UPDATE `node`"],
+            Self::Savepoint => &[b"SAVEPOINT"],
+            Self::MarkerSweep => &[b"FROM freshlock_commit WHERE created_at"],
             Self::LockWait => &[b"'lock_timeout'", b"innodb_lock_wait_timeout"],
             Self::Claim => &[b"freshlock_claim"],
             Self::GetLock => &[b"GET_LOCK"],
@@ -294,4 +300,28 @@ async fn forward(
             }
         }
     }
+}
+
+/// `options` whose sessions the server ends once they sit in a transaction for a second (what
+/// the library's `deadline.rs` tells users to set), with no prepared-statement cache on
+/// PostgreSQL (its server options replace an earlier statement-cache setting).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(unused_mut))]
+pub fn idle_transactions_end(mut options: sea_orm::ConnectOptions) -> sea_orm::ConnectOptions {
+    #[cfg(feature = "postgres")]
+    options.map_sqlx_postgres_opts(|o| {
+        o.statement_cache_capacity(0)
+            .options([("idle_in_transaction_session_timeout", "1000")])
+    });
+    #[cfg(feature = "mysql")]
+    options.map_sqlx_mysql_pool_opts(|pool| {
+        use sea_orm::sqlx::Executor;
+        pool.after_connect(|conn, _| {
+            Box::pin(async move {
+                conn.execute("SET SESSION idle_transaction_timeout = 1")
+                    .await
+                    .map(|_| ())
+            })
+        })
+    });
+    options
 }
