@@ -483,7 +483,7 @@ pub(crate) async fn commit_write(
     let evidence = match within(reply, Evidence::take(&txn, db)).await {
         Ok(evidence) => evidence,
         Err(e) => {
-            rollback(txn, reply).await;
+            rollback_after(txn, reply, crate::deadline::is_no_reply(&e)).await;
             return Err(database("marking the commit of", &target, e));
         }
     };
