@@ -29,7 +29,7 @@ use sea_orm::{
 
 use crate::{
     commit::{commit_write, rollback, rollback_after},
-    deadline::{Bounded, DEFAULT_REPLY},
+    deadline::{Bounded, DEFAULT_REPLY, within},
     error::{ApplyError, Error, Result, work_error},
     lock::{
         LockName, holder,
@@ -128,7 +128,7 @@ impl Claims {
     }
 
     /// Sets how long one reply of the database may take (10 s by default): a round trip of a
-    /// claim or a finish — a statement, the commit, a rollback, each statement of
+    /// claim or a finish — `BEGIN`, a statement, the commit, a rollback, each statement of
     /// [`finish_with`](Self::finish_with)'s work — whose reply does not come within it fails
     /// the call as a lost connection does, instead of waiting on a silent partition for TCP to
     /// give up (hours). A commit cut so is resolved by its evidence (see the type's docs).
@@ -234,7 +234,9 @@ impl Claims {
     /// gap-lock a missing key on the first statement and deadlock two claimants inserting it.
     /// Never cut in half (a caller dropped while `BEGIN` is in flight must not leave a pooled
     /// connection inside a transaction), and tried on another connection when the pool hands out
-    /// one that died while idle (see `live::begin`).
+    /// one that died while idle (see `live::begin`). Waits at most the reply timeout, as a
+    /// locked write's `BEGIN` does: past it the `BEGIN` ends in a task of its own (`detach.rs`)
+    /// and the call fails as a lost connection.
     async fn begin(&self) -> std::result::Result<DatabaseTransaction, sea_orm::DbErr> {
         let options = match self.db.get_database_backend() {
             DbBackend::MySql => sea_orm::TransactionOptions {
@@ -243,7 +245,7 @@ impl Claims {
             },
             _ => sea_orm::TransactionOptions::default(),
         };
-        crate::live::begin(&self.db, options).await
+        within(self.reply, crate::live::begin(&self.db, options)).await
     }
 
     /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.

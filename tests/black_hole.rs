@@ -474,15 +474,20 @@ async fn one_claim_done(db: &TestDb) {
 /// transaction (its idle-transaction timeout), and the call made again claims, then finishes:
 /// one claim, done once.
 async fn black_holed_claims(db: Option<TestDb>, _kind: LockKind) {
+    claims_through(db, CutAfter::Claim).await;
+}
+
+/// A claim, then a finish, each with one message after `cut` black-holed; each made again.
+async fn claims_through(db: Option<TestDb>, cut: CutAfter) {
     let Some(db) = db else { return };
-    let (proxy, claims) = proxied_claims(&db, CutAfter::Claim).await;
+    let (proxy, claims) = proxied_claims(&db, cut).await;
     let key = LockName::new("ham:7").unwrap();
     let hang = Duration::from_secs(25);
     proxy.black_hole(true);
     proxy.cut_once();
     let lost = tokio::time::timeout(hang, claims.claim(&key, Duration::from_secs(60)))
         .await
-        .expect("no claim hangs on a black-holed reply");
+        .unwrap_or_else(|_| panic!("no claim hangs on a black-holed reply ({cut:?})"));
     assert!(
         matches!(&lost, Err(e) if e.is_transient()),
         "a claim without reply is transient: {lost:?}"
@@ -497,7 +502,7 @@ async fn black_holed_claims(db: Option<TestDb>, _kind: LockKind) {
     proxy.cut_once();
     let lost = tokio::time::timeout(hang, claims.finish(&claim))
         .await
-        .expect("no finish hangs on a black-holed reply");
+        .unwrap_or_else(|_| panic!("no finish hangs on a black-holed reply ({cut:?})"));
     assert!(
         matches!(&lost, Err(e) if e.is_transient()),
         "a finish without reply is transient: {lost:?}"
@@ -509,6 +514,12 @@ async fn black_holed_claims(db: Option<TestDb>, _kind: LockKind) {
     assert_eq!(finished, FinishOutcome::Finished);
     assert_eq!(proxy.cuts(), 2);
     one_claim_done(&db).await;
+}
+
+/// A claim's `BEGIN`, then a finish's, whose reply never comes: as [`black_holed_claims`] (the
+/// `BEGIN` ends in a task of its own).
+async fn black_holed_claim_begins(db: Option<TestDb>, _kind: LockKind) {
+    claims_through(db, CutAfter::Begin).await;
 }
 
 /// The work of `finish_with` whose statement's reply never comes: the finish fails within the
@@ -633,6 +644,8 @@ servers::server_tests! {
     black_hole_lock_statement_row_mysql: black_holed_lock_statements, LockKind::Row, mysql;
     black_hole_claims_postgres: black_holed_claims, LockKind::Local, postgres;
     black_hole_claims_mysql: black_holed_claims, LockKind::Local, mysql;
+    black_hole_claim_begin_postgres: black_holed_claim_begins, LockKind::Local, postgres;
+    black_hole_claim_begin_mysql: black_holed_claim_begins, LockKind::Local, mysql;
     black_hole_finish_work_postgres: black_holed_finish_work, LockKind::Local, postgres;
     black_hole_finish_work_mysql: black_holed_finish_work, LockKind::Local, mysql;
     black_hole_marker_sweep_mysql: black_holed_marker_sweep, LockKind::Local, mysql;

@@ -40,6 +40,8 @@ pub enum CutAfter {
     Savepoint,
     /// The writers' sweep of old commit markers (its statement that finds them by age).
     MarkerSweep,
+    /// A `BEGIN` (a text query: every transaction's crosses).
+    Begin,
     /// A lock wait set for a transaction-scoped lock's statements (PostgreSQL `lock_timeout`,
     /// MySQL/MariaDB `innodb_lock_wait_timeout`).
     LockWait,
@@ -66,6 +68,7 @@ impl CutAfter {
             Self::NodeUpdate => &[b"UPDATE \"node\"", b"UPDATE `node`"],
             Self::Savepoint => &[b"SAVEPOINT"],
             Self::MarkerSweep => &[b"FROM freshlock_commit WHERE created_at"],
+            Self::Begin => &[b"BEGIN"],
             Self::LockWait => &[b"'lock_timeout'", b"innodb_lock_wait_timeout"],
             Self::Claim => &[b"freshlock_claim"],
             Self::GetLock => &[b"GET_LOCK"],
