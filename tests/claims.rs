@@ -14,6 +14,22 @@ fn key(s: &str) -> LockName {
     LockName::new(s).unwrap()
 }
 
+/// How many claim rows `db` holds, and the least of their states.
+async fn claim_rows(db: &sea_orm::DatabaseConnection) -> (i64, Option<String>) {
+    let row = db
+        .query_one_raw(sea_orm::Statement::from_string(
+            db.get_database_backend(),
+            "SELECT COUNT(*) AS n, MIN(state) AS state FROM freshlock_claim",
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    (
+        row.try_get("", "n").unwrap(),
+        row.try_get("", "state").unwrap(),
+    )
+}
+
 /// `claims`' claim of the new key `name`.
 async fn claimed(claims: &Claims, name: &str) -> freshlock::Claim {
     match claims.claim(&key(name), Duration::from_secs(60)).await {
@@ -32,17 +48,7 @@ async fn a_claim_without_a_lease_is_refused_and_writes_nothing() {
             Err(freshlock::Error::InvalidLease { .. })
         ));
     }
-    let rows = db
-        .query_one_raw(sea_orm::Statement::from_string(
-            db.get_database_backend(),
-            "SELECT COUNT(*) AS n FROM freshlock_claim",
-        ))
-        .await
-        .unwrap()
-        .unwrap()
-        .try_get::<i64>("", "n")
-        .unwrap();
-    assert_eq!(rows, 0);
+    assert_eq!(claim_rows(&db).await, (0, None));
     // The shortest real lease still works.
     assert!(matches!(
         claims
@@ -58,7 +64,10 @@ async fn a_zero_reply_timeout_is_refused_and_writes_nothing() {
     let db = memory_db().await;
     let claim = claimed(&Claims::new(db.clone()), "spam:1").await;
     let zero = Claims::new(db.clone()).with_reply_timeout(Duration::ZERO);
-    let invalid = |error: freshlock::Error| matches!(error, freshlock::Error::InvalidPolicy { reason } if reason.contains("reply_timeout"));
+    let invalid = |error: freshlock::Error| {
+        matches!(error, freshlock::Error::InvalidPolicy { reason }
+            if reason.contains("reply_timeout"))
+    };
     let claimed = zero.claim(&key("spam:0"), Duration::from_secs(60)).await;
     assert!(invalid(claimed.unwrap_err()));
     let finished = zero.finish(&claim).await;
@@ -67,23 +76,10 @@ async fn a_zero_reply_timeout_is_refused_and_writes_nothing() {
         .finish_with(&claim, |_| Box::pin(async { Ok(()) }))
         .await;
     assert!(invalid(finished.unwrap_err()));
-    let rows = db
-        .query_one_raw(sea_orm::Statement::from_string(
-            db.get_database_backend(),
-            "SELECT COUNT(*) AS n, MIN(state) AS state FROM freshlock_claim",
-        ))
-        .await
-        .unwrap()
-        .unwrap();
     assert_eq!(
-        rows.try_get::<i64>("", "n").unwrap(),
-        1,
-        "spam:0 not claimed"
-    );
-    assert_eq!(
-        rows.try_get::<String>("", "state").unwrap(),
-        "processing",
-        "spam:1 not finished"
+        claim_rows(&db).await,
+        (1, Some("processing".to_owned())),
+        "spam:0 not claimed, spam:1 not finished"
     );
     // A short bound works.
     let short = Claims::new(db).with_reply_timeout(Duration::from_millis(500));
