@@ -29,7 +29,7 @@ use sea_orm::{
 
 use crate::{
     commit::{commit_write, rollback, rollback_after},
-    deadline::{Bounded, DEFAULT_REPLY, within},
+    db::deadline::{Bounded, DEFAULT_REPLY, within},
     error::{ApplyError, Error, Result, work_error},
     lock::{
         LockName, holder,
@@ -245,7 +245,7 @@ impl Claims {
             },
             _ => sea_orm::TransactionOptions::default(),
         };
-        within(self.reply, crate::live::begin(&self.db, options)).await
+        within(self.reply, crate::db::live::begin(&self.db, options)).await
     }
 
     /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.

@@ -65,11 +65,11 @@ use sea_orm::{
 use tracing::{debug, info, warn};
 
 use crate::{
-    db_error::{classify, in_doubt},
-    deadline::within,
+    db::deadline::within,
+    db::failure::{classify, in_doubt},
+    db::pool::{Incarnation, autocommit, forget_incarnation, incarnation, saw_incarnation},
     error::{Error, database},
     lock::holder,
-    pool::{Incarnation, autocommit, forget_incarnation, incarnation, saw_incarnation},
     schema::{COMMIT_TABLE, INCARNATION_TABLE},
 };
 
@@ -150,7 +150,7 @@ impl Marker {
                 info!(target, token = %self.token, "lost commit reply: the write did not commit; running it again");
                 Try::Answer(Resolution::Absent)
             }
-            Err(e) if crate::db_error::is_unique_violation(&e) => {
+            Err(e) if crate::db::failure::is_unique_violation(&e) => {
                 match self.written_by_writer(db).await {
                     Ok(Some(true)) => {
                         info!(target, token = %self.token, "lost commit reply: the write committed");
@@ -319,7 +319,7 @@ impl Evidence {
                 Ok(Try::Answer(resolution)) => return Ok(resolution),
                 Ok(Try::Again(error)) => error,
                 Ok(Try::Unknown(error)) => return Err(unknown(target, error)),
-                Err(_) if attempt < deadline => Box::new(crate::deadline::no_reply(reply)),
+                Err(_) if attempt < deadline => Box::new(crate::db::deadline::no_reply(reply)),
                 Err(_) => return Err(unknown(target, "no answer from the database".into())),
             };
             warn!(target, %error, "lost commit reply: no answer yet");
@@ -372,7 +372,7 @@ async fn try_resolve_xid(
     let row = match autocommit(db).query_one_raw(select).await {
         Ok(Some(row)) => row,
         Ok(None) => return Try::Unknown("the resolution returned no row".into()),
-        Err(e) if crate::db_error::is_future_xid(&e) => {
+        Err(e) if crate::db::failure::is_future_xid(&e) => {
             forget_incarnation(db);
             info!(
                 target,
@@ -483,7 +483,7 @@ pub(crate) async fn commit_write(
     let evidence = match within(reply, Evidence::take(&txn, db)).await {
         Ok(evidence) => evidence,
         Err(e) => {
-            rollback_after(txn, reply, crate::deadline::is_no_reply(&e)).await;
+            rollback_after(txn, reply, crate::db::deadline::is_no_reply(&e)).await;
             return Err(database("marking the commit of", &target, e));
         }
     };
@@ -587,7 +587,7 @@ async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
         // MySQL cannot read the table it deletes from in a subquery: the markers are locked
         // first (READ COMMITTED: no gap locks), then deleted by key, in one transaction.
         _ => {
-            return crate::pool::alone(db, crate::pool::read_committed(), |txn| {
+            return crate::db::pool::alone(db, crate::db::pool::read_committed(), |txn| {
                 Box::pin(async move {
                     let lock =
                         Statement::from_string(backend, format!("{old} FOR UPDATE SKIP LOCKED"));
@@ -608,5 +608,5 @@ async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
             .await;
         }
     };
-    crate::pool::upkeep(db, Statement::from_string(backend, sql)).await
+    crate::db::pool::upkeep(db, Statement::from_string(backend, sql)).await
 }

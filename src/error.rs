@@ -195,7 +195,7 @@ impl Error {
         let transient = |source: &BoxError| {
             source
                 .downcast_ref::<sea_orm::DbErr>()
-                .is_some_and(|e| crate::db_error::classify(e).is_transient())
+                .is_some_and(|e| crate::db::failure::classify(e).is_transient())
         };
         match self {
             Self::Database { source, .. } => transient(source),
@@ -222,13 +222,13 @@ impl Error {
     pub(crate) fn is_deadlock(&self) -> bool {
         matches!(self, Self::Database { source, .. } if source
             .downcast_ref::<sea_orm::DbErr>()
-            .is_some_and(|e| crate::db_error::classify(e) == crate::db_error::Failure::Deadlock))
+            .is_some_and(|e| crate::db::failure::classify(e) == crate::db::failure::Failure::Deadlock))
     }
 }
 
 /// Whether `source` is a round trip cut by its deadline (see `deadline.rs`).
 fn no_reply(source: &BoxError) -> bool {
-    (source.downcast_ref::<sea_orm::DbErr>()).is_some_and(crate::deadline::is_no_reply)
+    (source.downcast_ref::<sea_orm::DbErr>()).is_some_and(crate::db::deadline::is_no_reply)
 }
 
 /// What went wrong in a lock backend.
@@ -374,7 +374,7 @@ pub(crate) fn database(
     target: &impl ToString,
     source: sea_orm::DbErr,
 ) -> Error {
-    if crate::db_error::classify(&source) == crate::db_error::Failure::PoolerClash {
+    if crate::db::failure::classify(&source) == crate::db::failure::Failure::PoolerClash {
         return pooler_clash(operation, &target.to_string(), Box::new(source));
     }
     Error::Database {
@@ -410,7 +410,7 @@ impl LockError {
         match self {
             LockError::Backend { source, .. } => {
                 source.downcast_ref::<sea_orm::DbErr>().is_some_and(|e| {
-                    crate::db_error::classify(e) == crate::db_error::Failure::PoolerClash
+                    crate::db::failure::classify(e) == crate::db::failure::Failure::PoolerClash
                 })
             }
             _ => false,

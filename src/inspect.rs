@@ -170,7 +170,7 @@ async fn compact_leases(
     idle: Duration,
 ) -> std::result::Result<(usize, i64), DbErr> {
     let backend = db.get_database_backend();
-    let txn = crate::locking::begin(db).await?;
+    let txn = crate::write::locking::begin(db).await?;
     if backend == DbBackend::Postgres {
         // Writers of the table wait until this batch commits, and take their statement's
         // snapshot after: a first grant then reads the raised floor. Bounded, so a long wait

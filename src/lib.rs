@@ -79,45 +79,31 @@ compile_error!(
 );
 
 mod claim;
-mod combine;
 mod commit;
-mod db_error;
-mod deadline;
-mod decision;
-mod detach;
-mod engine;
+mod db;
 mod error;
 mod identity_map;
-#[cfg(feature = "mysql")]
-mod inline;
 pub mod inspect;
 pub mod jobs;
-mod live;
 mod lock;
-mod locked_update;
-mod locking;
-mod many;
 pub mod metrics;
 mod outcome;
-mod pool;
 mod registry;
 mod repository;
-mod row;
-mod row_step;
-mod save;
 pub mod schema;
-mod section;
 mod session;
 #[cfg(feature = "testing")]
 pub mod testing;
-#[cfg(feature = "postgres")]
-pub mod transaction_pooler;
 mod tx;
 mod unlocked;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
-pub use deadline::Bounded;
+pub use db::deadline::Bounded;
+#[cfg(feature = "mysql")]
+pub use db::pool::mysql_read_committed;
+#[cfg(feature = "postgres")]
+pub use db::transaction_pooler;
 pub use error::{ApplyError, BoxError, Error, LockError, ReleaseError, Result};
 pub use identity_map::CacheStats;
 #[cfg(feature = "mysql")]
@@ -133,10 +119,8 @@ pub use outcome::{
     DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,
     UpdateReport,
 };
-#[cfg(feature = "mysql")]
-pub use pool::mysql_read_committed;
 pub use repository::{PrimaryKeyOf, Repository};
-pub use row::lock_name;
-pub use section::{Section, SectionOutcome, SectionReport, SectionWork, section_work};
 pub use session::{Session, SessionBuilder};
 pub use tx::{ForUpdate, Tx, TxRepository};
+pub use write::row::lock_name;
+pub use write::section::{Section, SectionOutcome, SectionReport, SectionWork, section_work};

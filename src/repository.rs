@@ -9,20 +9,20 @@ use sea_orm::{
 };
 
 use crate::{
-    decision::{Decision, Written},
+    db::live::on_live_connection,
+    db::pool::autocommit,
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
-    live::on_live_connection,
     lock::LockName,
-    locked_update,
     outcome::{DeleteOutcome, DeleteReport, UpdateOutcome, UpdateReport},
-    pool::autocommit,
-    row::{Row, cache_key, select_by_key},
     session::Session,
-    write::{self, keyed},
+    write::decision::{Decision, Written},
+    write::locked_update,
+    write::row::{Row, cache_key, select_by_key},
+    write::row_sql::{self as write, keyed},
 };
 
-pub use crate::row::PrimaryKeyOf;
+pub use crate::write::row::PrimaryKeyOf;
 
 /// Parameters in one `IN (…)` query of [`Repository::load_many`]: below every engine's limit
 /// (SQLite 32766, PostgreSQL and MySQL 65535).

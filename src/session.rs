@@ -128,7 +128,7 @@ impl Session {
     /// always found).
     pub(crate) fn version_of<E: sea_orm::EntityTrait>(&self) -> Option<E::Column> {
         self.version_column(TypeId::of::<E>())
-            .and_then(crate::write::column_named::<E>)
+            .and_then(crate::write::row_sql::column_named::<E>)
     }
 
     /// Whether `locked_update` tries the one-statement write first (see
@@ -180,7 +180,7 @@ impl SessionBuilder {
     /// A column that is not declared as an integer makes [`build`](Self::build) fail with
     /// [`crate::Error::VersionColumn`].
     pub fn version_column<E: EntityTrait>(mut self, column: E::Column) -> Self {
-        if !crate::write::is_integer_column::<E>(&column) {
+        if !crate::write::row_sql::is_integer_column::<E>(&column) {
             self.invalid_version
                 .get_or_insert((E::default().table_name(), column.as_str()));
         }

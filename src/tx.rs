@@ -32,14 +32,14 @@ use sea_orm::{
 };
 
 use crate::{
-    deadline::{Bounded, within},
+    db::deadline::{Bounded, within},
     error::{Error, Result, database},
     identity_map::{Change, Key},
     outcome::{DeleteOutcome, SaveOutcome},
-    row::{PrimaryKeyOf, Row, select_by_key},
-    save::{Saved, insert_on, save_on},
     session::Session,
-    write::{self, Inserted, built_from, keyed, saved_row},
+    write::row::{PrimaryKeyOf, Row, select_by_key},
+    write::row_sql::{self as write, Inserted, built_from, keyed, saved_row},
+    write::save::{Saved, insert_on, save_on},
 };
 
 /// How a locking read treats a row another transaction has locked.

@@ -8,14 +8,14 @@ use sea_orm::{ActiveModelTrait, DbBackend, EntityTrait, IntoActiveModel};
 
 use crate::{
     commit,
+    db::pool::{autocommit, transaction_pooled},
     error::{ApplyError, Error, Result, database},
-    locking::begin,
     outcome::{SaveOutcome, UpdateOutcome, UpdateReport},
-    pool::{autocommit, transaction_pooled},
     repository::Repository,
-    row::Row,
-    save::{Saved, insert_on, save_on},
-    write::{built_from, saved_row},
+    write::locking::begin,
+    write::row::Row,
+    write::row_sql::{built_from, saved_row},
+    write::save::{Saved, insert_on, save_on},
 };
 
 impl<E> Repository<E>
@@ -170,7 +170,7 @@ where
         let save = self.save_against(row.clone(), &snapshot, draft);
         let Ok(saved) = tokio::time::timeout(reply, save).await else {
             self.session().map().remove(&row.key);
-            let no_reply = crate::deadline::no_reply(reply);
+            let no_reply = crate::db::deadline::no_reply(reply);
             return Err(commit::write_error("saving", row.name.as_str(), no_reply));
         };
         match saved? {

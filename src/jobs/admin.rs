@@ -127,7 +127,7 @@ fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
 /// [`crate::Error::Database`] when the query fails.
 pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
     // One statement of its own (in a transaction behind a transaction pooler).
-    let db = &crate::pool::autocommit(db);
+    let db = &crate::db::pool::autocommit(db);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let bigint = if backend == DbBackend::MySql {
@@ -204,7 +204,7 @@ pub async fn record_depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
 pub async fn list(db: &DatabaseConnection, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
-    let db = &crate::pool::autocommit(db);
+    let db = &crate::db::pool::autocommit(db);
     let backend = db.get_database_backend();
     let sql = format!(
         "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
@@ -303,7 +303,7 @@ async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
         Ok(done) if done.rows_affected() == 1 => Ok(Retried::Waiting),
         Ok(_) => Ok(Retried::NotFailed),
         // Taken by a job enqueued between the two statements.
-        Err(e) if crate::db_error::is_unique_violation(&e) => Ok(Retried::Duplicate),
+        Err(e) if crate::db::failure::is_unique_violation(&e) => Ok(Retried::Duplicate),
         Err(e) => Err(fail(e)),
     }
 }
@@ -381,7 +381,7 @@ const PRUNE_BATCH: u32 = 1_000;
 /// [`crate::Error::Database`] when a statement fails.
 pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) -> Result<u64> {
     let fail = |e| database("pruning finished jobs of", &JOB_TABLE, e);
-    let db = &crate::pool::autocommit(db);
+    let db = &crate::db::pool::autocommit(db);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let mut states = vec![store::DONE, store::DISCARDED];
@@ -428,7 +428,7 @@ pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) 
         } else {
             format!("DELETE FROM {JOB_TABLE} WHERE state IN ({states}) AND id IN ({placeholders})")
         };
-        pruned += crate::pool::upkeep(db.0, statement(backend, &delete, ids))
+        pruned += crate::db::pool::upkeep(db.0, statement(backend, &delete, ids))
             .await
             .map_err(fail)?;
         if rows.len() < PRUNE_BATCH as usize {

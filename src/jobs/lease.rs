@@ -17,10 +17,17 @@ use tokio::{sync::watch, time::MissedTickBehavior};
 use tracing::{Instrument, info_span, warn};
 
 use super::{
-    JobId, store,
-    worker::{CatchUnwind, JobFailure, JobRun, Source, Worker, panic_message},
+    JobFailure, JobId, JobRun,
+    catch::{CatchUnwind, panic_message},
+    context::Context,
+    job::Raw,
+    retry::Retry,
+    step::{self, Source},
+    store,
 };
-use crate::{deadline::within, error::BoxError, error::Result, section::SectionWork, tx::Tx};
+use crate::{
+    db::deadline::within, error::BoxError, error::Result, tx::Tx, write::section::SectionWork,
+};
 
 /// The shortest lease a kind gets: the heartbeat beats every third of it.
 pub(super) const MIN_LEASE: Duration = Duration::from_millis(300);
@@ -63,7 +70,7 @@ pub(super) type Output = Arc<dyn Any + Send + Sync>;
 
 /// A kind's work: deserializes the payload (or says why not) and starts the work.
 pub(super) type WorkRunner = dyn Fn(
-        super::worker::Raw<'_>,
+        Raw<'_>,
         Lease,
     ) -> std::result::Result<
         Pin<Box<dyn Future<Output = std::result::Result<Output, BoxError>> + Send>>,
@@ -116,26 +123,26 @@ impl Claimed {
 /// A claimed job whose work ended, to finish.
 pub(super) struct Finishing {
     pub(super) claim: Claimed,
-    /// The work's output, or why it failed and whether that retries (`None`: never).
-    pub(super) worked: std::result::Result<Output, (JobFailure, Option<bool>)>,
+    /// The work's output, or why it failed and whether that retries.
+    pub(super) worked: std::result::Result<Output, (JobFailure, Retry)>,
     /// How long the work ran.
     pub(super) ran: Duration,
 }
 
 /// Runs claimed jobs' work, then their finishes: one after another for one job, side by side
 /// (a task each) for several.
-pub(super) async fn run_all(worker: &Worker, claimed: Vec<Claimed>) -> Result<Vec<JobRun>> {
+pub(super) async fn run_all(cx: &Context, claimed: Vec<Claimed>) -> Result<Vec<JobRun>> {
     if claimed.len() <= 1 {
         let mut runs = Vec::new();
         for claim in claimed {
-            runs.push(run(worker, claim).await?);
+            runs.push(run(cx, claim).await?);
         }
         return Ok(runs);
     }
     let mut tasks = tokio::task::JoinSet::new();
     for claim in claimed {
-        let worker = worker.clone();
-        tasks.spawn(async move { run(&worker, claim).await });
+        let cx = cx.clone();
+        tasks.spawn(async move { run(&cx, claim).await });
     }
     let mut runs = Vec::new();
     let mut failed = None;
@@ -158,18 +165,17 @@ pub(super) async fn run_all(worker: &Worker, claimed: Vec<Claimed>) -> Result<Ve
 }
 
 /// Works claimed job `claim` with a heartbeat, then finishes it.
-async fn run(worker: &Worker, claim: Claimed) -> Result<JobRun> {
+async fn run(cx: &Context, claim: Claimed) -> Result<JobRun> {
     let kind = claim.kind_name();
     let span = info_span!("freshlock.job", id = claim.id, kind = %kind, attempt = claim.attempt, outcome = tracing::field::Empty);
     let started = tokio::time::Instant::now();
-    let worked = work(worker, &claim).instrument(span.clone()).await;
+    let worked = work(cx, &claim).instrument(span.clone()).await;
     let finishing = Finishing {
         claim,
         worked,
         ran: started.elapsed(),
     };
-    let run = worker
-        .run_step(Source::Finish(&finishing))
+    let run = step::run_step(cx, Source::Finish(&finishing))
         .instrument(span.clone())
         .await?
         .runs;
@@ -182,28 +188,25 @@ async fn run(worker: &Worker, claim: Claimed) -> Result<JobRun> {
             missing,
         )
     })?;
-    span.record("outcome", super::worker::outcome_name(&run.outcome));
+    span.record("outcome", run.outcome.name());
     Ok(run)
 }
 
 /// Runs `claim`'s work, beating its heartbeat every third of the lease.
-async fn work(
-    worker: &Worker,
-    claim: &Claimed,
-) -> std::result::Result<Output, (JobFailure, Option<bool>)> {
-    let kind = worker.kind(&claim.kind);
+async fn work(cx: &Context, claim: &Claimed) -> std::result::Result<Output, (JobFailure, Retry)> {
+    let kind = cx.kind(&claim.kind);
     let Some((leased, policy)) = kind.as_ref().and_then(|k| k.leased()) else {
         let failure = JobFailure::UnknownKind {
             kind: claim.kind_name(),
         };
-        return Err((failure, None));
+        return Err((failure, Retry::Never));
     };
     let (lost_tx, lost_rx) = watch::channel(false);
     let lease = Lease {
         id: claim.id,
         lost: lost_rx,
     };
-    let raw = super::worker::Raw {
+    let raw = Raw {
         id: claim.id,
         attempt: claim.attempt,
         key: claim.key_text(),
@@ -216,7 +219,7 @@ async fn work(
                 kind: claim.kind_name(),
                 reason,
             };
-            return Err((failure, None));
+            return Err((failure, Retry::Never));
         }
     };
     let mut future = CatchUnwind { inner: future };
@@ -228,9 +231,9 @@ async fn work(
         tokio::select! {
             ended = &mut future => break ended,
             _ = beat.tick(), if held => {
-                let db = crate::pool::autocommit(worker.session().connection());
+                let db = crate::db::pool::autocommit(cx.session.connection());
                 let extended = store::extend(&db, claim.id, &claim.owner, claim.lease);
-                match within(worker.reply(), extended).await {
+                match within(cx.reply(), extended).await {
                     Ok(true) => {}
                     Ok(false) => {
                         held = false;
@@ -247,9 +250,9 @@ async fn work(
     match ended {
         Ok(Ok(output)) => Ok(output),
         Ok(Err(error)) => {
-            let retries = (policy.retry_if.as_ref()).is_none_or(|f| f(&error));
-            Err((JobFailure::Handler(error.to_string()), Some(retries)))
+            let retries = policy.retries(&error);
+            Err((JobFailure::Handler(error.to_string()), retries))
         }
-        Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Some(true))),
+        Err(panic) => Err((JobFailure::Panicked(panic_message(&*panic)), Retry::Allowed)),
     }
 }

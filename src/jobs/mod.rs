@@ -63,8 +63,19 @@
 //! does not know.
 
 mod admin;
+mod attempt;
+mod catch;
+mod chores;
+mod context;
+mod finish;
+mod job;
+mod kinds;
 mod lease;
+mod record;
+mod retry;
+mod step;
 mod store;
+mod take;
 mod wake;
 mod worker;
 
@@ -76,8 +87,11 @@ use serde::Serialize;
 pub use admin::{
     Depth, JobInfo, JobState, Retried, depth, discard, list, prune, record_depth, retry,
 };
+pub use job::{Job, JobFailure, JobOutcome, JobRun};
+pub use kinds::Jobs;
 pub use lease::Lease;
-pub use worker::{Job, JobFailure, JobOutcome, JobRun, Jobs, RetryPolicy, Worker};
+pub use retry::RetryPolicy;
+pub use worker::Worker;
 
 use crate::error::{Error, Result, database};
 

@@ -498,7 +498,7 @@ fn promotion(keys: usize, except: usize) -> String {
 /// take still checks that it is its key's head.
 pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
-    let db = crate::pool::autocommit(db);
+    let db = crate::db::pool::autocommit(db);
     // Only the first queued job of a key can be stranded.
     let find = format!(
         "SELECT q.id FROM (SELECT MIN(id) AS id, key_hash FROM {JOB_TABLE} \
@@ -526,7 +526,7 @@ pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
         "UPDATE {JOB_TABLE}{index} SET state = {PENDING} \
          WHERE state = {QUEUED} AND id IN ({placeholders})"
     );
-    crate::pool::upkeep(db.0, statement(backend, &ready, ids)).await
+    crate::db::pool::upkeep(db.0, statement(backend, &ready, ids)).await
 }
 
 /// Claims job `id` (locked by `txn`'s take) for attempt `attempts` under a lease of `lease`
@@ -603,5 +603,5 @@ pub(crate) async fn reclaim(db: &DatabaseConnection) -> Result<u64, DbErr> {
     );
     let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
                database)";
-    crate::pool::upkeep(db, statement(backend, &sql, vec![why.into()])).await
+    crate::db::pool::upkeep(db, statement(backend, &sql, vec![why.into()])).await
 }

@@ -53,7 +53,7 @@ async fn listen(db: &DatabaseConnection) -> Option<Listening> {
     if !matches!(
         db.inner,
         DatabaseConnectionType::SqlxPostgresPoolConnection(_)
-    ) || crate::pool::transaction_pooled(db)
+    ) || crate::db::pool::transaction_pooled(db)
     {
         return None;
     }

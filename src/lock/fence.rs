@@ -27,7 +27,7 @@ pub(crate) async fn bump(
             Err(lock_error(
                 kind,
                 LOCK_TABLE,
-                crate::deadline::no_reply(reply),
+                crate::db::deadline::no_reply(reply),
             ))
         })
 }
@@ -40,7 +40,7 @@ async fn bump_now(
 ) -> Result<u64, LockError> {
     let fail = |e| lock_error(kind, LOCK_TABLE, e);
     // Never cut in half by `bump`'s deadline (see `detach::begin`), and on a live connection.
-    let txn = crate::live::begin(db, sea_orm::TransactionOptions::default())
+    let txn = crate::db::live::begin(db, sea_orm::TransactionOptions::default())
         .await
         .map_err(fail)?;
     if backend == DbBackend::MySql {

@@ -24,7 +24,7 @@ use super::{
     sql::{millis, now_ms, statement},
 };
 use crate::{
-    db_error::{Failure, classify},
+    db::failure::{Failure, classify},
     schema::{CLAIM_TABLE, LOCK_TABLE},
 };
 

@@ -22,8 +22,8 @@ use super::{
     traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{
-    db_error::{Failure, classify},
-    deadline::{lock_no_reply, reply_bound},
+    db::deadline::{lock_no_reply, reply_bound},
+    db::failure::{Failure, classify},
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
@@ -293,7 +293,7 @@ const NOW_MS: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
 fn utf8_literal(text: &str) -> String {
     format!(
         "CONVERT({} USING utf8mb4)",
-        crate::inline::hex(text.as_bytes())
+        crate::db::inline::hex(text.as_bytes())
     )
 }
 

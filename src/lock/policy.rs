@@ -78,7 +78,7 @@ impl LockPolicy {
     /// the key well before the lease would run out (the default policy: 10 s).
     pub fn reply_deadline(&self) -> Duration {
         self.reply_timeout
-            .unwrap_or_else(|| crate::deadline::reply_bound(self.ttl))
+            .unwrap_or_else(|| crate::db::deadline::reply_bound(self.ttl))
     }
 
     /// Sets how many times to try for the lock ([`lock_tries`](Self::lock_tries)).

@@ -176,7 +176,7 @@ impl LeaseLock for RedisLock {
                     released: false,
                 };
                 let backend = self.fences.get_database_backend();
-                let reply = crate::deadline::reply_bound(ttl);
+                let reply = crate::db::deadline::reply_bound(ttl);
                 guard.fence =
                     fence::bump(&self.fences, backend, KIND, &guard.fence_name, reply).await?;
                 return Ok(Some(Box::new(guard)));

@@ -17,10 +17,10 @@ use super::{
     traits::{Fencing, LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
 };
 use crate::{
-    db_error::in_doubt,
-    deadline::{reply_bound, within},
+    db::deadline::{reply_bound, within},
+    db::failure::in_doubt,
+    db::pool::autocommit,
     error::LockError,
-    pool::autocommit,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
 
@@ -78,7 +78,7 @@ impl TableLock {
             // released by its token in the background like any lost grant (`try_once`), and
             // asked again under a new token on another connection (`live`).
             let (this, key) = (self, stored.as_str());
-            let tried = crate::live::on_live_connection(&self.db, || async move {
+            let tried = crate::db::live::on_live_connection(&self.db, || async move {
                 let token = holder::new_token();
                 let grant = this.try_once(key, &token, ttl, durable).await?;
                 Ok(grant.map(|grant| (grant, token)))
@@ -210,7 +210,7 @@ impl TableGuard {
         );
         let db = autocommit(db);
         let release = db.execute_raw(statement(backend, &sql, vec![name.into(), token.into()]));
-        within(crate::deadline::DEFAULT_REPLY, release)
+        within(crate::db::deadline::DEFAULT_REPLY, release)
             .await
             .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
         Ok(())
@@ -246,7 +246,7 @@ impl LockGuard for TableGuard {
         let values = vec![self.name.clone().into(), self.token.clone().into()];
         let db = autocommit(&self.db);
         let retire = db.execute_raw(statement(backend, &delete, values));
-        match within(crate::deadline::DEFAULT_REPLY, retire).await {
+        match within(crate::db::deadline::DEFAULT_REPLY, retire).await {
             Ok(done) if done.rows_affected() == 1 => {
                 let mut this = self;
                 this.released = true;

@@ -5,7 +5,7 @@ use std::{future::Future, time::Duration};
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
 
 use super::sql::statement;
-use crate::db_error::{Failure, classify};
+use crate::db::failure::{Failure, classify};
 
 /// Runs `wait_for_lock` (a statement that blocks on a lock) with the wait bounded by `wait`, and
 /// restores the connection's setting afterwards. Returns `Ok(None)` when the wait ran out.

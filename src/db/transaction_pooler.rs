@@ -61,8 +61,8 @@ use sea_orm::{
 use tracing::debug;
 
 use crate::{
+    db::pool,
     error::{Error, Result},
-    pool,
 };
 
 /// Connects to PostgreSQL through a transaction pooler at `options`' URL: sqlx's statement cache

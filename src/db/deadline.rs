@@ -199,7 +199,7 @@ pub(crate) fn is_no_reply(error: &DbErr) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::db_error::{Failure, classify, in_doubt};
+    use crate::db::failure::{Failure, classify, in_doubt};
 
     #[tokio::test(start_paused = true)]
     async fn a_reply_that_never_comes_is_a_lost_connection() {

@@ -11,7 +11,7 @@ use crate::{
     error::Error,
     identity_map::Key,
     lock::{LockName, RowLock},
-    locking::Folded,
+    write::locking::Folded,
 };
 
 /// The primary-key value type of entity `E` (`i32` for a single integer key, a tuple for a

@@ -10,7 +10,7 @@ use sea_orm::{
 use tracing::warn;
 
 use crate::{
-    deadline::{lock_within, within},
+    db::deadline::{lock_within, within},
     error::{Error, LockError, Result, database},
     lock::{
         LeaseCheck, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole,
@@ -278,7 +278,7 @@ impl Locking {
         'again: loop {
             let reply = lockings
                 .first()
-                .map_or(crate::deadline::DEFAULT_REPLY, |l| l.reply);
+                .map_or(crate::db::deadline::DEFAULT_REPLY, |l| l.reply);
             // A `BEGIN` past the bound ends on its own (see `detach::begin`).
             let began = if detached {
                 within(reply, begin_detached(db)).await
@@ -368,7 +368,7 @@ impl Locking {
     /// The values of the lease's check-and-free ([`crate::lock::sql::lease_values`]) for a row
     /// write under `lockings` on MySQL/MariaDB to send first in the message of its commit marker
     /// (`marked`: it has one) and its UPDATE or DELETE (see
-    /// [`crate::write::update_with_evidence`]), where no statement before it can free the lease
+    /// [`crate::write::row_sql::update_with_evidence`]), where no statement before it can free the lease
     /// (no data-modifying `WITH` there): a single held `table` lease this transaction has not
     /// checked, whose check-and-free has not failed to ride before. The write then reports how
     /// it went with [`rode`](Self::rode); a check that did not confirm the lease runs the
@@ -548,7 +548,7 @@ pub(crate) async fn begin_detached(
 /// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
 /// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
 /// snapshot could predate the lock and the reload be stale) — set by `SET TRANSACTION` unless it
-/// is the pool's default already (PostgreSQL's; see [`crate::pool::read_committed_by_default`]).
+/// is the pool's default already (PostgreSQL's; see [`crate::db::pool::read_committed_by_default`]).
 pub(crate) async fn begin(
     db: &DatabaseConnection,
 ) -> std::result::Result<DatabaseTransaction, DbErr> {
@@ -558,13 +558,13 @@ pub(crate) async fn begin(
             ..TransactionOptions::default()
         },
         // Already the pool's default: a plain `BEGIN` (one round trip instead of two).
-        _ if crate::pool::read_committed_by_default(db).await => TransactionOptions::default(),
+        _ if crate::db::pool::read_committed_by_default(db).await => TransactionOptions::default(),
         _ => TransactionOptions {
             isolation_level: Some(IsolationLevel::ReadCommitted),
             ..TransactionOptions::default()
         },
     };
-    crate::live::begin(db, options).await
+    crate::db::live::begin(db, options).await
 }
 
 /// The lock space that excludes this process's writers of one key from each other under

@@ -7,13 +7,13 @@ use sea_orm::DatabaseTransaction;
 use tracing::{Instrument, info_span};
 
 use crate::{
-    engine::{self, Engine, Fence, Retries, Step, Tried, Worked},
     error::{ApplyError, Error, Result, work_error},
     lock::LockName,
-    locking::Locking,
     outcome::LockReport,
     session::Session,
     tx::Tx,
+    write::engine::{self, Engine, Fence, Retries, Step, Tried, Worked},
+    write::locking::Locking,
 };
 
 /// What a locked section did.

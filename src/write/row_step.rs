@@ -14,17 +14,17 @@ use tokio::sync::mpsc;
 use tracing::debug;
 
 use crate::{
-    combine::{Batch, RoomKey},
     commit::{Evidence, Marker},
-    deadline::{Bounded, within},
-    decision::{Decision, Written},
-    engine::{self, End, Fence, Step, Tried, Worked},
+    db::deadline::{Bounded, within},
     error::{Error, Result, database},
     identity_map::Change,
-    locking::Locking,
-    row::{Row, reload_for_update},
     session::Session,
-    write::{self, Inserted, Removed},
+    write::combine::{Batch, RoomKey},
+    write::decision::{Decision, Written},
+    write::engine::{self, End, Fence, Step, Tried, Worked},
+    write::locking::Locking,
+    write::row::{Row, reload_for_update},
+    write::row_sql::{self as write, Inserted, Removed},
 };
 
 /// The row write of one `locked_update` (or delete, get-or-insert, update-or-insert), talking to
@@ -34,7 +34,7 @@ pub(crate) struct RowStep<E: EntityTrait> {
     pub(crate) row: Row,
     pub(crate) reloaded: mpsc::Sender<Option<E::Model>>,
     pub(crate) decisions: mpsc::Receiver<Decision<E>>,
-    /// The row's room when this write may share a commit (see [`crate::combine`]).
+    /// The row's room when this write may share a commit (see [`crate::write::combine`]).
     pub(crate) room: Option<RoomKey>,
     /// The waiters this holder serves (taken on its first attempt that writes), when combining.
     pub(crate) batch: Option<Batch<E>>,

@@ -27,12 +27,12 @@ use tracing::{debug, warn};
 
 use crate::{
     commit::{self, Evidence},
-    deadline::within,
-    decision::Written,
+    db::deadline::within,
     error::{Error, Result, database},
     identity_map::{Change, IdentityMap},
-    locking::Locking,
     outcome::{LockReport, Report},
+    write::decision::Written,
+    write::locking::Locking,
 };
 
 /// How one attempt of a locked write ended, for [`Retries::settle`].
@@ -325,7 +325,7 @@ async fn attempt<S: Step>(
     step: &mut S,
 ) -> Result<Tried<S::Output>> {
     let db = engine.db;
-    let reply = (lockings.first()).map_or(crate::deadline::DEFAULT_REPLY, |l| l.reply);
+    let reply = (lockings.first()).map_or(crate::db::deadline::DEFAULT_REPLY, |l| l.reply);
     let txn = Locking::begin_all(lockings, db, detached, step.folds_lock()).await?;
     let (txn, worked) = step.run(txn, lockings).await;
     let (value, ended, effects) = match worked {

@@ -33,12 +33,12 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, IdenStati
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
-    decision::{Decision, Written},
     error::{Error, Result, database},
     lock::LockName,
     outcome::LockReport,
-    row::Row,
-    write,
+    write::decision::{Decision, Written},
+    write::row::Row,
+    write::row_sql as write,
 };
 
 /// The most writes one commit carries (the holder's and `MAX_BATCH - 1` waiters'). Waiters
@@ -103,7 +103,7 @@ impl RoomKey {
         version: Option<&'static str>,
         markers: bool,
     ) -> Option<Self> {
-        let state = crate::pool::state(db)?;
+        let state = crate::db::pool::state(db)?;
         let rooms = state
             .rooms
             .get_or_init(|| Arc::new(Rooms::default()) as Arc<dyn Any + Send + Sync>);

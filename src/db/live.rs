@@ -7,7 +7,7 @@
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionOptions};
 use tracing::debug;
 
-use crate::db_error::{Failure, classify};
+use crate::db::failure::{Failure, classify};
 
 /// `BEGIN` (with `options`) on a connection of `db`, never cut in half (`detach::begin`), and
 /// tried on another connection when the one the pool handed out had died idle: nothing had begun
@@ -16,7 +16,7 @@ pub(crate) async fn begin(
     db: &DatabaseConnection,
     options: TransactionOptions,
 ) -> Result<DatabaseTransaction, DbErr> {
-    on_live_connection(db, || crate::detach::begin(db, options)).await
+    on_live_connection(db, || crate::db::detach::begin(db, options)).await
 }
 
 /// How many connections `db`'s pool holds now (idle or in use); 0 for a mock.
@@ -70,5 +70,5 @@ where
 /// not a reply that did not come within its deadline: the database is slow or unreachable then,
 /// and another connection would wait as long.
 fn dead(error: &DbErr) -> bool {
-    classify(error) == Failure::ConnectionLost && !crate::deadline::is_no_reply(error)
+    classify(error) == Failure::ConnectionLost && !crate::db::deadline::is_no_reply(error)
 }

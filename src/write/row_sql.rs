@@ -18,10 +18,10 @@ use sea_orm::{
 
 use crate::{
     commit::{Evidence, Marker},
-    deadline::within,
+    db::deadline::within,
+    db::pool,
     error::Error,
-    pool,
-    row::{Row, select_by_key},
+    write::row::{Row, select_by_key},
 };
 
 /// A column and a value: set by a write, or expected by its guard.
@@ -338,8 +338,8 @@ fn marked_message(
     statement: &impl sea_orm::sea_query::QueryStatementWriter,
     lease: Option<&[Value; 3]>,
 ) -> Option<String> {
-    let insert = crate::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
-    let message = format!("{insert}; {}", crate::inline::mysql(statement)?);
+    let insert = crate::db::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
+    let message = format!("{insert}; {}", crate::db::inline::mysql(statement)?);
     match lease {
         None => Some(message),
         Some(lease) => {
@@ -642,7 +642,7 @@ where
         .map_err(step("running before_save for"))?;
     let stored = match E::insert(draft).exec_with_returning(db).await {
         Ok(stored) => stored,
-        Err(e) if crate::db_error::is_unique_violation(&e) => return Ok(Inserted::Taken(e)),
+        Err(e) if crate::db::failure::is_unique_violation(&e) => return Ok(Inserted::Taken(e)),
         Err(e) => return Err(step("inserting")(e)),
     };
     let reported = after_save::<E, _>(stored.clone(), db, true)

@@ -10,7 +10,7 @@
 //! channel, rolls back (or, past the point of no return, commits) and releases the lock after the
 //! transaction ended. `apply` need not be `'static`, since it never leaves the caller.
 //! The driver only takes the row's lock (seated in the row's room when it may combine, see
-//! [`crate::combine`]) and releases it: the attempts — transaction, fence check, commit with its
+//! [`crate::write::combine`]) and releases it: the attempts — transaction, fence check, commit with its
 //! evidence, cache, retries — are the engine's (`engine.rs`), the reload and the write a step of
 //! it (`row_step.rs`).
 
@@ -23,25 +23,25 @@ use sea_orm::{EntityTrait, IntoActiveModel};
 use tokio::sync::mpsc;
 use tracing::{Instrument, field, info_span};
 
-pub(crate) use crate::decision::{Decision, Written};
+pub(crate) use crate::write::decision::{Decision, Written};
 use crate::{
-    combine::{self, Call, Followed, RoomKey, Seat, Served},
-    detach::Detachable,
-    engine::{self, Engine, Retries},
+    db::detach::Detachable,
     error::Result,
     identity_map::Change,
-    locking::Locking,
     outcome::Report,
-    row::Row,
-    row_step::RowStep,
     session::Session,
+    write::combine::{self, Call, Followed, RoomKey, Seat, Served},
+    write::engine::{self, Engine, Retries},
+    write::locking::Locking,
+    write::row::Row,
+    write::row_step::RowStep,
 };
 
 /// Runs one locked write of `row`: `decide` is called in the caller with the row as reloaded
 /// under the lock, and says what to write. It is `FnMut` because a conflict or a transient error
 /// runs the section again. `combinable`: `decide` only ever updates or keeps an existing row, so
 /// the write may share a commit with other writers of the row (when the session combines
-/// commits; see [`crate::combine`]).
+/// commits; see [`crate::write::combine`]).
 pub(crate) async fn run<E, D>(
     session: &Session,
     row: Row,
@@ -75,7 +75,7 @@ where
             RoomKey::new(
                 TypeId::of::<E>(),
                 session.connection(),
-                crate::locking::exclusion(session.lock_backend()),
+                crate::write::locking::exclusion(session.lock_backend()),
                 &row.lock,
                 &row.name,
                 session.version_column(TypeId::of::<E>()),

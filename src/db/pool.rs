@@ -30,7 +30,7 @@ pub(crate) struct PoolState {
     incarnation_table: OnceLock<bool>,
     /// The server incarnation's token as last seen in `freshlock_incarnation`, and when.
     incarnation: Mutex<Option<(Arc<str>, Instant)>>,
-    /// Declared to run behind a transaction pooler (see `crate::transaction_pooler`).
+    /// Declared to run behind a transaction pooler (see `crate::db::transaction_pooler`).
     pooled: AtomicBool,
     /// Commit combining's rooms on this pool (see `combine.rs`), made on first use.
     pub(crate) rooms: OnceLock<Arc<dyn Any + Send + Sync>>,
@@ -263,7 +263,7 @@ async fn has_incarnation_table(on: &impl ConnectionTrait, state: &PoolState) -> 
 /// is, no statement looks up its pool's state for it.
 static ANY_POOLED: AtomicBool = AtomicBool::new(false);
 
-/// Remembers that `db` runs behind a transaction pooler (see `crate::transaction_pooler`).
+/// Remembers that `db` runs behind a transaction pooler (see `crate::db::transaction_pooler`).
 #[cfg(feature = "postgres")]
 pub(crate) fn mark_transaction_pooled(db: &DatabaseConnection) {
     if let (sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_), Some(state)) =
@@ -333,7 +333,7 @@ pub(crate) async fn alone<T>(
     work: impl for<'t> FnOnce(&'t sea_orm::DatabaseTransaction) -> Alone<'t, T>,
 ) -> Result<T, sea_orm::DbErr> {
     // Never cut in half (a caller's deadline may drop this future): see `detach::begin`.
-    let txn = crate::detach::begin(db, options).await?;
+    let txn = crate::db::detach::begin(db, options).await?;
     match work(&txn).await {
         Ok(value) => txn.commit().await.map(|()| value),
         Err(error) => {

@@ -13,14 +13,14 @@ use sea_orm::{ActiveModelTrait, EntityTrait, IntoActiveModel, sea_query::IntoVal
 use tokio::sync::Mutex;
 
 use crate::{
-    detach::Detachable,
+    db::detach::Detachable,
     error::{ApplyError, Error, Result},
     outcome::{ManyReport, Report, SaveOutcome, UpdateOutcome, UpdateReport},
     repository::{PrimaryKeyOf, Repository},
-    row::Row,
-    section::{SectionOutcome, SectionWork},
     session::Session,
     tx::{ForUpdate, Tx, TxRepository},
+    write::row::Row,
+    write::section::{SectionOutcome, SectionWork},
 };
 
 impl<E> Repository<E>
@@ -306,7 +306,7 @@ where
                     let mut apply = apply.lock().await;
                     (apply)(&mut draft, tx).await.map_err(|source| {
                         // The section's statements' errors stay what they are.
-                        match crate::section::section_error(row.name.as_str(), source) {
+                        match crate::write::section::section_error(row.name.as_str(), source) {
                             Error::SectionAborted { source, .. } => Error::Apply {
                                 target: row.to_string(),
                                 source,

@@ -8,8 +8,8 @@ use sea_orm::{
 use crate::{
     commit,
     error::{Result, database},
-    row::{Row, select_by_key},
-    write::{self, Inserted, reject_set_primary_key},
+    write::row::{Row, select_by_key},
+    write::row_sql::{self as write, Inserted, reject_set_primary_key},
 };
 
 /// What a save found.

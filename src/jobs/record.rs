@@ -1,0 +1,151 @@
+//! How the attempt's jobs ended, recorded in its transaction: failures and retries, the next
+//! job of each finished key readied, and the completion with the commit's evidence.
+
+use sea_orm::{DatabaseTransaction, DbErr};
+
+use super::{
+    JobId, JobOutcome, JobRun,
+    step::{Ended, Failed, JobStep, Measured, Source, waited},
+    store,
+};
+use crate::{
+    commit::Evidence,
+    db::deadline::within,
+    write::engine::{Fence, Worked},
+};
+
+impl JobStep<'_> {
+    /// Records in `txn` how the `ended` jobs' attempts ended, readies the next job of each key
+    /// that finished, and marks the completed ones done (with the commit's evidence when that
+    /// statement can take it).
+    pub(super) async fn record(
+        &mut self,
+        txn: &DatabaseTransaction,
+        ended: Vec<Ended>,
+    ) -> std::result::Result<Worked<Vec<JobRun>>, Failed> {
+        let reply = self.cx.reply();
+        let mut runs = Vec::with_capacity(ended.len());
+        let mut all_effects = Vec::new();
+        let mut completed = Vec::new();
+        let mut finished_keys = Vec::new();
+        for ended in ended {
+            let stored_attempts = i32::try_from(ended.attempt).unwrap_or(i32::MAX);
+            let recorded = match &ended.outcome {
+                JobOutcome::Completed => {
+                    completed.push(ended.id);
+                    Ok(())
+                }
+                JobOutcome::Retrying { failure, after } => {
+                    let error = failure.to_string();
+                    let failed =
+                        store::failed(txn, ended.id, stored_attempts, &error, Some(*after));
+                    within(reply, failed).await
+                }
+                JobOutcome::Failed(failure) => {
+                    let error = failure.to_string();
+                    let failed = store::failed(txn, ended.id, stored_attempts, &error, None);
+                    within(reply, failed).await
+                }
+                // Reported without recording (`Did::Nothing`).
+                JobOutcome::LeaseLost => Ok(()),
+            };
+            recorded.map_err(|e| ("recording how a job ended in", e))?;
+            let name = ended.outcome.name();
+            if let Some(span) = &ended.span {
+                span.record("outcome", name);
+            }
+            let finished = !matches!(ended.outcome, JobOutcome::Retrying { .. });
+            if let Some(key) = &ended.key {
+                // A key's jobs end here in its order (a chain's, one after another): its next
+                // job is readied when the last of them finished, not when it waits for a retry.
+                let key = store::hash(key);
+                finished_keys.retain(|k| *k != key);
+                if finished {
+                    finished_keys.push(key);
+                }
+            }
+            self.measured.push(Measured {
+                kind: ended.kind.clone(),
+                outcome: name,
+                waited: waited(ended.waited),
+                ran: ended.ran,
+                ended_on: finished.then_some(ended.attempt),
+            });
+            all_effects.extend(ended.effects);
+            runs.push(JobRun {
+                id: ended.id,
+                kind: ended.kind,
+                attempt: ended.attempt,
+                outcome: ended.outcome,
+            });
+        }
+        // The next job of each key whose job finished here may run once this commits; a
+        // worker that ran one job follows its key (see `Source::Take`).
+        let single = match (&self.source, finished_keys.as_slice()) {
+            (Source::Take { limit: 1, .. }, [key]) => Some(key.clone()),
+            _ => None,
+        };
+        let (evidence, readied) = if completed.is_empty() {
+            let readied = within(reply, store::promote(txn, finished_keys, &[]))
+                .await
+                .map_err(|e| ("readying the next jobs of", e))?;
+            (None, readied)
+        } else {
+            self.complete(txn, &completed, finished_keys).await?
+        };
+        if single.is_some() {
+            self.follow = single.filter(|_| readied == 1);
+        }
+        Ok(Worked::Write {
+            value: runs,
+            evidence,
+            fence: Fence::Unchecked,
+            effects: all_effects,
+        })
+    }
+
+    /// Marks the `completed` jobs done and readies the next job of each key in `promote` (see
+    /// `store::complete`): the commit's evidence when the statement took it (on PostgreSQL with
+    /// `freshlock_incarnation`, by returning the transaction's id: no round trip of its own),
+    /// `None` for the engine to take at the commit; and how many jobs it readied.
+    pub(super) async fn complete(
+        &self,
+        txn: &DatabaseTransaction,
+        completed: &[JobId],
+        promote: Vec<Vec<u8>>,
+    ) -> std::result::Result<(Option<Evidence>, u64), Failed> {
+        const OPERATION: &str = "completing jobs in";
+        let reply = self.cx.reply();
+        let db = self.cx.session.connection();
+        let known = if self.cx.session.commit_markers() {
+            match crate::db::pool::incarnation(db, txn).await {
+                crate::db::pool::Incarnation::Known(token) => Some(Some(token)),
+                crate::db::pool::Incarnation::Unseen => Some(None),
+                crate::db::pool::Incarnation::Unsupported => None,
+            }
+        } else {
+            None
+        };
+        let Some(known) = known else {
+            let (_, readied) = within(reply, store::complete(txn, completed, None, promote))
+                .await
+                .map_err(|e| (OPERATION, e))?;
+            return Ok((None, readied));
+        };
+        let incarnation = known.is_none();
+        let stamps = crate::commit::stamps(incarnation);
+        let (row, readied) = within(
+            reply,
+            store::complete(txn, completed, Some(stamps), promote),
+        )
+        .await
+        .map_err(|e| (OPERATION, e))?;
+        let row =
+            row.ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
+        let (xid, seen) = Evidence::read(&row, incarnation).map_err(|e| (OPERATION, e))?;
+        within(reply, Evidence::stamped(txn, db, xid, known, seen))
+            .await
+            .map(|evidence| (Some(evidence), readied))
+            .map_err(|e| ("marking the commit of", e))
+    }
+}

@@ -1,0 +1,240 @@
+//! One attempt of the engine for jobs: take jobs (or a leased job to finish), run them, record
+//! how they ended — so the commit carries the evidence of locked writes and a transient failure
+//! runs the attempt again. The parts of the step: `take.rs`, `finish.rs`, `attempt.rs`,
+//! `record.rs`.
+
+use std::{collections::HashMap, time::Duration};
+
+use sea_orm::{DatabaseTransaction, DbErr};
+
+use super::{
+    JobFailure, JobId, JobOutcome, JobRun,
+    context::Context,
+    job::Raw,
+    kinds::Runner,
+    lease::{Claimed, FinishRunner, Finishing, Meta, Output},
+    retry::Retry,
+};
+use crate::{
+    error::{Result, database},
+    identity_map::Change,
+    schema::JOB_TABLE,
+    write::{
+        engine::{self, End, Engine, Retries, Step, Tried, Worked},
+        locking::Locking,
+    },
+};
+
+/// What one attempt of the engine did: the jobs that ended, those the take claimed under a
+/// lease (their work is still to run), and the key whose next job it readied (see
+/// `Source::Take`'s `follow`).
+pub(super) struct Stepped {
+    pub(super) runs: Vec<JobRun>,
+    pub(super) claimed: Vec<Claimed>,
+    pub(super) follow: Option<Vec<u8>>,
+}
+
+/// One attempt of the engine from `source`, run again on a transient failure.
+pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped> {
+    let session = &cx.session;
+    let engine = Engine {
+        db: session.connection(),
+        map: session.map(),
+        markers: session.commit_markers(),
+    };
+    let attempts = session.policy().write_attempts;
+    let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
+    let mut step = JobStep {
+        cx,
+        source,
+        measured: Vec::new(),
+        claimed: Vec::new(),
+        follow: None,
+        savepoints: false,
+        spoiled: HashMap::new(),
+    };
+    let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
+    Ok(Stepped {
+        runs,
+        claimed: step.claimed,
+        follow: step.follow,
+    })
+}
+
+/// Where an attempt of the engine gets its jobs.
+pub(super) enum Source<'a> {
+    /// Takes up to `limit` due jobs: runs those of kinds that run in the transaction, claims
+    /// those of leased kinds. With `follow` (a key hash) and a limit of one, the next job of
+    /// that key comes first when it is due: a worker follows the key whose job it just
+    /// finished, so a hot key's chain never waits for a free worker. With `chain` and a limit
+    /// of one, a keyed job that completed is followed by its key's next jobs in the same
+    /// transaction (up to [`CHAIN_JOBS`](super::take::CHAIN_JOBS) jobs while the transaction is younger than
+    /// [`CHAIN_FOR`](super::take::CHAIN_FOR)), locked by one statement and completed by the transaction's completion:
+    /// a hot key's short jobs share a commit, and send nothing between them, instead of paying
+    /// `COMMIT`, `BEGIN` and a take each.
+    Take {
+        limit: u32,
+        follow: Option<&'a [u8]>,
+        chain: bool,
+    },
+    /// Finishes a leased job whose work ended, fenced by its claim.
+    Finish(&'a Finishing),
+}
+
+/// One attempt of the engine: take jobs (or a leased job to finish), run them, record how they
+/// ended.
+pub(super) struct JobStep<'w> {
+    pub(super) cx: &'w Context,
+    pub(super) source: Source<'w>,
+    pub(super) measured: Vec<Measured>,
+    /// The jobs of leased kinds this attempt claimed: their work runs after its commit.
+    pub(super) claimed: Vec<Claimed>,
+    /// The key whose next job this attempt readied, for the worker to follow.
+    pub(super) follow: Option<Vec<u8>>,
+    /// Whether each handler runs in a savepoint of its own. The first attempt runs them in the
+    /// job's transaction itself (no `SAVEPOINT`/`RELEASE` round trips); a handler that fails
+    /// there spoils the transaction, which rolls back, and the attempts after it use savepoints.
+    pub(super) savepoints: bool,
+    /// Jobs whose handler failed in a transaction that rolled back for it (see `savepoints`),
+    /// with the attempt and how it failed: when the next attempt takes the job again at that
+    /// attempt, it records the failure instead of running the handler twice.
+    pub(super) spoiled: HashMap<JobId, (u32, JobFailure, Retry)>,
+}
+
+pub(super) type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
+
+/// The database failed doing `.0` (the attempt rolls back and may run again).
+pub(super) type Failed = (&'static str, DbErr);
+
+fn undone(txn: DatabaseTransaction, (operation, e): Failed) -> Attempted {
+    let error = database(operation, &JOB_TABLE, e);
+    (txn, Worked::Undone(Tried::failed(error)))
+}
+
+/// What an attempt did before recording.
+pub(super) enum Did {
+    /// Nothing to commit: these runs are reported and the transaction rolls back.
+    Nothing(Vec<JobRun>),
+    /// These jobs' attempts ended, to record in the transaction (and maybe some were claimed).
+    Ended(Vec<Ended>),
+    /// A handler that ran without a savepoint failed (see `JobStep::spoiled`): the
+    /// transaction rolls back and the attempt runs again.
+    Spoiled,
+}
+
+/// A job whose attempt ended in this transaction, to record there.
+pub(super) struct Ended {
+    pub(super) id: JobId,
+    pub(super) kind: String,
+    pub(super) key: Option<Vec<u8>>,
+    pub(super) attempt: u32,
+    /// Milliseconds since it was due, when it was taken.
+    pub(super) waited: i64,
+    pub(super) outcome: JobOutcome,
+    /// The cache changes its writes make on commit.
+    pub(super) effects: Vec<Change>,
+    pub(super) ran: Duration,
+    pub(super) span: Option<tracing::Span>,
+}
+
+impl Step for JobStep<'_> {
+    type Output = Vec<JobRun>;
+
+    async fn run(&mut self, txn: DatabaseTransaction, _lockings: &mut [Locking]) -> Attempted {
+        self.measured.clear();
+        self.claimed.clear();
+        self.follow = None;
+        let (txn, did) = match self.source {
+            Source::Take {
+                limit,
+                follow,
+                chain,
+            } => self.take(txn, limit, follow, chain).await,
+            Source::Finish(finishing) => self.finish(txn, finishing).await,
+        };
+        let ended = match did {
+            Ok(Did::Spoiled) => {
+                // A handler failed with its writes in the transaction: roll it all back, and
+                // run the attempt again at once with a savepoint per handler (not counted as a
+                // try of the engine's: nothing was wrong with the database).
+                self.savepoints = true;
+                return (txn, Worked::Undone(Tried::Uncounted));
+            }
+            Ok(Did::Ended(ended)) if !ended.is_empty() || !self.claimed.is_empty() => ended,
+            Ok(Did::Ended(_)) => Vec::new(),
+            Ok(Did::Nothing(runs)) => {
+                let worked = Worked::Kept {
+                    value: runs,
+                    end: End::RollBack,
+                    effects: Vec::new(),
+                };
+                return (txn, worked);
+            }
+            Err(failed) => return undone(txn, failed),
+        };
+        match self.record(&txn, ended).await {
+            Ok(worked) => (txn, worked),
+            Err(failed) => undone(txn, failed),
+        }
+    }
+
+    fn lease_lost(&mut self) -> Vec<JobRun> {
+        // The engine holds no lock for jobs: a job's row lock lasts as long as its transaction,
+        // a leased job's claim is checked by the finish itself.
+        Vec::new()
+    }
+
+    /// The attempt's metrics, once its transaction committed (an attempt run again after a
+    /// failed commit is counted once).
+    fn ended(&mut self, _lockings: &[Locking], ended: &Result<()>) {
+        if ended.is_err() {
+            self.measured.clear();
+            return;
+        }
+        for measured in self.measured.drain(..) {
+            let Measured {
+                kind,
+                outcome,
+                waited,
+                ran,
+                ended_on,
+            } = measured;
+            crate::metrics::job(&kind, outcome, waited, ran);
+            if let Some(attempt) = ended_on {
+                crate::metrics::job_ended(&kind, attempt);
+            }
+        }
+    }
+}
+
+/// What an attempt records in the metrics when it commits.
+pub(super) struct Measured {
+    pub(super) kind: String,
+    pub(super) outcome: &'static str,
+    pub(super) waited: Duration,
+    pub(super) ran: Duration,
+    /// The attempt the job ended on (completed or failed for good).
+    pub(super) ended_on: Option<u32>,
+}
+
+/// Where a handler's work in the job's transaction comes from.
+pub(super) enum Start<'a> {
+    /// A kind that runs in the transaction.
+    InTx(&'a Runner, Raw<'a>),
+    /// A leased kind's finish, with its work's output.
+    Finish(&'a FinishRunner, Meta, &'a Output),
+}
+
+/// How a handler's run in the job's transaction ended, for `take` and `finish`.
+pub(super) enum Ran {
+    /// The job's attempt ended so (its writes, if it succeeded, are in the transaction).
+    Ended(JobOutcome, Vec<Change>),
+    /// It failed without a savepoint: its writes spoil the transaction (see
+    /// `JobStep::spoiled`).
+    Spoiled,
+}
+
+/// A job's wait as stored (milliseconds) as a duration.
+pub(super) fn waited(ms: i64) -> Duration {
+    Duration::from_millis(u64::try_from(ms).unwrap_or(0))
+}

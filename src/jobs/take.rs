@@ -1,0 +1,184 @@
+//! The take: due jobs locked by one statement, those of in-transaction kinds run, those of
+//! leased kinds claimed; a keyed job's key followed by its next jobs (a chain).
+
+use super::{
+    JobFailure, JobOutcome,
+    job::Raw,
+    kinds::Handler,
+    lease::Claimed,
+    step::{Did, Ended, Failed, JobStep, Ran, Start},
+    store,
+};
+use crate::{db::deadline::within, lock::holder::new_token};
+use sea_orm::DatabaseTransaction;
+use tracing::{Instrument, info_span, warn};
+
+/// The most jobs of one key a transaction runs one after another (`Source::Take`'s `chain`).
+pub(super) const CHAIN_JOBS: usize = 16;
+/// How long a chain may grow: no job of a key is chained into a transaction older than this.
+pub(super) const CHAIN_FOR: std::time::Duration = std::time::Duration::from_millis(100);
+
+impl JobStep<'_> {
+    /// Takes due jobs and runs those of in-transaction kinds; claims those of leased kinds.
+    /// Owns the attempt's transaction while it runs (a handler without a savepoint gets it
+    /// itself) and hands it back.
+    pub(super) async fn take(
+        &mut self,
+        mut txn: DatabaseTransaction,
+        limit: u32,
+        follow: Option<&[u8]>,
+        chain: bool,
+    ) -> (DatabaseTransaction, std::result::Result<Did, Failed>) {
+        let began = tokio::time::Instant::now();
+        let reply = self.cx.reply();
+        let fail = |e| ("taking jobs from", e);
+        // A chain (see `Source::Take`): the key's next jobs, locked at once by one statement
+        // when the take saw a job of the key queued behind the one it took — before that one
+        // runs, while the connection is warm (a round trip after a job's idle time costs about
+        // double), and left queued if that job fails.
+        let chains = chain && limit == 1;
+        let mut taken = Ok(Vec::new());
+        if let Some(key) = follow.filter(|_| limit == 1) {
+            taken = within(reply, store::take_key(&txn, key, chains)).await;
+        }
+        if matches!(&taken, Ok(taken) if taken.is_empty()) {
+            taken = within(reply, store::take(&txn, limit, chains)).await;
+        }
+        let mut taken = match taken {
+            Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
+            Ok(taken) => taken,
+            Err(e) => return (txn, Err(fail(e))),
+        };
+        let mut ended = Vec::with_capacity(taken.len());
+        let mut ahead = std::collections::VecDeque::new();
+        if let [first] = taken.as_slice()
+            && first.followed
+            && let Some(key) = first.key.as_ref().map(store::hash)
+            && !self.cx.is_leased(&first.kind)
+        {
+            let more = u32::try_from(CHAIN_JOBS - 1).unwrap_or(1);
+            ahead = match within(reply, store::take_after(&txn, &key, first.id, more)).await {
+                Ok(next) => next.into(),
+                Err(e) => return (txn, Err(fail(e))),
+            };
+        }
+        loop {
+            let (back, ran) = self
+                .run_taken(txn, std::mem::take(&mut taken), &mut ended)
+                .await;
+            txn = back;
+            match ran {
+                Ok(None) => {}
+                Ok(Some(spoiled)) => return (txn, Ok(spoiled)),
+                Err(failed) => return (txn, Err(failed)),
+            }
+            // The chain goes on while its jobs complete, the transaction is young and no job
+            // was claimed.
+            let room = ended.len() < CHAIN_JOBS && began.elapsed() < CHAIN_FOR;
+            let goes_on =
+                matches!(ended.last(), Some(last) if last.outcome == JobOutcome::Completed);
+            if !(room && goes_on && self.claimed.is_empty()) {
+                break;
+            }
+            let Some(next) = ahead.pop_front() else {
+                break;
+            };
+            // A leased kind's job is claimed by a take of its own, once the key's promotion
+            // made it ready: a chain runs in-transaction kinds only.
+            if self.cx.is_leased(&next.kind) {
+                break;
+            }
+            taken = vec![next];
+        }
+        (txn, Ok(Did::Ended(ended)))
+    }
+
+    /// Runs the `taken` jobs of in-transaction kinds in `txn` and claims those of leased kinds,
+    /// adding how each ended to `ended`: `Some(Did::Spoiled)` when a handler spoiled `txn`.
+    pub(super) async fn run_taken(
+        &mut self,
+        txn: DatabaseTransaction,
+        taken: Vec<store::Taken>,
+        ended: &mut Vec<Ended>,
+    ) -> (
+        DatabaseTransaction,
+        std::result::Result<Option<Did>, Failed>,
+    ) {
+        let mut txn = txn;
+        let reply = self.cx.reply();
+        for taken in taken {
+            let mut attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
+            let kind_name = String::from_utf8_lossy(&taken.kind).into_owned();
+            let span = info_span!("freshlock.job", id = taken.id, kind = %kind_name, attempt, outcome = tracing::field::Empty);
+            let started = tokio::time::Instant::now();
+            let kind = self.cx.kind(&taken.kind);
+            let (outcome, effects) = match kind.as_deref() {
+                None => {
+                    let failure = JobFailure::UnknownKind {
+                        kind: kind_name.clone(),
+                    };
+                    span.in_scope(|| warn!(%failure, "job failed"));
+                    (JobOutcome::Failed(failure), Vec::new())
+                }
+                Some(kind) => match &kind.handler {
+                    Handler::Leased(_) if attempt > kind.policy.max_attempts => {
+                        // Only an expired lease leaves a job with its attempts used.
+                        attempt -= 1;
+                        let failure = JobFailure::LeaseExpired { attempts: attempt };
+                        span.in_scope(|| warn!(%failure, "job failed"));
+                        (JobOutcome::Failed(failure), Vec::new())
+                    }
+                    Handler::Leased(leased) => {
+                        let owner = new_token();
+                        let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
+                        let claim = store::claim(&txn, taken.id, attempts, &owner, leased.lease);
+                        if let Err(e) = within(reply, claim).await {
+                            return (txn, Err(("claiming a job of", e)));
+                        }
+                        self.claimed.push(Claimed {
+                            id: taken.id,
+                            kind: taken.kind,
+                            key: taken.key,
+                            payload: taken.payload,
+                            attempt,
+                            owner,
+                            lease: leased.lease,
+                            waited: taken.waited,
+                        });
+                        continue;
+                    }
+                    Handler::InTx(run) => {
+                        let raw = Raw {
+                            id: taken.id,
+                            attempt,
+                            key: (taken.key.as_ref())
+                                .map(|k| String::from_utf8_lossy(k).into_owned()),
+                            payload: &taken.payload,
+                        };
+                        let start = Start::InTx(run, raw);
+                        let ran = self.attempt(txn, kind, &kind_name, taken.id, attempt, start);
+                        let (back, ran) = ran.instrument(span.clone()).await;
+                        txn = back;
+                        match ran {
+                            Ok(Ran::Ended(outcome, effects)) => (outcome, effects),
+                            Ok(Ran::Spoiled) => return (txn, Ok(Some(Did::Spoiled))),
+                            Err(failed) => return (txn, Err(failed)),
+                        }
+                    }
+                },
+            };
+            ended.push(Ended {
+                id: taken.id,
+                kind: kind_name,
+                key: taken.key,
+                attempt,
+                waited: taken.waited,
+                outcome,
+                effects,
+                ran: started.elapsed(),
+                span: Some(span),
+            });
+        }
+        (txn, Ok(None))
+    }
+}

@@ -1,0 +1,16 @@
+//! The locked-write engine and its steps: the one attempt loop every locked write runs on
+//! (`engine.rs`), the lock it takes (`locking.rs`), the row step (`row_step.rs`) with the SQL of
+//! a row write (`row_sql.rs`, `save.rs`), commit combining around it (`combine.rs`), sections
+//! (`section.rs`, `many.rs`), and the words they share (`decision.rs`, `row.rs`).
+
+pub(crate) mod combine;
+pub(crate) mod decision;
+pub(crate) mod engine;
+pub(crate) mod locked_update;
+pub(crate) mod locking;
+pub(crate) mod many;
+pub(crate) mod row;
+pub(crate) mod row_sql;
+pub(crate) mod row_step;
+pub(crate) mod save;
+pub(crate) mod section;
