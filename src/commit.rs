@@ -319,7 +319,7 @@ impl Evidence {
                 Ok(Try::Answer(resolution)) => return Ok(resolution),
                 Ok(Try::Again(error)) => error,
                 Ok(Try::Unknown(error)) => return Err(unknown(target, error)),
-                Err(_) if attempt < deadline => Box::new(crate::db::deadline::no_reply(reply)),
+                Err(_) if attempt < deadline => Box::new(crate::db::failure::no_reply(reply)),
                 Err(_) => return Err(unknown(target, "no answer from the database".into())),
             };
             warn!(target, %error, "lost commit reply: no answer yet");
@@ -483,7 +483,7 @@ pub(crate) async fn commit_write(
     let evidence = match within(reply, Evidence::take(&txn, db)).await {
         Ok(evidence) => evidence,
         Err(e) => {
-            rollback_after(txn, reply, crate::db::deadline::is_no_reply(&e)).await;
+            rollback_after(txn, reply, crate::db::failure::is_no_reply(&e)).await;
             return Err(database("marking the commit of", &target, e));
         }
     };

@@ -228,7 +228,7 @@ impl Error {
 
 /// Whether `source` is a round trip cut by its deadline (see `deadline.rs`).
 fn no_reply(source: &BoxError) -> bool {
-    (source.downcast_ref::<sea_orm::DbErr>()).is_some_and(crate::db::deadline::is_no_reply)
+    (source.downcast_ref::<sea_orm::DbErr>()).is_some_and(crate::db::failure::is_no_reply)
 }
 
 /// What went wrong in a lock backend.

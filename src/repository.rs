@@ -360,11 +360,11 @@ where
             return Ok((found, false));
         }
         let target = row.to_string();
-        let pk = row.pk().clone();
+        let named = row.clone();
         let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             Ok(match found {
                 Some(existing) => Decision::Keep(existing),
-                None => Decision::Insert(keyed::<E>(init(), &pk)?),
+                None => Decision::Insert(keyed::<E>(init(), named.pk())?),
             })
         })
         .await?;
@@ -404,7 +404,7 @@ where
     {
         let row = Row::new::<E>(id.into_value_tuple())?;
         let target = row.to_string();
-        let pk = row.pk().clone();
+        let named = row.clone();
         let report = locked_update::run::<E, _>(&self.session, row, false, |found| {
             let aborted = |source: ApplyError| Error::Apply {
                 target: target.clone(),
@@ -417,13 +417,9 @@ where
                     Ok(update_or_keep::<E>(original, draft))
                 }
                 None => {
-                    let mut draft = keyed::<E>(init(), &pk)?;
+                    let mut draft = keyed::<E>(init(), named.pk())?;
                     apply(&mut draft).map_err(aborted)?;
-                    if draft.get_primary_key_value().as_ref() != Some(&pk) {
-                        return Err(Error::PrimaryKeyChanged {
-                            target: target.clone(),
-                        });
-                    }
+                    named.check_key::<E>(&draft)?;
                     Ok(Decision::Insert(draft))
                 }
             }

@@ -14,9 +14,7 @@
 use std::{
     any::Any,
     collections::HashMap,
-    future::Future,
     marker::PhantomData,
-    pin::Pin,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
@@ -27,12 +25,14 @@ use async_trait::async_trait;
 use sea_orm::{
     ActiveModelTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
     ExecResult, IntoActiveModel, ModelTrait, QueryResult, QuerySelect, Select, Statement,
-    TransactionTrait,
     sea_query::{IntoValueTuple, LockBehavior, LockType},
 };
 
 use crate::{
-    db::deadline::{Bounded, within},
+    db::{
+        deadline::{Bounded, within},
+        savepoint::Savepoint,
+    },
     error::{Error, Result, database},
     identity_map::{Change, Key},
     outcome::{DeleteOutcome, SaveOutcome},
@@ -287,13 +287,13 @@ where
         let backend = self.tx.get_database_backend();
         let select = locking(select_by_key::<E>(row.pk()), backend, mode);
         let fail = |e| database("loading", row, e);
-        let wrap = savepointed(backend, mode);
-        let found = within(
-            self.tx.reply(),
-            in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.one(c))),
-        )
-        .await
-        .map_err(fail)?;
+        let reply = self.tx.reply();
+        let found = if savepointed(backend, mode) {
+            Savepoint::around(&self.tx.txn, reply, |c| Box::pin(select.one(c))).await
+        } else {
+            within(reply, select.one(&self.tx.txn)).await
+        };
+        let found = found.map_err(fail)?;
         Ok(match found {
             Some(model) => {
                 let model = Arc::new(model);
@@ -327,13 +327,13 @@ where
         let fail = |e| database("loading rows of", &table, e);
         let backend = self.tx.get_database_backend();
         let select = locking(select, backend, mode);
-        let wrap = savepointed(backend, mode);
-        let models = within(
-            self.tx.reply(),
-            in_savepoint(&self.tx.txn, wrap, |c| Box::pin(select.all(c))),
-        )
-        .await
-        .map_err(fail)?;
+        let reply = self.tx.reply();
+        let models = if savepointed(backend, mode) {
+            Savepoint::around(&self.tx.txn, reply, |c| Box::pin(select.all(c))).await
+        } else {
+            within(reply, select.all(&self.tx.txn)).await
+        };
+        let models = models.map_err(fail)?;
         models
             .into_iter()
             .map(|model| {
@@ -466,14 +466,15 @@ where
         let fail = |operation| move |e| database(operation, target, e);
         // Each round trip bounded, as every statement of the section (see `deadline.rs`).
         let reply = self.tx.reply();
-        let savepoint = within(reply, self.tx.txn.begin())
+        let savepoint = Savepoint::begin(&self.tx.txn, reply)
             .await
             .map_err(fail("beginning a savepoint for"))?;
-        let inserted = write::insert_row::<E, _>(&Bounded::new(&savepoint, reply), draft).await;
+        let inserted = write::insert_row::<E, _>(&savepoint.bounded(), draft).await;
         let (stored, reported) = match inserted {
             Ok(Inserted::Stored { stored, reported }) => (stored, reported),
             Ok(Inserted::Taken(_)) => {
-                within(reply, savepoint.rollback())
+                savepoint
+                    .roll_back()
                     .await
                     .map_err(fail("rolling back a savepoint for"))?;
                 let found = self.load_row_locked(&row, ForUpdate::Wait).await?;
@@ -486,7 +487,8 @@ where
             }
             Err(failed) => return Err(database(failed.operation, &row, failed.error)),
         };
-        within(reply, savepoint.commit())
+        savepoint
+            .release()
             .await
             .map_err(fail("releasing a savepoint for"))?;
         self.tx.seen(&row.key, &Arc::new(stored), true);
@@ -499,32 +501,6 @@ where
 /// statement): the section can move on to another row.
 fn savepointed(backend: DbBackend, mode: ForUpdate) -> bool {
     mode == ForUpdate::NoWait && backend != DbBackend::Sqlite
-}
-
-/// A read future on a connection of the transaction.
-type Read<'c, T> = Pin<Box<dyn Future<Output = std::result::Result<T, DbErr>> + Send + 'c>>;
-
-/// Runs `read` on `txn`, or with `wrap` in a savepoint of it that is rolled back if the read
-/// fails (so the failure leaves the transaction usable).
-async fn in_savepoint<T>(
-    txn: &DatabaseTransaction,
-    wrap: bool,
-    read: impl for<'c> FnOnce(&'c DatabaseTransaction) -> Read<'c, T>,
-) -> std::result::Result<T, DbErr> {
-    if !wrap {
-        return read(txn).await;
-    }
-    let savepoint = txn.begin().await?;
-    match read(&savepoint).await {
-        Ok(value) => {
-            savepoint.commit().await?;
-            Ok(value)
-        }
-        Err(e) => {
-            let _ = savepoint.rollback().await;
-            Err(e)
-        }
-    }
 }
 
 /// `select` with `FOR UPDATE` in `mode` — nothing on SQLite, where the section's `BEGIN

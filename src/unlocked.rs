@@ -155,11 +155,7 @@ where
             target: row.to_string(),
             source: source.into_inner(),
         })?;
-        if draft.get_primary_key_value().as_ref() != Some(row.pk()) {
-            return Err(Error::PrimaryKeyChanged {
-                target: row.to_string(),
-            });
-        }
+        row.check_key::<E>(&draft)?;
         if !draft.is_changed() {
             return Ok(None);
         }
@@ -170,7 +166,7 @@ where
         let save = self.save_against(row.clone(), &snapshot, draft);
         let Ok(saved) = tokio::time::timeout(reply, save).await else {
             self.session().map().remove(&row.key);
-            let no_reply = crate::db::deadline::no_reply(reply);
+            let no_reply = crate::db::failure::no_reply(reply);
             return Err(commit::write_error("saving", row.name.as_str(), no_reply));
         };
         match saved? {

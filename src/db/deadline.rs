@@ -30,18 +30,14 @@
 
 use std::{
     future::Future,
-    io,
-    sync::{
-        Arc,
-        atomic::{AtomicBool, Ordering},
-    },
+    sync::atomic::{AtomicBool, Ordering},
     time::Duration,
 };
 
 use async_trait::async_trait;
-use sea_orm::{
-    ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, RuntimeErr, Statement, sqlx,
-};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, Statement};
+
+use super::failure::{is_no_reply, no_reply};
 
 /// The bound used where no policy applies (claims): [`crate::LockPolicy`]'s default.
 pub(crate) const DEFAULT_REPLY: Duration = Duration::from_secs(10);
@@ -170,29 +166,6 @@ impl<C: ConnectionTrait> ConnectionTrait for Bounded<'_, C> {
 
     fn is_mock_connection(&self) -> bool {
         self.on.is_mock_connection()
-    }
-}
-
-/// The error of a reply that did not come: an IO time-out, so that `db_error::classify` reads
-/// it as a lost connection (transient before a `COMMIT`, in doubt for one).
-pub(crate) fn no_reply(bound: Duration) -> DbErr {
-    let timed_out = io::Error::new(
-        io::ErrorKind::TimedOut,
-        format!("no reply from the database within {bound:?}; the connection is dropped"),
-    );
-    DbErr::Conn(RuntimeErr::SqlxError(Arc::new(sqlx::Error::Io(timed_out))))
-}
-
-/// Whether `error` is [`no_reply`]'s: a round trip cut by its deadline, not a connection that
-/// failed at once.
-pub(crate) fn is_no_reply(error: &DbErr) -> bool {
-    match error {
-        DbErr::Conn(RuntimeErr::SqlxError(e))
-        | DbErr::Exec(RuntimeErr::SqlxError(e))
-        | DbErr::Query(RuntimeErr::SqlxError(e)) => {
-            matches!(e.as_ref(), sqlx::Error::Io(io) if io.kind() == io::ErrorKind::TimedOut)
-        }
-        _ => false,
     }
 }
 

@@ -1,5 +1,7 @@
 //! What kind of database failure a `DbErr` is, across SQLite, PostgreSQL and MySQL/MariaDB.
 
+use std::{io, sync::Arc, time::Duration};
+
 use sea_orm::{DbErr, RuntimeErr, SqlErr, sqlx};
 
 /// The failures freshlock treats specially.
@@ -115,4 +117,26 @@ pub(crate) fn is_future_xid(err: &DbErr) -> bool {
 /// Whether `err` is a unique-key violation (a concurrent creator won).
 pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
     matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))
+}
+/// The error of a reply that did not come: an IO time-out, so that `db_error::classify` reads
+/// it as a lost connection (transient before a `COMMIT`, in doubt for one).
+pub(crate) fn no_reply(bound: Duration) -> DbErr {
+    let timed_out = io::Error::new(
+        io::ErrorKind::TimedOut,
+        format!("no reply from the database within {bound:?}; the connection is dropped"),
+    );
+    DbErr::Conn(RuntimeErr::SqlxError(Arc::new(sqlx::Error::Io(timed_out))))
+}
+
+/// Whether `error` is [`no_reply`]'s: a round trip cut by its deadline, not a connection that
+/// failed at once.
+pub(crate) fn is_no_reply(error: &DbErr) -> bool {
+    match error {
+        DbErr::Conn(RuntimeErr::SqlxError(e))
+        | DbErr::Exec(RuntimeErr::SqlxError(e))
+        | DbErr::Query(RuntimeErr::SqlxError(e)) => {
+            matches!(e.as_ref(), sqlx::Error::Io(io) if io.kind() == io::ErrorKind::TimedOut)
+        }
+        _ => false,
+    }
 }

@@ -70,5 +70,5 @@ where
 /// not a reply that did not come within its deadline: the database is slow or unreachable then,
 /// and another connection would wait as long.
 fn dead(error: &DbErr) -> bool {
-    classify(error) == Failure::ConnectionLost && !crate::db::deadline::is_no_reply(error)
+    classify(error) == Failure::ConnectionLost && !crate::db::failure::is_no_reply(error)
 }

@@ -10,5 +10,6 @@ pub(crate) mod failure;
 pub(crate) mod inline;
 pub(crate) mod live;
 pub(crate) mod pool;
+pub(crate) mod savepoint;
 #[cfg(feature = "postgres")]
 pub mod transaction_pooler;

@@ -1,7 +1,7 @@
 //! One handler's run in the job's transaction — in a savepoint of it once an attempt was
 //! spoiled — its panics caught, its failure classified.
 
-use sea_orm::{DatabaseTransaction, DbErr, TransactionTrait};
+use sea_orm::{DatabaseTransaction, DbErr};
 use tracing::debug;
 
 use super::{
@@ -11,7 +11,7 @@ use super::{
     retry::{Retry, decide},
     step::{Failed, JobStep, Ran, Start},
 };
-use crate::{db::deadline::within, tx::Tx};
+use crate::{db::savepoint::Savepoint, tx::Tx};
 
 impl JobStep<'_> {
     /// Runs a handler's work in the job's transaction `txn` — in a savepoint of it once an
@@ -63,15 +63,16 @@ impl JobStep<'_> {
         // handler's go through its `Tx`): one whose reply never comes fails the attempt as a
         // lost connection, and the engine drops the silent connection (see `deadline.rs`).
         let reply = self.cx.reply();
-        let savepoint = match within(reply, txn.begin()).await {
+        let savepoint = match Savepoint::begin(&txn, reply).await {
             Ok(savepoint) => savepoint,
             Err(e) => return (txn, Err(("starting the savepoint of", e))),
         };
-        let tx = Tx::new(savepoint, self.cx.session.clone());
+        let tx = Tx::new(savepoint.lend(), self.cx.session.clone());
         let ran = run_handler(&tx, kind, kind_name, start).await;
         let (savepoint, effects, conflicted) = tx.into_parts();
+        let savepoint = Savepoint::resume(savepoint, reply);
         let ended = match failed(ran, conflicted) {
-            None => match within(reply, savepoint.commit()).await {
+            None => match savepoint.release().await {
                 Ok(()) => {
                     debug!("job completed");
                     Ok(Ran::Ended(JobOutcome::Completed, effects))
@@ -81,7 +82,7 @@ impl JobStep<'_> {
             // When the database ended the whole transaction (a deadlock on MySQL), the
             // savepoint is gone: the attempt fails with the handler's error, and the engine
             // runs it again if that error is transient.
-            Some((failure, retries, handler)) => match within(reply, savepoint.rollback()).await {
+            Some((failure, retries, handler)) => match savepoint.roll_back().await {
                 Ok(()) => {
                     let outcome = decide(&kind.policy, id, attempt, failure, retries);
                     Ok(Ran::Ended(outcome, Vec::new()))
@@ -89,7 +90,7 @@ impl JobStep<'_> {
                 Err(e) => Err(match handler {
                     // A rollback without reply: the connection is silent, which the attempt
                     // must say (nothing more is sent on it).
-                    Some(handler) if !crate::db::deadline::is_no_reply(&e) => {
+                    Some(handler) if !crate::db::failure::is_no_reply(&e) => {
                         ("running a job's handler in", handler)
                     }
                     _ => ("rolling back the savepoint of", e),

@@ -27,7 +27,7 @@ pub(crate) async fn bump(
             Err(lock_error(
                 kind,
                 LOCK_TABLE,
-                crate::db::deadline::no_reply(reply),
+                crate::db::failure::no_reply(reply),
             ))
         })
 }

@@ -354,16 +354,11 @@ where
                             return Ok(false);
                         }
                     };
-                    let theirs = write::changed_columns::<E>(&seen, &mut draft);
-                    if theirs
-                        .iter()
-                        .any(|(column, _)| write::is_primary_key::<E>(column))
-                    {
-                        member.finish(Err(Error::PrimaryKeyChanged {
-                            target: row.to_string(),
-                        }));
+                    if let Err(moved) = row.check_key::<E>(&draft) {
+                        member.finish(Err(moved));
                         return Ok(false);
                     }
+                    let theirs = write::changed_columns::<E>(&seen, &mut draft);
                     member.state = Turn::Merged {
                         changed: !theirs.is_empty(),
                     };

@@ -263,11 +263,7 @@ where
     E::Model: IntoActiveModel<E::ActiveModel> + Sync,
     E::ActiveModel: Send,
 {
-    if draft.get_primary_key_value().as_ref() != Some(row.pk()) {
-        return Err(Error::PrimaryKeyChanged {
-            target: row.to_string(),
-        });
-    }
+    row.check_key::<E>(&draft)?;
     if !draft.is_changed() {
         return Ok(UpdateOutcome::Unchanged(Arc::clone(original)));
     }

@@ -3,8 +3,9 @@
 use std::{any::TypeId, fmt, fmt::Write as _};
 
 use sea_orm::{
-    ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, Iterable,
-    PrimaryKeyToColumn, QueryFilter, QuerySelect, Select, Statement, sea_query::ValueTuple,
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr,
+    EntityTrait, Iterable, PrimaryKeyToColumn, QueryFilter, QuerySelect, Select, Statement,
+    sea_query::ValueTuple,
 };
 
 use crate::{
@@ -66,6 +67,18 @@ impl Row {
     pub(crate) fn locked_by(mut self, lock: LockName) -> Self {
         self.lock = lock;
         self
+    }
+
+    /// The rule every write of a row keeps, checked in this one place: a draft written to the
+    /// row still names it. [`Error::PrimaryKeyChanged`] when the caller's closure or a hook
+    /// moved (or unset) its primary key: the write would reach another row, or none.
+    pub(crate) fn check_key<E: EntityTrait>(&self, draft: &E::ActiveModel) -> Result<(), Error> {
+        if draft.get_primary_key_value().as_ref() == Some(self.pk()) {
+            return Ok(());
+        }
+        Err(Error::PrimaryKeyChanged {
+            target: self.to_string(),
+        })
     }
 
     pub(crate) fn pk(&self) -> &ValueTuple {

@@ -72,11 +72,6 @@ pub(crate) fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
     E::Column::iter().find(|column| column.as_str() == name)
 }
 
-/// Whether `column` is part of `E`'s primary key.
-pub(crate) fn is_primary_key<E: EntityTrait>(column: &E::Column) -> bool {
-    E::PrimaryKey::iter().any(|pk| pk.into_column().as_str() == column.as_str())
-}
-
 /// Whether `column` of `E` is declared as an integer column (what a version column must be).
 pub(crate) fn is_integer_column<E: EntityTrait>(column: &E::Column) -> bool {
     matches!(

@@ -101,16 +101,10 @@ where
             Ok(draft) => draft,
             Err(e) => return self.failed(txn, "running before_save for", e),
         };
-        let mut changes = write::changed_columns::<E>(&original, &mut draft);
-        if changes
-            .iter()
-            .any(|(column, _)| write::is_primary_key::<E>(column))
-        {
-            let error = Error::PrimaryKeyChanged {
-                target: self.row.to_string(),
-            };
+        if let Err(error) = self.row.check_key::<E>(&draft) {
             return (txn, Worked::Undone(Tried::failed(error)));
         }
+        let mut changes = write::changed_columns::<E>(&original, &mut draft);
         // Only a holder that excludes the process's other writers of the row may serve them.
         let excludes = lockings.iter().all(Locking::excludes_process);
         if let Some(room) = self.room.as_ref().filter(|_| excludes) {
