@@ -204,6 +204,10 @@ struct Timed {
 }
 
 impl LockBackend for Timed {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        self.inner.queue()
+    }
+
     fn kind(&self) -> freshlock::LockKind {
         self.inner.kind()
     }

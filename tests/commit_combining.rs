@@ -21,6 +21,9 @@
 //! - 40 writers: the batch is bounded — one commit of 32 (the holder and the 31 longest
 //!   seated), then one of the 8 left; all 40 committed once.
 //! - Without `combine_commits`, the same 16 writers commit one by one (`batch == 1`).
+//! - 16 writers with a session each, each given the same `table` backend in an `Arc` of its own
+//!   (a clone of the backend: its in-process queue comes with it): one commit of 16. Two
+//!   backend instances are two queues: 8 writers behind each never share a commit.
 //! - 16 writers with a session each, built the usual way (`Session::builder(db)
 //!   .combine_commits(true).build()`, the process-wide lock by default, so each session holds
 //!   it in an `Arc` of its own): one commit of 16, on SQLite, PostgreSQL and MariaDB.
@@ -476,6 +479,79 @@ async fn a_session_each(db: Option<TestDb>, _: ()) {
         (1_i64 << WRITERS) - 1,
         "all 16, once each"
     );
+}
+
+/// 16 sessions; writer `i` gets `backends[i % backends.len()]` in an `Arc` of its own. Returns
+/// each writer's batch.
+async fn backend_per_session(
+    db: &DatabaseConnection,
+    backends: &[freshlock::TableLock],
+) -> Vec<u32> {
+    seed(db).await;
+    let session = |i: usize| {
+        let lock = backends[i % backends.len()].clone();
+        Session::builder(db.clone())
+            .lock(Arc::new(lock))
+            .combine_commits(true)
+            .build()
+            .expect("session")
+    };
+    let (release, holder) = hold(&session(0), lock_name::<account::Entity>(1).expect("key")).await;
+    let sessions: Vec<Session> = (0..WRITERS).map(session).collect();
+    let tasks = spawn_writers(&sessions, &[Writer::Adds; WRITERS]);
+    eventually("every writer is seated", || {
+        sessions.iter().map(Session::in_flight).sum::<usize>() == WRITERS
+    })
+    .await;
+    release.send(()).expect("blocker waits");
+    holder.await.expect("blocker");
+    let mut batches = Vec::new();
+    for (i, task) in tasks.into_iter().enumerate() {
+        let report = task
+            .await
+            .expect("no panic")
+            .unwrap_or_else(|e| panic!("writer {i}: {e}"));
+        assert!(report.outcome.is_updated(), "writer {i}");
+        batches.push(report.batch);
+    }
+    assert_eq!(
+        balance(db).await,
+        (1_i64 << WRITERS) - 1,
+        "all 16, once each"
+    );
+    batches
+}
+
+/// One backend, cloned into an `Arc` per session: one queue, so one commit of 16.
+async fn a_backend_clone_each(db: Option<TestDb>, _: ()) {
+    let Some(test) = db else { return };
+    let table = freshlock::TableLock::new(test.db.clone());
+    let batches = backend_per_session(&test.db, &[table]).await;
+    assert!(
+        batches.iter().all(|batch| *batch == WRITERS as u32),
+        "clones of one backend share its queue and combine: {batches:?}"
+    );
+}
+
+/// Two backend instances on one database: two queues, whose writers never share a commit.
+async fn two_backends(db: Option<TestDb>, _: ()) {
+    let Some(test) = db else { return };
+    let (a, b) = (
+        freshlock::TableLock::new(test.db.clone()),
+        freshlock::TableLock::new(test.db.clone()),
+    );
+    let batches = backend_per_session(&test.db, &[a, b]).await;
+    assert!(
+        batches.iter().all(|batch| *batch <= (WRITERS / 2) as u32),
+        "writers of two backends never share a commit: {batches:?}"
+    );
+}
+
+servers::server_tests! {
+    backend_clone_each_sqlite: a_backend_clone_each, (), sqlite;
+    backend_clone_each_postgres: a_backend_clone_each, (), postgres;
+    two_backends_sqlite: two_backends, (), sqlite;
+    two_backends_mysql: two_backends, (), mysql;
 }
 
 servers::server_tests! {

@@ -224,6 +224,10 @@ fn say(what: &str) {
 struct PauseAfterAcquire(Arc<dyn LockBackend>);
 
 impl LockBackend for PauseAfterAcquire {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        self.0.queue()
+    }
+
     fn kind(&self) -> freshlock::LockKind {
         self.0.kind()
     }

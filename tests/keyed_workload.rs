@@ -36,6 +36,10 @@ struct Occupancy {
 }
 
 impl LockBackend for Occupancy {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        self.inner.queue()
+    }
+
     fn kind(&self) -> freshlock::LockKind {
         freshlock::LockKind::Table
     }

@@ -16,6 +16,7 @@ use sea_orm::{
 use tracing::{debug, warn};
 
 use super::{
+    LocalLock,
     kind::LockKind,
     name::LockName,
     sql::{lock_error, statement},
@@ -63,6 +64,8 @@ const MAX_NAME: usize = 64;
 #[derive(Clone, Debug)]
 pub struct MySqlNamedLock {
     locks: DatabaseConnection,
+    /// This backend's in-process queue (see [`LockBackend::queue`]), shared by its clones.
+    queue: LocalLock,
 }
 
 impl MySqlNamedLock {
@@ -78,7 +81,10 @@ impl MySqlNamedLock {
                 database: format!("{:?}", locks.get_database_backend()),
             });
         }
-        Ok(Self { locks })
+        Ok(Self {
+            locks,
+            queue: LocalLock::new(),
+        })
     }
 
     fn fail(e: impl std::error::Error + Send + Sync + 'static) -> LockError {
@@ -90,6 +96,10 @@ impl MySqlNamedLock {
 }
 
 impl LockBackend for MySqlNamedLock {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        Some(&self.queue)
+    }
+
     fn kind(&self) -> LockKind {
         LockKind::MySqlNamed
     }

@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Value};
 
 use super::{
+    LocalLock,
     kind::LockKind,
     name::LockName,
     sql::statement,
@@ -24,13 +25,16 @@ const KIND: &str = "pg_advisory";
 ///
 /// PostgreSQL only: on other databases it fails with [`LockError::Unsupported`]. Two names
 /// with the same 64-bit hash share a lock (harmless: they only serialize more).
-#[derive(Clone, Copy, Debug, Default)]
-pub struct PgAdvisoryLock;
+#[derive(Clone, Debug, Default)]
+pub struct PgAdvisoryLock {
+    /// This backend's in-process queue (see [`LockBackend::queue`]), shared by its clones.
+    queue: LocalLock,
+}
 
 impl PgAdvisoryLock {
     /// The advisory-lock backend.
     pub fn new() -> Self {
-        Self
+        Self::default()
     }
 
     /// The advisory-lock key of `name`: its stable hash as a `bigint`.
@@ -40,6 +44,10 @@ impl PgAdvisoryLock {
 }
 
 impl LockBackend for PgAdvisoryLock {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        Some(&self.queue)
+    }
+
     fn kind(&self) -> LockKind {
         LockKind::PgAdvisory
     }

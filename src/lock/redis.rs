@@ -8,6 +8,7 @@ use sea_orm::{DatabaseConnection, DatabaseTransaction};
 use tokio::time::{Instant, timeout};
 
 use super::{
+    LocalLock,
     backoff::Backoff,
     fence, holder,
     kind::LockKind,
@@ -38,6 +39,8 @@ const EXTEND: &str = r#"if redis.call("get", KEYS[1]) == ARGV[1] then return red
 pub struct RedisLock {
     redis: ConnectionManager,
     fences: DatabaseConnection,
+    /// This backend's in-process queue (see [`LockBackend::queue`]), shared by its clones.
+    queue: LocalLock,
 }
 
 impl std::fmt::Debug for RedisLock {
@@ -79,7 +82,11 @@ impl RedisLock {
             .await
             .map_err(|_| unreachable_server())?
             .map_err(fail)?;
-        Ok(Self { redis, fences })
+        Ok(Self {
+            redis,
+            fences,
+            queue: LocalLock::new(),
+        })
     }
 
     fn key(name: &LockName) -> String {
@@ -131,6 +138,10 @@ async fn call<T>(future: impl Future<Output = redis::RedisResult<T>>) -> Result<
 }
 
 impl LockBackend for RedisLock {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        Some(&self.queue)
+    }
+
     fn kind(&self) -> LockKind {
         LockKind::Redis
     }

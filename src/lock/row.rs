@@ -6,6 +6,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
 
 use super::{
+    LocalLock,
     kind::LockKind,
     name::LockName,
     sql::{lock_error, statement},
@@ -41,13 +42,18 @@ const KIND: &str = "row";
 #[derive(Clone, Debug)]
 pub struct RowLock {
     _rows: DatabaseConnection,
+    /// This backend's in-process queue (see [`LockBackend::queue`]), shared by its clones.
+    queue: LocalLock,
 }
 
 impl RowLock {
     /// Lock rows in `rows`' database (the data's). Every statement runs in the section's own
     /// transaction; `rows` names the database and is not used for statements of its own.
     pub fn new(rows: DatabaseConnection) -> Self {
-        Self { _rows: rows }
+        Self {
+            _rows: rows,
+            queue: LocalLock::new(),
+        }
     }
 
     /// The `name` column of lock `name`'s row.
@@ -79,6 +85,10 @@ impl RowLock {
 }
 
 impl LockBackend for RowLock {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        Some(&self.queue)
+    }
+
     fn kind(&self) -> LockKind {
         LockKind::Row
     }

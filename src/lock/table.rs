@@ -8,6 +8,7 @@ use tokio::time::Instant;
 use tracing::{debug, warn};
 
 use super::{
+    LocalLock,
     backoff::Backoff,
     floor, holder,
     kind::LockKind,
@@ -48,12 +49,18 @@ const KIND: &str = "table";
 pub struct TableLock {
     db: DatabaseConnection,
     label: Option<String>,
+    /// This backend's in-process queue (see [`LockBackend::queue`]), shared by its clones.
+    queue: LocalLock,
 }
 
 impl TableLock {
     /// Leases in `db`'s `freshlock_lock` table.
     pub fn new(db: DatabaseConnection) -> Self {
-        Self { db, label: None }
+        Self {
+            db,
+            label: None,
+            queue: LocalLock::new(),
+        }
     }
 
     /// Records `label` (a worker or task name) as the holder's label, for the lock inspector.
@@ -152,6 +159,10 @@ impl TableLock {
 }
 
 impl LockBackend for TableLock {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        Some(&self.queue)
+    }
+
     fn kind(&self) -> LockKind {
         LockKind::Table
     }

@@ -59,6 +59,21 @@ pub trait LockBackend: Send + Sync + fmt::Debug {
         false
     }
 
+    /// The in-process queue this backend's waiters of one process line up in before they reach
+    /// the shared lock, so that at most one task per key and process waits on (and polls, or
+    /// holds a connection for) it: many waiters on one hot key cannot drain the connection pool,
+    /// and writes queued there may share a commit ([`crate::SessionBuilder::combine_commits`]).
+    ///
+    /// The queue belongs to the backend: every one of freshlock's backends that reaches outside
+    /// the process keeps a [`LocalLock`](super::LocalLock) of its own, shared by its clones, and
+    /// returns it here, so every session given the backend (in whichever `Arc`) queues in it. A
+    /// backend of your own does the same — keep a `LocalLock` made once with the backend and
+    /// return `Some(&self.queue)`; the default, `None`, queues nothing in process. Backends
+    /// that are in-process themselves ([`in_process`](Self::in_process)) need none.
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        None
+    }
+
     /// The in-process lock space this backend *is*, when it is one: [`LocalLock`](super::LocalLock) returns its
     /// id (every clone of one `LocalLock` has the same); every other backend keeps the default,
     /// `None`. Sessions use it to tell which writes of the process exclude each other through

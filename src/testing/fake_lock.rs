@@ -12,6 +12,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use crate::{
+    LocalLock,
     error::LockError,
     lock::{Fencing, LeaseLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
 };
@@ -40,6 +41,8 @@ const KIND: &str = "fake";
 #[derive(Clone, Debug, Default)]
 pub struct FakeLock {
     state: Arc<State>,
+    /// Its in-process queue (see `LockBackend::queue`), shared by its clones.
+    queue: LocalLock,
     /// Says it is in-process (see `LockBackend::in_process`): no in-process queue either.
     in_process: bool,
 }
@@ -69,8 +72,8 @@ impl FakeLock {
     /// every lock server is down and the policy says to proceed).
     pub fn without_lock() -> Self {
         let fake = Self {
-            state: Arc::default(),
             in_process: true,
+            ..Self::default()
         };
         fake.fail_after(0);
         fake
@@ -159,6 +162,10 @@ impl LockBackend for FakeLock {
 
     fn in_process(&self) -> bool {
         self.in_process
+    }
+
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        Some(&self.queue)
     }
 
     fn role(&self) -> LockRole<'_> {

@@ -70,19 +70,20 @@ where
         conflicts = field::Empty,
         outcome = field::Empty,
     );
-    let room = (combinable && session.combine_commits())
-        .then(|| {
+    let exclusion = crate::write::locking::exclusion(session.lock_backend().as_ref());
+    let room = exclusion
+        .filter(|_| combinable && session.combine_commits())
+        .and_then(|exclusion| {
             RoomKey::new(
                 TypeId::of::<E>(),
                 session.connection(),
-                crate::write::locking::exclusion(session.lock_backend()),
+                exclusion,
                 &row.lock,
                 &row.name,
                 session.version_column(TypeId::of::<E>()),
                 session.commit_markers(),
             )
-        })
-        .flatten();
+        });
     let driver = Driver::<E> {
         // A write that only updates an existing row tries a `pg_advisory` or `row` lock in its
         // reload (one round trip less); one that may find no row would only pay for a second

@@ -13,11 +13,9 @@ use crate::{
     db::deadline::{lock_within, within},
     error::{Error, LockError, Result, database},
     lock::{
-        LeaseCheck, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole,
-        OnLockFailure,
+        LeaseCheck, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole, OnLockFailure,
     },
     outcome::LockReport,
-    registry::Registry,
 };
 
 /// Whether a transaction-scoped lock is taken by the step's first statement instead of a
@@ -135,13 +133,17 @@ impl Locking {
 
         // Queue in-process first when the backend reaches outside the process: then at most one
         // task per key and process waits on (and polls, or holds a connection for) the shared
-        // lock, so many waiters on one hot key cannot drain the connection pool. One queue per
-        // backend instance: sessions sharing a backend share it, other databases' do not.
-        if !locking.backend.in_process() {
-            let local = queue_of(&locking.backend);
+        // lock, so many waiters on one hot key cannot drain the connection pool. The queue is
+        // the backend's own (`LockBackend::queue`): sessions given the backend share it.
+        let backend = Arc::clone(&locking.backend);
+        let queue = backend.queue().filter(|_| !backend.in_process());
+        if let Some(queue) = queue
+            && let LockRole::Lease(lease) = queue.role()
+        {
+            let kind = queue.kind();
             let acquisition = tokio::select! {
                 () = cancelled => return Ok(None),
-                acquisition = policy.acquire(local.kind().as_str(), &local, lock) => acquisition,
+                acquisition = policy.acquire(kind.as_str(), lease, lock) => acquisition,
             };
             locking.report.waited = acquisition.waited;
             match acquisition.result {
@@ -154,7 +156,6 @@ impl Locking {
             }
         }
 
-        let backend = Arc::clone(&locking.backend);
         match backend.role() {
             LockRole::Transaction(_) => {
                 locking.in_transaction = true;
@@ -568,19 +569,10 @@ pub(crate) async fn begin(
 }
 
 /// The lock space that excludes this process's writers of one key from each other under
-/// `backend`: the backend itself when it is the in-process lock, else its in-process queue.
-/// Sessions given the same lock space (`LocalLock::shared()` by default, whichever `Arc` it was
-/// wrapped in) share it.
-pub(crate) fn exclusion(backend: &Arc<dyn LockBackend>) -> u64 {
-    backend
-        .lock_space()
-        .unwrap_or_else(|| queue_of(backend).id())
-}
-
-/// The in-process queue in front of `backend`: one per backend instance, shared by every session
-/// given that instance (a clone of the same `Arc`), none shared with another backend (see
-/// [`Registry`]).
-fn queue_of(backend: &Arc<dyn LockBackend>) -> LocalLock {
-    static QUEUES: Registry<dyn LockBackend, LocalLock> = Registry::new();
-    QUEUES.get_or_insert_with(backend, LocalLock::new)
+/// `backend`: the backend itself when it is the in-process lock, else its in-process queue
+/// ([`LockBackend::queue`]); `None` for a backend with neither, whose writes are never
+/// combined. Sessions given the same lock space (`LocalLock::shared()` by default, whichever
+/// `Arc` it was wrapped in; a backend's queue, shared by the backend's clones) share it.
+pub(crate) fn exclusion(backend: &dyn LockBackend) -> Option<u64> {
+    (backend.lock_space()).or_else(|| backend.queue().and_then(|queue| queue.lock_space()))
 }

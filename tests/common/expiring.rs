@@ -11,6 +11,10 @@ use freshlock::{LeaseLock, LockBackend, LockError, LockGuard, LockName, LockRole
 pub struct ExpiresBeforeUse(pub TableLock);
 
 impl LockBackend for ExpiresBeforeUse {
+    fn queue(&self) -> Option<&dyn LockBackend> {
+        self.0.queue()
+    }
+
     fn kind(&self) -> freshlock::LockKind {
         freshlock::LockKind::Table
     }
