@@ -29,7 +29,10 @@ use sea_orm::{
 
 use crate::{
     commit::{commit_write, rollback, rollback_after},
-    db::deadline::{Bounded, DEFAULT_REPLY, within},
+    db::{
+        deadline::{Bounded, DEFAULT_REPLY, within},
+        pool::Pool,
+    },
     error::{ApplyError, Error, Result, work_error},
     lock::{
         LockName, holder,
@@ -62,7 +65,7 @@ use crate::{
 /// by a token nobody knows, and a finish that happened is never reported as `Stale`.
 #[derive(Clone, Debug)]
 pub struct Claims {
-    db: DatabaseConnection,
+    db: Pool,
     label: Option<String>,
     markers: bool,
     /// The bound on each round trip (see [`Claims::with_reply_timeout`]).
@@ -112,6 +115,7 @@ impl Claims {
     /// SQLite, as for sessions; they need [`crate::schema::CommitMigration`] too.
     pub fn new(db: DatabaseConnection) -> Self {
         let markers = db.get_database_backend() != DbBackend::Sqlite;
+        let db = Pool::new(db);
         Self {
             db,
             label: None,

@@ -34,7 +34,7 @@
 //! was (measured: 8 of 8 tries after a `kill -9` of a backend). Ids are given out twice only
 //! across crash recovery (or a failover to a standby), and those empty every `UNLOGGED` table.
 //! So the server's incarnation is the token in `freshlock_incarnation`'s one row, an `UNLOGGED`
-//! table (`schema::IncarnationMigration`): a pool sees the token (`pool::incarnation`) before it
+//! table (`schema::IncarnationMigration`): a pool sees the token (`Pool::incarnation`) before it
 //! begins the write, hence before the id is given out; the resolution asks `txid_status` in the
 //! same statement that checks the token is still there — then no crash recovery happened since
 //! the id was given out, and the answer is this write's. With the token gone only `committed`
@@ -50,16 +50,10 @@
 //! later writer (an ABA: version v+1 may be someone else's write from v when ours did not
 //! commit), so they cannot prove that *this* write committed. A token can.
 
-use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicU64, Ordering},
-    },
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
 use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, Statement,
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Statement,
     sea_query::{ExprTrait, Query},
 };
 use tracing::{debug, info, warn};
@@ -67,7 +61,10 @@ use tracing::{debug, info, warn};
 use crate::{
     db::deadline::within,
     db::failure::{classify, in_doubt},
-    db::pool::{Incarnation, autocommit, forget_incarnation, incarnation, saw_incarnation},
+    db::{
+        autocommit::{alone, autocommit, read_committed, upkeep},
+        pool::{Incarnation, Pool},
+    },
     error::{Error, database},
     lock::holder,
     schema::{COMMIT_TABLE, INCARNATION_TABLE},
@@ -143,7 +140,7 @@ impl Marker {
     }
 
     /// One try at resolving a lost reply with this marker, on `db`.
-    async fn try_resolve(&self, db: &DatabaseConnection, target: &str) -> Try {
+    async fn try_resolve(&self, db: &Pool, target: &str) -> Try {
         let insert = self.insert(db.get_database_backend(), false);
         match autocommit(db).execute(&insert).await {
             Ok(_) => {
@@ -213,11 +210,8 @@ impl Evidence {
     /// this SELECT, which runs on the transaction's own connection; a crash since the id was
     /// given out would have ended that connection (so no evidence, no commit), and a crash after
     /// this SELECT empties the table of the token (so the resolution does not trust `committed`).
-    pub(crate) async fn take(
-        txn: &DatabaseTransaction,
-        db: &DatabaseConnection,
-    ) -> Result<Self, DbErr> {
-        let known = match incarnation(db, txn).await {
+    pub(crate) async fn take(txn: &DatabaseTransaction, db: &Pool) -> Result<Self, DbErr> {
+        let known = match db.incarnation(txn).await {
             Incarnation::Known(token) => Some(token),
             Incarnation::Unseen => None,
             Incarnation::Unsupported => {
@@ -252,13 +246,13 @@ impl Evidence {
     }
 
     /// The evidence of a transaction on `db` with id `xid`, begun while the incarnation
-    /// `known` was the server's (see `pool::incarnation`), or (without `known`) that read the
+    /// `known` was the server's (see `Pool::incarnation`), or (without `known`) that read the
     /// incarnation `seen` itself. When it saw none (the table was just made, or crash recovery
     /// emptied it), the transaction id proves nothing: the write gets a marker instead, and
     /// starts the new incarnation, in `txn`.
     pub(crate) async fn stamped(
         txn: &DatabaseTransaction,
-        db: &DatabaseConnection,
+        db: &Pool,
         xid: i64,
         known: Option<Arc<str>>,
         seen: Option<String>,
@@ -267,7 +261,7 @@ impl Evidence {
             return Ok(Self::Xid { xid, incarnation });
         }
         if let Some(seen) = seen {
-            saw_incarnation(db, &seen);
+            db.saw_incarnation(&seen);
             return Ok(Self::Xid {
                 xid,
                 incarnation: seen.into(),
@@ -298,7 +292,7 @@ impl Evidence {
     /// without an answer is tried again on another connection, until [`RESOLVE_WITHIN`].
     pub(crate) async fn resolve(
         &self,
-        db: &DatabaseConnection,
+        db: &Pool,
         target: &str,
         reply: Duration,
     ) -> Result<Resolution, Error> {
@@ -355,12 +349,7 @@ enum Try {
 ///   So `aborted` → absent, and an id "in the future" (not given out since recovery) → absent.
 ///   `in progress` there is another transaction's, or (table emptied by hand, no crash) maybe
 ///   this one's → unknown, not waited for.
-async fn try_resolve_xid(
-    db: &DatabaseConnection,
-    target: &str,
-    xid: i64,
-    incarnation: &str,
-) -> Try {
+async fn try_resolve_xid(db: &Pool, target: &str, xid: i64, incarnation: &str) -> Try {
     let select = Statement::from_sql_and_values(
         DbBackend::Postgres,
         format!(
@@ -373,7 +362,7 @@ async fn try_resolve_xid(
         Ok(Some(row)) => row,
         Ok(None) => return Try::Unknown("the resolution returned no row".into()),
         Err(e) if crate::db::failure::is_future_xid(&e) => {
-            forget_incarnation(db);
+            db.forget_incarnation();
             info!(
                 target,
                 xid,
@@ -393,7 +382,7 @@ async fn try_resolve_xid(
         Err(e) => return Try::Unknown(Box::new(e)),
     };
     if !same {
-        forget_incarnation(db);
+        db.forget_incarnation();
     }
     match (same, status.as_deref()) {
         (true, Some("committed")) => {
@@ -436,7 +425,7 @@ pub(crate) fn write_error(operation: &'static str, target: &str, e: DbErr) -> Er
 impl Marker {
     /// Whether the marker row is the writer's, not an earlier resolution's; `None` when there
     /// is no row (any more).
-    async fn written_by_writer(&self, db: &DatabaseConnection) -> Result<Option<bool>, DbErr> {
+    async fn written_by_writer(&self, db: &Pool) -> Result<Option<bool>, DbErr> {
         let select = Query::select()
             .column(sea_orm::sea_query::Alias::new("created_at"))
             .from(sea_orm::sea_query::Alias::new(COMMIT_TABLE))
@@ -471,7 +460,7 @@ fn unknown(target: &str, source: crate::error::BoxError) -> Error {
 pub(crate) async fn commit_write(
     txn: DatabaseTransaction,
     markers: bool,
-    db: &DatabaseConnection,
+    db: &Pool,
     target: &str,
     reply: Duration,
 ) -> Result<(), Error> {
@@ -523,7 +512,7 @@ pub(crate) async fn rollback(txn: DatabaseTransaction, reply: Duration) {
 pub(crate) async fn commit(
     txn: DatabaseTransaction,
     evidence: &Evidence,
-    db: &DatabaseConnection,
+    db: &Pool,
     target: &str,
     reply: Duration,
 ) -> Result<(), Error> {
@@ -546,13 +535,12 @@ pub(crate) async fn commit(
     }
 }
 
-/// Now and then (every [`SWEEP_EVERY`] markers of this process) deletes the markers older than
+/// Now and then (every [`SWEEP_EVERY`] markers written on the pool) deletes the markers older than
 /// [`KEEP_MARKERS`]. A failure is logged: it only leaves rows for the next sweep. The write
 /// that runs it still holds its locks, so the sweep waits at most `reply` (a reply's bound, see
 /// `deadline.rs`): a reply that never comes must not freeze the write's key.
-async fn sweep(db: &DatabaseConnection, marker: &Marker, reply: Duration) {
-    static WRITTEN: AtomicU64 = AtomicU64::new(0);
-    if WRITTEN.fetch_add(1, Ordering::Relaxed) % SWEEP_EVERY != SWEEP_EVERY - 1 {
+async fn sweep(db: &Pool, marker: &Marker, reply: Duration) {
+    if !db.marker_written().is_multiple_of(SWEEP_EVERY) {
         return;
     }
     if let Err(error) = within(reply, delete_old_markers(db)).await {
@@ -568,7 +556,7 @@ async fn sweep(db: &DatabaseConnection, marker: &Marker, reply: Duration) {
 /// also reads past the oldest young marker — and the writer running the sweep with it; at
 /// REPEATABLE READ its gap locks held up every other writer's marker insert meanwhile. Returns
 /// how many it deleted.
-async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
+async fn delete_old_markers(db: &Pool) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
     let now = crate::lock::sql::now_ms(backend);
     let keep = KEEP_MARKERS.as_millis();
@@ -587,7 +575,7 @@ async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
         // MySQL cannot read the table it deletes from in a subquery: the markers are locked
         // first (READ COMMITTED: no gap locks), then deleted by key, in one transaction.
         _ => {
-            return crate::db::pool::alone(db, crate::db::pool::read_committed(), |txn| {
+            return alone(db, read_committed(), |txn| {
                 Box::pin(async move {
                     let lock =
                         Statement::from_string(backend, format!("{old} FOR UPDATE SKIP LOCKED"));
@@ -608,5 +596,5 @@ async fn delete_old_markers(db: &DatabaseConnection) -> Result<u64, DbErr> {
             .await;
         }
     };
-    crate::db::pool::upkeep(db, Statement::from_string(backend, sql)).await
+    upkeep(db, Statement::from_string(backend, sql)).await
 }

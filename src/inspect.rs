@@ -10,6 +10,7 @@ use std::time::Duration;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, TransactionTrait, Value};
 
 use crate::{
+    db::pool::Pool,
     error::{Result, database},
     lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
     schema::{FLOOR_NAME, LOCK_TABLE, ROW_LOCK_TABLE, insert_floor},
@@ -142,6 +143,7 @@ const BATCH: usize = 500;
 /// [`Error::Database`](crate::Error::Database) when a statement fails (a batch's transaction is
 /// rolled back; the batches before it stay done).
 pub async fn compact(db: &DatabaseConnection, idle: Duration) -> Result<Compacted> {
+    let db = &Pool::new(db.clone());
     let mut compacted = Compacted::default();
     let fail = |e| database("compacting", &LOCK_TABLE, e);
     loop {
@@ -165,10 +167,7 @@ pub async fn compact(db: &DatabaseConnection, idle: Duration) -> Result<Compacte
 }
 
 /// One batch of `freshlock_lock`: how many rows were deleted, and the floor after.
-async fn compact_leases(
-    db: &DatabaseConnection,
-    idle: Duration,
-) -> std::result::Result<(usize, i64), DbErr> {
+async fn compact_leases(db: &Pool, idle: Duration) -> std::result::Result<(usize, i64), DbErr> {
     let backend = db.get_database_backend();
     let txn = crate::write::locking::begin(db).await?;
     if backend == DbBackend::Postgres {

@@ -80,6 +80,7 @@ compile_error!(
 
 mod claim;
 mod commit;
+mod database;
 mod db;
 mod error;
 mod identity_map;
@@ -88,7 +89,6 @@ pub mod jobs;
 mod lock;
 pub mod metrics;
 mod outcome;
-mod registry;
 mod repository;
 pub mod schema;
 mod session;
@@ -99,6 +99,7 @@ mod unlocked;
 mod write;
 
 pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
+pub use database::Db;
 pub use db::deadline::Bounded;
 #[cfg(feature = "mysql")]
 pub use db::pool::mysql_read_committed;

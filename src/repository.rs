@@ -9,8 +9,8 @@ use sea_orm::{
 };
 
 use crate::{
+    db::autocommit::autocommit,
     db::live::on_live_connection,
-    db::pool::autocommit,
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
     lock::LockName,
@@ -105,9 +105,9 @@ where
     /// replica, if any) — and caches what was read.
     async fn fetch(&self, row: Row, fresh: bool) -> Result<Option<Arc<E::Model>>> {
         let db = if fresh {
-            self.session.connection()
+            self.session.pool()
         } else {
-            self.session.reader()
+            self.session.reader_pool()
         };
         let reader = autocommit(db);
         let found = on_live_connection(db, || select_by_key::<E>(row.pk()).one(&reader))
@@ -152,7 +152,7 @@ where
             let select = E::find().filter(any_of_keys::<E>(
                 chunk.iter().map(|(_, key)| key.1.to_tuple()),
             ));
-            let pool = self.session.reader();
+            let pool = self.session.reader_pool();
             let reader = autocommit(pool);
             let models = on_live_connection(pool, || select.clone().all(&reader))
                 .await

@@ -12,13 +12,19 @@ use std::{
 use sea_orm::{DatabaseConnection, EntityTrait, IdenStatic};
 
 use crate::{
+    database::Db,
+    db::pool::Pool,
     error::Result,
     identity_map::{CacheStats, IdentityMap},
     lock::{LocalLock, LockBackend, LockPolicy},
 };
 
-/// One unit of work (a job, a worker, a request): the database connection, an identity map, a
+/// One unit of work (a job, a worker, a request): the database ([`Db`]), an identity map, a
 /// lock backend and a lock policy.
+///
+/// Make sessions from the one [`Db`] the application keeps (`Session::new(&db)`): sessions of
+/// one `Db` combine commits and share what was learnt of the pool. A session made from a bare
+/// `DatabaseConnection` gets a `Db` of its own (see [`Db`]).
 ///
 /// Cloning is cheap (an `Arc` inside) and clones share everything, so the tasks of one job can
 /// each hold one. Sessions of different jobs should be separate (each has its own cache), but
@@ -31,8 +37,8 @@ pub struct Session {
 
 #[derive(Debug)]
 struct Inner {
-    db: DatabaseConnection,
-    replica: Option<DatabaseConnection>,
+    db: Db,
+    replica: Option<Pool>,
     map: IdentityMap,
     lock: Arc<dyn LockBackend>,
     policy: LockPolicy,
@@ -53,16 +59,18 @@ impl Drop for InFlight {
 }
 
 impl Session {
-    /// A session on `db` with the process-wide in-process lock, the default [`LockPolicy`] and an
-    /// unbounded identity map.
-    pub fn new(db: DatabaseConnection) -> Self {
+    /// A session on `db` (a `&Db`, a `Db`, or a bare `DatabaseConnection`: see [`Db`]) with
+    /// the process-wide in-process lock, the default [`LockPolicy`] and an unbounded identity
+    /// map.
+    pub fn new(db: impl Into<Db>) -> Self {
         Self::builder(db).build_unchecked()
     }
 
-    /// A builder to choose the lock backend, the policy and the cache bound.
-    pub fn builder(db: DatabaseConnection) -> SessionBuilder {
+    /// A builder to choose the lock backend, the policy and the cache bound (`db` as for
+    /// [`new`](Self::new)).
+    pub fn builder(db: impl Into<Db>) -> SessionBuilder {
         SessionBuilder {
-            db,
+            db: db.into(),
             lock: None,
             policy: LockPolicy::default(),
             capacity: None,
@@ -77,14 +85,29 @@ impl Session {
 
     /// The database connection.
     pub fn connection(&self) -> &DatabaseConnection {
+        self.inner.db.connection()
+    }
+
+    /// The database handle this session was made from: make sibling sessions from it.
+    pub fn db(&self) -> &Db {
         &self.inner.db
+    }
+
+    /// The primary's pool, with what freshlock keeps of it.
+    pub(crate) fn pool(&self) -> &Pool {
+        self.inner.db.pool()
+    }
+
+    /// Where reads the cache does not have go (see [`reader`](Self::reader)).
+    pub(crate) fn reader_pool(&self) -> &Pool {
+        self.inner.replica.as_ref().unwrap_or(self.pool())
     }
 
     /// Where [`Repository::load`](crate::Repository::load) and
     /// [`load_many`](crate::Repository::load_many) read rows the cache does not have: the read
     /// replica given to [`SessionBuilder::read_from`], else [`connection`](Self::connection).
     pub fn reader(&self) -> &DatabaseConnection {
-        self.inner.replica.as_ref().unwrap_or(&self.inner.db)
+        self.reader_pool().connection()
     }
 
     /// The lock backend.
@@ -159,7 +182,7 @@ impl Session {
 #[derive(Debug)]
 #[must_use]
 pub struct SessionBuilder {
-    db: DatabaseConnection,
+    db: Db,
     lock: Option<Arc<dyn LockBackend>>,
     policy: LockPolicy,
     capacity: Option<usize>,
@@ -169,7 +192,7 @@ pub struct SessionBuilder {
     commit_markers: Option<bool>,
     optimistic_first: bool,
     combine_commits: bool,
-    replica: Option<DatabaseConnection>,
+    replica: Option<Pool>,
 }
 
 impl SessionBuilder {
@@ -287,7 +310,7 @@ impl SessionBuilder {
     ///
     /// [`build`](Self::build) refuses a replica of another kind of database than the primary.
     pub fn read_from(mut self, replica: DatabaseConnection) -> Self {
-        self.replica = Some(replica);
+        self.replica = Some(Pool::new(replica));
         self
     }
 
@@ -307,7 +330,7 @@ impl SessionBuilder {
         self.policy.validate()?;
         if let Some(replica) = &self.replica {
             let (primary, replica) = (
-                self.db.get_database_backend(),
+                self.db.connection().get_database_backend(),
                 replica.get_database_backend(),
             );
             if primary != replica {
@@ -326,7 +349,7 @@ impl SessionBuilder {
     pub(crate) fn build_unchecked(self) -> Session {
         let commit_markers = self
             .commit_markers
-            .unwrap_or(self.db.get_database_backend() != sea_orm::DbBackend::Sqlite);
+            .unwrap_or(self.db.connection().get_database_backend() != sea_orm::DbBackend::Sqlite);
         Session {
             inner: Arc::new(Inner {
                 db: self.db,

@@ -8,7 +8,7 @@ use sea_orm::{ActiveModelTrait, DbBackend, EntityTrait, IntoActiveModel};
 
 use crate::{
     commit,
-    db::pool::{autocommit, transaction_pooled},
+    db::autocommit::autocommit,
     error::{ApplyError, Error, Result, database},
     outcome::{SaveOutcome, UpdateOutcome, UpdateReport},
     repository::Repository,
@@ -33,7 +33,7 @@ where
     /// use [`get_or_insert`](Self::get_or_insert) when another writer may create the row).
     pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
         let (row, stored, reported) =
-            insert_on::<E, _>(&autocommit(self.session().connection()), model).await?;
+            insert_on::<E, _>(&autocommit(self.session().pool()), model).await?;
         self.session().map().insert(row.key, Arc::new(stored));
         Ok(Arc::new(reported))
     }
@@ -91,8 +91,8 @@ where
             return Ok(SaveOutcome::Unchanged);
         }
         let version = self.session().version_of::<E>();
-        let db = self.session().connection();
-        let saved = if db.get_database_backend() == DbBackend::MySql || transaction_pooled(db) {
+        let db = self.session().pool();
+        let saved = if db.get_database_backend() == DbBackend::MySql || db.transaction_pooled() {
             // MySQL: no UPDATE … RETURNING, and the read back must see this UPDATE's row, not a
             // later one. Behind a transaction pooler: the UPDATE and a conflict's check read
             // must not run outside a transaction (see `transaction_pooler.rs`).
@@ -111,7 +111,7 @@ where
                 }
             }
         } else {
-            save_on::<E, _>(db, &row, snapshot, model, version, true).await
+            save_on::<E, _>(db.connection(), &row, snapshot, model, version, true).await
         }?;
         Ok(match saved {
             Saved::Stored { stored, reported } => {

@@ -24,9 +24,10 @@
 //! - 16 writers with a session each, each given the same `table` backend in an `Arc` of its own
 //!   (a clone of the backend: its in-process queue comes with it): one commit of 16. Two
 //!   backend instances are two queues: 8 writers behind each never share a commit.
-//! - 16 writers with a session each, built the usual way (`Session::builder(db)
-//!   .combine_commits(true).build()`, the process-wide lock by default, so each session holds
-//!   it in an `Arc` of its own): one commit of 16, on SQLite, PostgreSQL and MariaDB.
+//! - 16 writers with a session each, built the usual way (`Session::builder(&db)
+//!   .combine_commits(true).build()` from one `Db`, the process-wide lock by default, so each
+//!   session holds it in an `Arc` of its own): one commit of 16, on SQLite, PostgreSQL and
+//!   MariaDB. Sessions of two `Db` handles never share a commit.
 
 mod common;
 #[path = "common/servers.rs"]
@@ -36,7 +37,7 @@ use std::{sync::Arc, time::Duration};
 
 use entity::account;
 use freshlock::{
-    ApplyError, Error, LocalLock, LockBackend, LockKind, LockName, SectionOutcome, Session,
+    ApplyError, Db, Error, LocalLock, LockBackend, LockKind, LockName, SectionOutcome, Session,
     UpdateOutcome, lock_name,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set, Statement};
@@ -448,8 +449,10 @@ async fn a_session_each(db: Option<TestDb>, _: ()) {
     let Some(test) = db else { return };
     let db = &test.db;
     seed(db).await;
+    // One `Db` kept as the application keeps its pool; a session per writer made from it.
+    let shared = Db::new(db.clone());
     let usual = || {
-        Session::builder(db.clone())
+        Session::builder(&shared)
             .combine_commits(true)
             .build()
             .expect("session")
@@ -481,21 +484,10 @@ async fn a_session_each(db: Option<TestDb>, _: ()) {
     );
 }
 
-/// 16 sessions; writer `i` gets `backends[i % backends.len()]` in an `Arc` of its own. Returns
-/// each writer's batch.
-async fn backend_per_session(
-    db: &DatabaseConnection,
-    backends: &[freshlock::TableLock],
-) -> Vec<u32> {
+/// 16 sessions, writer `i` in `session(i)`, parked behind a held lock and let go. Returns each
+/// writer's batch.
+async fn writers_each_in(db: &DatabaseConnection, session: impl Fn(usize) -> Session) -> Vec<u32> {
     seed(db).await;
-    let session = |i: usize| {
-        let lock = backends[i % backends.len()].clone();
-        Session::builder(db.clone())
-            .lock(Arc::new(lock))
-            .combine_commits(true)
-            .build()
-            .expect("session")
-    };
     let (release, holder) = hold(&session(0), lock_name::<account::Entity>(1).expect("key")).await;
     let sessions: Vec<Session> = (0..WRITERS).map(session).collect();
     let tasks = spawn_writers(&sessions, &[Writer::Adds; WRITERS]);
@@ -520,6 +512,22 @@ async fn backend_per_session(
         "all 16, once each"
     );
     batches
+}
+
+/// Sessions of one `Db`, writer `i` given `backends[i % backends.len()]` in an `Arc` of its own.
+async fn backend_per_session(
+    db: &DatabaseConnection,
+    backends: &[freshlock::TableLock],
+) -> Vec<u32> {
+    let shared = Db::new(db.clone());
+    writers_each_in(db, |i| {
+        Session::builder(&shared)
+            .lock(Arc::new(backends[i % backends.len()].clone()))
+            .combine_commits(true)
+            .build()
+            .expect("session")
+    })
+    .await
 }
 
 /// One backend, cloned into an `Arc` per session: one queue, so one commit of 16.
@@ -547,11 +555,33 @@ async fn two_backends(db: Option<TestDb>, _: ()) {
     );
 }
 
+/// Two `Db` handles (each a pool to freshlock) with one lock space: their writers exclude each
+/// other, and never share a room, so never a commit.
+async fn two_handles(db: Option<TestDb>, _: ()) {
+    let Some(test) = db else { return };
+    let handles = [Db::new(test.db.clone()), Db::new(test.db.clone())];
+    let lock: Arc<dyn LockBackend> = Arc::new(LocalLock::new());
+    let batches = writers_each_in(&test.db, |i| {
+        Session::builder(&handles[i % 2])
+            .lock(Arc::clone(&lock))
+            .combine_commits(true)
+            .build()
+            .expect("session")
+    })
+    .await;
+    assert!(
+        batches.iter().all(|batch| *batch <= (WRITERS / 2) as u32),
+        "writers of two handles never share a room: {batches:?}"
+    );
+}
+
 servers::server_tests! {
     backend_clone_each_sqlite: a_backend_clone_each, (), sqlite;
     backend_clone_each_postgres: a_backend_clone_each, (), postgres;
     two_backends_sqlite: two_backends, (), sqlite;
     two_backends_mysql: two_backends, (), mysql;
+    two_handles_sqlite: two_handles, (), sqlite;
+    two_handles_postgres: two_handles, (), postgres;
 }
 
 servers::server_tests! {

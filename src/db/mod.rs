@@ -3,6 +3,7 @@
 //! every round trip, `BEGIN` on a live connection and never cut in half, single statements
 //! that commit alone, and PostgreSQL behind a transaction pooler.
 
+pub(crate) mod autocommit;
 pub(crate) mod deadline;
 pub(crate) mod detach;
 pub(crate) mod failure;

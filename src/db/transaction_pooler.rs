@@ -61,7 +61,7 @@ use sea_orm::{
 use tracing::debug;
 
 use crate::{
-    db::pool,
+    db::pool::Pool,
     error::{Error, Result},
 };
 
@@ -120,14 +120,13 @@ pub async fn adopt(db: &DatabaseConnection) -> Result<()> {
         )));
     }
     probe_reset(pg).await?;
-    pool::mark_transaction_pooled(db);
-    debug!("pool marked as running behind a transaction pooler");
+    debug!("the pool can run behind a transaction pooler");
     Ok(())
 }
 
 /// Whether [`adopt`] marked `db` (or a clone of it).
 pub fn is_adopted(db: &DatabaseConnection) -> bool {
-    pool::transaction_pooled(db)
+    Pool::new(db.clone()).transaction_pooled()
 }
 
 /// Prepares a statement in one transaction and looks for it in the next (simple protocol only,

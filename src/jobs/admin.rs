@@ -9,6 +9,10 @@ use sea_orm::{
 
 use super::{JobId, store};
 use crate::{
+    db::{
+        autocommit::{autocommit, upkeep},
+        pool::Pool,
+    },
     error::{Result, database},
     lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
@@ -127,7 +131,8 @@ fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
 /// [`crate::Error::Database`] when the query fails.
 pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
     // One statement of its own (in a transaction behind a transaction pooler).
-    let db = &crate::db::pool::autocommit(db);
+    let pool = Pool::new(db.clone());
+    let db = &autocommit(&pool);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let bigint = if backend == DbBackend::MySql {
@@ -204,7 +209,8 @@ pub async fn record_depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
 pub async fn list(db: &DatabaseConnection, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
-    let db = &crate::db::pool::autocommit(db);
+    let pool = Pool::new(db.clone());
+    let db = &autocommit(&pool);
     let backend = db.get_database_backend();
     let sql = format!(
         "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
@@ -381,7 +387,8 @@ const PRUNE_BATCH: u32 = 1_000;
 /// [`crate::Error::Database`] when a statement fails.
 pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) -> Result<u64> {
     let fail = |e| database("pruning finished jobs of", &JOB_TABLE, e);
-    let db = &crate::db::pool::autocommit(db);
+    let pool = Pool::new(db.clone());
+    let db = &autocommit(&pool);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let mut states = vec![store::DONE, store::DISCARDED];
@@ -428,7 +435,7 @@ pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) 
         } else {
             format!("DELETE FROM {JOB_TABLE} WHERE state IN ({states}) AND id IN ({placeholders})")
         };
-        pruned += crate::db::pool::upkeep(db.0, statement(backend, &delete, ids))
+        pruned += upkeep(db.0, statement(backend, &delete, ids))
             .await
             .map_err(fail)?;
         if rows.len() < PRUNE_BATCH as usize {

@@ -231,7 +231,7 @@ async fn work(cx: &Context, claim: &Claimed) -> std::result::Result<Output, (Job
         tokio::select! {
             ended = &mut future => break ended,
             _ = beat.tick(), if held => {
-                let db = crate::db::pool::autocommit(cx.session.connection());
+                let db = crate::db::autocommit::autocommit(cx.session.pool());
                 let extended = store::extend(&db, claim.id, &claim.owner, claim.lease);
                 match within(cx.reply(), extended).await {
                     Ok(true) => {}

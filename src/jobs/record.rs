@@ -10,7 +10,7 @@ use super::{
 };
 use crate::{
     commit::Evidence,
-    db::deadline::within,
+    db::{deadline::within, pool::Incarnation},
     write::engine::{Fence, Worked},
 };
 
@@ -116,12 +116,12 @@ impl JobStep<'_> {
     ) -> std::result::Result<(Option<Evidence>, u64), Failed> {
         const OPERATION: &str = "completing jobs in";
         let reply = self.cx.reply();
-        let db = self.cx.session.connection();
+        let db = self.cx.session.pool();
         let known = if self.cx.session.commit_markers() {
-            match crate::db::pool::incarnation(db, txn).await {
-                crate::db::pool::Incarnation::Known(token) => Some(Some(token)),
-                crate::db::pool::Incarnation::Unseen => Some(None),
-                crate::db::pool::Incarnation::Unsupported => None,
+            match db.incarnation(txn).await {
+                Incarnation::Known(token) => Some(Some(token)),
+                Incarnation::Unseen => Some(None),
+                Incarnation::Unsupported => None,
             }
         } else {
             None

@@ -38,7 +38,7 @@ pub(super) struct Stepped {
 pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped> {
     let session = &cx.session;
     let engine = Engine {
-        db: session.connection(),
+        db: session.pool(),
         map: session.map(),
         markers: session.commit_markers(),
     };

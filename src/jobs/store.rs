@@ -2,12 +2,14 @@
 
 use std::time::Duration;
 
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value,
-};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
 use sha2::{Digest, Sha256};
 
 use crate::{
+    db::{
+        autocommit::{autocommit, upkeep},
+        pool::Pool,
+    },
     lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
     schema::JOB_TABLE,
 };
@@ -496,9 +498,9 @@ fn promotion(keys: usize, except: usize) -> String {
 /// that ran until idle stopped with a hot key's jobs left (CI's MariaDB demo). A job the read
 /// saw stranded that is not by the time of the `UPDATE` is harmless: `QUEUED` is a hint, and a
 /// take still checks that it is its key's head.
-pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
+pub(crate) async fn sweep(db: &Pool) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
-    let db = crate::db::pool::autocommit(db);
+    let db = autocommit(db);
     // Only the first queued job of a key can be stranded.
     let find = format!(
         "SELECT q.id FROM (SELECT MIN(id) AS id, key_hash FROM {JOB_TABLE} \
@@ -526,7 +528,7 @@ pub(crate) async fn sweep(db: &DatabaseConnection) -> Result<u64, DbErr> {
         "UPDATE {JOB_TABLE}{index} SET state = {PENDING} \
          WHERE state = {QUEUED} AND id IN ({placeholders})"
     );
-    crate::db::pool::upkeep(db.0, statement(backend, &ready, ids)).await
+    upkeep(db.0, statement(backend, &ready, ids)).await
 }
 
 /// Claims job `id` (locked by `txn`'s take) for attempt `attempts` under a lease of `lease`
@@ -594,7 +596,7 @@ pub(crate) async fn extend(
 
 /// Makes every leased job whose lease expired wait again, due now (its worker stopped, hung or
 /// lost the database; a late finish is refused by [`hold`]). Returns how many.
-pub(crate) async fn reclaim(db: &DatabaseConnection) -> Result<u64, DbErr> {
+pub(crate) async fn reclaim(db: &Pool) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let sql = format!(
@@ -603,5 +605,5 @@ pub(crate) async fn reclaim(db: &DatabaseConnection) -> Result<u64, DbErr> {
     );
     let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
                database)";
-    crate::db::pool::upkeep(db, statement(backend, &sql, vec![why.into()])).await
+    upkeep(db, statement(backend, &sql, vec![why.into()])).await
 }

@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use sea_orm::DatabaseConnection;
+use crate::db::pool::Pool;
 use tokio::sync::{Notify, OnceCell};
 
 /// The channel an enqueue notifies.
@@ -39,21 +39,21 @@ impl Drop for AbortOnDrop {
 
 impl Wakeup {
     /// What an enqueue's notification wakes: `None` where workers only poll.
-    pub(super) async fn notify(&self, db: &DatabaseConnection) -> Option<Arc<Notify>> {
+    pub(super) async fn notify(&self, db: &Pool) -> Option<Arc<Notify>> {
         let listening = self.listening.get_or_init(|| listen(db)).await;
         listening.as_ref().map(|l| Arc::clone(&l.notify))
     }
 }
 
 #[cfg(feature = "postgres")]
-async fn listen(db: &DatabaseConnection) -> Option<Listening> {
+async fn listen(db: &Pool) -> Option<Listening> {
     use sea_orm::{DatabaseConnectionType, sqlx};
     use tracing::{debug, warn};
 
     if !matches!(
         db.inner,
         DatabaseConnectionType::SqlxPostgresPoolConnection(_)
-    ) || crate::db::pool::transaction_pooled(db)
+    ) || db.transaction_pooled()
     {
         return None;
     }
@@ -99,6 +99,6 @@ async fn listen(db: &DatabaseConnection) -> Option<Listening> {
 }
 
 #[cfg(not(feature = "postgres"))]
-async fn listen(_db: &DatabaseConnection) -> Option<Listening> {
+async fn listen(_db: &Pool) -> Option<Listening> {
     None
 }

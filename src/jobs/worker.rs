@@ -118,7 +118,7 @@ impl Worker {
         if self.cx.jobs.any_leased() && due(&self.reclaimed) {
             // Leases that expired (their workers stopped or hung) make their jobs wait again; a
             // failure is only logged, the next reclaim tries again.
-            let db = self.cx.session.connection();
+            let db = self.cx.session.pool();
             match within(self.cx.reply(), store::reclaim(db)).await {
                 Ok(0) => {}
                 Ok(reclaimed) => warn!(reclaimed, "jobs whose lease expired wait again"),
@@ -145,7 +145,7 @@ impl Worker {
             // A job queued behind one that finished before its enqueue committed is made
             // ready here (see `store::QUEUED`); a failure is only logged, the next sweep
             // tries again.
-            let db = self.cx.session.connection();
+            let db = self.cx.session.pool();
             match within(self.cx.reply(), store::sweep(db)).await {
                 Ok(0) => {}
                 Ok(readied) => {
@@ -184,7 +184,7 @@ impl Worker {
     /// error is logged and waited out the same way: a worker never stops on its own.
     pub async fn run(&self, shutdown: impl Future<Output = ()>) -> u64 {
         tokio::pin!(shutdown);
-        let wakeup = self.wakeup.notify(self.cx.session.connection()).await;
+        let wakeup = self.wakeup.notify(self.cx.session.pool()).await;
         let (first, longest) = self.poll;
         let mut ran = 0;
         let mut idle = first;

@@ -20,7 +20,7 @@ use super::{
 use crate::{
     db::deadline::{reply_bound, within},
     db::failure::in_doubt,
-    db::pool::autocommit,
+    db::{autocommit::autocommit, pool::Pool},
     error::LockError,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
@@ -47,7 +47,7 @@ const KIND: &str = "table";
 /// Needs [`crate::schema::Migration`]. Cheap to clone.
 #[derive(Clone, Debug)]
 pub struct TableLock {
-    db: DatabaseConnection,
+    db: Pool,
     label: Option<String>,
     /// This backend's in-process queue (see [`LockBackend::queue`]), shared by its clones.
     queue: LocalLock,
@@ -57,7 +57,7 @@ impl TableLock {
     /// Leases in `db`'s `freshlock_lock` table.
     pub fn new(db: DatabaseConnection) -> Self {
         Self {
-            db,
+            db: Pool::new(db),
             label: None,
             queue: LocalLock::new(),
         }
@@ -199,7 +199,7 @@ impl LeaseLock for TableLock {
 /// A lease in `freshlock_lock`.
 #[derive(Debug)]
 struct TableGuard {
-    db: DatabaseConnection,
+    db: Pool,
     name: String,
     token: String,
     fence: i64,
@@ -210,11 +210,7 @@ struct TableGuard {
 }
 
 impl TableGuard {
-    async fn release_now(
-        db: &DatabaseConnection,
-        name: &str,
-        token: &str,
-    ) -> Result<(), LockError> {
+    async fn release_now(db: &Pool, name: &str, token: &str) -> Result<(), LockError> {
         let backend = db.get_database_backend();
         let sql = format!(
             "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE name = ? AND owner = ?"

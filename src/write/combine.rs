@@ -15,8 +15,8 @@
 //! twice. A commit whose outcome is unknown is reported as [`crate::Error::CommitUnknown`] to
 //! every member of the batch, never run again.
 //!
-//! Rooms belong to the pool's state (`pool::PoolState`: every session made from the pool shares
-//! them, whether it was made with `Session::new` or a builder), and are keyed there by the lock
+//! Rooms belong to the database handle (`crate::Db`: every session made from it shares them),
+//! and are keyed there by the lock
 //! space that excludes the process's writers from each other (the in-process lock itself, or a backend's in-process queue: by its id, so
 //! sessions given the shared `LocalLock` in `Arc`s of their own meet in one room), the lock and
 //! the row, the entity type and the session's write settings (version column, commit markers),
@@ -29,7 +29,7 @@ use std::{
 };
 
 use dashmap::DashMap;
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, EntityTrait, IdenStatic, ModelTrait};
+use sea_orm::{ConnectionTrait, DbErr, EntityTrait, IdenStatic, ModelTrait};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
@@ -80,8 +80,11 @@ struct Which {
     markers: bool,
 }
 
-/// The rooms of one pool, owned by its state (see `pool::PoolState`).
-type Rooms = DashMap<Which, Arc<dyn Any + Send + Sync>>;
+/// The rooms of one database handle ([`crate::Db`]). A room holds the waiters of one entity
+/// type (`Room<E>`), so the map is a type map: each entry is found by a key holding the
+/// entity's `TypeId` and read back as that entity's room.
+#[derive(Default)]
+pub(crate) struct Rooms(DashMap<Which, Arc<dyn Any + Send + Sync>>);
 
 /// The room of a write: which writes may share its commit, among the rooms of the pool it runs
 /// on.
@@ -92,24 +95,18 @@ pub(crate) struct RoomKey {
 }
 
 impl RoomKey {
-    /// The room of a write, or `None` when the connection is not a pool (a mock connection):
-    /// such writes are never combined.
+    /// The room of a write among `rooms` (those of its database handle).
     pub(crate) fn new(
         entity: TypeId,
-        db: &DatabaseConnection,
+        rooms: &Arc<Rooms>,
         exclusion: u64,
         lock: &LockName,
         row: &LockName,
         version: Option<&'static str>,
         markers: bool,
-    ) -> Option<Self> {
-        let state = crate::db::pool::state(db)?;
-        let rooms = state
-            .rooms
-            .get_or_init(|| Arc::new(Rooms::default()) as Arc<dyn Any + Send + Sync>);
-        // Only this module puts anything there, and always `Rooms`.
-        let rooms = Arc::clone(rooms).downcast::<Rooms>().ok()?;
-        Some(Self {
+    ) -> Self {
+        let rooms = Arc::clone(rooms);
+        Self {
             which: Which {
                 entity,
                 exclusion,
@@ -119,7 +116,7 @@ impl RoomKey {
                 markers,
             },
             rooms,
-        })
+        }
     }
 }
 
@@ -160,7 +157,7 @@ where
     /// Sits down in `key`'s room (made on demand).
     pub(crate) fn sit(key: RoomKey) -> Self {
         let room = {
-            let entry = key.rooms.entry(key.which.clone()).or_insert_with(|| {
+            let entry = key.rooms.0.entry(key.which.clone()).or_insert_with(|| {
                 Arc::new(Room::<E> {
                     seats: Mutex::new(Seats {
                         next: 0,
@@ -214,6 +211,7 @@ impl<E: EntityTrait> Drop for Seat<E> {
         // Checked under the shard's lock, under which new references are made too.
         let key = &self.key;
         key.rooms
+            .0
             .remove_if(&key.which, |_, room| Arc::strong_count(room) == 2);
     }
 }
@@ -229,6 +227,7 @@ where
 {
     let Some(room) = key
         .rooms
+        .0
         .get(&key.which)
         .map(|entry| Arc::clone(entry.value()))
     else {
@@ -245,6 +244,7 @@ where
     drop(room);
     // As in `Seat::drop`: a seat that left while we held the room could not remove it.
     key.rooms
+        .0
         .remove_if(&key.which, |_, room| Arc::strong_count(room) == 1);
     taken
 }

@@ -22,12 +22,12 @@
 use std::{future::Future, time::Duration};
 
 use backon::{BackoffBuilder, ExponentialBackoff, ExponentialBuilder};
-use sea_orm::{DatabaseConnection, DatabaseTransaction};
+use sea_orm::DatabaseTransaction;
 use tracing::{debug, warn};
 
 use crate::{
     commit::{self, Evidence},
-    db::deadline::within,
+    db::{deadline::within, pool::Pool},
     error::{Error, Result, database},
     identity_map::{Change, IdentityMap},
     outcome::{LockReport, Report},
@@ -289,7 +289,7 @@ pub(crate) trait Step: Send {
 /// it takes commit markers (the bound on each reply is the locks' policy's).
 #[derive(Clone, Copy)]
 pub(crate) struct Engine<'a> {
-    pub(crate) db: &'a DatabaseConnection,
+    pub(crate) db: &'a Pool,
     pub(crate) map: &'a IdentityMap,
     pub(crate) markers: bool,
 }

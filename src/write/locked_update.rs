@@ -73,10 +73,10 @@ where
     let exclusion = crate::write::locking::exclusion(session.lock_backend().as_ref());
     let room = exclusion
         .filter(|_| combinable && session.combine_commits())
-        .and_then(|exclusion| {
+        .map(|exclusion| {
             RoomKey::new(
                 TypeId::of::<E>(),
-                session.connection(),
+                session.db().rooms(),
                 exclusion,
                 &row.lock,
                 &row.name,
@@ -219,7 +219,7 @@ where
         let mut lockings = [locking];
         let session = self.step.session.clone();
         let engine = Engine {
-            db: session.connection(),
+            db: session.pool(),
             map: session.map(),
             markers: session.commit_markers(),
         };

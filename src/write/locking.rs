@@ -4,13 +4,16 @@
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
 use sea_orm::{
-    DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, IsolationLevel,
-    SqliteTransactionMode, TransactionOptions,
+    DatabaseTransaction, DbBackend, DbErr, IsolationLevel, SqliteTransactionMode,
+    TransactionOptions,
 };
 use tracing::warn;
 
 use crate::{
-    db::deadline::{lock_within, within},
+    db::{
+        deadline::{lock_within, within},
+        pool::Pool,
+    },
     error::{Error, LockError, Result, database},
     lock::{
         LeaseCheck, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole, OnLockFailure,
@@ -259,7 +262,7 @@ impl Locking {
     /// [`Self::folding`]), so none is sent here (nor by [`Self::verify`]).
     pub(crate) async fn begin_all(
         lockings: &mut [Locking],
-        db: &DatabaseConnection,
+        db: &Pool,
         detached: bool,
         fold: bool,
     ) -> Result<DatabaseTransaction> {
@@ -536,9 +539,7 @@ fn issued(guard: &dyn LockGuard) -> Option<u64> {
 /// connection whose `BEGIN` reply was never read goes back to the pool inside a transaction
 /// nobody ends (the next `SET TRANSACTION` on it fails with MySQL 1568). The task finishes the
 /// `BEGIN`, and if nobody takes the transaction, dropping it rolls it back.
-pub(crate) async fn begin_detached(
-    db: &DatabaseConnection,
-) -> std::result::Result<DatabaseTransaction, DbErr> {
+pub(crate) async fn begin_detached(db: &Pool) -> std::result::Result<DatabaseTransaction, DbErr> {
     let db = db.clone();
     match tokio::spawn(async move { begin(&db).await }).await {
         Ok(began) => began,
@@ -549,17 +550,15 @@ pub(crate) async fn begin_detached(
 /// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
 /// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
 /// snapshot could predate the lock and the reload be stale) — set by `SET TRANSACTION` unless it
-/// is the pool's default already (PostgreSQL's; see [`crate::db::pool::read_committed_by_default`]).
-pub(crate) async fn begin(
-    db: &DatabaseConnection,
-) -> std::result::Result<DatabaseTransaction, DbErr> {
+/// is the pool's default already (PostgreSQL's; see [`Pool::read_committed_by_default`]).
+pub(crate) async fn begin(db: &Pool) -> std::result::Result<DatabaseTransaction, DbErr> {
     let options = match db.get_database_backend() {
         DbBackend::Sqlite => TransactionOptions {
             sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
             ..TransactionOptions::default()
         },
         // Already the pool's default: a plain `BEGIN` (one round trip instead of two).
-        _ if crate::db::pool::read_committed_by_default(db).await => TransactionOptions::default(),
+        _ if db.read_committed_by_default().await => TransactionOptions::default(),
         _ => TransactionOptions {
             isolation_level: Some(IsolationLevel::ReadCommitted),
             ..TransactionOptions::default()

@@ -8,9 +8,8 @@ use std::time::Duration;
 
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
-    DatabaseConnection, DatabaseTransaction, DbBackend, DbErr, EntityTrait, FromQueryResult,
-    IdenStatic, IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryTrait,
-    Value,
+    DatabaseTransaction, DbBackend, DbErr, EntityTrait, FromQueryResult, IdenStatic,
+    IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryTrait, Value,
     sea_query::{
         Alias, CommonTableExpression, Expr, InsertStatement, Query, ValueTuple, WithClause,
     },
@@ -19,7 +18,7 @@ use sea_orm::{
 use crate::{
     commit::{Evidence, Marker},
     db::deadline::within,
-    db::pool,
+    db::pool::{Incarnation, Pool},
     error::Error,
     write::row::{Row, select_by_key},
 };
@@ -154,7 +153,7 @@ pub(crate) enum Step {
 /// How [`update_with_evidence`] sends a locked write's UPDATE.
 pub(crate) struct Sending<'a> {
     /// The session's pool (the evidence's checks of the server incarnation use it).
-    pub(crate) db: &'a DatabaseConnection,
+    pub(crate) db: &'a Pool,
     /// Whether the commit's evidence is taken (the session's `commit_markers`).
     pub(crate) markers: bool,
     /// The bound on each round trip.
@@ -246,10 +245,10 @@ where
             .map_err(|e| (Step::Evidence, e))?;
         return Ok((updated(update().await)?, Some(Evidence::Marker(marker))));
     }
-    let known = match pool::incarnation(db, txn).await {
-        pool::Incarnation::Known(token) => Some(token),
-        pool::Incarnation::Unseen => None,
-        pool::Incarnation::Unsupported => {
+    let known = match db.incarnation(txn).await {
+        Incarnation::Known(token) => Some(token),
+        Incarnation::Unseen => None,
+        Incarnation::Unsupported => {
             let marker = Marker::new();
             let insert = Box::new(marker.insert(DbBackend::Postgres, true));
             let stored = stamped(Stamp::Marker(insert)).await;

@@ -156,7 +156,7 @@ where
         // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
         // statement where the database allows (see `commit.rs`).
         let sending = write::Sending {
-            db: self.session.connection(),
+            db: self.session.pool(),
             markers,
             reply: self.reply(),
             lease: riding,

@@ -245,7 +245,7 @@ impl Section<'_> {
                 work,
             };
             let engine = Engine {
-                db: session.connection(),
+                db: session.pool(),
                 map: session.map(),
                 markers: session.commit_markers(),
             };
