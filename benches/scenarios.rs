@@ -783,15 +783,9 @@ impl Floored {
     }
 
     /// Updates per second on `db` for `seconds`.
-    async fn rate(
-        self,
-        db: &DatabaseConnection,
-        url: &str,
-        redis: Option<&str>,
-        seconds: f64,
-    ) -> f64 {
+    async fn rate(self, db: &freshlock::Db, url: &str, redis: Option<&str>, seconds: f64) -> f64 {
         let plain = |lock: Arc<dyn LockBackend>| {
-            Session::builder(db.clone())
+            Session::builder(db)
                 .lock(lock)
                 .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
         };
@@ -800,7 +794,7 @@ impl Floored {
             #[cfg(feature = "postgres")]
             Self::Sqlx => {
                 use sea_orm::sqlx;
-                let pool = db.get_postgres_connection_pool().clone();
+                let pool = db.connection().get_postgres_connection_pool().clone();
                 return rate(1, seconds, move || {
                     let pool = pool.clone();
                     async move {
@@ -823,7 +817,7 @@ impl Floored {
             #[cfg(feature = "postgres")]
             Self::SqlxTwo => {
                 use sea_orm::sqlx::{self, Row};
-                let pool = db.get_postgres_connection_pool().clone();
+                let pool = db.connection().get_postgres_connection_pool().clone();
                 return rate(1, seconds, move || {
                     let pool = pool.clone();
                     async move {
@@ -852,9 +846,9 @@ impl Floored {
             Self::Combined16Sessions => {
                 let db = db.clone();
                 return rate(16, seconds, move || {
-                    // A session per call, as a request handler makes one: they meet in the
-                    // pool's rooms all the same.
-                    let session = Session::builder(db.clone())
+                    // A session per call, as a request handler makes one from the `Db` the
+                    // application keeps: they meet in its rooms.
+                    let session = Session::builder(&db)
                         .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
                         .combine_commits(true)
                         .build()
@@ -867,7 +861,7 @@ impl Floored {
                 let db = db.clone();
                 return rate(1, seconds, move || {
                     let db = db.clone();
-                    async move { four_statements(&db, 1).await }
+                    async move { four_statements(db.connection(), 1).await }
                 })
                 .await;
             }
@@ -975,9 +969,15 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
             // Django has a connection of its own: our pool's ping is nothing to it.
             if !matches!(what, Floored::Django) {
-                pinged.push(what.rate(&db, url, redis, f64::from(seconds)).await);
+                pinged.push(
+                    what.rate(&freshlock::Db::from(&db), url, redis, f64::from(seconds))
+                        .await,
+                );
             }
-            unpinged.push(what.rate(&quiet, url, redis, f64::from(seconds)).await);
+            unpinged.push(
+                what.rate(&freshlock::Db::from(&quiet), url, redis, f64::from(seconds))
+                    .await,
+            );
         }
     }
     let (floor, floor16) = (median(&mut floor), median(&mut floor16));
@@ -1085,13 +1085,28 @@ async fn evidence_cost(url: &str) {
             match (i + round) % 3 {
                 0 => {
                     let what = Floored::Backend(LockKind::Local);
-                    xid.push(what.rate(&quiet, url, None, 3.0).await);
+                    xid.push(
+                        what.rate(&freshlock::Db::from(&quiet), url, None, 3.0)
+                            .await,
+                    );
                 }
                 1 => {
                     let what = Floored::Backend(LockKind::Local);
-                    marked.push(what.rate(&quiet_markers, &markers_url, None, 3.0).await);
+                    marked.push(
+                        what.rate(
+                            &freshlock::Db::from(&quiet_markers),
+                            &markers_url,
+                            None,
+                            3.0,
+                        )
+                        .await,
+                    );
                 }
-                _ => unmarked.push(Floored::Unmarked.rate(&quiet, url, None, 3.0).await),
+                _ => unmarked.push(
+                    Floored::Unmarked
+                        .rate(&freshlock::Db::from(&quiet), url, None, 3.0)
+                        .await,
+                ),
             }
         }
     }
@@ -1128,6 +1143,7 @@ async fn read_committed_pool(url: &str) {
             let which = (i + round) % 2;
             let pool = pools[which];
             let local = Floored::Backend(LockKind::Local);
+            let pool = &freshlock::Db::from(pool);
             samples[which][0].push(local.rate(pool, url, None, 3.0).await);
             samples[which][1].push(Floored::ByHand.rate(pool, url, None, 3.0).await);
         }
@@ -1370,16 +1386,24 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
         two.push(two_rate().await);
         for (kind, samples) in committed_kinds.iter().zip(on_committed.iter_mut()) {
             let floored = Floored::Backend(*kind);
-            samples.push(floored.rate(&committed, url, redis, seconds).await);
+            samples.push(
+                floored
+                    .rate(&freshlock::Db::from(&committed), url, redis, seconds)
+                    .await,
+            );
         }
         for (kind, samples) in kinds.iter().zip(ours.iter_mut()) {
             samples.push(
                 Floored::Backend(*kind)
-                    .rate(&quiet, url, redis, seconds)
+                    .rate(&freshlock::Db::from(&quiet), url, redis, seconds)
                     .await,
             );
         }
-        ours[kinds.len()].push(Floored::ByHand.rate(&quiet, url, redis, seconds).await);
+        ours[kinds.len()].push(
+            Floored::ByHand
+                .rate(&freshlock::Db::from(&quiet), url, redis, seconds)
+                .await,
+        );
     }
     quiet
         .execute_unprepared("DELETE FROM freshlock_commit WHERE token LIKE 'bench-two-%'")
@@ -1452,7 +1476,9 @@ async fn pooler_floor(direct: &str, pooler: &str, redis: Option<&str>) {
         "\n| one row, 1 task | through PgBouncer (updates/s) | direct (updates/s) | vs pgbench through PgBouncer ({floor:.0}/s) | vs the four statements in sea-orm through PgBouncer |\n|---|---|---|---|---|"
     );
     let by_hand = Floored::ByHand.rate(&pooled, &url, redis, seconds).await;
-    let by_hand_direct = Floored::ByHand.rate(&plain, direct, redis, seconds).await;
+    let by_hand_direct = Floored::ByHand
+        .rate(&freshlock::Db::from(&plain), direct, redis, seconds)
+        .await;
     println!(
         "| the four statements by hand in sea-orm | {by_hand:.0} | {by_hand_direct:.0} | {:.2}× | 1.00× |",
         by_hand / floor
@@ -1471,7 +1497,7 @@ async fn pooler_floor(direct: &str, pooler: &str, redis: Option<&str>) {
             .rate(&pooled, &url, redis, seconds)
             .await;
         let direct_rate = Floored::Backend(kind)
-            .rate(&plain, direct, redis, seconds)
+            .rate(&freshlock::Db::from(&plain), direct, redis, seconds)
             .await;
         println!(
             "| `locked_update`, {kind} | {through:.0} | {direct_rate:.0} | {:.2}× | {:.2}× |",
@@ -1479,7 +1505,7 @@ async fn pooler_floor(direct: &str, pooler: &str, redis: Option<&str>) {
             through / by_hand
         );
     }
-    let loads = |db: DatabaseConnection| {
+    let loads = |db: freshlock::Db| {
         let session = Session::new(db);
         rate(1, seconds, move || {
             let session = session.clone();
@@ -1492,7 +1518,10 @@ async fn pooler_floor(direct: &str, pooler: &str, redis: Option<&str>) {
             }
         })
     };
-    let (through, direct_rate) = (loads(pooled.clone()).await, loads(plain.clone()).await);
+    let (through, direct_rate) = (
+        loads(pooled.clone()).await,
+        loads(freshlock::Db::new(plain.clone())).await,
+    );
     println!("| `load_fresh` (a read) | {through:.0} | {direct_rate:.0} | | |");
 }
 

@@ -23,9 +23,7 @@
 
 use std::{future::Future, pin::Pin, time::Duration};
 
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, IsolationLevel,
-};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, IsolationLevel};
 
 use crate::{
     commit::{commit_write, rollback, rollback_after},
@@ -113,9 +111,9 @@ impl Claims {
     ///
     /// Commit markers (see the module docs) are on for PostgreSQL and MySQL/MariaDB and off for
     /// SQLite, as for sessions; they need [`crate::schema::CommitMigration`] too.
-    pub fn new(db: DatabaseConnection) -> Self {
+    pub fn new(db: impl Into<crate::Db>) -> Self {
+        let db = db.into().pool().clone();
         let markers = db.get_database_backend() != DbBackend::Sqlite;
-        let db = Pool::new(db);
         Self {
             db,
             label: None,

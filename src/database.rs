@@ -74,6 +74,13 @@ impl From<DatabaseConnection> for Db {
     }
 }
 
+impl From<&DatabaseConnection> for Db {
+    /// A `Db` of its own for a clone of `conn` (see [`Db`]).
+    fn from(conn: &DatabaseConnection) -> Self {
+        Self::new(conn.clone())
+    }
+}
+
 impl From<&Db> for Db {
     fn from(db: &Db) -> Self {
         db.clone()

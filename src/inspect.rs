@@ -10,6 +10,7 @@ use std::time::Duration;
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, TransactionTrait, Value};
 
 use crate::{
+    database::Db,
     db::pool::Pool,
     error::{Result, database},
     lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
@@ -142,8 +143,9 @@ const BATCH: usize = 500;
 /// # Errors
 /// [`Error::Database`](crate::Error::Database) when a statement fails (a batch's transaction is
 /// rolled back; the batches before it stay done).
-pub async fn compact(db: &DatabaseConnection, idle: Duration) -> Result<Compacted> {
-    let db = &Pool::new(db.clone());
+pub async fn compact(db: impl Into<Db>, idle: Duration) -> Result<Compacted> {
+    let db = db.into();
+    let db = db.pool();
     let mut compacted = Compacted::default();
     let fail = |e| database("compacting", &LOCK_TABLE, e);
     loop {

@@ -25,7 +25,7 @@ use std::{
 use entity::node;
 use freshlock::{Error, LockKind, LockPolicy, OnLockFailure, Session};
 use proxy::{CutAfter, Proxy};
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Set, Statement};
+use sea_orm::{ConnectionTrait, DbBackend, Set, Statement};
 use servers::{TestDb, databases};
 use tokio::sync::Barrier;
 
@@ -42,7 +42,7 @@ struct Tally {
 
 /// 8 tasks × `rounds` increments of node 1 through `db`; returns the tally.
 async fn storm(
-    db: &DatabaseConnection,
+    db: &freshlock::Db,
     url: &str,
     kind: LockKind,
     markers: bool,
@@ -54,7 +54,7 @@ async fn storm(
     let start = Arc::new(Barrier::new(TASKS as usize));
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
-            let session = Session::builder(db.clone())
+            let session = Session::builder(db)
                 .lock(Arc::clone(&backend))
                 .policy(
                     LockPolicy::default()
@@ -115,7 +115,7 @@ fn counts(tally: &Tally) -> (u32, u32, u32) {
 /// statement's text crosses the proxy each time (a cached prepared statement is sent by name
 /// only), so the proxy can recognize the reload. (On MariaDB that costs ~170 ms per call, so
 /// only the reload test asks for it.)
-async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> (DatabaseConnection, String) {
+async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> (freshlock::Db, String) {
     let url = proxy.url(&db.url);
     let mut options = sea_orm::ConnectOptions::new(&url);
     options
@@ -134,14 +134,14 @@ async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> (DatabaseConnect
         options.map_sqlx_mysql_opts(|o| o.statement_cache_capacity(0));
     }
     #[cfg(feature = "postgres")]
-    if freshlock::transaction_pooler::is_adopted(&db.db) {
+    if freshlock::transaction_pooler::is_adopted(&db.handle) {
         let pool = freshlock::transaction_pooler::connect(options)
             .await
             .expect("connect through the proxy and the pooler");
         return (pool, url);
     }
     let pool = sea_orm::Database::connect(options).await.expect("connect");
-    (pool, url)
+    (freshlock::Db::new(pool), url)
 }
 
 /// Every 20th COMMIT's reply is lost: each one is resolved by its marker, so every call is
@@ -278,7 +278,7 @@ async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
             }
         })
     };
-    let tally = storm(&db.db, &db.url, kind, true, ROUNDS).await;
+    let tally = storm(&db.handle, &db.url, kind, true, ROUNDS).await;
     stop.store(true, Ordering::SeqCst);
     killer.await.unwrap();
     let (acknowledged, unknown, failed) = counts(&tally);
@@ -315,7 +315,7 @@ async fn lost_claim_commit_replies(db: Option<TestDb>, markers: bool) {
     let start = Arc::new(Barrier::new(CLAIM_WORKERS as usize));
     let workers: Vec<_> = (0..CLAIM_WORKERS)
         .map(|w| {
-            let claims = freshlock::Claims::new(proxied.clone())
+            let claims = freshlock::Claims::new(&proxied)
                 .commit_markers(markers)
                 .with_label(format!("worker {w}"));
             let (finished, unknown, start) = (

@@ -155,8 +155,10 @@ async fn races_without_a_lock(db: Option<TestDb>, _: LockKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn races_in_memory() {
+    let memory = common::memory_db().await;
     let db = TestDb {
-        db: common::memory_db().await,
+        handle: freshlock::Db::new(memory.clone()),
+        db: memory,
         url: String::new(),
         schema: None,
     };

@@ -78,7 +78,7 @@ struct Seen {
 async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(3).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let seen = Arc::new(Seen::default());
     for seq in 0..24 {
         let node = (seq % 3) as i32 + 1;
@@ -122,7 +122,7 @@ async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
             bump_node,
         )
     };
-    let session = Session::new(db.clone());
+    let session = Session::new(&handle);
     let single = Worker::new(session.clone(), handlers.clone());
     let batched = Worker::new(session, handlers).with_batch(4);
     let (a, b) = tokio::join!(single.run_until_idle(), batched.run_until_idle());
@@ -187,7 +187,7 @@ fn gated_jobs(gate: Gate, lease: Duration, policy: RetryPolicy) -> Jobs {
 async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let id = match add(
         &db,
         NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
@@ -205,22 +205,22 @@ async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
         release,
     };
     let handlers = gated_jobs(gate, Duration::from_secs(60), at_once(3));
-    let a = Worker::new(Session::new(db.clone()), handlers.clone());
+    let a = Worker::new(Session::new(&handle), handlers.clone());
     let first = tokio::spawn(async move { a.run_one().await });
     assert_eq!(started.recv().await, Some(1));
     // While A works, the job is leased: its key busy, the operator sees it.
     assert_eq!(state_of(&db, id).await, i64::from(LEASED));
-    let leased = jobs::list(&db, JobState::Leased, 10).await.unwrap();
+    let leased = jobs::list(&handle, JobState::Leased, 10).await.unwrap();
     assert_eq!(leased.len(), 1);
     assert_eq!((leased[0].id, leased[0].attempts), (id, 1));
-    let depth = jobs::depth(&db).await.unwrap();
+    let depth = jobs::depth(&handle).await.unwrap();
     assert_eq!((depth[0].waiting, depth[0].due), (1, 0));
     // A fresh worker finds nothing while the lease holds ...
-    let b = Worker::new(Session::new(db.clone()), handlers.clone());
+    let b = Worker::new(Session::new(&handle), handlers.clone());
     assert_eq!(b.run_one().await.unwrap(), None);
     // ... and takes the job over once it expired (a new worker: its reclaim is due at once).
     expire_leases(&db).await;
-    let b = Worker::new(Session::new(db.clone()), handlers);
+    let b = Worker::new(Session::new(&handle), handlers);
     let second = b.run_one().await.unwrap().expect("the job, reclaimed");
     assert_eq!(started.recv().await, Some(2));
     assert_eq!((second.id, second.attempt), (id, 2));
@@ -252,7 +252,7 @@ on_databases! {
 async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     add(
         &db,
         NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
@@ -267,7 +267,7 @@ async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
     };
     let lease = Duration::from_millis(900);
     let handlers = gated_jobs(gate, lease, at_once(3));
-    let a = Worker::new(Session::new(db.clone()), handlers.clone());
+    let a = Worker::new(Session::new(&handle), handlers.clone());
     let first = tokio::spawn(async move { a.run_one().await });
     assert_eq!(started.recv().await, Some(1));
     let expiry = "SELECT lease_until FROM freshlock_job WHERE state = 1";
@@ -290,7 +290,7 @@ async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
         number(&db, expiry).await > claimed_until,
         "the heartbeat extended the lease"
     );
-    let b = Worker::new(Session::new(db.clone()), handlers);
+    let b = Worker::new(Session::new(&handle), handlers);
     assert_eq!(b.run_one().await.unwrap(), None, "nothing to reclaim");
     release_tx.send(true).unwrap();
     let run = first.await.unwrap().unwrap().expect("A's run");
@@ -313,7 +313,7 @@ on_databases! {
 async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     for seq in 0..2 {
         let job = NewJob::new("analyze", &Analyze { node: 1, seq }).unwrap();
         add(&db, job.key("ham:1").unique(format!("spam:{seq}")))
@@ -345,13 +345,13 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
         bump_node,
     );
     for attempt in 1..=2 {
-        let worker = Worker::new(Session::new(db.clone()), handlers.clone());
+        let worker = Worker::new(Session::new(&handle), handlers.clone());
         let run = tokio::spawn(async move { worker.run_one().await });
         assert_eq!(started.recv().await, Some(attempt));
         run.abort();
         let _ = run.await;
         // The key stays busy while the lease holds: job 1 is not handed out.
-        let other = Worker::new(Session::new(db.clone()), handlers.clone());
+        let other = Worker::new(Session::new(&handle), handlers.clone());
         assert_eq!(other.run_one().await.unwrap(), None);
         assert!(
             matches!(
@@ -369,7 +369,7 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
         );
         expire_leases(&db).await;
     }
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     assert_eq!(runs.len(), 2, "{runs:?}");
     assert_eq!(
@@ -381,7 +381,7 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
     assert_eq!(jobs_in(&db, FAILED).await, 1);
     assert_eq!(jobs_in(&db, DONE).await, 1);
     assert_eq!(total_score(&db).await, 1, "the hung job's finish never ran");
-    let failed = jobs::list(&db, JobState::Failed, 10).await.unwrap();
+    let failed = jobs::list(&handle, JobState::Failed, 10).await.unwrap();
     assert!(
         failed[0].last_error.as_deref().unwrap().contains("lease"),
         "{failed:?}"
@@ -403,7 +403,7 @@ on_databases! {
 async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     // seq 1: the work errors once; 2: it panics once; 3: the finish errors once (after its
     // write); 4: the work errors with "fatal", which does not retry.
     for seq in 1..=4 {
@@ -441,7 +441,7 @@ async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
             })
         },
     );
-    let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(4);
+    let worker = Worker::new(Session::new(&handle), handlers).with_batch(4);
     let runs = worker.run_until_idle().await.unwrap();
     let outcomes: Vec<_> = runs.iter().map(|r| (r.id, r.attempt, &r.outcome)).collect();
     let completed = runs

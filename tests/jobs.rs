@@ -49,7 +49,7 @@ async fn memory_with_node() -> (freshlock::testing::TestDatabase, DatabaseConnec
 
 async fn enqueued_with_the_callers_transaction(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
         .await
         .unwrap();
@@ -68,7 +68,7 @@ async fn enqueued_with_the_callers_transaction(db: Option<TestDb>) {
         panic!("added");
     };
     txn.commit().await.unwrap();
-    let worker = Worker::new(Session::new(db.clone()), bump_jobs(RetryPolicy::default()));
+    let worker = Worker::new(Session::new(&handle), bump_jobs(RetryPolicy::default()));
     let runs = worker.run_until_idle().await.unwrap();
     assert_eq!(runs.len(), 1);
     assert_eq!((runs[0].id, runs[0].attempt), (id, 1));
@@ -138,7 +138,7 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
     const PER_NODE: u32 = 25;
     const KEYLESS: u32 = 20;
     db.seed_nodes(NODES + 1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     // Node 1 is hot: half the jobs. The keyless jobs bump node NODES + 1.
     let mut enqueued = 0;
     for seq in 0..PER_NODE {
@@ -194,7 +194,7 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
             })
         })
     };
-    let session = Session::new(db.clone());
+    let session = Session::new(&handle);
     let mut workers = Vec::new();
     // Two workers take one job at a time, two take batches of up to 8 (never two jobs of one
     // key in a batch).
@@ -256,7 +256,7 @@ async fn workers_run_until_idle_leave_nothing(db: Option<TestDb>) {
     const ROUNDS: i64 = 10;
     const JOBS: i64 = 200;
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let handlers = Jobs::new().handle("bump", at_once(5), |tx, job: Job<Bump>| {
         Box::pin(async move {
             tokio::task::yield_now().await;
@@ -277,7 +277,7 @@ async fn workers_run_until_idle_leave_nothing(db: Option<TestDb>) {
         txn.commit().await.unwrap();
         let mut workers = Vec::new();
         for _ in 0..8 {
-            let worker = Worker::new(Session::new(db.clone()), handlers.clone());
+            let worker = Worker::new(Session::new(&handle), handlers.clone());
             workers.push(tokio::spawn(async move { worker.run_until_idle().await }));
         }
         let mut ran = 0;
@@ -314,7 +314,7 @@ async fn run_until_idle_leaves_nothing_mysql() {
 async fn a_busy_key_is_skipped_not_waited_for(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(2).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let mut ids = Vec::new();
     for (node, key) in [(1, "hot"), (1, "hot"), (2, "cold")] {
         let job = NewJob::new("bump", &Bump { node, seq: 0 }).unwrap();
@@ -338,7 +338,7 @@ async fn a_busy_key_is_skipped_not_waited_for(db: Option<TestDb>) {
             Ok(())
         })
     });
-    let session = Session::new(db.clone());
+    let session = Session::new(&handle);
     let first = Worker::new(session.clone(), handlers.clone());
     let holder = tokio::spawn(async move { first.run_one().await.unwrap() });
     started.recv().await.unwrap();
@@ -392,7 +392,7 @@ on_databases! {
 async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     // A failing handler's attempt spoils the batch's transaction (no savepoint per job unless
     // one fails): it rolls back and the batch runs again with savepoints, recording the
     // failure instead of running that handler a second time. Counted per kind.
@@ -450,7 +450,7 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
         .await
         .unwrap();
     // In batches: each failing job rolls back alone, the others of its batch commit.
-    let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(4);
+    let worker = Worker::new(Session::new(&handle), handlers).with_batch(4);
     let runs = worker.run_until_idle().await.unwrap();
     let by_kind = |kind: &str| -> Vec<&JobOutcome> {
         (runs.iter())
@@ -557,7 +557,7 @@ async fn a_retry_waits_for_its_backoff() {
 async fn a_pending_unique_key_is_a_duplicate(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let job = || {
         NewJob::new("bump", &Bump { node: 1, seq: 0 })
             .unwrap()
@@ -586,7 +586,7 @@ async fn a_pending_unique_key_is_a_duplicate(db: Option<TestDb>) {
         Enqueued::Added(_)
     ));
     txn.commit().await.unwrap();
-    let worker = Worker::new(Session::new(db.clone()), bump_jobs(RetryPolicy::default()));
+    let worker = Worker::new(Session::new(&handle), bump_jobs(RetryPolicy::default()));
     assert_eq!(worker.run_until_idle().await.unwrap().len(), 2);
     assert_eq!(total_score(&db).await, 2);
     // Finished: the unique key is free again.
@@ -623,7 +623,7 @@ fn hostile() -> Vec<String> {
 
 async fn keys_kinds_and_unique_keys_are_byte_exact(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     // (kind, key, payload) as each handler got them.
     type Got = (String, Option<String>, String);
     let seen: Arc<Mutex<Vec<Got>>> = Arc::default();
@@ -653,7 +653,7 @@ async fn keys_kinds_and_unique_keys_are_byte_exact(db: Option<TestDb>) {
             Enqueued::Duplicate { existing: Some(_) }
         ));
     }
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     assert!(
         runs.iter().all(|r| r.outcome == JobOutcome::Completed),
@@ -744,7 +744,7 @@ fn run_in_background(
 async fn depth_list_retry_and_discard(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let bump_one = || NewJob::new("bump", &Bump { node: 1, seq: 0 }).unwrap();
     for key in ["ham:1", "ham:1", "ham:2"] {
         add(&db, bump_one().key(key)).await.unwrap();
@@ -768,7 +768,7 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
     .unwrap() else {
         panic!("added");
     };
-    let depth = jobs::depth(&db).await.unwrap();
+    let depth = jobs::depth(&handle).await.unwrap();
     let of = |kind: &str, key: Option<&str>| {
         let row = depth
             .iter()
@@ -806,10 +806,12 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
         .handle("other", at_once(1), |_tx, _job: Job<()>| {
             Box::pin(async move { Ok(()) })
         });
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     worker.run_until_idle().await.unwrap();
     assert_eq!(total_score(&db).await, 3, "the discarded job did not run");
-    let failed = jobs::list(&db, jobs::JobState::Failed, 10).await.unwrap();
+    let failed = jobs::list(&handle, jobs::JobState::Failed, 10)
+        .await
+        .unwrap();
     assert_eq!(failed.len(), 1);
     assert_eq!((failed[0].id, failed[0].attempts), (doomed, 1));
     assert_eq!(failed[0].unique.as_deref(), Some("u"));
@@ -818,7 +820,7 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
         Some("the handler failed: first time")
     );
     assert_eq!(
-        jobs::depth(&db)
+        jobs::depth(&handle)
             .await
             .unwrap()
             .iter()
@@ -858,7 +860,7 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
         matches!(&runs[..], [run] if run.id == doomed && run.attempt == 1
         && run.outcome == JobOutcome::Failed(JobFailure::Handler("first time".into())))
     );
-    let discarded = jobs::list(&db, jobs::JobState::Discarded, 10)
+    let discarded = jobs::list(&handle, jobs::JobState::Discarded, 10)
         .await
         .unwrap();
     assert_eq!(
@@ -878,7 +880,7 @@ on_databases! {
 /// other (`record_depth` sums adjacent rows).
 async fn long_kinds_are_counted_apart(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let stem = "k".repeat(1_100);
     let (a, b) = (format!("{stem}a"), format!("{stem}b"));
     for (kind, key) in [(&a, "x"), (&b, "x"), (&a, "y"), (&a, "y"), (&b, "z")] {
@@ -886,7 +888,7 @@ async fn long_kinds_are_counted_apart(db: Option<TestDb>) {
             .await
             .unwrap();
     }
-    let depth = jobs::depth(&db).await.unwrap();
+    let depth = jobs::depth(&handle).await.unwrap();
     let rows: Vec<(bool, Option<&str>, u64)> = depth
         .iter()
         .map(|d| (d.kind == a, d.key.as_deref(), d.waiting))
@@ -923,7 +925,7 @@ on_databases! {
 async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let bump_one = || NewJob::new("bump", &Bump { node: 1, seq: 0 }).unwrap();
     for _ in 0..3 {
         add(&db, bump_one().key("ham:1")).await.unwrap();
@@ -939,11 +941,11 @@ async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
     let handlers = bump_jobs(at_once(1)).handle("fails", at_once(1), |_tx, _job: Job<()>| {
         Box::pin(async move { Err(freshlock::ApplyError::msg("always")) })
     });
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     assert_eq!(worker.run_until_idle().await.unwrap().len(), 4);
     let count = |state| {
-        let db = db.clone();
-        async move { jobs::list(&db, state, 100).await.unwrap().len() }
+        let handle = handle.clone();
+        async move { jobs::list(&handle, state, 100).await.unwrap().len() }
     };
     assert_eq!(
         (
@@ -955,11 +957,14 @@ async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
 
     let hour = Duration::from_secs(3600);
     assert_eq!(
-        jobs::prune(&db, hour, true).await.unwrap(),
+        jobs::prune(&handle, hour, true).await.unwrap(),
         0,
         "all finished just now"
     );
-    assert_eq!(jobs::prune(&db, Duration::ZERO, false).await.unwrap(), 4);
+    assert_eq!(
+        jobs::prune(&handle, Duration::ZERO, false).await.unwrap(),
+        4
+    );
     assert_eq!(count(jobs::JobState::Done).await, 0);
     assert_eq!(count(jobs::JobState::Discarded).await, 0);
     assert_eq!(
@@ -972,7 +977,7 @@ async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
         1,
         "the delayed job waits"
     );
-    assert_eq!(jobs::prune(&db, Duration::ZERO, true).await.unwrap(), 1);
+    assert_eq!(jobs::prune(&handle, Duration::ZERO, true).await.unwrap(), 1);
     assert_eq!(count(jobs::JobState::Failed).await, 0);
     assert_eq!(
         count(jobs::JobState::Waiting).await,
@@ -1000,7 +1005,7 @@ on_databases! {
 async fn a_prune_beside_a_running_job_holds_nothing_up(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let bump_one = |priority| {
         NewJob::new("bump", &Bump { node: 1, seq: 0 })
             .unwrap()
@@ -1009,7 +1014,7 @@ async fn a_prune_beside_a_running_job_holds_nothing_up(db: Option<TestDb>) {
     for _ in 0..4 {
         add(&db, bump_one(0)).await.unwrap();
     }
-    let done = Worker::new(Session::new(db.clone()), bump_jobs(at_once(1)));
+    let done = Worker::new(Session::new(&handle), bump_jobs(at_once(1)));
     assert_eq!(done.run_until_idle().await.unwrap().len(), 4);
     // Enqueued last, taken first: the running job's row comes after every other one.
     let Enqueued::Added(waiting) = add(&db, bump_one(0)).await.unwrap() else {
@@ -1031,20 +1036,20 @@ async fn a_prune_beside_a_running_job_holds_nothing_up(db: Option<TestDb>) {
             Ok(())
         })
     });
-    let running = Worker::new(Session::new(db.clone()), handlers.clone());
+    let running = Worker::new(Session::new(&handle), handlers.clone());
     let running = tokio::spawn(async move { running.run_one().await.unwrap() });
     started.recv().await.unwrap();
     // A bound, not a timing: the prune that waited for the running job's row waited for
     // `innodb_lock_wait_timeout` (50 s).
     let pruned = tokio::time::timeout(
         Duration::from_secs(20),
-        jobs::prune(&db, Duration::ZERO, false),
+        jobs::prune(&handle, Duration::ZERO, false),
     )
     .await
     .expect("the prune does not wait for the running job")
     .unwrap();
     assert_eq!(pruned, 4);
-    let other = Worker::new(Session::new(db.clone()), handlers);
+    let other = Worker::new(Session::new(&handle), handlers);
     let run = other.run_one().await.unwrap().expect("the waiting job");
     assert_eq!((run.id, run.outcome), (waiting, JobOutcome::Completed));
     release_tx.send(true).unwrap();
@@ -1094,7 +1099,7 @@ async fn a_prune_deletes_batch_after_batch() {
 async fn a_job_queued_behind_a_finished_one_still_runs(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let job = |seq| {
         NewJob::new("bump", &Bump { node: 1, seq })
             .unwrap()
@@ -1105,7 +1110,7 @@ async fn a_job_queued_behind_a_finished_one_still_runs(db: Option<TestDb>) {
     let Enqueued::Added(second) = jobs::enqueue(&late, job(1)).await.unwrap() else {
         panic!("added");
     };
-    let worker = Worker::new(Session::new(db.clone()), bump_jobs(at_once(1)));
+    let worker = Worker::new(Session::new(&handle), bump_jobs(at_once(1)));
     // SQLite has one writer: there the late enqueue commits first (nothing to strand).
     let sqlite = db.get_database_backend() == sea_orm::DbBackend::Sqlite;
     let mut late = Some(late);
@@ -1135,11 +1140,11 @@ on_databases! {
 /// (no `LISTEN` there) the worker polls every 20 ms and runs the jobs all the same.
 async fn an_enqueue_wakes_an_idle_worker(db: Option<TestDb>) {
     let Some(db) = db else { return };
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     // Behind a transaction pooler nothing wakes a worker (no `LISTEN` there): it polls, and
     // still runs the jobs.
     #[cfg(feature = "postgres")]
-    let pooled = freshlock::transaction_pooler::is_adopted(&db);
+    let pooled = freshlock::transaction_pooler::is_adopted(&handle);
     #[cfg(not(feature = "postgres"))]
     let pooled = false;
     db.execute_unprepared("INSERT INTO node (id, title, changed) VALUES (1, 't', 0)")
@@ -1159,7 +1164,7 @@ async fn an_enqueue_wakes_an_idle_worker(db: Option<TestDb>) {
     } else {
         Duration::from_secs(3600)
     };
-    let worker = Worker::new(Session::new(db.clone()), handlers).with_poll(wait, wait);
+    let worker = Worker::new(Session::new(&handle), handlers).with_poll(wait, wait);
     let (stop_tx, running) = run_in_background(worker);
     for seq in 0..2 {
         // Time for the worker to find nothing and settle into its hour-long wait. (Were the
@@ -1189,7 +1194,7 @@ on_databases! {
 async fn a_deadlocked_handler_runs_again(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(2).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     for (seq, first) in [(0, 1), (1, 2)] {
         add(
             &db,
@@ -1213,7 +1218,7 @@ async fn a_deadlocked_handler_runs_again(db: Option<TestDb>) {
             Ok(())
         })
     });
-    let session = Session::new(db.clone());
+    let session = Session::new(&handle);
     let one = Worker::new(session.clone(), handlers.clone());
     let two = Worker::new(session, handlers);
     let (a, b) = tokio::join!(one.run_until_idle(), two.run_until_idle());
@@ -1284,7 +1289,7 @@ async fn a_worker_follows_the_key_whose_next_job_it_readied() {
 async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let seen: Arc<std::sync::Mutex<Vec<(u32, i64)>>> = Arc::default();
     let handlers = {
         let seen = Arc::clone(&seen);
@@ -1321,7 +1326,7 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
             }
         }
     };
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     enqueue(20).await;
     assert_eq!(worker.run_until_idle().await.unwrap().len(), 20);
     let chained = std::mem::take(&mut *seen.lock().unwrap());
@@ -1417,14 +1422,14 @@ async fn states(db: &DatabaseConnection) -> Vec<i64> {
 async fn a_chain_stops_at_a_retry_and_its_key_waits_for_it(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let hour = Duration::from_secs(3600);
     let later = RetryPolicy::default()
         .with_max_attempts(2)
         .with_backoff(hour, hour);
     let (handlers, misordered) = ordered_jobs(2, later);
     enqueue_ordered(&db, 6).await;
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     let outcomes: Vec<_> = runs.iter().map(|r| (r.id, r.outcome.clone())).collect();
     assert_eq!(outcomes.len(), 3, "{outcomes:?}");
@@ -1450,7 +1455,7 @@ on_databases! {
 async fn a_key_goes_on_past_a_job_that_failed_for_good(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     // Job 4 (seq 99) fails for good, between seqs 2 and 3.
     let (handlers, misordered) = ordered_jobs(99, at_once(1));
     enqueue_ordered(&db, 3).await;
@@ -1460,7 +1465,7 @@ async fn a_key_goes_on_past_a_job_that_failed_for_good(db: Option<TestDb>) {
         let job = NewJob::new("ordered", &Bump { node: 1, seq }).unwrap();
         add(&db, job.key("hot")).await.unwrap();
     }
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     let failed: Vec<_> = (runs.iter())
         .filter(|r| matches!(r.outcome, JobOutcome::Failed(_)))
@@ -1481,7 +1486,7 @@ async fn a_key_goes_on_past_a_job_that_failed_for_good(db: Option<TestDb>) {
 async fn a_leased_job_in_a_hot_keys_line_ends_the_chain(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let db = db.db;
+    let (db, handle) = (db.db, db.handle);
     let (handlers, misordered) = ordered_jobs(u32::MAX, at_once(1));
     let handlers = handlers.handle_leased(
         "leased",
@@ -1501,7 +1506,7 @@ async fn a_leased_job_in_a_hot_keys_line_ends_the_chain(db: Option<TestDb>) {
         let job = NewJob::new(kind, &Bump { node: 1, seq }).unwrap();
         add(&db, job.key("hot")).await.unwrap();
     }
-    let worker = Worker::new(Session::new(db.clone()), handlers);
+    let worker = Worker::new(Session::new(&handle), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     let ids: Vec<_> = runs.iter().map(|r| (r.id, r.outcome.clone())).collect();
     let completed = JobOutcome::Completed;

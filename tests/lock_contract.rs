@@ -277,7 +277,7 @@ async fn contract(db: Option<TestDb>, kind: LockKind) {
         return;
     }
     let backend = kind
-        .connect(&db.db, &db.url, redis.as_deref())
+        .connect(&db.handle, &db.url, redis.as_deref())
         .await
         .expect("backend");
     let subject = Arc::new(Subject {
@@ -456,7 +456,7 @@ async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
 
     // A write reports the fence its own transaction was given, the one stored.
     db.seed_nodes(1).await;
-    let session = freshlock::Session::builder(db.db.clone())
+    let session = freshlock::Session::builder(&db.handle)
         .lock(Arc::new(named.lock.clone()))
         .build()
         .unwrap();
@@ -489,7 +489,7 @@ async fn a_dead_pooled_lock_connection_does_not_fail_a_grant_mysql() {
     };
     let tag = db.url.rsplit('/').next().unwrap_or_default().to_owned();
     let backend = LockKind::MySqlNamed
-        .connect(&db.db, &db.url, None)
+        .connect(&db.handle, &db.url, None)
         .await
         .unwrap();
     let names: Vec<_> = (0..3)

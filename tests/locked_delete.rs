@@ -114,8 +114,10 @@ async fn delete_races_updates(db: Option<TestDb>, kind: LockKind) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_races_updates_in_memory() {
+    let memory = common::memory_db().await;
     let db = TestDb {
-        db: common::memory_db().await,
+        handle: freshlock::Db::new(memory.clone()),
+        db: memory,
         url: String::new(),
         schema: None,
     };

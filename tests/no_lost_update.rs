@@ -26,7 +26,7 @@ use servers::{TestDb, databases};
 use tokio::sync::Barrier;
 
 fn proceeding(db: &TestDb, lock: Arc<dyn LockBackend>) -> Session {
-    Session::builder(db.db.clone())
+    Session::builder(&db.handle)
         .lock(lock)
         .policy(
             LockPolicy::default()
@@ -153,8 +153,8 @@ async fn field_writers_without_any_lock(db: Option<TestDb>) {
 async fn lease_shorter_than_the_section(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
-    let lock: Arc<dyn LockBackend> = Arc::new(ExpiresBeforeUse(TableLock::new(db.db.clone())));
-    let session = Session::builder(db.db.clone())
+    let lock: Arc<dyn LockBackend> = Arc::new(ExpiresBeforeUse(TableLock::new(&db.handle)));
+    let session = Session::builder(&db.handle)
         .lock(lock)
         .policy(
             LockPolicy::default()

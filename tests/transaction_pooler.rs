@@ -129,7 +129,7 @@ struct Tally {
 }
 
 /// The workload through `db` with `kind`; the tally of what was acknowledged.
-async fn storm(db: &DatabaseConnection, url: &str, kind: LockKind) -> Arc<Tally> {
+async fn storm(db: &freshlock::Db, url: &str, kind: LockKind) -> Arc<Tally> {
     let redis = servers::url(servers::REDIS);
     let backend = kind
         .connect(db, url, redis.as_deref())
@@ -139,7 +139,7 @@ async fn storm(db: &DatabaseConnection, url: &str, kind: LockKind) -> Arc<Tally>
     let start = Arc::new(Barrier::new(TASKS as usize));
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
-            let session = Session::builder(db.clone())
+            let session = Session::builder(db)
                 .lock(Arc::clone(&backend))
                 .policy(proceed())
                 .build()
@@ -230,7 +230,7 @@ async fn every_backend_through_pgbouncer() {
         assert!(freshlock::transaction_pooler::is_adopted(&db));
         assert!(freshlock::transaction_pooler::is_adopted(&db.clone()));
         let tally = storm(&db, &url, kind).await;
-        db.close().await.ok();
+        db.connection().clone().close().await.ok();
         let (increments, saves, conflicts, unlocked, failed) = (
             tally.increments.load(Ordering::SeqCst),
             tally.saves.load(Ordering::SeqCst),
@@ -269,6 +269,7 @@ async fn adopt_refuses_what_cannot_work() {
     };
     // sqlx's statement cache on (its default).
     let cached = plain(&pooler.url(&name)).await;
+    let cached = freshlock::Db::new(cached);
     match freshlock::transaction_pooler::adopt(&cached).await {
         Err(Error::TransactionPooler { reason, .. }) => {
             assert!(reason.contains("statement cache"), "{reason}");
@@ -276,7 +277,7 @@ async fn adopt_refuses_what_cannot_work() {
         other => panic!("a cached pool must be refused, got {other:?}"),
     }
     assert!(!freshlock::transaction_pooler::is_adopted(&cached));
-    cached.close().await.ok();
+    cached.connection().clone().close().await.ok();
 
     // A pooler that keeps prepared statements between transactions.
     let Some(keeping) = PrivatePgBouncer::start(false) else {
@@ -292,7 +293,7 @@ async fn adopt_refuses_what_cannot_work() {
     // Not PostgreSQL.
     let sqlite = common::memory_db().await;
     assert!(matches!(
-        freshlock::transaction_pooler::adopt(&sqlite).await,
+        freshlock::transaction_pooler::adopt(&freshlock::Db::new(sqlite)).await,
         Err(Error::TransactionPooler { .. })
     ));
 }
@@ -355,7 +356,11 @@ async fn an_unadopted_pool_never_writes_without_its_lock() {
         task.await.expect("task");
     }
     // Adopted after the fact, the same pool is refused: its statement cache is on.
-    assert!(freshlock::transaction_pooler::adopt(&db).await.is_err());
+    assert!(
+        freshlock::transaction_pooler::adopt(&freshlock::Db::from(&db))
+            .await
+            .is_err()
+    );
     db.close().await.ok();
     let (one, _) = scores(&direct, &name).await;
     let (ok, unlocked, clashes, other) = (

@@ -9,7 +9,7 @@ use std::{
     ops::Deref,
     sync::{
         Arc, Mutex, OnceLock, PoisonError,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant},
 };
@@ -33,7 +33,7 @@ struct Inner {
     /// never combined, it reads no isolation level and no incarnation).
     real: bool,
     /// Runs behind a transaction pooler (see [`Pool::transaction_pooled`]).
-    pooled: bool,
+    pooled: AtomicBool,
     /// Whether the pool's transactions run at READ COMMITTED by default, once read.
     read_committed: OnceLock<bool>,
     /// Whether the database has `freshlock_incarnation` (PostgreSQL), once read.
@@ -65,12 +65,11 @@ impl Pool {
             Type::SqlxMySqlPoolConnection(_) => true,
             _ => false,
         };
-        let pooled = real && statement_cache_off(&conn);
         Self {
             inner: Arc::new(Inner {
                 conn,
                 real,
-                pooled,
+                pooled: AtomicBool::new(false),
                 read_committed: OnceLock::new(),
                 incarnation_table: OnceLock::new(),
                 incarnation: Mutex::new(None),
@@ -84,15 +83,19 @@ impl Pool {
         &self.inner.conn
     }
 
-    /// Whether this pool runs behind a transaction pooler: a PostgreSQL pool whose sqlx
-    /// statement cache is off, as `crate::transaction_pooler::connect` makes it (and
-    /// `adopt` requires). Then no statement may run outside an explicit transaction (sqlx
-    /// prepares and executes in two exchanges, and the pooler may hand the second to another
-    /// server connection), and freshlock wraps its own single statements in one
-    /// (see [`Autocommit`](super::autocommit::Autocommit)). Derived from the pool's own
-    /// options when the handle is made, so every handle of the pool agrees.
+    /// Whether this pool was declared to run behind a transaction pooler
+    /// (`crate::transaction_pooler::adopt`): then no statement may run outside an explicit
+    /// transaction (sqlx prepares and executes in two exchanges, and the pooler may hand the
+    /// second to another server connection), and freshlock wraps its own single statements in
+    /// one (see [`Autocommit`](super::autocommit::Autocommit)).
     pub(crate) fn transaction_pooled(&self) -> bool {
-        self.inner.pooled
+        self.inner.pooled.load(Ordering::Relaxed)
+    }
+
+    /// Declares that this pool runs behind a transaction pooler (checked by the caller).
+    #[cfg(feature = "postgres")]
+    pub(crate) fn mark_transaction_pooled(&self) {
+        self.inner.pooled.store(true, Ordering::Relaxed);
     }
 
     /// How many commit markers this pool's writes have written, this one included.
@@ -225,25 +228,6 @@ impl Pool {
         }
         *self.inner.incarnation_table.get_or_init(|| answer)
     }
-}
-
-/// Whether `conn` is a PostgreSQL pool with sqlx's statement cache off (what a pool behind a
-/// transaction pooler needs: see `transaction_pooler.rs`). sqlx has no getter for the
-/// capacity; its URL form carries it.
-fn statement_cache_off(conn: &DatabaseConnection) -> bool {
-    #[cfg(feature = "postgres")]
-    if let sea_orm::DatabaseConnectionType::SqlxPostgresPoolConnection(_) = &conn.inner {
-        use sea_orm::sqlx::ConnectOptions as _;
-        let url = conn
-            .get_postgres_connection_pool()
-            .connect_options()
-            .to_url_lossy();
-        return url
-            .query_pairs()
-            .any(|(key, value)| key == "statement-cache-capacity" && value == "0");
-    }
-    let _ = conn;
-    false
 }
 
 /// Makes every connection of the MySQL/MariaDB pool that `options` connects run its

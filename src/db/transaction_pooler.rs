@@ -18,7 +18,7 @@
 //! transactions:
 //!
 //! 1. **Every statement freshlock sends runs inside an explicit transaction.** Its locked writes,
-//!    sections, claims and transaction-scoped locks already do; on a pool marked by [`adopt`],
+//!    sections, claims and transaction-scoped locks already do; on a handle marked by [`adopt`],
 //!    the single statements it sends on their own — `load`, `load_many`, a guarded `save`, the
 //!    `table` lease's statements, a lost commit's resolution, the inspector's reads — are each
 //!    wrapped in `BEGIN` … `COMMIT`, so a prepare and its execute reach one server connection.
@@ -55,37 +55,42 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use sea_orm::{
-    ConnectOptions, Database, DatabaseConnection, DbBackend,
+    ConnectOptions, Database, DbBackend,
     sqlx::{self, ConnectOptions as _, Row as _},
 };
 use tracing::debug;
 
 use crate::{
-    db::pool::Pool,
+    database::Db,
     error::{Error, Result},
 };
 
 /// Connects to PostgreSQL through a transaction pooler at `options`' URL: sqlx's statement cache
 /// off, no `extra_float_digits` startup parameter (PgBouncer 1.18 refuses unknown ones), then
-/// [`adopt`] checks the pooler and marks the pool.
+/// [`adopt`] checks the pooler and marks the handle it returns: keep that [`Db`] and make
+/// sessions, lock backends and claims from it (`db.connection()` is the sea-orm pool, for your
+/// own transactions).
 ///
 /// This replaces a function given to `ConnectOptions::map_sqlx_postgres_opts`; to keep your
 /// own, set `statement_cache_capacity(0)` in it, connect yourself and call [`adopt`].
 ///
 /// # Errors
 /// [`Error::Database`] when the connection fails; [`Error::TransactionPooler`] as [`adopt`].
-pub async fn connect(mut options: ConnectOptions) -> Result<DatabaseConnection> {
+pub async fn connect(mut options: ConnectOptions) -> Result<Db> {
     options.map_sqlx_postgres_opts(|o| o.statement_cache_capacity(0).extra_float_digits(None));
     let url = options.get_url().to_owned();
-    let db = Database::connect(options)
+    let conn = Database::connect(options)
         .await
         .map_err(|e| crate::error::database("connecting to", &redacted(&url), e))?;
+    let db = Db::new(conn);
     adopt(&db).await?;
     Ok(db)
 }
 
-/// Checks that `db` can run behind a transaction pooler and marks it, so freshlock runs each of
-/// its single statements in a transaction of its own (see the [module](self)).
+/// Checks that `db`'s pool can run behind a transaction pooler and marks the handle, so
+/// freshlock runs each of its single statements on it in a transaction of its own (see the
+/// [module](self)). The mark belongs to the handle and its clones: sessions, lock backends and
+/// claims made from a bare connection of the same pool do not have it.
 ///
 /// Checked: the pool is PostgreSQL, sqlx's statement cache is off, and a prepared statement does
 /// not outlive its transaction (the pooler runs `DISCARD ALL` after each one). The last check
@@ -98,7 +103,9 @@ pub async fn connect(mut options: ConnectOptions) -> Result<DatabaseConnection> 
 /// # Errors
 /// [`Error::TransactionPooler`] naming the setting that is missing; [`Error::Database`] when
 /// the check cannot run.
-pub async fn adopt(db: &DatabaseConnection) -> Result<()> {
+pub async fn adopt(db: &Db) -> Result<()> {
+    let pool = db.pool();
+    let db = db.connection();
     if db.get_database_backend() != DbBackend::Postgres {
         return Err(refused(format!(
             "a transaction pooler fronts PostgreSQL; this pool is {:?}",
@@ -120,13 +127,14 @@ pub async fn adopt(db: &DatabaseConnection) -> Result<()> {
         )));
     }
     probe_reset(pg).await?;
-    debug!("the pool can run behind a transaction pooler");
+    pool.mark_transaction_pooled();
+    debug!("pool marked as running behind a transaction pooler");
     Ok(())
 }
 
-/// Whether [`adopt`] marked `db` (or a clone of it).
-pub fn is_adopted(db: &DatabaseConnection) -> bool {
-    Pool::new(db.clone()).transaction_pooled()
+/// Whether [`adopt`] marked `db` (or a handle it is a clone of).
+pub fn is_adopted(db: &Db) -> bool {
+    db.pool().transaction_pooled()
 }
 
 /// Prepares a statement in one transaction and looks for it in the next (simple protocol only,

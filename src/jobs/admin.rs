@@ -9,10 +9,8 @@ use sea_orm::{
 
 use super::{JobId, store};
 use crate::{
-    db::{
-        autocommit::{autocommit, upkeep},
-        pool::Pool,
-    },
+    database::Db,
+    db::autocommit::{autocommit, upkeep},
     error::{Result, database},
     lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
@@ -129,10 +127,11 @@ fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
-pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
+pub async fn depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
     // One statement of its own (in a transaction behind a transaction pooler).
-    let pool = Pool::new(db.clone());
-    let db = &autocommit(&pool);
+    let db = db.into();
+    let pool = db.pool();
+    let db = &autocommit(pool);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let bigint = if backend == DbBackend::MySql {
@@ -186,7 +185,7 @@ pub async fn depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
 ///
 /// # Errors
 /// As [`depth`].
-pub async fn record_depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
+pub async fn record_depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
     let depths = depth(db).await?;
     let mut per_kind: Vec<(String, u64, u64, u64)> = Vec::new();
     for d in &depths {
@@ -208,9 +207,10 @@ pub async fn record_depth(db: &DatabaseConnection) -> Result<Vec<Depth>> {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the query fails.
-pub async fn list(db: &DatabaseConnection, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
-    let pool = Pool::new(db.clone());
-    let db = &autocommit(&pool);
+pub async fn list(db: impl Into<Db>, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
+    let db = db.into();
+    let pool = db.pool();
+    let db = &autocommit(pool);
     let backend = db.get_database_backend();
     let sql = format!(
         "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
@@ -385,10 +385,11 @@ const PRUNE_BATCH: u32 = 1_000;
 ///
 /// # Errors
 /// [`crate::Error::Database`] when a statement fails.
-pub async fn prune(db: &DatabaseConnection, older_than: Duration, failed: bool) -> Result<u64> {
+pub async fn prune(db: impl Into<Db>, older_than: Duration, failed: bool) -> Result<u64> {
     let fail = |e| database("pruning finished jobs of", &JOB_TABLE, e);
-    let pool = Pool::new(db.clone());
-    let db = &autocommit(&pool);
+    let db = db.into();
+    let pool = db.pool();
+    let db = &autocommit(pool);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let mut states = vec![store::DONE, store::DISCARDED];

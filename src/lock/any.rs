@@ -22,10 +22,12 @@ impl LockKind {
     /// server cannot be reached.
     pub async fn connect(
         self,
-        db: &DatabaseConnection,
+        db: impl Into<crate::Db>,
         database_url: &str,
         redis_url: Option<&str>,
     ) -> Result<Arc<dyn LockBackend>, LockError> {
+        let handle = db.into();
+        let db = handle.connection();
         let _ = (database_url, redis_url);
         let unsupported = |what: &str| LockError::Unsupported {
             backend: self.as_str(),
@@ -33,7 +35,7 @@ impl LockKind {
         };
         Ok(match self {
             Self::Local => Arc::new(LocalLock::shared()),
-            Self::Table => Arc::new(TableLock::new(db.clone())),
+            Self::Table => Arc::new(TableLock::new(handle.clone())),
             Self::Row => {
                 // On a Galera cluster a row lock is local to the node that took it: writers on
                 // two nodes would both hold it, and only certification would stand between their

@@ -3,7 +3,7 @@
 use std::time::Duration;
 
 use async_trait::async_trait;
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbErr};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr};
 use tokio::time::Instant;
 use tracing::{debug, warn};
 
@@ -55,9 +55,9 @@ pub struct TableLock {
 
 impl TableLock {
     /// Leases in `db`'s `freshlock_lock` table.
-    pub fn new(db: DatabaseConnection) -> Self {
+    pub fn new(db: impl Into<crate::Db>) -> Self {
         Self {
-            db: Pool::new(db),
+            db: db.into().pool().clone(),
             label: None,
             queue: LocalLock::new(),
         }

@@ -134,6 +134,10 @@ pub fn unique(tag: &str) -> String {
 #[derive(Clone, Debug)]
 pub struct TestDb {
     pub db: DatabaseConnection,
+    /// The handle of `db`'s pool, as an application keeps it: marked when the pool is reached
+    /// through a transaction pooler (`freshlock::transaction_pooler::adopt`), so sessions,
+    /// lock backends and claims made from it wrap their single statements.
+    pub handle: freshlock::Db,
     /// A URL other processes can use (with `search_path` for PostgreSQL).
     pub url: String,
     /// For PostgreSQL: the schema to put on the search path.
@@ -164,6 +168,11 @@ pub fn crash_policy() -> freshlock::LockPolicy {
 
 /// Connects to `url` (with `schema` on the search path) with the example schema migrated.
 pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConnection {
+    handle(url, schema, max).await.connection().clone()
+}
+
+/// [`connect`]'s handle: through a transaction pooler, the one `adopt` marked.
+pub async fn handle(url: &str, schema: Option<&str>, max: u32) -> freshlock::Db {
     #[cfg(feature = "postgres")]
     if let Some(pooler) = pooler()
         && url.starts_with(&pooler)
@@ -200,7 +209,7 @@ pub async fn connect(url: &str, schema: Option<&str>, max: u32) -> DatabaseConne
                 .busy_timeout(Duration::from_secs(30))
         });
     }
-    Database::connect(options).await.expect("connect")
+    freshlock::Db::new(Database::connect(options).await.expect("connect"))
 }
 
 /// A fresh SQLite file database (WAL, busy timeout) in the temp directory.
@@ -210,6 +219,7 @@ pub async fn sqlite_file(tag: &str) -> TestDb {
     let db = connect(&url, None, 4).await;
     Migrator::up(&db, None).await.expect("migrate");
     TestDb {
+        handle: freshlock::Db::new(db.clone()),
         db,
         url,
         schema: None,
@@ -232,6 +242,7 @@ pub async fn postgres(tag: &str) -> Option<TestDb> {
     let db = connect(&url, Some(&schema), 8).await;
     Migrator::up(&db, None).await.expect("migrate");
     Some(TestDb {
+        handle: freshlock::Db::new(db.clone()),
         db,
         url,
         schema: Some(schema),
@@ -253,9 +264,10 @@ async fn through_pooler(direct: &str, pooler: &str, tag: &str) -> TestDb {
     Migrator::up(&migrator, None).await.expect("migrate");
     migrator.close().await.ok();
     let url = with_database(pooler, &name);
-    let db = connect(&url, None, 8).await;
+    let handle = handle(&url, None, 8).await;
     TestDb {
-        db,
+        db: handle.connection().clone(),
+        handle,
         url,
         schema: None,
     }
@@ -278,6 +290,7 @@ pub async fn mysql(tag: &str) -> Option<TestDb> {
     let db = connect(&url, None, 8).await;
     Migrator::up(&db, None).await.expect("migrate");
     Some(TestDb {
+        handle: freshlock::Db::new(db.clone()),
         db,
         url,
         schema: None,

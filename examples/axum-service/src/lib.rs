@@ -24,20 +24,22 @@ use axum::{
     routing::{get, put},
 };
 use entity::node;
-use freshlock::{Error, LockBackend, LockPolicy, Session, UpdateOutcome};
+use freshlock::{Db, Error, LockBackend, LockPolicy, Session, UpdateOutcome};
 use http_body_util::{BodyExt, Full};
 use hyper::body::Bytes;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
-use sea_orm::{DatabaseConnection, Set};
+use sea_orm::Set;
 use serde::Deserialize;
 use serde_json::json;
 use tower_http::timeout::TimeoutLayer;
 
-/// What every request shares: the pool, the lock backend and the policy (not the cache).
+/// What every request shares: the database handle, the lock backend and the policy (not the
+/// cache).
 #[derive(Clone)]
 pub struct AppState {
-    /// The database.
-    pub db: DatabaseConnection,
+    /// The database: made once at start-up, as the pool is, so that every request's session
+    /// shares what freshlock keeps of the pool.
+    pub db: Db,
     /// The lock backend all requests' sessions use (in-process here; a table, PostgreSQL or
     /// Redis lock when several service instances write the same rows).
     pub lock: Arc<dyn LockBackend>,
@@ -46,9 +48,9 @@ pub struct AppState {
 }
 
 impl AppState {
-    /// This request's session: a fresh identity map on the shared pool and lock.
+    /// This request's session: a fresh identity map on the shared database and lock.
     fn session(&self) -> Result<Session, Error> {
-        Session::builder(self.db.clone())
+        Session::builder(&self.db)
             .lock(Arc::clone(&self.lock))
             .policy(self.policy.clone())
             .build()
@@ -182,7 +184,7 @@ async fn set_field_naively(
     value: String,
 ) -> Response {
     use sea_orm::{ActiveModelTrait, EntityTrait, IntoActiveModel};
-    let loaded = match node::Entity::find_by_id(id).one(&state.db).await {
+    let loaded = match node::Entity::find_by_id(id).one(state.db.connection()).await {
         Ok(Some(n)) => n,
         Ok(None) => return failure(StatusCode::NOT_FOUND, format!("node {id} not found")),
         Err(error) => return failure(StatusCode::INTERNAL_SERVER_ERROR, error),
@@ -198,7 +200,7 @@ async fn set_field_naively(
     }
     // Every column written, as `save()` in the field report.
     let all = row.into_active_model().reset_all();
-    match all.update(&state.db).await {
+    match all.update(state.db.connection()).await {
         Ok(n) => Json(json!({ "node": view(&n) })).into_response(),
         Err(error) => failure(StatusCode::INTERNAL_SERVER_ERROR, error),
     }

@@ -69,7 +69,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .await?;
     }
     let state = AppState {
-        db,
+        db: freshlock::Db::new(db),
         lock: Arc::new(LocalLock::new()),
         policy: LockPolicy::default(),
     };

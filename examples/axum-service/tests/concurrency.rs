@@ -24,7 +24,7 @@ async fn database() -> TestDatabase {
 /// Serves the app on a free loopback port; the server stops with the test's runtime.
 async fn serve(db: &TestDatabase, lock: &LocalLock, timeout: Duration) -> SocketAddr {
     let state = AppState {
-        db: db.connection().clone(),
+        db: freshlock::Db::new(db.connection().clone()),
         lock: Arc::new(lock.clone()),
         policy: LockPolicy::default(),
     };
