@@ -193,11 +193,54 @@ const XID_AND_INCARNATION: [&str; 2] = [
     "(SELECT token FROM freshlock_incarnation WHERE id = 1) AS freshlock_incarnation",
 ];
 
-/// The expressions a write returns as its evidence: the transaction id, and the incarnation's
-/// token too when `incarnation` (the pool has not seen it lately). Read back with
-/// [`Evidence::read`].
-pub(crate) fn stamps(incarnation: bool) -> &'static [&'static str] {
-    &XID_AND_INCARNATION[..if incarnation { 2 } else { 1 }]
+/// How a write's own statement carries the evidence of its commit: the one place where a write
+/// learns whether it returns its transaction id or writes a marker. Row steps (the guarded
+/// UPDATE), keyed jobs (their completion) and the evidence taken before a section's `COMMIT`
+/// ([`Evidence::take`]) all ask it.
+pub(crate) enum Plan {
+    /// The statement returns the transaction id (and the incarnation token when the pool has
+    /// not seen it lately): [`Stamped::exprs`], then [`Stamped::evidence`] from the row.
+    Stamped(Stamped),
+    /// A marker row, in the same transaction (not PostgreSQL, or no `freshlock_incarnation`).
+    Marker,
+}
+
+impl Plan {
+    /// The plan of a write in `txn` on `db` (asking `txn`, never another connection of the
+    /// pool, whether `freshlock_incarnation` exists: see [`Pool::incarnation`]).
+    pub(crate) async fn of(db: &Pool, txn: &DatabaseTransaction) -> Self {
+        match db.incarnation(txn).await {
+            Incarnation::Known(token) => Self::Stamped(Stamped { known: Some(token) }),
+            Incarnation::Unseen => Self::Stamped(Stamped { known: None }),
+            Incarnation::Unsupported => Self::Marker,
+        }
+    }
+}
+
+/// A write whose statement returns its transaction id (see [`Plan::Stamped`]).
+pub(crate) struct Stamped {
+    /// The incarnation token the pool saw lately; `None`: the statement reads it too.
+    known: Option<Arc<str>>,
+}
+
+impl Stamped {
+    /// The expressions the statement returns beside its rows: the transaction id, and the
+    /// incarnation's token too when the pool has not seen it lately.
+    pub(crate) fn exprs(&self) -> &'static [&'static str] {
+        &XID_AND_INCARNATION[..if self.known.is_none() { 2 } else { 1 }]
+    }
+
+    /// The evidence of the statement that returned [`exprs`](Self::exprs) in `row`, in `txn`
+    /// on `db`.
+    pub(crate) async fn evidence(
+        self,
+        txn: &DatabaseTransaction,
+        db: &Pool,
+        row: &sea_orm::QueryResult,
+    ) -> Result<Evidence, DbErr> {
+        let (xid, seen) = Evidence::read(row, self.known.is_none())?;
+        Evidence::stamped(txn, db, xid, self.known, seen).await
+    }
 }
 
 impl Evidence {
@@ -211,30 +254,25 @@ impl Evidence {
     /// given out would have ended that connection (so no evidence, no commit), and a crash after
     /// this SELECT empties the table of the token (so the resolution does not trust `committed`).
     pub(crate) async fn take(txn: &DatabaseTransaction, db: &Pool) -> Result<Self, DbErr> {
-        let known = match db.incarnation(txn).await {
-            Incarnation::Known(token) => Some(token),
-            Incarnation::Unseen => None,
-            Incarnation::Unsupported => {
+        let stamped = match Plan::of(db, txn).await {
+            Plan::Stamped(stamped) => stamped,
+            Plan::Marker => {
                 let marker = Marker::new();
                 marker.write(txn).await?;
                 return Ok(Self::Marker(marker));
             }
         };
-        let select = format!("SELECT {}", stamps(known.is_none()).join(", "));
+        let select = format!("SELECT {}", stamped.exprs().join(", "));
         let row = txn
             .query_one_raw(Statement::from_string(DbBackend::Postgres, select))
             .await?
             .ok_or_else(|| DbErr::Custom("SELECT txid_current() returned no row".into()))?;
-        let (xid, seen) = Self::read(&row, known.is_none())?;
-        Self::stamped(txn, db, xid, known, seen).await
+        stamped.evidence(txn, db, &row).await
     }
 
     /// The transaction id and (with `incarnation`) the incarnation token of a row that returned
-    /// [`stamps`]`(incarnation)`.
-    pub(crate) fn read(
-        row: &sea_orm::QueryResult,
-        incarnation: bool,
-    ) -> Result<(i64, Option<String>), DbErr> {
+    /// [`Stamped::exprs`].
+    fn read(row: &sea_orm::QueryResult, incarnation: bool) -> Result<(i64, Option<String>), DbErr> {
         let xid = row.try_get::<i64>("", "freshlock_xid")?;
         if !incarnation {
             return Ok((xid, None));
@@ -250,7 +288,7 @@ impl Evidence {
     /// incarnation `seen` itself. When it saw none (the table was just made, or crash recovery
     /// emptied it), the transaction id proves nothing: the write gets a marker instead, and
     /// starts the new incarnation, in `txn`.
-    pub(crate) async fn stamped(
+    async fn stamped(
         txn: &DatabaseTransaction,
         db: &Pool,
         xid: i64,

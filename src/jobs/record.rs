@@ -9,8 +9,8 @@ use super::{
     store,
 };
 use crate::{
-    commit::Evidence,
-    db::{deadline::within, pool::Incarnation},
+    commit::{Evidence, Plan},
+    db::deadline::within,
     write::engine::{Fence, Worked},
 };
 
@@ -117,33 +117,26 @@ impl JobStep<'_> {
         const OPERATION: &str = "completing jobs in";
         let reply = self.cx.reply();
         let db = self.cx.session.pool();
-        let known = if self.cx.session.commit_markers() {
-            match db.incarnation(txn).await {
-                Incarnation::Known(token) => Some(Some(token)),
-                Incarnation::Unseen => Some(None),
-                Incarnation::Unsupported => None,
-            }
-        } else {
-            None
+        let plan = match self.cx.session.commit_markers() {
+            true => Plan::of(db, txn).await,
+            false => Plan::Marker,
         };
-        let Some(known) = known else {
+        let Plan::Stamped(stamped) = plan else {
+            // A marker (or nothing) is taken by the engine at the commit.
             let (_, readied) = within(reply, store::complete(txn, completed, None, promote))
                 .await
                 .map_err(|e| (OPERATION, e))?;
             return Ok((None, readied));
         };
-        let incarnation = known.is_none();
-        let stamps = crate::commit::stamps(incarnation);
         let (row, readied) = within(
             reply,
-            store::complete(txn, completed, Some(stamps), promote),
+            store::complete(txn, completed, Some(stamped.exprs()), promote),
         )
         .await
         .map_err(|e| (OPERATION, e))?;
         let row =
             row.ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
-        let (xid, seen) = Evidence::read(&row, incarnation).map_err(|e| (OPERATION, e))?;
-        within(reply, Evidence::stamped(txn, db, xid, known, seen))
+        within(reply, stamped.evidence(txn, db, &row))
             .await
             .map(|evidence| (Some(evidence), readied))
             .map_err(|e| ("marking the commit of", e))

@@ -9,16 +9,17 @@ use std::time::Duration;
 use sea_orm::{
     ActiveModelBehavior, ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, ConnectionTrait,
     DatabaseTransaction, DbBackend, DbErr, EntityTrait, FromQueryResult, IdenStatic,
-    IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryTrait, Value,
+    IntoActiveModel, Iterable, ModelTrait, PrimaryKeyToColumn, QueryFilter, QueryResult,
+    QueryTrait, Value,
     sea_query::{
         Alias, CommonTableExpression, Expr, InsertStatement, Query, ValueTuple, WithClause,
     },
 };
 
 use crate::{
-    commit::{Evidence, Marker},
+    commit::{Evidence, Marker, Plan, Stamped},
     db::deadline::within,
-    db::pool::{Incarnation, Pool},
+    db::pool::Pool,
     error::Error,
     write::row::{Row, select_by_key},
 };
@@ -245,10 +246,9 @@ where
             .map_err(|e| (Step::Evidence, e))?;
         return Ok((updated(update().await)?, Some(Evidence::Marker(marker))));
     }
-    let known = match db.incarnation(txn).await {
-        Incarnation::Known(token) => Some(token),
-        Incarnation::Unseen => None,
-        Incarnation::Unsupported => {
+    let stamp = match Plan::of(db, txn).await {
+        Plan::Stamped(stamped) => stamped,
+        Plan::Marker => {
             let marker = Marker::new();
             let insert = Box::new(marker.insert(DbBackend::Postgres, true));
             let stored = stamped(Stamp::Marker(insert)).await;
@@ -256,15 +256,13 @@ where
             return Ok((stored, Some(Evidence::Marker(marker))));
         }
     };
-    let incarnation = known.is_none();
-    match updated(stamped(Stamp::Xid { incarnation }).await)? {
-        Some((stored, Some((xid, seen)))) => {
-            let evidence = within(reply, Evidence::stamped(txn, db, xid, known, seen))
+    match updated(stamped(Stamp::Xid(&stamp)).await)? {
+        Some((stored, row)) => {
+            let evidence = within(reply, stamp.evidence(txn, db, &row))
                 .await
                 .map_err(|e| (Step::Evidence, e))?;
             Ok((Some(stored), Some(evidence)))
         }
-        Some((stored, None)) => Ok((Some(stored), None)),
         None => Ok((None, None)),
     }
 }
@@ -376,32 +374,28 @@ async fn send_marked<C: ConnectionTrait>(
 }
 
 /// What [`update_returning_stamped`] carries besides the row (see `commit.rs`).
-pub(crate) enum Stamp {
+pub(crate) enum Stamp<'a> {
     /// An INSERT, the write's commit marker, run by the same statement as a data-modifying
     /// CTE: `WITH freshlock_marker AS (INSERT …) UPDATE … RETURNING …`. The CTE runs whether
     /// or not the UPDATE matches a row; a refused write rolls back, marker and all.
     Marker(Box<InsertStatement>),
-    /// The transaction's id returned beside the row (`RETURNING …, txid_current()`), and with
-    /// `incarnation` the server incarnation's token too (`(SELECT token FROM
+    /// The transaction's id returned beside the row (`RETURNING …, txid_current()`), and when
+    /// the plan asks for it the server incarnation's token too (`(SELECT token FROM
     /// freshlock_incarnation …)`, a second table read by the statement): nothing more is
     /// written.
-    Xid {
-        /// Whether the statement also reads the incarnation's token.
-        incarnation: bool,
-    },
+    Xid(&'a Stamped),
 }
 
 /// [`update_returning`] on PostgreSQL, with the write's evidence of commit taken by the same
-/// statement (`stamp`): no round trip of its own. Returns the stored row, and with
-/// [`Stamp::Xid`] the transaction's id and, when asked for, the incarnation token (`None` when
-/// not asked for or the table is empty).
+/// statement (`stamp`): no round trip of its own. Returns the stored row, and the row as the
+/// statement returned it (for [`Stamped::evidence`]).
 pub(crate) async fn update_returning_stamped<E, C>(
     db: &C,
     original: &E::Model,
     changes: &[ColumnValue<E>],
     expected: &[ColumnValue<E>],
-    stamp: Stamp,
-) -> Result<Option<(E::Model, Option<(i64, Option<String>)>)>, DbErr>
+    stamp: Stamp<'_>,
+) -> Result<Option<(E::Model, QueryResult)>, DbErr>
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
@@ -411,7 +405,7 @@ where
     let mut query = guarded_update::<E>(original, changes, expected)?.into_query();
     // As sea-orm's own `exec` returns the row: each column as it selects it.
     let columns = E::Column::iter().map(|c| c.select_as(c.into_returning_expr(backend)));
-    let (row, xid) = match stamp {
+    let row = match stamp {
         Stamp::Marker(marker) => {
             query.returning(Query::returning().exprs(columns));
             let cte = CommonTableExpression::new()
@@ -419,25 +413,19 @@ where
                 .query(*marker)
                 .to_owned();
             let query = query.with(WithClause::new().cte(cte).to_owned());
-            (db.query_one(&query).await?, None)
+            db.query_one(&query).await?
         }
-        Stamp::Xid { incarnation } => {
-            let stamps = crate::commit::stamps(incarnation)
-                .iter()
-                .map(|stamp| Expr::cust(*stamp));
+        Stamp::Xid(stamped) => {
+            let stamps = stamped.exprs().iter().map(|stamp| Expr::cust(*stamp));
             query.returning(Query::returning().exprs(columns.chain(stamps)));
-            (db.query_one(&query).await?, Some(incarnation))
+            db.query_one(&query).await?
         }
     };
     let Some(row) = row else {
         return Ok(None);
     };
     let model = E::Model::from_query_result(&row, "")?;
-    let xid = match xid {
-        Some(incarnation) => Some(crate::commit::Evidence::read(&row, incarnation)?),
-        None => None,
-    };
-    Ok(Some((model, xid)))
+    Ok(Some((model, row)))
 }
 
 /// The guarded UPDATE of `original`'s row, as sea-orm builds it.

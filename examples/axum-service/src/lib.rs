@@ -184,7 +184,10 @@ async fn set_field_naively(
     value: String,
 ) -> Response {
     use sea_orm::{ActiveModelTrait, EntityTrait, IntoActiveModel};
-    let loaded = match node::Entity::find_by_id(id).one(state.db.connection()).await {
+    let loaded = match node::Entity::find_by_id(id)
+        .one(state.db.connection())
+        .await
+    {
         Ok(Some(n)) => n,
         Ok(None) => return failure(StatusCode::NOT_FOUND, format!("node {id} not found")),
         Err(error) => return failure(StatusCode::INTERNAL_SERVER_ERROR, error),
