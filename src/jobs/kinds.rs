@@ -120,13 +120,13 @@ impl Jobs {
     /// the claim**: its writes and the job's completion commit together, and only if the claim
     /// still holds. A worker that stops or hangs lets its lease expire; another worker makes
     /// the job wait again and runs it, and the old claim's late finish is refused
-    /// ([`JobOutcome::LeaseLost`]). So `finish`'s writes commit once; `work` itself (an HTTP
+    /// ([`JobOutcome::LeaseLost`](super::JobOutcome::LeaseLost)). So `finish`'s writes commit once; `work` itself (an HTTP
     /// call) runs at least once per attempt — make it idempotent, or watch
     /// [`Lease::lost`] to stop early.
     ///
     /// Retries follow `policy` as for [`handle`](Self::handle): a failing `work` or `finish`
     /// is a failed attempt. An attempt counts when it is claimed, so a job whose worker dies on
-    /// every attempt fails ([`JobFailure::LeaseExpired`]) once its attempts are used. A lease
+    /// every attempt fails ([`JobFailure::LeaseExpired`](super::JobFailure::LeaseExpired)) once its attempts are used. A lease
     /// is at least 300 ms.
     #[must_use]
     pub fn handle_leased<P, R, W, Fut, F>(

@@ -91,7 +91,7 @@ impl Worker {
     /// failure has already been tried again within the session policy's `write_attempts`);
     /// [`crate::Error::CommitUnknown`] when the commit's reply was lost and could not be
     /// resolved — the job either completed or runs again, never both. A handler's own failure
-    /// is not an error here: it is the job's [`JobOutcome`].
+    /// is not an error here: it is the job's [`JobOutcome`](super::JobOutcome).
     pub async fn run_one(&self) -> Result<Option<JobRun>> {
         Ok(self.run_up_to(1, &mut None, false).await?.pop())
     }

@@ -2,8 +2,6 @@
 
 use std::sync::Arc;
 
-use sea_orm::DatabaseConnection;
-
 use super::{
     kind::LockKind, local::LocalLock, pg_advisory::PgAdvisoryLock, row::RowLock, table::TableLock,
     traits::LockBackend,
@@ -100,7 +98,7 @@ impl LockKind {
 /// Whether `db` is a node of a MariaDB Galera cluster (`wsrep_on`); `false` off MySQL/MariaDB or
 /// when the variable cannot be read.
 #[cfg(feature = "mysql")]
-async fn galera(db: &DatabaseConnection) -> bool {
+async fn galera(db: &sea_orm::DatabaseConnection) -> bool {
     use sea_orm::ConnectionTrait as _;
     if db.get_database_backend() != sea_orm::DbBackend::MySql {
         return false;
