@@ -7,7 +7,7 @@ use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, DbErr, QueryResult, TransactionTrait, Value,
 };
 
-use super::{JobId, store};
+use super::{JobId, state::Stored, store};
 use crate::{
     database::Db,
     db::autocommit::{autocommit, upkeep},
@@ -36,29 +36,24 @@ pub enum JobState {
 }
 
 impl JobState {
-    fn stored(self) -> i16 {
+    fn stored(self) -> Stored {
         match self {
-            Self::Waiting => store::PENDING,
-            Self::Leased => store::LEASED,
-            Self::Done => store::DONE,
-            Self::Failed => store::FAILED,
-            Self::Discarded => store::DISCARDED,
+            Self::Waiting => Stored::Pending,
+            Self::Leased => Stored::Leased,
+            Self::Done => Stored::Done,
+            Self::Failed => Stored::Failed,
+            Self::Discarded => Stored::Discarded,
         }
     }
 
-    fn from_stored(state: i16) -> Option<Self> {
-        if state == store::QUEUED {
-            return Some(Self::Waiting);
-        }
-        [
-            Self::Waiting,
-            Self::Leased,
-            Self::Done,
-            Self::Failed,
-            Self::Discarded,
-        ]
-        .into_iter()
-        .find(|s| s.stored() == state)
+    fn from_stored(code: i16) -> Option<Self> {
+        Some(match Stored::from_code(code)? {
+            Stored::Pending | Stored::Queued => Self::Waiting,
+            Stored::Leased => Self::Leased,
+            Stored::Done => Self::Done,
+            Stored::Failed => Self::Failed,
+            Stored::Discarded => Self::Discarded,
+        })
     }
 
     /// The state's name: `waiting`, `leased`, `done`, `failed`, `discarded`.
@@ -139,8 +134,8 @@ pub async fn depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
     } else {
         "BIGINT"
     };
-    let (pending, queued, failed) = (store::PENDING, store::QUEUED, store::FAILED);
-    let leased = store::LEASED;
+    let (pending, queued, failed) = (Stored::Pending, Stored::Queued, Stored::Failed);
+    let leased = Stored::Leased;
     let sum =
         |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS {bigint})");
     // MySQL/MariaDB group and sort a long binary value by its first `max_sort_length` bytes
@@ -219,7 +214,7 @@ pub async fn list(db: impl Into<Db>, state: JobState, limit: u64) -> Result<Vec<
     let limit = i64::try_from(limit).unwrap_or(i64::MAX);
     // A waiting job may be queued behind another of its key.
     let also = if state == JobState::Waiting {
-        store::QUEUED
+        Stored::Queued
     } else {
         state.stored()
     };
@@ -283,7 +278,7 @@ async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
     let backend = db.get_database_backend();
     let fail = |e| database("retrying a job of", &JOB_TABLE, e);
     let read = format!("SELECT unique_key FROM {JOB_TABLE} WHERE id = ? AND state = ?");
-    let values = vec![id.into(), store::FAILED.into()];
+    let values = vec![id.into(), Stored::Failed.into()];
     let Some(row) = db
         .query_one_raw(statement(backend, &read, values))
         .await
@@ -301,8 +296,8 @@ async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
     let sql = format!(
         "UPDATE {JOB_TABLE} SET state = {pending}, attempts = 0, run_at = {now}, \
          finished_at = NULL, unique_hash = ? WHERE id = ? AND state = {failed}",
-        pending = store::PENDING,
-        failed = store::FAILED,
+        pending = Stored::Pending,
+        failed = Stored::Failed,
     );
     let values = vec![Value::Bytes(unique.as_deref().map(store::hash)), id.into()];
     match db.execute_raw(statement(backend, &sql, values)).await {
@@ -340,9 +335,9 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
     let sql = format!(
         "UPDATE {JOB_TABLE} SET state = {discarded}, finished_at = {now}, unique_hash = NULL \
          WHERE id = ? AND state IN ({pending}, {queued})",
-        discarded = store::DISCARDED,
-        pending = store::PENDING,
-        queued = store::QUEUED,
+        discarded = Stored::Discarded,
+        pending = Stored::Pending,
+        queued = Stored::Queued,
     );
     let done = db
         .execute_raw(statement(backend, &sql, vec![id.into()]))
@@ -392,13 +387,13 @@ pub async fn prune(db: impl Into<Db>, older_than: Duration, failed: bool) -> Res
     let db = &autocommit(pool);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
-    let mut states = vec![store::DONE, store::DISCARDED];
+    let mut states = vec![Stored::Done, Stored::Discarded];
     if failed {
-        states.push(store::FAILED);
+        states.push(Stored::Failed);
     }
     let states = states
         .iter()
-        .map(i16::to_string)
+        .map(Stored::to_string)
         .collect::<Vec<_>>()
         .join(", ");
     // A read of the batch (a snapshot: no locks; `freshlock_job_next`, state first, finds the

@@ -73,6 +73,7 @@ mod kinds;
 mod lease;
 mod record;
 mod retry;
+mod state;
 mod step;
 mod store;
 mod take;

@@ -5,6 +5,10 @@ use std::time::Duration;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
 use sha2::{Digest, Sha256};
 
+use super::state::{
+    Stored::{Done, Failed, Leased, Pending, Queued},
+    UNFINISHED,
+};
 use crate::{
     db::{
         autocommit::{autocommit, upkeep},
@@ -13,21 +17,6 @@ use crate::{
     lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
     schema::JOB_TABLE,
 };
-
-/// A job's states as stored. Waiting jobs are `PENDING` (ready: keyless, or first of their key
-/// when enqueued or promoted) or `QUEUED` (behind an unfinished job of their key): a take scans
-/// the ready ones only, so a hot key's backlog costs nothing per take. `QUEUED` is a hint,
-/// never trusted for order: a take still checks that no earlier job of the key is unfinished.
-/// A job of a leased kind is `LEASED` while it works outside any transaction: `owner` holds
-/// the claim's token and `lease_until` its expiry (database clock); its key stays busy.
-pub(crate) const PENDING: i16 = 0;
-pub(crate) const LEASED: i16 = 1;
-pub(crate) const QUEUED: i16 = 5;
-/// Every state of a job that has not finished.
-const UNFINISHED: &str = "0, 1, 5";
-pub(crate) const DONE: i16 = 2;
-pub(crate) const FAILED: i16 = 3;
-pub(crate) const DISCARDED: i16 = 4;
 
 /// Most stranded jobs one [`sweep`] readies (the next sweep readies more).
 const SWEEP_AT_MOST: u32 = 500;
@@ -83,14 +72,14 @@ pub(crate) async fn insert(
     } else {
         &tail
     };
-    // Behind an unfinished job of its key: queued, not ready (see `QUEUED`). Decided by the
+    // Behind an unfinished job of its key: queued, not ready (see `Stored::Queued`). Decided by the
     // INSERT itself where the database lets it read the table it inserts into (not MySQL): one
     // statement, and on SQLite a write from the start — a deferred transaction that read first
     // could not take the write lock once another process wrote (`SQLITE_BUSY_SNAPSHOT`).
     let behind = format!(
         "EXISTS (SELECT 1 FROM {JOB_TABLE} WHERE key_hash = ? AND state IN ({UNFINISHED}))"
     );
-    let mut state = PENDING.to_string();
+    let mut state = Pending.to_string();
     let mut state_values = Vec::new();
     if let Some(key) = job.key {
         if backend == DbBackend::MySql {
@@ -105,9 +94,9 @@ pub(crate) async fn insert(
                     vec![Value::Bytes(Some(hash(key)))],
                 ))
                 .await?;
-            state = if found.is_some() { QUEUED } else { PENDING }.to_string();
+            state = if found.is_some() { Queued } else { Pending }.to_string();
         } else {
-            state = format!("CASE WHEN {behind} THEN {QUEUED} ELSE {PENDING} END");
+            state = format!("CASE WHEN {behind} THEN {Queued} ELSE {Pending} END");
             state_values.push(Value::Bytes(Some(hash(key))));
         }
     }
@@ -256,7 +245,7 @@ pub(crate) async fn take_after(
          (SELECT COUNT(*) FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
          AND h.state IN ({UNFINISHED}) AND h.id > ? AND h.id < j.id) AS ahead \
          FROM {JOB_TABLE} j{index} \
-         WHERE j.key_hash = ? AND j.state = {QUEUED} AND j.id > ? AND j.run_at <= {now} \
+         WHERE j.key_hash = ? AND j.state = {Queued} AND j.id > ? AND j.run_at <= {now} \
          ORDER BY j.id LIMIT {limit}{skip}"
     );
     let values = vec![
@@ -314,7 +303,7 @@ async fn lock_due(
     let followed = if *chain {
         format!(
             ", EXISTS (SELECT 1 FROM {JOB_TABLE} q WHERE q.key_hash = j.key_hash \
-             AND q.state = {QUEUED} AND q.id > j.id) AS followed"
+             AND q.state = {Queued} AND q.id > j.id) AS followed"
         )
     } else {
         String::new()
@@ -322,7 +311,7 @@ async fn lock_due(
     let sql = format!(
         "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited\
          {followed} FROM {JOB_TABLE} j{index} \
-         WHERE j.state = {PENDING} AND j.run_at <= {now} AND {filter} \
+         WHERE j.state = {Pending} AND j.run_at <= {now} AND {filter} \
          ORDER BY {order} LIMIT {limit}{skip}"
     );
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
@@ -382,7 +371,7 @@ pub(crate) async fn complete(
     // assignment seeing the ones before it: `attempts` reads `state` before it changes.)
     sql.push_str(&format!(
         "UPDATE {JOB_TABLE} SET \
-         attempts = attempts + CASE WHEN state = {LEASED} THEN 0 ELSE 1 END, state = {DONE}, \
+         attempts = attempts + CASE WHEN state = {Leased} THEN 0 ELSE 1 END, state = {Done}, \
          finished_at = {now}, owner = NULL, lease_until = NULL, unique_hash = NULL \
          WHERE id IN ({placeholders})"
     ));
@@ -425,7 +414,7 @@ pub(crate) async fn failed(
     let (sql, values) = match retry {
         Some(delay) => (
             format!(
-                "UPDATE {JOB_TABLE} SET state = {PENDING}, owner = NULL, lease_until = NULL, \
+                "UPDATE {JOB_TABLE} SET state = {Pending}, owner = NULL, lease_until = NULL, \
                  attempts = ?, last_error = ?, run_at = {now} + ? WHERE id = ?"
             ),
             vec![
@@ -437,7 +426,7 @@ pub(crate) async fn failed(
         ),
         None => (
             format!(
-                "UPDATE {JOB_TABLE} SET state = {FAILED}, owner = NULL, lease_until = NULL, \
+                "UPDATE {JOB_TABLE} SET state = {Failed}, owner = NULL, lease_until = NULL, \
                  attempts = ?, last_error = ?, finished_at = {now}, unique_hash = NULL WHERE id = ?"
             ),
             vec![attempts.into(), error.into(), id.into()],
@@ -480,8 +469,8 @@ fn promotion(keys: usize, except: usize) -> String {
     };
     // The derived table lets MySQL read the table it updates.
     format!(
-        "UPDATE {JOB_TABLE} SET state = {PENDING} WHERE id IN (SELECT id FROM (\
-         SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {QUEUED} \
+        "UPDATE {JOB_TABLE} SET state = {Pending} WHERE id IN (SELECT id FROM (\
+         SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {Queued} \
          AND key_hash IN ({placeholders}){except} GROUP BY key_hash) heads)"
     )
 }
@@ -504,7 +493,7 @@ pub(crate) async fn sweep(db: &Pool) -> Result<u64, DbErr> {
     // Only the first queued job of a key can be stranded.
     let find = format!(
         "SELECT q.id FROM (SELECT MIN(id) AS id, key_hash FROM {JOB_TABLE} \
-         WHERE state = {QUEUED} GROUP BY key_hash) q WHERE NOT EXISTS (\
+         WHERE state = {Queued} GROUP BY key_hash) q WHERE NOT EXISTS (\
          SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = q.key_hash \
          AND h.state IN ({UNFINISHED}) AND h.id < q.id) LIMIT {SWEEP_AT_MOST}"
     );
@@ -525,8 +514,8 @@ pub(crate) async fn sweep(db: &Pool) -> Result<u64, DbErr> {
         ""
     };
     let ready = format!(
-        "UPDATE {JOB_TABLE}{index} SET state = {PENDING} \
-         WHERE state = {QUEUED} AND id IN ({placeholders})"
+        "UPDATE {JOB_TABLE}{index} SET state = {Pending} \
+         WHERE state = {Queued} AND id IN ({placeholders})"
     );
     upkeep(db.0, statement(backend, &ready, ids)).await
 }
@@ -544,7 +533,7 @@ pub(crate) async fn claim(
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {LEASED}, owner = ?, lease_until = {now} + ?, \
+        "UPDATE {JOB_TABLE} SET state = {Leased}, owner = ?, lease_until = {now} + ?, \
          attempts = ? WHERE id = ?"
     );
     let values = vec![
@@ -566,7 +555,7 @@ pub(crate) async fn hold(txn: &DatabaseTransaction, id: i64, owner: &str) -> Res
     let backend = txn.get_database_backend();
     let lock = for_update(backend);
     let sql =
-        format!("SELECT id FROM {JOB_TABLE} WHERE id = ? AND state = {LEASED} AND owner = ?{lock}");
+        format!("SELECT id FROM {JOB_TABLE} WHERE id = ? AND state = {Leased} AND owner = ?{lock}");
     let row = txn
         .query_one_raw(statement(backend, &sql, vec![id.into(), owner.into()]))
         .await?;
@@ -587,7 +576,7 @@ pub(crate) async fn extend(
     // counts changed rows only).
     let sql = format!(
         "UPDATE {JOB_TABLE} SET lease_until = {now} + ? \
-         WHERE id = ? AND state = {LEASED} AND owner = ?"
+         WHERE id = ? AND state = {Leased} AND owner = ?"
     );
     let values = vec![millis(lease).into(), id.into(), owner.into()];
     let done = db.execute_raw(statement(backend, &sql, values)).await?;
@@ -600,8 +589,8 @@ pub(crate) async fn reclaim(db: &Pool) -> Result<u64, DbErr> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {PENDING}, owner = NULL, lease_until = NULL, \
-         run_at = {now}, last_error = ? WHERE state = {LEASED} AND lease_until < {now}"
+        "UPDATE {JOB_TABLE} SET state = {Pending}, owner = NULL, lease_until = NULL, \
+         run_at = {now}, last_error = ? WHERE state = {Leased} AND lease_until < {now}"
     );
     let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
                database)";
