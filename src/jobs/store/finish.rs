@@ -1,0 +1,153 @@
+//! How a job's attempt ends in the table: completed, failed (or waiting for its retry), and
+//! the next job of each finished key readied.
+
+use std::time::Duration;
+
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
+
+use crate::jobs::state::Stored::{Done, Failed, Leased, Pending, Queued};
+use crate::{
+    lock::sql::{millis, now_ms, statement},
+    schema::JOB_TABLE,
+};
+
+use super::MAX_ERROR;
+
+/// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
+/// unique keys free, a leased one's claim ended), and makes the first queued job of each key in
+/// `promote` ready (see [`promote`]): how many it readied. With `stamps` (PostgreSQL), the
+/// statement also returns those expressions — the commit's evidence, taken by this statement
+/// rather than one of its own: the first row. On PostgreSQL the promotion rides in the same
+/// statement (a `WITH` of its own: the two touch different rows), elsewhere it is one more.
+pub(crate) async fn complete(
+    txn: &DatabaseTransaction,
+    ids: &[i64],
+    stamps: Option<&[&str]>,
+    promote: Vec<Vec<u8>>,
+) -> Result<(Option<QueryResult>, u64), DbErr> {
+    let backend = txn.get_database_backend();
+    let folds = backend == DbBackend::Postgres && !promote.is_empty();
+    let mut readied = 0;
+    let mut values: Vec<Value> = Vec::with_capacity(promote.len() + ids.len());
+    let mut sql = String::new();
+    // The promotion passes over the jobs completed here: a chain's later jobs are still
+    // queued as stored (`take_after`).
+    if folds {
+        sql = format!(
+            "WITH promoted AS ({} RETURNING 1) ",
+            promotion(promote.len(), ids.len())
+        );
+        values.extend(promote.into_iter().map(|h| Value::Bytes(Some(h))));
+        values.extend(ids.iter().map(|&id| Value::from(id)));
+    } else if !promote.is_empty() {
+        readied = self::promote(txn, promote, ids).await?;
+    }
+    let now = now_ms(backend);
+    let placeholders = vec!["?"; ids.len()].join(", ");
+    // A leased job's attempt was counted by its claim. (MySQL assigns left to right, each
+    // assignment seeing the ones before it: `attempts` reads `state` before it changes.)
+    sql.push_str(&format!(
+        "UPDATE {JOB_TABLE} SET \
+         attempts = attempts + CASE WHEN state = {Leased} THEN 0 ELSE 1 END, state = {Done}, \
+         finished_at = {now}, owner = NULL, lease_until = NULL, unique_hash = NULL \
+         WHERE id IN ({placeholders})"
+    ));
+    values.extend(ids.iter().map(|&id| Value::from(id)));
+    let mut returning: Vec<&str> = stamps.unwrap_or_default().to_vec();
+    if folds {
+        returning.push("(SELECT COUNT(*) FROM promoted) AS readied");
+    }
+    if returning.is_empty() {
+        txn.execute_raw(statement(backend, &sql, values)).await?;
+        return Ok((None, readied));
+    }
+    sql.push_str(" RETURNING ");
+    sql.push_str(&returning.join(", "));
+    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    let first = rows.into_iter().next();
+    if folds && let Some(row) = &first {
+        readied = u64::try_from(row.try_get::<i64>("", "readied")?).unwrap_or(0);
+    }
+    Ok((first.filter(|_| stamps.is_some()), readied))
+}
+
+/// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error
+/// kept, its unique key free) when `retry` is `None`. A leased job's claim ends either way.
+pub(crate) async fn failed(
+    txn: &DatabaseTransaction,
+    id: i64,
+    attempts: i32,
+    error: &str,
+    retry: Option<Duration>,
+) -> Result<(), DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    // PostgreSQL's text cannot hold NUL.
+    let error: String = error
+        .chars()
+        .take(MAX_ERROR)
+        .map(|c| if c == '\0' { '\u{fffd}' } else { c })
+        .collect();
+    let (sql, values) = match retry {
+        Some(delay) => (
+            format!(
+                "UPDATE {JOB_TABLE} SET state = {Pending}, owner = NULL, lease_until = NULL, \
+                 attempts = ?, last_error = ?, run_at = {now} + ? WHERE id = ?"
+            ),
+            vec![
+                attempts.into(),
+                error.into(),
+                millis(delay).into(),
+                id.into(),
+            ],
+        ),
+        None => (
+            format!(
+                "UPDATE {JOB_TABLE} SET state = {Failed}, owner = NULL, lease_until = NULL, \
+                 attempts = ?, last_error = ?, finished_at = {now}, unique_hash = NULL WHERE id = ?"
+            ),
+            vec![attempts.into(), error.into(), id.into()],
+        ),
+    };
+    txn.execute_raw(statement(backend, &sql, values))
+        .await
+        .map(drop)
+}
+
+/// Makes the first queued job of each key in `key_hashes` ready (their heads finished in
+/// `txn`), passing over jobs `except` (finishing in `txn` too): how many.
+pub(crate) async fn promote(
+    txn: &impl ConnectionTrait,
+    key_hashes: Vec<Vec<u8>>,
+    except: &[i64],
+) -> Result<u64, DbErr> {
+    if key_hashes.is_empty() {
+        return Ok(0);
+    }
+    let backend = txn.get_database_backend();
+    let sql = promotion(key_hashes.len(), except.len());
+    let mut values: Vec<Value> = key_hashes
+        .into_iter()
+        .map(|h| Value::Bytes(Some(h)))
+        .collect();
+    values.extend(except.iter().map(|&id| Value::from(id)));
+    txn.execute_raw(statement(backend, &sql, values))
+        .await
+        .map(|done| done.rows_affected())
+}
+
+/// The statement of [`promote`] for `keys` key hashes and `except` job ids (its
+/// placeholders, in that order).
+fn promotion(keys: usize, except: usize) -> String {
+    let placeholders = vec!["?"; keys].join(", ");
+    let except = match except {
+        0 => String::new(),
+        n => format!(" AND id NOT IN ({})", vec!["?"; n].join(", ")),
+    };
+    // The derived table lets MySQL read the table it updates.
+    format!(
+        "UPDATE {JOB_TABLE} SET state = {Pending} WHERE id IN (SELECT id FROM (\
+         SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {Queued} \
+         AND key_hash IN ({placeholders}){except} GROUP BY key_hash) heads)"
+    )
+}

@@ -1,0 +1,32 @@
+//! The job table's statements, per dialect (the table itself: `schema.rs`).
+
+mod finish;
+mod insert;
+mod lease;
+mod sweep;
+mod take;
+
+pub(crate) use finish::{complete, failed, promote};
+pub(crate) use insert::{Insert, holder_of, insert};
+pub(crate) use lease::{claim, extend, hold, reclaim};
+pub(crate) use sweep::sweep;
+pub(crate) use take::{Taken, take, take_after, take_key};
+
+use sea_orm::Value;
+use sha2::{Digest, Sha256};
+
+/// Most stranded jobs one [`sweep`] readies (the next sweep readies more).
+pub(super) const SWEEP_AT_MOST: u32 = 500;
+
+/// Longest error text kept with a job, in characters.
+pub(super) const MAX_ERROR: usize = 4000;
+
+/// The SHA-256 of a key: what the indexes hold, so that a key of any length is compared byte for
+/// byte through a fixed-size index entry.
+pub(crate) fn hash(key: impl AsRef<[u8]>) -> Vec<u8> {
+    Sha256::digest(key.as_ref()).to_vec()
+}
+
+pub(super) fn bytes(value: Option<&str>) -> Value {
+    Value::Bytes(value.map(|v| v.as_bytes().to_vec()))
+}

@@ -1,0 +1,204 @@
+//! The take: due jobs locked by one statement (`FOR UPDATE SKIP LOCKED`), each the head of
+//! its key; a key followed by its next jobs.
+
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
+
+use crate::jobs::state::{
+    Stored::{Pending, Queued},
+    UNFINISHED,
+};
+use crate::{
+    lock::sql::{for_update_skip_locked, now_ms, statement},
+    schema::JOB_TABLE,
+};
+
+/// A job taken by [`take`], its row locked by the transaction.
+pub(crate) struct Taken {
+    pub(crate) id: i64,
+    pub(crate) kind: Vec<u8>,
+    pub(crate) key: Option<Vec<u8>>,
+    pub(crate) payload: String,
+    /// Attempts before this one.
+    pub(crate) attempts: i32,
+    /// Milliseconds since the job was due (database clock).
+    pub(crate) waited: i64,
+    /// A queued job of its key comes after it (read by a take that may start a chain, else
+    /// `false`): a chain may follow it (`take_after`).
+    pub(crate) followed: bool,
+}
+
+impl Taken {
+    /// The job a take's `row` holds (`followed` read by the caller).
+    fn read(row: &QueryResult, followed: bool) -> Result<Self, DbErr> {
+        Ok(Self {
+            id: row.try_get("", "id")?,
+            kind: row.try_get("", "kind")?,
+            key: row.try_get("", "job_key")?,
+            payload: row.try_get("", "payload")?,
+            attempts: row.try_get("", "attempts")?,
+            waited: row.try_get("", "waited")?,
+            followed,
+        })
+    }
+}
+
+/// Locks the next `limit` jobs to run, in `txn`: the first by priority, then enqueue order,
+/// among those due whose key has no earlier unfinished job (so never two jobs of one key). Rows other workers locked are skipped
+/// (`SKIP LOCKED`; SQLite's `BEGIN IMMEDIATE` already made this the only writer), so a busy
+/// key — its head locked by the worker running it — hands out nothing, and a worker is never
+/// given a job it would wait for. With `chain`, each job's `followed` is read too.
+pub(crate) async fn take(
+    txn: &DatabaseTransaction,
+    limit: u32,
+    chain: bool,
+) -> Result<Vec<Taken>, DbErr> {
+    // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
+    // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
+    let scan = Scan {
+        index: "freshlock_job_next",
+        filter: "(j.key_hash IS NULL OR {head})",
+        order: "j.priority DESC, j.id",
+        limit,
+        chain,
+    };
+    lock_due(txn, &scan, Vec::new()).await
+}
+
+/// Locks the next job of key `key_hash` (its SHA-256) to run, if it is due and its key's head:
+/// the worker that just finished the key's job follows the key with it, so that a hot key's
+/// chain never waits for a free worker (`Worker::run`). `chain` as for [`take`].
+pub(crate) async fn take_key(
+    txn: &DatabaseTransaction,
+    key_hash: &[u8],
+    chain: bool,
+) -> Result<Vec<Taken>, DbErr> {
+    let scan = Scan {
+        index: "freshlock_job_key",
+        filter: "j.key_hash = ? AND {head}",
+        order: "j.id",
+        limit: 1,
+        chain,
+    };
+    lock_due(txn, &scan, vec![Value::Bytes(Some(key_hash.to_vec()))]).await
+}
+
+/// Locks the jobs of key `key_hash` (its SHA-256) that come right after job `after` — up to
+/// `limit`, in id order, each due and queued — for the transaction that holds `after` (the
+/// key's head, completed in it) to run them one after another: a chain (`Source::Take`). Only
+/// an unbroken run is returned: it ends before the first unfinished job of the key that is not
+/// queued and due, or that another transaction locked (skipped, never waited for). Their
+/// states are left as they are: the completion that marks them done readies the key's next
+/// job after them (`complete`'s exclusion), and one the transaction does not get to stays
+/// queued, first in line.
+pub(crate) async fn take_after(
+    txn: &DatabaseTransaction,
+    key_hash: &[u8],
+    after: i64,
+    limit: u32,
+) -> Result<Vec<Taken>, DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let skip = for_update_skip_locked(backend);
+    // InnoDB locks every row the scan reads: it follows the key's index, in id order.
+    let index = if backend == DbBackend::MySql {
+        " FORCE INDEX (freshlock_job_key)"
+    } else {
+        ""
+    };
+    // `ahead`: the key's unfinished jobs between `after` and this one, whatever their state or
+    // lock. The run is unbroken while each row's `ahead` is its place in the run.
+    let sql = format!(
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited, \
+         (SELECT COUNT(*) FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
+         AND h.state IN ({UNFINISHED}) AND h.id > ? AND h.id < j.id) AS ahead \
+         FROM {JOB_TABLE} j{index} \
+         WHERE j.key_hash = ? AND j.state = {Queued} AND j.id > ? AND j.run_at <= {now} \
+         ORDER BY j.id LIMIT {limit}{skip}"
+    );
+    let values = vec![
+        after.into(),
+        Value::Bytes(Some(key_hash.to_vec())),
+        after.into(),
+    ];
+    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    let mut run = Vec::with_capacity(rows.len());
+    for row in &rows {
+        let ahead: i64 = row.try_get("", "ahead")?;
+        if usize::try_from(ahead).ok() != Some(run.len()) {
+            break;
+        }
+        run.push(Taken::read(row, false)?);
+    }
+    Ok(run)
+}
+
+/// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
+/// being due (`{head}` stands for [`head`]), its order, how many, and whether a chain may
+/// follow the job it takes (then it reads `Taken::followed`).
+struct Scan {
+    index: &'static str,
+    filter: &'static str,
+    order: &'static str,
+    limit: u32,
+    chain: bool,
+}
+
+/// Locks the due jobs `scan` finds (`values` fill its placeholders), skipping locked rows.
+async fn lock_due(
+    txn: &DatabaseTransaction,
+    scan: &Scan,
+    values: Vec<Value>,
+) -> Result<Vec<Taken>, DbErr> {
+    let backend = txn.get_database_backend();
+    let now = now_ms(backend);
+    let skip = for_update_skip_locked(backend);
+    let index = if backend == DbBackend::MySql {
+        format!(" FORCE INDEX ({})", scan.index)
+    } else {
+        String::new()
+    };
+    let Scan {
+        filter,
+        order,
+        limit,
+        chain,
+        ..
+    } = scan;
+    let filter = filter.replace("{head}", &head());
+    // Whether a chain may follow the job (`Taken::followed`): asked only by a take that may
+    // start one, so no other take pays for the probe.
+    let followed = if *chain {
+        format!(
+            ", EXISTS (SELECT 1 FROM {JOB_TABLE} q WHERE q.key_hash = j.key_hash \
+             AND q.state = {Queued} AND q.id > j.id) AS followed"
+        )
+    } else {
+        String::new()
+    };
+    let sql = format!(
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited\
+         {followed} FROM {JOB_TABLE} j{index} \
+         WHERE j.state = {Pending} AND j.run_at <= {now} AND {filter} \
+         ORDER BY {order} LIMIT {limit}{skip}"
+    );
+    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    rows.iter()
+        .map(|row| Taken::read(row, *chain && flag(row, "followed")?))
+        .collect()
+}
+
+/// A truth value of column `column`: a boolean on PostgreSQL, an integer on MySQL and SQLite.
+fn flag(row: &QueryResult, column: &str) -> Result<bool, DbErr> {
+    match row.try_get::<bool>("", column) {
+        Ok(flag) => Ok(flag),
+        Err(_) => row.try_get::<i64>("", column).map(|n| n != 0),
+    }
+}
+
+/// Keyed job `j` is its key's head: no earlier job of its key is unfinished.
+fn head() -> String {
+    format!(
+        "NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
+         AND h.state IN ({UNFINISHED}) AND h.id < j.id)"
+    )
+}
