@@ -1,0 +1,72 @@
+//! `freshlock_claim`: claims with a lease ([`crate::Claims`]).
+
+use super::MAX_STORED_NAME;
+use sea_orm::DbErr;
+use sea_orm_migration::{
+    MigrationName, MigrationTrait, SchemaManager,
+    prelude::{DeriveIden, Table},
+    schema::{big_integer, big_integer_null, string_len, string_len_null},
+    sea_query::TableCreateStatement,
+};
+
+#[derive(DeriveIden)]
+enum FreshlockClaim {
+    Table,
+    Name,
+    State,
+    Owner,
+    Fence,
+    ExpiresAt,
+    Host,
+    Pid,
+    Label,
+    ClaimedAt,
+    FinishedAt,
+}
+
+pub(super) fn claim_table() -> TableCreateStatement {
+    Table::create()
+        .table(FreshlockClaim::Table)
+        .if_not_exists()
+        .col(string_len(FreshlockClaim::Name, MAX_STORED_NAME as u32).primary_key())
+        .col(string_len(FreshlockClaim::State, 16))
+        .col(string_len_null(FreshlockClaim::Owner, 64))
+        .col(big_integer(FreshlockClaim::Fence).default(0))
+        .col(big_integer(FreshlockClaim::ExpiresAt).default(0))
+        .col(string_len_null(FreshlockClaim::Host, 255))
+        .col(big_integer_null(FreshlockClaim::Pid))
+        .col(string_len_null(FreshlockClaim::Label, 255))
+        .col(big_integer_null(FreshlockClaim::ClaimedAt))
+        .col(big_integer_null(FreshlockClaim::FinishedAt))
+        .to_owned()
+}
+
+/// The name of the migration that creates the claims table.
+pub const CLAIM_MIGRATION_NAME: &str = "m20261130_000200_create_freshlock_claim";
+
+/// The migration that creates `freshlock_claim` (claims with a lease).
+pub struct ClaimMigration;
+
+impl MigrationName for ClaimMigration {
+    fn name(&self) -> &str {
+        CLAIM_MIGRATION_NAME
+    }
+}
+
+#[async_trait::async_trait]
+impl MigrationTrait for ClaimMigration {
+    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager.create_table(claim_table()).await
+    }
+
+    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
+        manager
+            .drop_table(
+                Table::drop()
+                    .table(FreshlockClaim::Table)
+                    .if_exists()
+                    .to_owned(),
+            )
+            .await
+    }
+}

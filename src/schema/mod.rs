@@ -1,0 +1,101 @@
+//! freshlock's own tables, as a sea-orm migration to add to your `Migrator`.
+//!
+//! - `freshlock_lock` — one row per lock name: owner token, lease expiry (database clock,
+//!   milliseconds since the Unix epoch), fence counter, and who holds it (host, pid, label,
+//!   acquired-at). The [`TableLock`](crate::TableLock) backend leases these rows; the
+//!   other lease backends keep their fence counters here. The row named `''` (no lock has an
+//!   empty name) is the **fence floor** ([`FloorMigration`]): a new row's first fence is one
+//!   above it, and [`crate::inspect::compact`] raises it to the highest fence of the rows it
+//!   deletes, so every name's fences keep growing across deletions.
+//! - `freshlock_claim` — claims with a lease ([`crate::claim::Claims`]).
+//! - `freshlock_row_lock` — one row per lock name, locked with `SELECT … FOR UPDATE` by the
+//!   [`RowLock`](crate::RowLock) backend (the Django report's `HamLock`).
+//! - `freshlock_commit` — commit markers: one row per recent locked write, so that a commit whose
+//!   reply was lost can be resolved instead of run twice ([`CommitMigration`]); indexed by age
+//!   for the sweep of old markers ([`MarkerAgeMigration`]).
+//! - `freshlock_incarnation` — PostgreSQL only, an `UNLOGGED` table of one row: the token of the
+//!   server's current incarnation. Crash recovery empties unlogged tables, so the row's token
+//!   changes exactly when transaction ids may have been handed out twice; with it, a write's
+//!   transaction id is evidence of its commit ([`IncarnationMigration`], `commit.rs`).
+//!
+//! - `freshlock_job` — the keyed job queue ([`crate::jobs`], [`JobMigration`]): kinds, keys and
+//!   unique keys are stored as bytes (with a SHA-256 of each key for its index), so they compare
+//!   byte for byte on every database.
+//!
+//! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
+
+mod claim;
+mod commit;
+mod floor;
+mod incarnation;
+mod job;
+mod locks;
+mod marker_age;
+mod statements;
+
+pub use claim::{CLAIM_MIGRATION_NAME, ClaimMigration};
+pub use commit::{COMMIT_MIGRATION_NAME, CommitMigration};
+pub(crate) use floor::insert_floor;
+pub use floor::{FLOOR_MIGRATION_NAME, FloorMigration};
+pub use incarnation::{INCARNATION_MIGRATION_NAME, IncarnationMigration};
+pub use job::{JOB_MIGRATION_NAME, JobMigration};
+pub use locks::{MIGRATION_NAME, Migration};
+pub use marker_age::{MARKER_AGE_MIGRATION_NAME, MarkerAgeMigration};
+pub(crate) use statements::insert_ignore;
+
+use sea_orm::{ConnectionTrait, DbErr};
+use sea_orm_migration::MigrationTrait;
+
+/// The name of the lease table.
+pub const LOCK_TABLE: &str = "freshlock_lock";
+
+/// The name of the lock-row table.
+pub const ROW_LOCK_TABLE: &str = "freshlock_row_lock";
+
+/// The name of the claims table.
+pub const CLAIM_TABLE: &str = "freshlock_claim";
+
+/// The name of the commit-marker table (see [`CommitMigration`]).
+pub const COMMIT_TABLE: &str = "freshlock_commit";
+
+/// The name of PostgreSQL's server-incarnation table (see [`IncarnationMigration`]).
+pub const INCARNATION_TABLE: &str = "freshlock_incarnation";
+
+/// The name of the job table (see [`JobMigration`]).
+pub const JOB_TABLE: &str = "freshlock_job";
+
+/// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
+pub(crate) const FLOOR_NAME: &str = "";
+
+/// Longest lock name stored as it is; longer ones are stored as prefix + hash.
+pub(crate) const MAX_STORED_NAME: usize = 255;
+
+/// All of freshlock's migrations, oldest first: append them to your `Migrator`'s list.
+pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
+    vec![
+        Box::new(Migration),
+        Box::new(ClaimMigration),
+        Box::new(CommitMigration),
+        Box::new(FloorMigration),
+        Box::new(IncarnationMigration),
+        Box::new(JobMigration),
+        Box::new(MarkerAgeMigration),
+    ]
+}
+
+/// Creates freshlock's tables if they do not exist, without the migration machinery (for tests
+/// and tools; applications should prefer [`Migration`]).
+///
+/// # Errors
+/// The database's error when a statement fails.
+pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+    db.execute(&locks::lock_table()).await?;
+    db.execute(&locks::row_lock_table()).await?;
+    db.execute(&claim::claim_table()).await?;
+    db.execute(&commit::commit_table()).await?;
+    commit::exact_names(db).await?;
+    insert_floor(db).await?;
+    incarnation::create_incarnation_table(db).await?;
+    job::create_job_table(db).await?;
+    statements::create_index(db, COMMIT_TABLE, marker_age::MARKER_AGE_INDEX, "created_at").await
+}

@@ -1,0 +1,47 @@
+//! Statements the migrations share: an insert that keeps an existing row, an index made once.
+
+use sea_orm::{ConnectionTrait, DbErr};
+
+/// `INSERT … ` that does nothing when the key exists.
+pub(crate) fn insert_ignore(
+    backend: sea_orm::DbBackend,
+    table: &str,
+    columns: &str,
+    values: &str,
+) -> String {
+    match backend {
+        sea_orm::DbBackend::MySql => {
+            format!("INSERT IGNORE INTO {table} ({columns}) VALUES ({values})")
+        }
+        _ => format!("INSERT INTO {table} ({columns}) VALUES ({values}) ON CONFLICT DO NOTHING"),
+    }
+}
+
+/// `CREATE INDEX index ON table (columns)` unless `table` has an index of that name.
+pub(super) async fn create_index(
+    db: &impl ConnectionTrait,
+    table: &str,
+    index: &str,
+    columns: &str,
+) -> Result<(), DbErr> {
+    let backend = db.get_database_backend();
+    let create = if backend == sea_orm::DbBackend::MySql {
+        // MySQL has no `IF NOT EXISTS` for indexes (MariaDB has): look first.
+        let exists = db
+            .query_one_raw(sea_orm::Statement::from_sql_and_values(
+                backend,
+                "SELECT 1 AS one FROM information_schema.statistics \
+                 WHERE table_schema = DATABASE() AND table_name = ? AND index_name = ?",
+                [table.into(), index.into()],
+            ))
+            .await?
+            .is_some();
+        if exists {
+            return Ok(());
+        }
+        format!("CREATE INDEX {index} ON {table} ({columns})")
+    } else {
+        format!("CREATE INDEX IF NOT EXISTS {index} ON {table} ({columns})")
+    };
+    db.execute_unprepared(&create).await.map(drop)
+}
