@@ -171,7 +171,7 @@ pub async fn compact(db: impl Into<Db>, idle: Duration) -> Result<Compacted> {
 /// One batch of `freshlock_lock`: how many rows were deleted, and the floor after.
 async fn compact_leases(db: &Pool, idle: Duration) -> std::result::Result<(usize, i64), DbErr> {
     let backend = db.get_database_backend();
-    let txn = crate::write::locking::begin(db).await?;
+    let txn = crate::db::begin::begin(db).await?;
     if backend == DbBackend::Postgres {
         // Writers of the table wait until this batch commits, and take their statement's
         // snapshot after: a first grant then reads the raised floor. Bounded, so a long wait

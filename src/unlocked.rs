@@ -9,10 +9,10 @@ use sea_orm::{ActiveModelTrait, DbBackend, EntityTrait, IntoActiveModel};
 use crate::{
     commit,
     db::autocommit::autocommit,
+    db::begin::begin,
     error::{ApplyError, Error, Result, database},
     outcome::{SaveOutcome, UpdateOutcome, UpdateReport},
     repository::Repository,
-    write::locking::begin,
     write::row::Row,
     write::row_sql::{built_from, saved_row},
     write::save::{Saved, insert_on, save_on},

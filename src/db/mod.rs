@@ -4,6 +4,7 @@
 //! that commit alone, and PostgreSQL behind a transaction pooler.
 
 pub(crate) mod autocommit;
+pub(crate) mod begin;
 pub(crate) mod deadline;
 pub(crate) mod detach;
 pub(crate) mod failure;

@@ -3,12 +3,11 @@
 
 use std::{fmt, future::Future, sync::Arc, time::Duration};
 
-use sea_orm::{
-    DatabaseTransaction, DbBackend, DbErr, IsolationLevel, SqliteTransactionMode,
-    TransactionOptions,
-};
+use sea_orm::{DatabaseTransaction, DbBackend};
 use tracing::warn;
 
+use super::fold::Fold;
+use crate::db::begin::{begin, begin_detached};
 use crate::{
     db::{
         deadline::{lock_within, within},
@@ -21,79 +20,30 @@ use crate::{
     outcome::LockReport,
 };
 
-/// Whether a transaction-scoped lock is taken by the step's first statement instead of a
-/// statement of its own after `BEGIN` (one round trip less).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Fold {
-    /// It is not (a lease, another backend, another database, or a try there failed).
-    Never,
-    /// It may be (`pg_advisory` or `row` on PostgreSQL, `row` on MySQL/MariaDB, a lease whose
-    /// fence lives in `freshlock_lock` on either, a `table` lease row on PostgreSQL — on
-    /// MySQL/MariaDB in a row write's UPDATE message instead, see [`Locking::riding_write`]),
-    /// in a transaction begun to fold it.
-    Allowed,
-    /// This transaction's lock is to be tried by the step's first statement (by a row write's
-    /// UPDATE message, for a lease that rides there).
-    Pending,
-}
-
-/// The lock a step's first statement tries, as a one-time filter evaluated before any row is
-/// read or locked (see [`Locking::folding`]).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Folded {
-    /// `(SELECT pg_try_advisory_xact_lock(key))`.
-    Advisory(i64),
-    /// `EXISTS (SELECT 1 FROM freshlock_row_lock WHERE name = … FOR NO KEY UPDATE SKIP
-    /// LOCKED)`: the lock row of that stored name, when it exists and is free.
-    Row(String),
-    /// `EXISTS (SELECT 1 FROM freshlock_lock WHERE name = … AND fence = … FOR UPDATE SKIP
-    /// LOCKED)`: a held lease's fence check (see [`crate::lock::Fencing::fence_row`]), locking
-    /// the fence row until the transaction ends as the check by a statement of its own does.
-    Fence {
-        /// The fence row's (stored) name.
-        name: String,
-        /// The grant's fence.
-        fence: i64,
-    },
-    /// `WITH freed AS (UPDATE freshlock_lock SET owner = NULL … WHERE name = … AND owner = … AND
-    /// fence = … AND expires_at > now RETURNING 1)` before the statement, and `EXISTS (SELECT 1
-    /// FROM freed)` in its `WHERE` (PostgreSQL only): a held lease's check that also frees it,
-    /// so the commit ends the lease (see [`crate::lock::Fencing::owned_row`]), its row locked
-    /// until the transaction ends as the check by a statement of its own does.
-    Lease {
-        /// The lease row's (stored) name.
-        name: String,
-        /// The grant's owner token.
-        owner: String,
-        /// The grant's fence.
-        fence: i64,
-    },
-}
-
 /// The lock of one locked section while it runs.
 pub(crate) struct Locking {
-    backend: Arc<dyn LockBackend>,
-    on_failure: OnLockFailure,
-    wait: Duration,
+    pub(super) backend: Arc<dyn LockBackend>,
+    pub(super) on_failure: OnLockFailure,
+    pub(super) wait: Duration,
     /// What is being done, for errors and logs (the row, or the section's lock name).
-    target: LockName,
+    pub(super) target: LockName,
     /// The in-process queue's guard.
-    queue: Option<Box<dyn LockGuard>>,
+    pub(super) queue: Option<Box<dyn LockGuard>>,
     /// The lease, for lease backends.
     pub(crate) guard: Option<Box<dyn LockGuard>>,
     /// Whether to take a transaction-scoped lock in each transaction.
-    in_transaction: bool,
+    pub(super) in_transaction: bool,
     /// Whether that lock may ride on the step's first statement (see [`Self::folding`]).
-    fold: Fold,
+    pub(super) fold: Fold,
     /// The bound on one reply of the database (see `deadline.rs`).
     pub(crate) reply: std::time::Duration,
     /// The current transaction also releases the lease (see [`Self::verify`]).
-    release_rides: bool,
+    pub(super) release_rides: bool,
     /// The current transaction's first statement checked the lease's fence (see
     /// [`Folded::Fence`]): [`Self::verify`] sends nothing.
-    fence_checked: bool,
+    pub(super) fence_checked: bool,
     /// A committed transaction released the lease: nothing to send at the end.
-    released_by_commit: bool,
+    pub(super) released_by_commit: bool,
     pub(crate) report: LockReport,
 }
 
@@ -319,102 +269,6 @@ impl Locking {
         }
     }
 
-    /// The lock the step's first statement is to try in its `WHERE` (a one-time filter,
-    /// evaluated before any row is read or locked; see [`Folded`]), when
-    /// [`begin_all`](Self::begin_all) left this lock to it: `pg_advisory`'s key, `row`'s lock
-    /// row, or a held lease's fence row. A try that fails — the lock busy, (`row`) its lock row
-    /// not made yet, or the fence moved on — runs the attempt again with the lock taken (the
-    /// fence checked) by statements of its own.
-    pub(crate) fn folding(&self) -> Option<Folded> {
-        if self.fold != Fold::Pending {
-            return None;
-        }
-        if let Some(guard) = &self.guard {
-            let fencing = guard.fencing()?;
-            let fence = fence_of(fencing);
-            if let Some(name) = fencing.fence_row() {
-                let name = name.to_owned();
-                return Some(Folded::Fence { name, fence });
-            }
-            let (name, owner) = fencing.owned_row()?;
-            let (name, owner) = (name.to_owned(), owner.to_owned());
-            return Some(Folded::Lease { name, owner, fence });
-        }
-        let name = &self.report.name;
-        Some(match self.report.backend {
-            LockKind::Row => Folded::Row(crate::lock::RowLock::stored_name(name)),
-            _ => Folded::Advisory(crate::lock::PgAdvisoryLock::key(name)),
-        })
-    }
-
-    /// How the try of [`folding`](Self::folding) went (`waited`: the statement's time).
-    /// Not held — the lock is busy, or the statement found no row and so cannot tell — means
-    /// the attempt is to be run again, the lock then taken by a statement of its own.
-    pub(crate) fn folded(&mut self, held: bool, waited: Duration) {
-        if self.guard.is_some() {
-            // A lease's fence: the lease itself was had before the transaction. A lease row
-            // freed by the statement is freed by this transaction's commit.
-            self.fence_checked = held;
-            self.release_rides = held && self.frees_in_fold();
-            self.fold = if held { Fold::Allowed } else { Fold::Never };
-            return;
-        }
-        self.report.tries = 1;
-        self.report.waited += waited;
-        if held {
-            self.report.held = true;
-            self.fold = Fold::Allowed;
-        } else {
-            self.fold = Fold::Never;
-        }
-    }
-
-    /// The values of the lease's check-and-free ([`crate::lock::sql::lease_values`]) for a row
-    /// write under `lockings` on MySQL/MariaDB to send first in the message of its commit marker
-    /// (`marked`: it has one) and its UPDATE or DELETE (see
-    /// [`crate::write::row_sql::update_with_evidence`]), where no statement before it can free the lease
-    /// (no data-modifying `WITH` there): a single held `table` lease this transaction has not
-    /// checked, whose check-and-free has not failed to ride before. The write then reports how
-    /// it went with [`rode`](Self::rode); a check that did not confirm the lease runs the
-    /// attempt again with the lease checked by a statement of its own.
-    pub(crate) fn riding_write(
-        lockings: &mut [Locking],
-        backend: DbBackend,
-        marked: bool,
-    ) -> Option<[sea_orm::Value; 3]> {
-        let [locking] = lockings else {
-            return None;
-        };
-        let rides = marked && backend == DbBackend::MySql && locking.fold == Fold::Allowed;
-        if !rides || locking.fence_checked || !locking.frees_in_fold() {
-            return None;
-        }
-        let fencing = locking.guard.as_ref()?.fencing()?;
-        let (name, owner) = fencing.owned_row()?;
-        let values = crate::lock::sql::lease_values(name, owner, fence_of(fencing));
-        locking.fold = Fold::Pending;
-        Some(values)
-    }
-
-    /// How the row write that a lease rode in went ([`riding_write`](Self::riding_write), the
-    /// one thing that leaves a lock `Pending` past the reload): `held`, it found the lease and
-    /// its transaction frees it. Nothing when no lease rode.
-    pub(crate) fn rode(lockings: &mut [Locking], held: bool) {
-        if let [locking] = lockings
-            && locking.fold == Fold::Pending
-        {
-            locking.folded(held, Duration::ZERO);
-        }
-    }
-
-    /// Whether this lease is checked by a statement that frees its row ([`Folded::Lease`] on
-    /// PostgreSQL, [`Self::riding_write`] on MySQL/MariaDB), not by reading its fence row
-    /// ([`Folded::Fence`]).
-    fn frees_in_fold(&self) -> bool {
-        let fencing = self.guard.as_ref().and_then(|guard| guard.fencing());
-        fencing.is_some_and(|f| f.fence_row().is_none() && f.owned_row().is_some())
-    }
-
     /// Takes this transaction-scoped lock in `txn`: `Err` with the backend's error, if any, when
     /// it could not be had.
     async fn lock_in(
@@ -524,47 +378,9 @@ impl fmt::Debug for Locking {
     }
 }
 
-/// A fence as the lock tables store it (BIGINT).
-fn fence_of(fencing: &dyn crate::lock::Fencing) -> i64 {
-    i64::try_from(fencing.fence()).unwrap_or(i64::MAX)
-}
-
 /// The fence `guard` has issued, if any (0: none yet; see [`crate::lock::Fencing::fence`]).
 fn issued(guard: &dyn LockGuard) -> Option<u64> {
     guard.fence().filter(|&fence| fence > 0)
-}
-
-/// [`begin`] in a task of its own, awaited: a caller dropped while `BEGIN` is in flight must not
-/// cut it in half, because sqlx counts the transaction only once `BEGIN`'s reply is read — a
-/// connection whose `BEGIN` reply was never read goes back to the pool inside a transaction
-/// nobody ends (the next `SET TRANSACTION` on it fails with MySQL 1568). The task finishes the
-/// `BEGIN`, and if nobody takes the transaction, dropping it rolls it back.
-pub(crate) async fn begin_detached(db: &Pool) -> std::result::Result<DatabaseTransaction, DbErr> {
-    let db = db.clone();
-    match tokio::spawn(async move { begin(&db).await }).await {
-        Ok(began) => began,
-        Err(e) => Err(DbErr::Custom(format!("beginning a transaction: {e}"))),
-    }
-}
-
-/// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
-/// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
-/// snapshot could predate the lock and the reload be stale) — set by `SET TRANSACTION` unless it
-/// is the pool's default already (PostgreSQL's; see [`Pool::read_committed_by_default`]).
-pub(crate) async fn begin(db: &Pool) -> std::result::Result<DatabaseTransaction, DbErr> {
-    let options = match db.get_database_backend() {
-        DbBackend::Sqlite => TransactionOptions {
-            sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
-            ..TransactionOptions::default()
-        },
-        // Already the pool's default: a plain `BEGIN` (one round trip instead of two).
-        _ if db.read_committed_by_default().await => TransactionOptions::default(),
-        _ => TransactionOptions {
-            isolation_level: Some(IsolationLevel::ReadCommitted),
-            ..TransactionOptions::default()
-        },
-    };
-    crate::db::live::begin(db, options).await
 }
 
 /// The lock space that excludes this process's writers of one key from each other under

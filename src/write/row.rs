@@ -12,7 +12,7 @@ use crate::{
     error::Error,
     identity_map::Key,
     lock::{LockName, RowLock},
-    write::locking::Folded,
+    write::fold::Folded,
 };
 
 /// The primary-key value type of entity `E` (`i32` for a single integer key, a tuple for a
