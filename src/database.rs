@@ -4,7 +4,7 @@ use std::{fmt, sync::Arc};
 
 use sea_orm::DatabaseConnection;
 
-use crate::{db::pool::Pool, write::combine::Rooms};
+use crate::{db::pool::Pool, write::room::Rooms};
 
 /// A database as freshlock uses it: a sea-orm connection pool, and what freshlock learns of
 /// and keeps for it — the pool's default isolation level, whether it runs behind a transaction

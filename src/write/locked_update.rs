@@ -30,9 +30,10 @@ use crate::{
     identity_map::Change,
     outcome::Report,
     session::Session,
-    write::combine::{self, Call, Followed, RoomKey, Seat, Served},
+    write::combine::{self, Followed},
     write::engine::{self, Engine, Retries},
     write::locking::Locking,
+    write::room::{Call, RoomKey, Seat, Served},
     write::row::Row,
     write::row_step::RowStep,
 };

@@ -19,12 +19,12 @@ use crate::{
     error::{Error, Result, database},
     identity_map::Change,
     session::Session,
-    write::combine::{Batch, RoomKey},
     write::decision::{Decision, Written},
     write::engine::{self, End, Fence, Step, Tried, Worked},
     write::locking::Locking,
     write::row::{Row, reload_for_update},
     write::row_sql::{self as write, Inserted, Removed},
+    write::{combine::Batch, room::RoomKey},
 };
 
 /// The row write of one `locked_update` (or delete, get-or-insert, update-or-insert), talking to
