@@ -95,6 +95,7 @@ mod session;
 #[cfg(feature = "testing")]
 pub mod testing;
 mod tx;
+mod tx_repository;
 mod unlocked;
 mod write;
 
@@ -122,6 +123,7 @@ pub use outcome::{
 };
 pub use repository::{PrimaryKeyOf, Repository};
 pub use session::{Session, SessionBuilder};
-pub use tx::{ForUpdate, Tx, TxRepository};
+pub use tx::{ForUpdate, Tx};
+pub use tx_repository::TxRepository;
 pub use write::row::lock_name;
 pub use write::section::{Section, SectionOutcome, SectionReport, SectionWork, section_work};

@@ -1,4 +1,5 @@
-//! A locked section's transaction ([`Tx`]) and the repositories bound to it ([`TxRepository`]).
+//! A locked section's transaction ([`Tx`]); the repositories bound to it are in
+//! `tx_repository.rs` ([`TxRepository`]).
 //!
 //! Inside [`crate::Session::with_lock`], a [`crate::Section`] or
 //! [`crate::Repository::locked_update_with`], the work is given a `&Tx`: the section's one
@@ -14,7 +15,6 @@
 use std::{
     any::Any,
     collections::HashMap,
-    marker::PhantomData,
     sync::{
         Arc, Mutex, PoisonError,
         atomic::{AtomicBool, Ordering},
@@ -23,23 +23,15 @@ use std::{
 
 use async_trait::async_trait;
 use sea_orm::{
-    ActiveModelTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
-    ExecResult, IntoActiveModel, ModelTrait, QueryResult, QuerySelect, Select, Statement,
-    sea_query::{IntoValueTuple, LockBehavior, LockType},
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, ExecResult, QueryResult,
+    Statement,
 };
 
 use crate::{
-    db::{
-        deadline::{Bounded, within},
-        savepoint::Savepoint,
-    },
-    error::{Error, Result, database},
+    db::deadline::Bounded,
     identity_map::{Change, Key},
-    outcome::{DeleteOutcome, SaveOutcome},
     session::Session,
-    write::row::{PrimaryKeyOf, Row, select_by_key},
-    write::row_sql::{self as write, Inserted, built_from, keyed, saved_row},
-    write::save::{Saved, insert_on, save_on},
+    tx_repository::TxRepository,
 };
 
 /// How a locking read treats a row another transaction has locked.
@@ -49,7 +41,7 @@ pub enum ForUpdate {
     /// Wait for it (`FOR UPDATE`), bounded by the database's lock wait timeout.
     #[default]
     Wait,
-    /// Fail at once (`FOR UPDATE NOWAIT`): a transient [`Error::Database`] (PostgreSQL 55P03,
+    /// Fail at once (`FOR UPDATE NOWAIT`): a transient [`Error::Database`](crate::Error::Database) (PostgreSQL 55P03,
     /// MySQL 3572), so the caller can move on or try again later. The read runs in a savepoint,
     /// so the failure does not abort the section's transaction.
     NoWait,
@@ -71,8 +63,8 @@ pub enum ForUpdate {
 /// database while it runs, so rows need no locking and the [`ForUpdate`] modes read as plain
 /// reads (nothing is ever locked by another transaction there).
 pub struct Tx {
-    txn: DatabaseTransaction,
-    session: Session,
+    pub(crate) txn: DatabaseTransaction,
+    pub(crate) session: Session,
     /// Rows this transaction read or wrote, by cache key: the snapshots of its guarded saves.
     seen: Mutex<HashMap<Key, Arc<dyn Any + Send + Sync>>>,
     /// What the commit does to the session's cache, in order.
@@ -91,12 +83,12 @@ impl std::fmt::Debug for Tx {
 
 impl Tx {
     /// The bound on each reply of the database in this section (see `deadline.rs`).
-    fn reply(&self) -> std::time::Duration {
+    pub(crate) fn reply(&self) -> std::time::Duration {
         self.session.policy().reply_deadline()
     }
 
     /// The transaction, each round trip bounded by [`Self::reply`].
-    fn bounded(&self) -> Bounded<'_, DatabaseTransaction> {
+    pub(crate) fn bounded(&self) -> Bounded<'_, DatabaseTransaction> {
         Bounded::new(&self.txn, self.reply())
     }
 
@@ -112,10 +104,7 @@ impl Tx {
 
     /// A repository of `E` bound to this transaction.
     pub fn repository<E: EntityTrait>(&self) -> TxRepository<'_, E> {
-        TxRepository {
-            tx: self,
-            entity: PhantomData,
-        }
+        TxRepository::new(self)
     }
 
     /// The sea-orm transaction itself (for APIs that want a `DatabaseTransaction`, such as
@@ -145,7 +134,7 @@ impl Tx {
     }
 
     /// `model` is what the row holds now in this transaction; with `cache`, the commit caches it.
-    fn seen<M: Any + Send + Sync>(&self, key: &Key, model: &Arc<M>, cache: bool) {
+    pub(crate) fn seen<M: Any + Send + Sync>(&self, key: &Key, model: &Arc<M>, cache: bool) {
         self.seen
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -156,7 +145,7 @@ impl Tx {
     }
 
     /// The row is gone (or unknown) in this transaction; the commit evicts it.
-    fn gone(&self, key: &Key) {
+    pub(crate) fn gone(&self, key: &Key) {
         self.seen
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -164,7 +153,7 @@ impl Tx {
         self.effect(Change::Evict(key.clone()));
     }
 
-    fn effect(&self, effect: Change) {
+    pub(crate) fn effect(&self, effect: Change) {
         self.effects
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
@@ -173,7 +162,7 @@ impl Tx {
 
     /// The snapshot of a row for a guarded save: as this transaction last saw it, else as the
     /// session has it cached.
-    fn snapshot<M: Any + Send + Sync>(&self, key: &Key) -> Option<Arc<M>> {
+    pub(crate) fn snapshot<M: Any + Send + Sync>(&self, key: &Key) -> Option<Arc<M>> {
         let seen = self
             .seen
             .lock()
@@ -219,299 +208,5 @@ impl ConnectionTrait for Tx {
 
     fn is_mock_connection(&self) -> bool {
         self.txn.is_mock_connection()
-    }
-}
-
-/// Reads and writes of entity `E` in a section's transaction ([`Tx::repository`]): the
-/// repository calls that make sense inside one transaction, all through it.
-///
-/// What they write reaches the session's cache only when the section commits: the stored rows
-/// replace the cached ones, deleted rows are evicted. A section that rolls back leaves the cache
-/// as it was.
-pub struct TxRepository<'t, E> {
-    tx: &'t Tx,
-    entity: PhantomData<fn() -> E>,
-}
-
-impl<E> std::fmt::Debug for TxRepository<'_, E> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("TxRepository").finish_non_exhaustive()
-    }
-}
-
-impl<E> TxRepository<'_, E>
-where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
-{
-    /// The row with primary key `id`, read through the transaction (never from the cache, which
-    /// it does not change either). It is the snapshot a later [`save`](Self::save) of this
-    /// section is checked against.
-    ///
-    /// # Errors
-    /// [`Error::Database`] when the query fails; [`Error::InvalidKey`] for a malformed key.
-    pub async fn load(&self, id: PrimaryKeyOf<E>) -> Result<Option<Arc<E::Model>>> {
-        let row = Row::new::<E>(id.into_value_tuple())?;
-        let found = select_by_key::<E>(row.pk())
-            .one(self.tx)
-            .await
-            .map_err(|e| database("loading", &row, e))?;
-        Ok(found.map(|model| {
-            let model = Arc::new(model);
-            self.tx.seen(&row.key, &model, false);
-            model
-        }))
-    }
-
-    /// The row with primary key `id`, read and locked until the section ends (`FOR UPDATE`, with
-    /// `mode`'s behaviour toward a row another transaction has locked). The commit caches it.
-    ///
-    /// # Errors
-    /// As [`load`](Self::load); with [`ForUpdate::NoWait`], a transient [`Error::Database`] when
-    /// the row is locked.
-    pub async fn load_locked(
-        &self,
-        id: PrimaryKeyOf<E>,
-        mode: ForUpdate,
-    ) -> Result<Option<Arc<E::Model>>> {
-        let row = Row::new::<E>(id.into_value_tuple())?;
-        self.load_row_locked(&row, mode).await
-    }
-
-    pub(crate) async fn load_row_locked(
-        &self,
-        row: &Row,
-        mode: ForUpdate,
-    ) -> Result<Option<Arc<E::Model>>> {
-        let backend = self.tx.get_database_backend();
-        let select = locking(select_by_key::<E>(row.pk()), backend, mode);
-        let fail = |e| database("loading", row, e);
-        let reply = self.tx.reply();
-        let found = if savepointed(backend, mode) {
-            Savepoint::around(&self.tx.txn, reply, |c| Box::pin(select.one(c))).await
-        } else {
-            within(reply, select.one(&self.tx.txn)).await
-        };
-        let found = found.map_err(fail)?;
-        Ok(match found {
-            Some(model) => {
-                let model = Arc::new(model);
-                self.tx.seen(&row.key, &model, true);
-                Some(model)
-            }
-            None => {
-                // With SKIP LOCKED, a locked row reads as missing: forget nothing then.
-                if mode != ForUpdate::SkipLocked {
-                    self.tx.gone(&row.key);
-                }
-                None
-            }
-        })
-    }
-
-    /// The rows `select` finds, read and locked until the section ends, as [`load_locked`]
-    /// does: with [`ForUpdate::SkipLocked`] and a `limit`, "the next free rows" of a work queue.
-    /// The commit caches them.
-    ///
-    /// [`load_locked`]: Self::load_locked
-    ///
-    /// # Errors
-    /// As [`load_locked`](Self::load_locked).
-    pub async fn find_locked(
-        &self,
-        select: Select<E>,
-        mode: ForUpdate,
-    ) -> Result<Vec<Arc<E::Model>>> {
-        let table = E::default().table_name();
-        let fail = |e| database("loading rows of", &table, e);
-        let backend = self.tx.get_database_backend();
-        let select = locking(select, backend, mode);
-        let reply = self.tx.reply();
-        let models = if savepointed(backend, mode) {
-            Savepoint::around(&self.tx.txn, reply, |c| Box::pin(select.all(c))).await
-        } else {
-            within(reply, select.all(&self.tx.txn)).await
-        };
-        let models = models.map_err(fail)?;
-        models
-            .into_iter()
-            .map(|model| {
-                let row = Row::new::<E>(model.get_primary_key_value())?;
-                let model = Arc::new(model);
-                self.tx.seen(&row.key, &model, true);
-                Ok(model)
-            })
-            .collect()
-    }
-
-    /// Inserts a row in the transaction (with the `before_save` / `after_save` hooks, `insert =
-    /// true`), returning what `after_save` returned; the commit caches the row as stored.
-    ///
-    /// # Errors
-    /// [`Error::Database`] when the insert or a hook fails. A unique-key violation aborts the
-    /// transaction on PostgreSQL: use [`get_or_insert`](Self::get_or_insert) when the row may
-    /// exist.
-    pub async fn insert(&self, model: E::ActiveModel) -> Result<Arc<E::Model>> {
-        let (row, stored, reported) = insert_on::<E, _>(self.tx, model).await?;
-        self.tx.seen(&row.key, &Arc::new(stored), true);
-        Ok(Arc::new(reported))
-    }
-
-    /// The guarded save of [`crate::Repository::save`], in the transaction. Its snapshot is the
-    /// row as this section last read or wrote it, else as the session has it cached. A
-    /// [`SaveOutcome::Conflict`] makes a [retrying section](crate::Section::run_retrying) run
-    /// again when it then returns an error.
-    ///
-    /// # Errors
-    /// As [`crate::Repository::save`].
-    pub async fn save(&self, model: E::ActiveModel) -> Result<SaveOutcome<E::Model>> {
-        let row = saved_row::<E>(&model)?;
-        let Some(snapshot) = self.tx.snapshot::<E::Model>(&row.key) else {
-            return Err(Error::NoSnapshot {
-                target: row.to_string(),
-            });
-        };
-        if !built_from::<E>(&model, &snapshot) {
-            self.tx.note_conflict();
-            self.tx.gone(&row.key);
-            return Ok(SaveOutcome::Conflict);
-        }
-        if !model.is_changed() {
-            return Ok(SaveOutcome::Unchanged);
-        }
-        self.save_row(&row, &snapshot, model).await
-    }
-
-    /// The guarded save of `model` against `snapshot`, in the transaction.
-    pub(crate) async fn save_row(
-        &self,
-        row: &Row,
-        snapshot: &E::Model,
-        model: E::ActiveModel,
-    ) -> Result<SaveOutcome<E::Model>> {
-        let version = self.tx.session.version_of::<E>();
-        let saved = save_on::<E, _>(self.tx, row, snapshot, model, version, false).await?;
-        Ok(match saved {
-            Saved::Stored { stored, reported } => {
-                self.tx.seen(&row.key, &Arc::new(stored), true);
-                SaveOutcome::Updated(Arc::new(reported))
-            }
-            Saved::Holds(stored) => {
-                self.tx.seen(&row.key, &Arc::new(stored), true);
-                SaveOutcome::Unchanged
-            }
-            Saved::Conflict => {
-                self.tx.note_conflict();
-                self.tx.gone(&row.key);
-                SaveOutcome::Conflict
-            }
-            Saved::NotFound => {
-                self.tx.gone(&row.key);
-                SaveOutcome::NotFound
-            }
-        })
-    }
-
-    /// Deletes the row with primary key `id` in the transaction: reads it locked, runs
-    /// `before_delete`, deletes it (checking the version column when the entity has one), runs
-    /// `after_delete`. The commit evicts it. The section's lock is what serializes it with other
-    /// writers; [`DeleteOutcome::LeaseLost`] is never returned here (the section reports a lost
-    /// lease for the whole transaction).
-    ///
-    /// # Errors
-    /// [`Error::Database`] when a statement or a hook fails.
-    pub async fn locked_delete(&self, id: PrimaryKeyOf<E>) -> Result<DeleteOutcome<E::Model>> {
-        let row = Row::new::<E>(id.into_value_tuple())?;
-        let Some(original) = self.load_row_locked(&row, ForUpdate::Wait).await? else {
-            return Ok(DeleteOutcome::NotFound);
-        };
-        let expected = write::version_guard::<E>(self.tx.session.version_of::<E>(), &original);
-        let deleted =
-            write::delete_row::<E, _>(self.tx, &original, row.pk(), &expected, None, None)
-                .await
-                .map_err(|failed| database(failed.operation, &row, failed.error))?;
-        // No lease sent with it: only `Deleted` or `Refused`.
-        if deleted != write::Removed::Deleted {
-            // Locked by us since the read: only a write outside every lock can get here.
-            self.tx.note_conflict();
-            self.tx.gone(&row.key);
-            return Err(Error::Conflict {
-                target: row.to_string(),
-                attempts: 1,
-            });
-        }
-        self.tx.gone(&row.key);
-        Ok(DeleteOutcome::Deleted(original))
-    }
-
-    /// The row with primary key `id`, read locked, or created from `init` (with the insert
-    /// hooks) when there is none; the `bool` says whether this call created it. A concurrent
-    /// creator that wins the race (one outside the section's lock) is not an error: the insert
-    /// runs in a savepoint, and the winner's row is returned.
-    ///
-    /// # Errors
-    /// [`Error::InvalidKey`] when `init`'s primary key differs from `id`; [`Error::Database`].
-    pub async fn get_or_insert(
-        &self,
-        id: PrimaryKeyOf<E>,
-        init: impl FnOnce() -> E::ActiveModel + Send,
-    ) -> Result<(Arc<E::Model>, bool)> {
-        let row = Row::new::<E>(id.into_value_tuple())?;
-        if let Some(found) = self.load_row_locked(&row, ForUpdate::Wait).await? {
-            return Ok((found, false));
-        }
-        let draft = keyed::<E>(init(), row.pk())?;
-        let target = &row;
-        let fail = |operation| move |e| database(operation, target, e);
-        // Each round trip bounded, as every statement of the section (see `deadline.rs`).
-        let reply = self.tx.reply();
-        let savepoint = Savepoint::begin(&self.tx.txn, reply)
-            .await
-            .map_err(fail("beginning a savepoint for"))?;
-        let inserted = write::insert_row::<E, _>(&savepoint.bounded(), draft).await;
-        let (stored, reported) = match inserted {
-            Ok(Inserted::Stored { stored, reported }) => (stored, reported),
-            Ok(Inserted::Taken(_)) => {
-                savepoint
-                    .roll_back()
-                    .await
-                    .map_err(fail("rolling back a savepoint for"))?;
-                let found = self.load_row_locked(&row, ForUpdate::Wait).await?;
-                return found
-                    .map(|found| (found, false))
-                    .ok_or_else(|| Error::Conflict {
-                        target: row.to_string(),
-                        attempts: 1,
-                    });
-            }
-            Err(failed) => return Err(database(failed.operation, &row, failed.error)),
-        };
-        savepoint
-            .release()
-            .await
-            .map_err(fail("releasing a savepoint for"))?;
-        self.tx.seen(&row.key, &Arc::new(stored), true);
-        Ok((Arc::new(reported), true))
-    }
-}
-
-/// Whether a locking read runs in a savepoint: `NOWAIT` off SQLite, so that its failure on a
-/// locked row does not abort the section's transaction (PostgreSQL would refuse every later
-/// statement): the section can move on to another row.
-fn savepointed(backend: DbBackend, mode: ForUpdate) -> bool {
-    mode == ForUpdate::NoWait && backend != DbBackend::Sqlite
-}
-
-/// `select` with `FOR UPDATE` in `mode` — nothing on SQLite, where the section's `BEGIN
-/// IMMEDIATE` already keeps every other writer out.
-fn locking<E: EntityTrait>(select: Select<E>, backend: DbBackend, mode: ForUpdate) -> Select<E> {
-    match (backend, mode) {
-        (DbBackend::Sqlite, _) => select,
-        (_, ForUpdate::Wait) => select.lock_exclusive(),
-        (_, ForUpdate::NoWait) => select.lock_with_behavior(LockType::Update, LockBehavior::Nowait),
-        (_, ForUpdate::SkipLocked) => {
-            select.lock_with_behavior(LockType::Update, LockBehavior::SkipLocked)
-        }
     }
 }

@@ -18,7 +18,8 @@ use crate::{
     outcome::{ManyReport, Report, SaveOutcome, UpdateOutcome, UpdateReport},
     repository::{PrimaryKeyOf, Repository},
     session::Session,
-    tx::{ForUpdate, Tx, TxRepository},
+    tx::{ForUpdate, Tx},
+    tx_repository::TxRepository,
     write::row::Row,
     write::section::{SectionOutcome, SectionWork},
 };
