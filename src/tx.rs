@@ -23,15 +23,13 @@ use std::{
 
 use async_trait::async_trait;
 use sea_orm::{
-    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, ExecResult, QueryResult,
-    Statement,
+    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, ExecResult, QueryResult, Statement,
 };
 
 use crate::{
     db::deadline::Bounded,
     identity_map::{Change, Key},
     session::Session,
-    tx_repository::TxRepository,
 };
 
 /// How a locking read treats a row another transaction has locked.
@@ -100,11 +98,6 @@ impl Tx {
             effects: Mutex::default(),
             conflicted: AtomicBool::new(false),
         }
-    }
-
-    /// A repository of `E` bound to this transaction.
-    pub fn repository<E: EntityTrait>(&self) -> TxRepository<'_, E> {
-        TxRepository::new(self)
     }
 
     /// The sea-orm transaction itself (for APIs that want a `DatabaseTransaction`, such as

@@ -31,11 +31,11 @@ pub struct TxRepository<'t, E> {
     entity: PhantomData<fn() -> E>,
 }
 
-impl<'t, E> TxRepository<'t, E> {
-    /// `tx`'s repository of `E`.
-    pub(crate) fn new(tx: &'t Tx) -> Self {
-        Self {
-            tx,
+impl Tx {
+    /// A repository of `E` bound to this transaction.
+    pub fn repository<E: EntityTrait>(&self) -> TxRepository<'_, E> {
+        TxRepository {
+            tx: self,
             entity: PhantomData,
         }
     }

@@ -6,7 +6,10 @@ use sea_orm::{
     TransactionOptions,
 };
 
-use super::pool::Pool;
+use sea_orm::{ConnectionTrait, Statement};
+use tracing::debug;
+
+use super::{autocommit::autocommit, pool::Pool};
 
 /// [`begin`] in a task of its own, awaited: a caller dropped while `BEGIN` is in flight must not
 /// cut it in half, because sqlx counts the transaction only once `BEGIN`'s reply is read — a
@@ -24,7 +27,7 @@ pub(crate) async fn begin_detached(db: &Pool) -> std::result::Result<DatabaseTra
 /// `BEGIN IMMEDIATE` on SQLite (a DEFERRED transaction that reads, then writes fails with
 /// "database is locked" without waiting), `READ COMMITTED` elsewhere (under REPEATABLE READ the
 /// snapshot could predate the lock and the reload be stale) — set by `SET TRANSACTION` unless it
-/// is the pool's default already (PostgreSQL's; see [`Pool::read_committed_by_default`]).
+/// is the pool's default already (PostgreSQL's; see [`read_committed_by_default`]).
 pub(crate) async fn begin(db: &Pool) -> std::result::Result<DatabaseTransaction, DbErr> {
     let options = match db.get_database_backend() {
         DbBackend::Sqlite => TransactionOptions {
@@ -32,11 +35,58 @@ pub(crate) async fn begin(db: &Pool) -> std::result::Result<DatabaseTransaction,
             ..TransactionOptions::default()
         },
         // Already the pool's default: a plain `BEGIN` (one round trip instead of two).
-        _ if db.read_committed_by_default().await => TransactionOptions::default(),
+        _ if read_committed_by_default(db).await => TransactionOptions::default(),
         _ => TransactionOptions {
             isolation_level: Some(IsolationLevel::ReadCommitted),
             ..TransactionOptions::default()
         },
     };
     crate::db::live::begin(db, options).await
+}
+
+/// Whether a transaction begun on `db` runs at READ COMMITTED without being told to: the
+/// server's default for new transactions, read once per pool (PostgreSQL's default; MariaDB's
+/// and MySQL's default is REPEATABLE READ, so there the answer is usually no). `false` when it
+/// cannot be read, and for SQLite, whose transactions have no isolation levels.
+///
+/// A pool whose connections change their default after connecting (a `SET SESSION
+/// CHARACTERISTICS` run by the application on some of them) is not seen: set the default in the
+/// connection URL or the server instead. On PostgreSQL a stricter level would not lose updates
+/// either — a reload or write of a row changed since the snapshot fails with a serialization
+/// error, which freshlock retries.
+async fn read_committed_by_default(db: &Pool) -> bool {
+    let backend = db.get_database_backend();
+    // MariaDB before 11.1 names the variable `tx_isolation`, MySQL 8 only
+    // `transaction_isolation`: `SHOW VARIABLES` finds whichever the server has (both hold
+    // the session's level), where selecting the other name would fail on every `BEGIN`.
+    let (query, column) = match backend {
+        DbBackend::Postgres => ("SHOW default_transaction_isolation", 0),
+        DbBackend::MySql => (
+            "SHOW SESSION VARIABLES WHERE Variable_name IN ('tx_isolation', 'transaction_isolation')",
+            1,
+        ),
+        _ => return false,
+    };
+    if !db.is_real() {
+        return false;
+    }
+    if let Some(answer) = db.read_committed().get() {
+        return *answer;
+    }
+    let level = match autocommit(db)
+        .query_one_raw(Statement::from_string(backend, query))
+        .await
+    {
+        Ok(Some(row)) => row.try_get_by_index::<String>(column).ok(),
+        Ok(None) => None,
+        Err(error) => {
+            // Not remembered: a database that is down now is asked again on the next BEGIN.
+            debug!(%error, "reading the default isolation level failed; BEGIN sets it");
+            return false;
+        }
+    };
+    let answer = level.is_some_and(|level| {
+        level.eq_ignore_ascii_case("read committed") || level.eq_ignore_ascii_case("READ-COMMITTED")
+    });
+    *db.read_committed().get_or_init(|| answer)
 }

@@ -17,8 +17,6 @@ use std::{
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use tracing::debug;
 
-use super::autocommit::autocommit;
-
 /// A sea-orm connection pool and what freshlock keeps of it. Cheap to clone: clones share
 /// everything. Dereferences to the connection.
 #[derive(Clone, Debug)]
@@ -103,52 +101,15 @@ impl Pool {
         self.inner.markers.fetch_add(1, Ordering::Relaxed) + 1
     }
 
-    /// Whether a transaction begun on `db` runs at READ COMMITTED without being told to: the
-    /// server's default for new transactions, read once per pool (PostgreSQL's default; MariaDB's
-    /// and MySQL's default is REPEATABLE READ, so there the answer is usually no). `false` when it
-    /// cannot be read, and for SQLite, whose transactions have no isolation levels.
-    ///
-    /// A pool whose connections change their default after connecting (a `SET SESSION
-    /// CHARACTERISTICS` run by the application on some of them) is not seen: set the default in the
-    /// connection URL or the server instead. On PostgreSQL a stricter level would not lose updates
-    /// either — a reload or write of a row changed since the snapshot fails with a serialization
-    /// error, which freshlock retries.
-    pub(crate) async fn read_committed_by_default(&self) -> bool {
-        let backend = self.get_database_backend();
-        // MariaDB before 11.1 names the variable `tx_isolation`, MySQL 8 only
-        // `transaction_isolation`: `SHOW VARIABLES` finds whichever the server has (both hold
-        // the session's level), where selecting the other name would fail on every `BEGIN`.
-        let (query, column) = match backend {
-            DbBackend::Postgres => ("SHOW default_transaction_isolation", 0),
-            DbBackend::MySql => (
-                "SHOW SESSION VARIABLES WHERE Variable_name IN ('tx_isolation', 'transaction_isolation')",
-                1,
-            ),
-            _ => return false,
-        };
-        if !self.inner.real {
-            return false;
-        }
-        if let Some(answer) = self.inner.read_committed.get() {
-            return *answer;
-        }
-        let level = match autocommit(self)
-            .query_one_raw(Statement::from_string(backend, query))
-            .await
-        {
-            Ok(Some(row)) => row.try_get_by_index::<String>(column).ok(),
-            Ok(None) => None,
-            Err(error) => {
-                // Not remembered: a database that is down now is asked again on the next BEGIN.
-                debug!(%error, "reading the default isolation level failed; BEGIN sets it");
-                return false;
-            }
-        };
-        let answer = level.is_some_and(|level| {
-            level.eq_ignore_ascii_case("read committed")
-                || level.eq_ignore_ascii_case("READ-COMMITTED")
-        });
-        *self.inner.read_committed.get_or_init(|| answer)
+    /// What was read of the pool's default isolation level (see
+    /// `begin::read_committed_by_default`): `None` until it was read.
+    pub(crate) fn read_committed(&self) -> &OnceLock<bool> {
+        &self.inner.read_committed
+    }
+
+    /// Whether this is a sqlx pool (not a mock connection, which has none of the state).
+    pub(crate) fn is_real(&self) -> bool {
+        self.inner.real
     }
 
     /// What this pool knows of the server incarnation (see [`Incarnation`]). `on` is where to
