@@ -111,7 +111,7 @@ impl Claims {
     ///
     /// Commit markers (see the module docs) are on for PostgreSQL and MySQL/MariaDB and off for
     /// SQLite, as for sessions; they need [`crate::schema::CommitMigration`] too.
-    pub fn new(db: impl Into<crate::Db>) -> Self {
+    pub fn new(db: impl Into<crate::database::Db>) -> Self {
         let db = db.into().pool().clone();
         let markers = db.get_database_backend() != DbBackend::Sqlite;
         Self {

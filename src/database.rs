@@ -1,10 +1,15 @@
 //! [`Db`]: the handle an application keeps of one database, as it keeps the pool.
 
-use std::{fmt, sync::Arc};
+use std::{
+    any::{Any, TypeId},
+    fmt,
+    sync::Arc,
+};
 
+use dashmap::DashMap;
 use sea_orm::DatabaseConnection;
 
-use crate::{db::pool::Pool, write::room::Rooms};
+use crate::db::pool::Pool;
 
 /// A database as freshlock uses it: a sea-orm connection pool, and what freshlock learns of
 /// and keeps for it — the pool's default isolation level, whether it runs behind a transaction
@@ -86,3 +91,28 @@ impl From<&Db> for Db {
         db.clone()
     }
 }
+
+/// Which writes of one handle may share a commit: the name of a room of commit combining
+/// (see `write/room.rs`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct Which {
+    /// The entity type.
+    pub(crate) entity: TypeId,
+    /// The lock space that excludes the process's writers of the row from each other (see
+    /// `write::locking::exclusion`).
+    pub(crate) exclusion: u64,
+    /// The lock's name.
+    pub(crate) lock: String,
+    /// The row's name.
+    pub(crate) row: String,
+    /// The session's version column for the entity, if any.
+    pub(crate) version: Option<&'static str>,
+    /// Whether the session's writes carry commit evidence.
+    pub(crate) markers: bool,
+}
+
+/// The rooms of one database handle. A room holds the waiters of one entity type (`Room<E>`,
+/// see `write/room.rs`), so the map is a type map: each entry is found by a key holding the
+/// entity's `TypeId` and read back as that entity's room.
+#[derive(Default)]
+pub(crate) struct Rooms(pub(crate) DashMap<Which, Arc<dyn Any + Send + Sync>>);

@@ -87,6 +87,7 @@ mod identity_map;
 pub mod inspect;
 pub mod jobs;
 mod lock;
+mod many;
 pub mod metrics;
 mod outcome;
 mod repository;
@@ -94,6 +95,8 @@ pub mod schema;
 mod session;
 #[cfg(feature = "testing")]
 pub mod testing;
+#[cfg(feature = "postgres")]
+pub mod transaction_pooler;
 mod tx;
 mod tx_repository;
 mod unlocked;
@@ -104,8 +107,7 @@ pub use database::Db;
 pub use db::deadline::Bounded;
 #[cfg(feature = "mysql")]
 pub use db::pool::mysql_read_committed;
-#[cfg(feature = "postgres")]
-pub use db::transaction_pooler;
+
 pub use error::{ApplyError, BoxError, Error, LockError, ReleaseError, Result};
 pub use identity_map::CacheStats;
 #[cfg(feature = "mysql")]

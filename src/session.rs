@@ -9,7 +9,7 @@ use std::{
     },
 };
 
-use sea_orm::{DatabaseConnection, EntityTrait, IdenStatic};
+use sea_orm::{ColumnTrait, ColumnType, DatabaseConnection, EntityTrait, IdenStatic, Iterable};
 
 use crate::{
     database::Db,
@@ -151,7 +151,7 @@ impl Session {
     /// always found).
     pub(crate) fn version_of<E: sea_orm::EntityTrait>(&self) -> Option<E::Column> {
         self.version_column(TypeId::of::<E>())
-            .and_then(crate::write::row_sql::column_named::<E>)
+            .and_then(column_named::<E>)
     }
 
     /// Whether `locked_update` tries the one-statement write first (see
@@ -203,7 +203,7 @@ impl SessionBuilder {
     /// A column that is not declared as an integer makes [`build`](Self::build) fail with
     /// [`crate::Error::VersionColumn`].
     pub fn version_column<E: EntityTrait>(mut self, column: E::Column) -> Self {
-        if !crate::write::row_sql::is_integer_column::<E>(&column) {
+        if !is_integer_column::<E>(&column) {
             self.invalid_version
                 .get_or_insert((E::default().table_name(), column.as_str()));
         }
@@ -367,4 +367,24 @@ impl SessionBuilder {
             }),
         }
     }
+}
+
+/// `E`'s column called `name`.
+fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
+    E::Column::iter().find(|column| column.as_str() == name)
+}
+
+/// Whether `column` of `E` is declared as an integer column (what a version column must be).
+fn is_integer_column<E: EntityTrait>(column: &E::Column) -> bool {
+    matches!(
+        column.def().get_column_type(),
+        ColumnType::TinyInteger
+            | ColumnType::SmallInteger
+            | ColumnType::Integer
+            | ColumnType::BigInteger
+            | ColumnType::TinyUnsigned
+            | ColumnType::SmallUnsigned
+            | ColumnType::Unsigned
+            | ColumnType::BigUnsigned
+    )
 }

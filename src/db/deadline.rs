@@ -60,28 +60,6 @@ pub(crate) async fn within<T>(
     }
 }
 
-/// `lock`'s statements of the backend `backend`, or the backend's failure as a lost connection
-/// when they got no reply within `bound` (the future is dropped then).
-pub(crate) async fn lock_within<T>(
-    backend: &'static str,
-    bound: Duration,
-    lock: impl Future<Output = Result<T, crate::error::LockError>>,
-) -> Result<T, crate::error::LockError> {
-    match tokio::time::timeout(bound, lock).await {
-        Ok(result) => result,
-        Err(_) => Err(lock_no_reply(backend, bound)),
-    }
-}
-
-/// The failure of the lock backend `backend` whose statement got no reply within `bound`: read
-/// as a lost connection, as [`no_reply`].
-pub(crate) fn lock_no_reply(backend: &'static str, bound: Duration) -> crate::error::LockError {
-    crate::error::LockError::Backend {
-        backend,
-        source: Box::new(no_reply(bound)),
-    }
-}
-
 /// A connection whose every round trip waits at most a bound: a statement whose reply does
 /// not come within it fails as a lost connection instead of waiting on a silent partition.
 ///

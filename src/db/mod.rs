@@ -13,5 +13,3 @@ pub(crate) mod inline;
 pub(crate) mod live;
 pub(crate) mod pool;
 pub(crate) mod savepoint;
-#[cfg(feature = "postgres")]
-pub mod transaction_pooler;

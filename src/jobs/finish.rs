@@ -6,7 +6,7 @@ use tracing::warn;
 use super::{
     JobFailure, JobOutcome, JobRun,
     kinds::Kind,
-    lease::{Finishing, Meta},
+    leased::{Finishing, Meta},
     retry::decide,
     step::{Did, Ended, Failed, JobStep, Measured, Ran, Start, waited},
     store,

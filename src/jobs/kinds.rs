@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 use super::{
     Job, RetryPolicy,
     job::Raw,
-    lease::{self, Lease, Leased, Meta, Output},
+    leased::{self, Lease, Leased, Meta, Output},
 };
 use crate::{error::BoxError, tx::Tx, write::section::SectionWork};
 
@@ -172,7 +172,7 @@ impl Jobs {
             ))
         });
         let leased = Leased {
-            lease: lease.max(lease::MIN_LEASE),
+            lease: lease.max(leased::MIN_LEASE),
             work: Box::new(work),
             finish: Box::new(finish),
         };

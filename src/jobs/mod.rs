@@ -71,6 +71,7 @@ mod finish;
 mod job;
 mod kinds;
 mod lease;
+mod leased;
 mod record;
 mod retry;
 mod state;
@@ -90,7 +91,7 @@ pub use admin::{
 };
 pub use job::{Job, JobFailure, JobOutcome, JobRun};
 pub use kinds::Jobs;
-pub use lease::Lease;
+pub use leased::Lease;
 pub use retry::RetryPolicy;
 pub use worker::Worker;
 

@@ -12,7 +12,7 @@ use super::{
     context::Context,
     job::Raw,
     kinds::Runner,
-    lease::{Claimed, FinishRunner, Finishing, Meta, Output},
+    leased::{Claimed, FinishRunner, Finishing, Meta, Output},
     retry::Retry,
 };
 use crate::{

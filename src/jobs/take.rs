@@ -5,7 +5,7 @@ use super::{
     JobFailure, JobOutcome,
     job::Raw,
     kinds::Handler,
-    lease::Claimed,
+    leased::Claimed,
     step::{Did, Ended, Failed, JobStep, Ran, Start},
     store,
 };

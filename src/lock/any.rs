@@ -20,7 +20,7 @@ impl LockKind {
     /// server cannot be reached.
     pub async fn connect(
         self,
-        db: impl Into<crate::Db>,
+        db: impl Into<crate::database::Db>,
         database_url: &str,
         redis_url: Option<&str>,
     ) -> Result<Arc<dyn LockBackend>, LockError> {

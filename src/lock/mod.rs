@@ -17,6 +17,7 @@
 
 mod any;
 mod backoff;
+pub(crate) mod bound;
 #[cfg(feature = "redis")]
 mod fence;
 pub(crate) mod floor;

@@ -23,9 +23,10 @@ use super::{
     traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::{
-    db::deadline::{lock_no_reply, reply_bound},
+    db::deadline::reply_bound,
     db::failure::{Failure, classify},
     error::LockError,
+    lock::bound::lock_no_reply,
     schema::{LOCK_TABLE, MAX_STORED_NAME},
 };
 

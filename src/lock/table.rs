@@ -55,7 +55,7 @@ pub struct TableLock {
 
 impl TableLock {
     /// Leases in `db`'s `freshlock_lock` table.
-    pub fn new(db: impl Into<crate::Db>) -> Self {
+    pub fn new(db: impl Into<crate::database::Db>) -> Self {
         Self {
             db: db.into().pool().clone(),
             label: None,

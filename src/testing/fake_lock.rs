@@ -12,9 +12,8 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use crate::{
-    LocalLock,
     error::LockError,
-    lock::{Fencing, LeaseLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
+    lock::{Fencing, LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
 };
 
 const KIND: &str = "fake";

@@ -2,31 +2,15 @@
 //! *folded* into a statement the step sends anyway, one round trip less: a
 //! transaction-scoped lock tried by the reload, a lease's fence checked (and on PostgreSQL the
 //! lease freed) by it, or on MySQL/MariaDB a lease's check-and-free sent first in the write's
-//! message. In this one file: what may fold ([`Fold`]), what the statement tries ([`Folded`]),
-//! and how it went.
+//! message. In this one file: what the statement tries ([`Folded`]) and how it went; whether a
+//! lock may fold is its [`Fold`] state, kept by the lock (`locking.rs`).
 
 use std::time::Duration;
 
 use sea_orm::DbBackend;
 
-use super::locking::Locking;
+use super::locking::{Fold, Locking};
 use crate::lock::{Fencing, LockKind};
-
-/// Whether a transaction-scoped lock is taken by the step's first statement instead of a
-/// statement of its own after `BEGIN` (one round trip less).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(super) enum Fold {
-    /// It is not (a lease, another backend, another database, or a try there failed).
-    Never,
-    /// It may be (`pg_advisory` or `row` on PostgreSQL, `row` on MySQL/MariaDB, a lease whose
-    /// fence lives in `freshlock_lock` on either, a `table` lease row on PostgreSQL — on
-    /// MySQL/MariaDB in a row write's UPDATE message instead, see [`Locking::riding_write`]),
-    /// in a transaction begun to fold it.
-    Allowed,
-    /// This transaction's lock is to be tried by the step's first statement (by a row write's
-    /// UPDATE message, for a lease that rides there).
-    Pending,
-}
 
 /// The lock a step's first statement tries, as a one-time filter evaluated before any row is
 /// read or locked (see [`Locking::folding`]).

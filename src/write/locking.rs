@@ -6,19 +6,32 @@ use std::{fmt, future::Future, sync::Arc, time::Duration};
 use sea_orm::{DatabaseTransaction, DbBackend};
 use tracing::warn;
 
-use super::fold::Fold;
 use crate::db::begin::{begin, begin_detached};
 use crate::{
-    db::{
-        deadline::{lock_within, within},
-        pool::Pool,
-    },
+    db::{deadline::within, pool::Pool},
     error::{Error, LockError, Result, database},
+    lock::bound::lock_within,
     lock::{
         LeaseCheck, LockBackend, LockGuard, LockKind, LockName, LockPolicy, LockRole, OnLockFailure,
     },
     outcome::LockReport,
 };
+
+/// Whether a transaction-scoped lock is taken by the step's first statement instead of a
+/// statement of its own after `BEGIN` (one round trip less).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Fold {
+    /// It is not (a lease, another backend, another database, or a try there failed).
+    Never,
+    /// It may be (`pg_advisory` or `row` on PostgreSQL, `row` on MySQL/MariaDB, a lease whose
+    /// fence lives in `freshlock_lock` on either, a `table` lease row on PostgreSQL — on
+    /// MySQL/MariaDB in a row write's UPDATE message instead, see [`Locking::riding_write`]),
+    /// in a transaction begun to fold it.
+    Allowed,
+    /// This transaction's lock is to be tried by the step's first statement (by a row write's
+    /// UPDATE message, for a lease that rides there).
+    Pending,
+}
 
 /// The lock of one locked section while it runs.
 pub(crate) struct Locking {

@@ -9,7 +9,6 @@ pub(crate) mod engine;
 pub(crate) mod fold;
 pub(crate) mod locked_update;
 pub(crate) mod locking;
-pub(crate) mod many;
 pub(crate) mod room;
 pub(crate) mod row;
 pub(crate) mod row_sql;

@@ -3,16 +3,16 @@
 //! the database handle ([`crate::Db`]).
 
 use std::{
-    any::{Any, TypeId},
+    any::TypeId,
     collections::VecDeque,
     sync::{Arc, Mutex},
 };
 
-use dashmap::DashMap;
 use sea_orm::EntityTrait;
 use tokio::sync::{mpsc, oneshot};
 
 use crate::{
+    database::{Rooms, Which},
     error::Result,
     lock::LockName,
     outcome::LockReport,
@@ -45,25 +45,6 @@ pub(crate) struct Served<M> {
     pub(crate) batch: u32,
 }
 
-/// Which writes of one pool may share a commit.
-#[derive(Clone, Debug, PartialEq, Eq, Hash)]
-struct Which {
-    entity: TypeId,
-    /// The lock space that excludes the process's writers of the row from each other (see
-    /// `locking::exclusion`).
-    exclusion: u64,
-    lock: LockName,
-    row: LockName,
-    version: Option<&'static str>,
-    markers: bool,
-}
-
-/// The rooms of one database handle ([`crate::Db`]). A room holds the waiters of one entity
-/// type (`Room<E>`), so the map is a type map: each entry is found by a key holding the
-/// entity's `TypeId` and read back as that entity's room.
-#[derive(Default)]
-pub(crate) struct Rooms(DashMap<Which, Arc<dyn Any + Send + Sync>>);
-
 /// The room of a write: which writes may share its commit, among the rooms of the pool it runs
 /// on.
 #[derive(Clone)]
@@ -88,8 +69,8 @@ impl RoomKey {
             which: Which {
                 entity,
                 exclusion,
-                lock: lock.clone(),
-                row: row.clone(),
+                lock: lock.as_str().to_owned(),
+                row: row.as_str().to_owned(),
                 version,
                 markers,
             },

@@ -2,8 +2,7 @@
 //! guard), and the version column's next value.
 
 use sea_orm::{
-    ActiveModelTrait, ActiveValue, ColumnTrait, ColumnType, EntityTrait, IdenStatic, Iterable,
-    ModelTrait, Value,
+    ActiveModelTrait, ActiveValue, EntityTrait, IdenStatic, Iterable, ModelTrait, Value,
 };
 
 use crate::error::Error;
@@ -49,26 +48,6 @@ where
             _ => None,
         })
         .collect()
-}
-
-/// `E`'s column called `name`.
-pub(crate) fn column_named<E: EntityTrait>(name: &str) -> Option<E::Column> {
-    E::Column::iter().find(|column| column.as_str() == name)
-}
-
-/// Whether `column` of `E` is declared as an integer column (what a version column must be).
-pub(crate) fn is_integer_column<E: EntityTrait>(column: &E::Column) -> bool {
-    matches!(
-        column.def().get_column_type(),
-        ColumnType::TinyInteger
-            | ColumnType::SmallInteger
-            | ColumnType::Integer
-            | ColumnType::BigInteger
-            | ColumnType::TinyUnsigned
-            | ColumnType::SmallUnsigned
-            | ColumnType::Unsigned
-            | ColumnType::BigUnsigned
-    )
 }
 
 /// The value after `value` of an integer version column; `None` for NULL or a non-integer.
