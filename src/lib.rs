@@ -2,68 +2,46 @@
 //!
 //! # Layout
 //!
-//! - `session.rs` — [`Session`]: one unit of work (connection, identity map, lock, policy).
-//! - `identity_map.rs` — the per-session cache of `Arc<Model>` by entity and primary key.
-//! - `repository.rs` — [`Repository`]: `load`, `load_many`, `load_fresh`, `reset_cache`, and the
-//!   locked writes' front ends (`locked_update`, `locked_delete`, `get_or_insert`,
-//!   `update_or_insert`).
-//! - `unlocked.rs` — the repository's writes without a lock: `insert`, the optimistic `save`,
-//!   `optimistic_first`'s one-statement write.
-//! - `save.rs` — the statements of one save and one insert, shared by [`Repository`] and
-//!   [`TxRepository`].
-//! - `engine.rs` — the one engine every locked write runs on: under the locks a front end took,
-//!   attempts of a *step* (begin, the step, fence checks, commit with its evidence, cache
-//!   effects), retried with backoff, and the release.
-//! - `row_step.rs` — one row's reload, the caller's decision and its write (update serving a
-//!   combined batch, insert, delete) as a step of the engine.
-//! - `locked_update.rs` — the front end behind `locked_update`, `locked_delete`, `get_or_insert`
-//!   and `update_or_insert`: takes the row's lock (seated in its room when combining), runs the
-//!   row step on the engine, polled in place and detached on cancel.
-//! - `write.rs` — the row write steps below every write path, written once: changed columns, the
-//!   optimistic guard (version column), the guarded UPDATE that returns the stored row, insert
-//!   and delete with sea-orm's hooks.
-//! - `locking.rs` — taking and releasing a section's lock under the policy (in-process queue,
-//!   lease, transaction-scoped lock).
-//! - `decision.rs` — what a locked write decided (update, insert, delete, keep) and what it
-//!   wrote: the words the locked driver, commit combining and the front ends share.
-//! - `combine.rs` — commit combining, a layer on the driver: the waiters of a hot row sit in its
-//!   room and are served by the holder's transaction (rooms, seats, the holder's batch, the
-//!   waiter's side).
-//! - `section.rs` — [`Session::with_lock`] and [`Session::section`]: a section takes its locks
-//!   in one canonical order and runs its work as a step of the engine.
-//! - `tx.rs` — [`Tx`] and [`TxRepository`]: a section's transaction and the repositories bound
-//!   to it.
-//! - `many.rs` — locked writes built on a retrying section: several rows in one transaction
-//!   (`locked_update_many`, `locked_update_pair`), and `locked_update_with`.
-//! - `row.rs` — how a row of any entity is named (cache key, lock name, error text).
-//! - `outcome.rs` — [`UpdateOutcome`], [`DeleteOutcome`], [`Report`], [`LockReport`],
-//!   [`SaveOutcome`].
-//! - `lock/` — the [`LockBackend`] trait, [`LockPolicy`], lock names and the in-process
-//!   [`LocalLock`].
-//! - `claim.rs` — [`Claims`]: claim / finish with a lease (new → processing → done).
-//! - `inspect.rs` — the lock inspector's functions (held and expired leases, clearing stale ones).
-//! - `jobs/` — [`jobs`]: keyed jobs — enqueue in the caller's transaction (`mod.rs`), the job
-//!   table's statements (`store.rs`), the worker, a step of the engine (`worker.rs`), the
-//!   operator's depth / list / retry / discard (`admin.rs`).
-//! - `schema.rs` — freshlock's tables, as a migration.
-//! - `pool.rs` — what freshlock keeps of a pool (default isolation, whether it runs behind a
-//!   transaction pooler, commit combining's rooms) and `Autocommit`, its single statements.
-//! - `registry.rs` — state kept for a live object freshlock cannot extend (a pool, a lock
-//!   backend), found by the object's identity and held weakly.
-//! - `transaction_pooler.rs` — `transaction_pooler` (feature `postgres`): PgBouncer in
-//!   transaction mode.
-//! - `commit.rs` — commit evidence (markers; PostgreSQL's transaction id within a server
-//!   incarnation): a commit whose reply was lost is resolved, never run twice.
-//! - `db_error.rs` — what kind of failure a database error is (transient, lock timeout, …).
-//! - `deadline.rs` — every round trip of a locked write has a deadline (a reply that never
-//!   comes reads as a lost connection).
-//! - `detach.rs` — futures never cut in half: a locked section's driver and every `BEGIN` end
-//!   in a task of their own when their caller is dropped.
-//! - `live.rs` — connections that died idle in the pool: a `BEGIN` or a read that meets one is
-//!   tried on another.
-//! - `error.rs` — [`Error`], [`LockError`], [`ApplyError`].
-//! - `metrics.rs` — [`metrics`]: metric names, recorded with the `metrics` feature.
-//! - `testing/` — `testing` (feature `testing`): `TestDatabase`, `Recorder`, `FakeLock`.
+//! Data flows one way: application → front ends → `write/` → `lock/`, `commit/` → `db/`. Each
+//! folder may use the ones below it and never one above (the import graph has no circle).
+//!
+//! - **Front ends** (top level) translate calls into steps and own nothing of the engine:
+//!   `database.rs` ([`Db`]: a pool and what freshlock keeps of it, made once per pool and shared
+//!   by the sessions made from it — with commit combining's rooms), `session.rs` ([`Session`],
+//!   [`SessionBuilder`]), `repository.rs` ([`Repository`]: loads and the locked writes),
+//!   `many.rs` (several rows, `locked_update_with`), `unlocked.rs` (insert, the guarded `save`,
+//!   `optimistic_first`), `tx.rs` / `tx_repository.rs` ([`Tx`], [`TxRepository`]: a section's
+//!   transaction and its repositories), `claim.rs` ([`Claims`]), `inspect.rs`,
+//!   `transaction_pooler.rs` (feature `postgres`), `identity_map.rs` (the session's cache, which
+//!   knows nothing of locks or SQL), `outcome.rs`, `error.rs`, `metrics.rs`.
+//! - **`write/`** — the engine and its steps: `engine.rs` (the one attempt loop: begin, step,
+//!   fence checks, commit with evidence, cache effects, retries), `locking.rs` (a section's lock
+//!   under the policy), `fold.rs` (what a lock adds to a row step's statement, in one place),
+//!   `row_step.rs` (one row's reload, decision and write), `locked_update.rs` (its front door,
+//!   polled in place, detached on cancel), `room.rs` / `combine.rs` (commit combining: rooms and
+//!   seats, the holder's batch), `section.rs`, `row.rs` (how a row is named, and the one
+//!   primary-key check), `decision.rs`, `save.rs`, and `row_sql/` (the SQL of a row write:
+//!   columns, the guarded UPDATE, DELETE, hooks, keys). It may not name a front end.
+//! - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`), retry policy
+//!   (`retry.rs`), handlers by kind (`kinds.rs`), what running needs (`context.rs`), the engine
+//!   step (`step.rs` with `take.rs`, `attempt.rs`, `finish.rs`, `record.rs`), leased jobs
+//!   (`leased.rs`, `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`),
+//!   wake-ups, admin, stored states (`state.rs`) and the table's statements (`store/`). It runs
+//!   on `write/`'s engine.
+//! - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
+//!   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or
+//!   writes a marker), markers and their sweep (`marker.rs`), resolving a lost reply
+//!   (`resolve.rs`). It knows nothing of locks' semantics or sessions.
+//! - **`lock/`** — the [`LockBackend`] trait and its halves, the backends (each owning its
+//!   in-process queue), [`LockPolicy`], names, fences, a lock statement's deadline
+//!   (`bound.rs`). A backend never knows about repositories or sessions.
+//! - **`db/`** — the connection edge, knowing SQL but nothing of locks or sessions: the pool's
+//!   state (`pool.rs`), `BEGIN` at the right isolation on a live connection, never cut in half
+//!   (`begin.rs`, `live.rs`, `detach.rs`), deadlines (`deadline.rs`), failure classes
+//!   (`failure.rs`), the one savepoint helper (`savepoint.rs`), single statements that commit
+//!   alone (`autocommit.rs`), MySQL literal inlining (`inline.rs`).
+//! - **`schema/`** — freshlock's tables, one migration per file; **`testing/`** — test support
+//!   for users (feature `testing`).
 
 // docs.rs: every item gated on a feature shows the feature it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
