@@ -9,7 +9,10 @@ use sea_orm::{ActiveModelTrait, DbBackend, EntityTrait, IntoActiveModel};
 use crate::{
     commit,
     db::autocommit::autocommit,
-    db::begin::begin,
+    db::{
+        begin::begin_detached,
+        deadline::{Bounded, within},
+    },
     error::{ApplyError, Error, Result, database},
     outcome::{SaveOutcome, UpdateOutcome, UpdateReport},
     repository::Repository,
@@ -92,26 +95,34 @@ where
         }
         let version = self.session().version_of::<E>();
         let db = self.session().pool();
+        // Every round trip waits at most the policy's reply bound (see `deadline.rs`); the
+        // `BEGIN` finishes in a task of its own if its caller goes (see `detach.rs`).
+        let reply = self.session().policy().reply_deadline();
         let saved = if db.get_database_backend() == DbBackend::MySql || db.transaction_pooled() {
             // MySQL: no UPDATE … RETURNING, and the read back must see this UPDATE's row, not a
             // later one. Behind a transaction pooler: the UPDATE and a conflict's check read
             // must not run outside a transaction (see `transaction_pooler.rs`).
-            let txn = begin(db).await.map_err(|e| database("saving", &row, e))?;
-            let saved = save_on::<E, _>(&txn, &row, snapshot, model, version, false).await;
+            let txn = within(reply, begin_detached(db))
+                .await
+                .map_err(|e| database("saving", &row, e))?;
+            let bounded = Bounded::new(&txn, reply);
+            let saved = save_on::<E, _>(&bounded, &row, snapshot, model, version, false).await;
+            let silent = bounded.went_silent();
             match saved {
                 Ok(saved) => {
-                    txn.commit()
+                    within(reply, txn.commit())
                         .await
                         .map_err(|e| commit::write_error("committing", row.name.as_str(), e))?;
                     Ok(saved)
                 }
                 Err(error) => {
-                    let _ = txn.rollback().await;
+                    commit::rollback_after(txn, reply, silent).await;
                     Err(error)
                 }
             }
         } else {
-            save_on::<E, _>(db.connection(), &row, snapshot, model, version, true).await
+            let bounded = Bounded::new(db.connection(), reply);
+            save_on::<E, _>(&bounded, &row, snapshot, model, version, true).await
         }?;
         Ok(match saved {
             Saved::Stored { stored, reported } => {
@@ -161,14 +172,12 @@ where
         }
         // Against the snapshot `apply` ran on: a concurrent section may have evicted it since.
         // Its UPDATE is its own commit: a reply that does not come within the policy's bound
-        // leaves it in doubt (see `deadline.rs`), and the cached row may be stale.
-        let reply = self.session().policy().reply_deadline();
-        let save = self.save_against(row.clone(), &snapshot, draft);
-        let Ok(saved) = tokio::time::timeout(reply, save).await else {
+        // leaves it in doubt (`Error::CommitUnknown`, see `save_against`), and the cached row
+        // may be stale then.
+        let saved = self.save_against(row.clone(), &snapshot, draft).await;
+        if saved.is_err() {
             self.session().map().remove(&row.key);
-            let no_reply = crate::db::failure::no_reply(reply);
-            return Err(commit::write_error("saving", row.name.as_str(), no_reply));
-        };
+        }
         match saved? {
             SaveOutcome::Updated(model) => Ok(Some(UpdateReport {
                 outcome: UpdateOutcome::Updated(model),

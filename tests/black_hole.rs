@@ -13,6 +13,10 @@
 //! black-holed `DELETE` (`locked_delete`) and `INSERT` (`get_or_insert`, and a section's, whose
 //! INSERT runs in a savepoint) give up after the bound and run again, and every row is as
 //! acknowledged. So do a claim's and a finish's statements, and those of `finish_with`'s work.
+//!
+//! A guarded `save` whose `UPDATE` is black-holed gives up after the bound too: in doubt on
+//! PostgreSQL (its UPDATE is its own commit: `CommitUnknown`), transient on MySQL/MariaDB (its
+//! transaction never committed), and the row holds what was acknowledged.
 
 mod common;
 #[path = "common/proxy.rs"]
@@ -323,6 +327,71 @@ async fn black_holed_inserts(db: Option<TestDb>, kind: LockKind) {
 /// A section's `get_or_insert` (its INSERT in a savepoint of the section's transaction).
 async fn black_holed_section_inserts(db: Option<TestDb>, kind: LockKind) {
     black_holed_writes(db, kind, CutAfter::NodeInsert, true).await;
+}
+
+/// A guarded `save` (no lock, one statement; on MySQL/MariaDB a transaction of its own) whose
+/// `UPDATE` gets no reply: the call ends after the reply bound, in doubt where the UPDATE was its
+/// own commit (PostgreSQL) and transient where it was not (MySQL/MariaDB, whose transaction the
+/// server ends); saved again on a fresh read, the row holds each acknowledged write once.
+async fn black_holed_saves(db: Option<TestDb>, _kind: LockKind) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::NodeUpdate).await;
+    let (options, _) = through(&proxy, &db);
+    let proxied = sea_orm::Database::connect(idle_transactions_end(uncached(options)))
+        .await
+        .unwrap();
+    let backend: Arc<dyn LockBackend> = Arc::new(freshlock::LocalLock::new());
+    let session = session(&proxied, &backend, policy(REPLY));
+    let nodes = session.repository::<node::Entity>();
+    let bump = |n: &node::Model| {
+        let mut draft = sea_orm::IntoActiveModel::into_active_model(n.clone());
+        draft.score = Set(Some(n.score.unwrap_or(0) + 1));
+        draft
+    };
+    proxy.black_hole(true);
+    proxy.cut_once();
+    let loaded = nodes.load(1).await.unwrap().unwrap();
+    let started = tokio::time::Instant::now();
+    let first = tokio::time::timeout(Duration::from_secs(25), nodes.save(bump(&loaded)))
+        .await
+        .expect("a save does not hang on a black-holed reply");
+    let took = started.elapsed();
+    assert_eq!(proxy.cuts(), 1, "the UPDATE was black-holed");
+    assert!(
+        took < Duration::from_secs(10),
+        "gave up after the bound: {took:?}"
+    );
+    let in_doubt = match first {
+        Err(Error::CommitUnknown { .. }) => true,
+        Err(e) if e.is_transient() => false,
+        other => panic!("a black-holed save fails as in doubt or transient: {other:?}"),
+    };
+    let backend_kind = proxied.get_database_backend();
+    assert_eq!(
+        in_doubt,
+        backend_kind == sea_orm::DbBackend::Postgres,
+        "in doubt only where the UPDATE was its own commit ({backend_kind:?})"
+    );
+    // Where it was not its own commit, the server ends its transaction: nothing was written.
+    // In doubt, either (here the proxy held back the UPDATE's execute, so it did not run).
+    let fresh = nodes.load_fresh(1).await.unwrap().unwrap();
+    let before = fresh.score.unwrap_or(0);
+    assert!(
+        before == 0 || (in_doubt && before == 1),
+        "the failed save left {before}"
+    );
+    let saved = nodes.save(bump(&fresh)).await.unwrap();
+    assert!(
+        matches!(saved, freshlock::SaveOutcome::Updated(_)),
+        "{saved:?}"
+    );
+    let stored = db.all_nodes().await;
+    assert_eq!(
+        stored[0].score.unwrap_or(0),
+        before + 1,
+        "each acknowledged save once"
+    );
 }
 
 /// `mysql_named` holds its lock on a connection of its own, outside the write's transaction: a
@@ -651,6 +720,8 @@ servers::server_tests! {
     black_hole_marker_sweep_mysql: black_holed_marker_sweep, LockKind::Local, mysql;
     black_hole_grant_mysql_named_mysql: black_holed_grants, LockKind::MySqlNamed, mysql;
     black_hole_release_mysql_named_mysql: black_holed_releases, LockKind::MySqlNamed, mysql;
+    black_hole_save_postgres: black_holed_saves, LockKind::Local, postgres;
+    black_hole_save_mysql: black_holed_saves, LockKind::Local, mysql;
 }
 
 #[cfg(feature = "redis")]
