@@ -60,14 +60,24 @@ fn flag(row: &sea_orm::QueryResult, column: &str) -> std::result::Result<bool, D
         .map(|value| value != 0)
 }
 
-/// The leases held in `db`, oldest first; with `expired_only`, just those that have run out.
+/// Which held leases [`held_locks`] lists.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Held {
+    /// Every held lease.
+    All,
+    /// Only leases that have run out (their holders stopped, hung or lost the database).
+    Expired,
+}
+
+/// The leases held in `db`, oldest first: all of them, or just those that have run out.
 ///
 /// # Errors
 /// [`Error::Database`](crate::Error::Database) when the query fails (for example, the migration was not run).
-pub async fn held_locks(db: &impl ConnectionTrait, expired_only: bool) -> Result<Vec<HeldLock>> {
+pub async fn held_locks(db: &impl ConnectionTrait, which: Held) -> Result<Vec<HeldLock>> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
-    let filter = if expired_only {
+    let filter = if which == Held::Expired {
         format!(" AND expires_at <= {now}")
     } else {
         String::new()

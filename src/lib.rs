@@ -98,8 +98,8 @@ pub use lock::{
     TransactionLock,
 };
 pub use outcome::{
-    DeleteOutcome, DeleteReport, LockReport, ManyReport, Report, SaveOutcome, UpdateOutcome,
-    UpdateReport,
+    DeleteOutcome, DeleteReport, GetOutcome, LockReport, ManyReport, Report, SaveOutcome,
+    UpdateOutcome, UpdateReport,
 };
 pub use repository::{PrimaryKeyOf, Repository};
 pub use session::{Session, SessionBuilder};

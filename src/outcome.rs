@@ -42,6 +42,39 @@ impl<M> UpdateOutcome<M> {
     }
 }
 
+/// What [`get_or_insert`](crate::Repository::get_or_insert) (and
+/// [`TxRepository::get_or_insert`](crate::TxRepository::get_or_insert)) returns: the row, and
+/// whether this call created it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[must_use]
+pub enum GetOutcome<M> {
+    /// The row existed (cached, read, or created first by a concurrent caller).
+    Found(Arc<M>),
+    /// This call created the row (from its `init`, as stored).
+    Created(Arc<M>),
+}
+
+impl<M> GetOutcome<M> {
+    /// The row, found or created.
+    pub fn model(&self) -> &Arc<M> {
+        match self {
+            Self::Found(model) | Self::Created(model) => model,
+        }
+    }
+
+    /// The row, found or created.
+    pub fn into_model(self) -> Arc<M> {
+        match self {
+            Self::Found(model) | Self::Created(model) => model,
+        }
+    }
+
+    /// Whether this call created the row.
+    pub fn is_created(&self) -> bool {
+        matches!(self, Self::Created(_))
+    }
+}
+
 /// What [`locked_delete`](crate::Repository::locked_delete) did to the row.
 #[derive(Debug)]
 #[non_exhaustive]

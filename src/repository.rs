@@ -14,7 +14,7 @@ use crate::{
     error::{ApplyError, Error, Result, database},
     identity_map::{Key, PkKey},
     lock::LockName,
-    outcome::{DeleteOutcome, DeleteReport, UpdateOutcome, UpdateReport},
+    outcome::{DeleteOutcome, DeleteReport, GetOutcome, UpdateOutcome, UpdateReport},
     session::Session,
     write::decision::{Decision, Written},
     write::locked_update,
@@ -323,8 +323,8 @@ where
         }))
     }
 
-    /// The row with primary key `id`, created from `init` when there is none; the `bool` says
-    /// whether this call created it.
+    /// The row with primary key `id`, created from `init` when there is none:
+    /// [`GetOutcome::Found`] or [`GetOutcome::Created`] (this call created it).
     ///
     /// A cached row is returned as it is (like [`load`](Self::load)); otherwise one `SELECT`
     /// finds an existing row without taking any lock. Only a missing row takes the row's lock
@@ -348,16 +348,16 @@ where
         &self,
         id: PrimaryKeyOf<E>,
         mut init: F,
-    ) -> Result<(Arc<E::Model>, bool)>
+    ) -> Result<GetOutcome<E::Model>>
     where
         F: FnMut() -> E::ActiveModel + Send,
     {
         let row = Row::new::<E>(id.into_value_tuple())?;
         if let Some(cached) = self.session.map().get::<E::Model>(&row.key) {
-            return Ok((cached, false));
+            return Ok(GetOutcome::Found(cached));
         }
         if let Some(found) = self.fetch(row.clone(), false).await? {
-            return Ok((found, false));
+            return Ok(GetOutcome::Found(found));
         }
         let target = row.to_string();
         let named = row.clone();
@@ -369,8 +369,8 @@ where
         })
         .await?;
         match report.outcome {
-            Written::Inserted(model) => Ok((model, true)),
-            Written::Unchanged(model) => Ok((model, false)),
+            Written::Inserted(model) => Ok(GetOutcome::Created(model)),
+            Written::Unchanged(model) => Ok(GetOutcome::Found(model)),
             // Neither a write that could be refused by a fence nor a missing row is decided here.
             _ => Err(Error::Interrupted { target }),
         }

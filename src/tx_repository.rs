@@ -13,7 +13,7 @@ use sea_orm::{
 use crate::{
     db::{deadline::within, savepoint::Savepoint},
     error::{Error, Result, database},
-    outcome::{DeleteOutcome, SaveOutcome},
+    outcome::{DeleteOutcome, GetOutcome, SaveOutcome},
     tx::{ForUpdate, Tx},
     write::row::{PrimaryKeyOf, Row, select_by_key},
     write::row_sql::{self as write, Inserted, built_from, keyed, saved_row},
@@ -264,10 +264,10 @@ where
         &self,
         id: PrimaryKeyOf<E>,
         init: impl FnOnce() -> E::ActiveModel + Send,
-    ) -> Result<(Arc<E::Model>, bool)> {
+    ) -> Result<GetOutcome<E::Model>> {
         let row = Row::new::<E>(id.into_value_tuple())?;
         if let Some(found) = self.load_row_locked(&row, ForUpdate::Wait).await? {
-            return Ok((found, false));
+            return Ok(GetOutcome::Found(found));
         }
         let draft = keyed::<E>(init(), row.pk())?;
         let target = &row;
@@ -286,12 +286,10 @@ where
                     .await
                     .map_err(fail("rolling back a savepoint for"))?;
                 let found = self.load_row_locked(&row, ForUpdate::Wait).await?;
-                return found
-                    .map(|found| (found, false))
-                    .ok_or_else(|| Error::Conflict {
-                        target: row.to_string(),
-                        attempts: 1,
-                    });
+                return found.map(GetOutcome::Found).ok_or_else(|| Error::Conflict {
+                    target: row.to_string(),
+                    attempts: 1,
+                });
             }
             Err(failed) => return Err(database(failed.operation, &row, failed.error)),
         };
@@ -300,7 +298,7 @@ where
             .await
             .map_err(fail("releasing a savepoint for"))?;
         self.tx.seen(&row.key, &Arc::new(stored), true);
-        Ok((Arc::new(reported), true))
+        Ok(GetOutcome::Created(Arc::new(reported)))
     }
 }
 

@@ -271,16 +271,19 @@ async fn black_holed_writes(db: Option<TestDb>, kind: LockKind, cut: CutAfter, i
                         .expect("no section hangs on a black-holed reply")
                         .unwrap_or_else(|e| panic!("{kind}: insert {id} failed: {e:?}"));
                         assert!(
-                            matches!(&report.outcome, SectionOutcome::Committed((m, true)) if m.id == id),
+                            matches!(&report.outcome, SectionOutcome::Committed(freshlock::GetOutcome::Created(m)) if m.id == id),
                             "{kind}: {report:?}"
                         );
                     } else {
                         let insert = nodes.get_or_insert(id, || node::ActiveModel::fresh(id));
-                        let (model, created) = tokio::time::timeout(hang, insert)
+                        let got = tokio::time::timeout(hang, insert)
                             .await
                             .expect("no insert hangs on a black-holed reply")
                             .unwrap_or_else(|e| panic!("{kind}: insert {id} failed: {e:?}"));
-                        assert!(created && model.id == id, "{kind}: {model:?} {created}");
+                        assert!(
+                            matches!(&got, freshlock::GetOutcome::Created(m) if m.id == id),
+                            "{kind}: {got:?}"
+                        );
                     }
                     let took = u32::try_from(started.elapsed().as_millis()).unwrap_or(u32::MAX);
                     slowest_ms.fetch_max(took, Ordering::SeqCst);

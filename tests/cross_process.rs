@@ -142,7 +142,7 @@ async fn worker(mode: String) {
             say("ready");
             wait_for_go().await;
             let title = format!("by process {}", std::process::id());
-            let (row, created) = session
+            let got = session
                 .repository::<node::Entity>()
                 .get_or_insert(7, || node::ActiveModel {
                     title: Set(title.clone()),
@@ -150,6 +150,7 @@ async fn worker(mode: String) {
                 })
                 .await
                 .unwrap();
+            let (created, row) = (got.is_created(), got.into_model());
             say(&format!("created={created};title={}", row.title));
         }
         "transfer" => {

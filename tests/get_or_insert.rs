@@ -69,15 +69,15 @@ async fn race_get_or_insert(db: &TestDb, sessions: Vec<Session>, id: i32) {
     for task in tasks {
         results.push(task.await.unwrap());
     }
-    let created = results.iter().filter(|(_, created)| *created).count();
+    let created = results.iter().filter(|got| got.is_created()).count();
     assert_eq!(created, 1, "exactly one creator");
     let stored = node::Entity::find_by_id(id)
         .one(&db.db)
         .await
         .unwrap()
         .unwrap();
-    for (row, _) in &results {
-        assert_eq!(**row, stored, "everyone gets the winner's row");
+    for got in &results {
+        assert_eq!(**got.model(), stored, "everyone gets the winner's row");
     }
 }
 
@@ -196,15 +196,17 @@ async fn an_initial_row_with_another_key_is_refused_and_nothing_is_written() {
     assert!(matches!(result, Err(Error::PrimaryKeyChanged { .. })));
     assert_eq!(node::Entity::find().count(&db).await.unwrap(), 0);
     // A key left NotSet is the key asked for.
-    let (row, created) = nodes
+    let got = nodes
         .get_or_insert(4, || node::ActiveModel {
             id: sea_orm::ActiveValue::NotSet,
             ..node::ActiveModel::fresh(0)
         })
         .await
         .unwrap();
-    assert!(created);
-    assert_eq!(row.id, 4);
+    assert!(
+        matches!(&got, freshlock::GetOutcome::Created(row) if row.id == 4),
+        "{got:?}"
+    );
 }
 
 servers::server_tests! {

@@ -50,7 +50,11 @@ async fn inspector_lists_and_clears_only_expired_leases(db: sea_orm::DatabaseCon
     std::mem::forget(stale); // the holder died: no release, not even the background one
     // Wait (database clock) until the short lease has run out.
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while inspect::held_locks(&db, true).await.unwrap().is_empty() {
+    while inspect::held_locks(&db, freshlock::inspect::Held::Expired)
+        .await
+        .unwrap()
+        .is_empty()
+    {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the 1 ms lease never expired"
@@ -58,20 +62,26 @@ async fn inspector_lists_and_clears_only_expired_leases(db: sea_orm::DatabaseCon
         tokio::time::sleep(Duration::from_millis(1)).await;
     }
 
-    let all = inspect::held_locks(&db, false).await.unwrap();
+    let all = inspect::held_locks(&db, freshlock::inspect::Held::All)
+        .await
+        .unwrap();
     assert_eq!(all.len(), 2);
     let live_row = all.iter().find(|l| l.name == "ham:1").unwrap();
     assert_eq!(live_row.label.as_deref(), Some("live worker"));
     assert_eq!(live_row.pid, Some(i64::from(std::process::id())));
     assert!(live_row.host.is_some() && !live_row.expired);
 
-    let expired = inspect::held_locks(&db, true).await.unwrap();
+    let expired = inspect::held_locks(&db, freshlock::inspect::Held::Expired)
+        .await
+        .unwrap();
     assert_eq!(
         expired.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
         ["ham:2"]
     );
     assert_eq!(inspect::release_stale(&db).await.unwrap(), 1);
-    let left = inspect::held_locks(&db, false).await.unwrap();
+    let left = inspect::held_locks(&db, freshlock::inspect::Held::All)
+        .await
+        .unwrap();
     assert_eq!(
         left.iter().map(|l| l.name.as_str()).collect::<Vec<_>>(),
         ["ham:1"],

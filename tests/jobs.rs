@@ -957,12 +957,16 @@ async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
 
     let hour = Duration::from_secs(3600);
     assert_eq!(
-        jobs::prune(&handle, hour, true).await.unwrap(),
+        jobs::prune(&handle, hour, jobs::Prune::FinishedAndFailed)
+            .await
+            .unwrap(),
         0,
         "all finished just now"
     );
     assert_eq!(
-        jobs::prune(&handle, Duration::ZERO, false).await.unwrap(),
+        jobs::prune(&handle, Duration::ZERO, jobs::Prune::Finished)
+            .await
+            .unwrap(),
         4
     );
     assert_eq!(count(jobs::JobState::Done).await, 0);
@@ -977,7 +981,12 @@ async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
         1,
         "the delayed job waits"
     );
-    assert_eq!(jobs::prune(&handle, Duration::ZERO, true).await.unwrap(), 1);
+    assert_eq!(
+        jobs::prune(&handle, Duration::ZERO, jobs::Prune::FinishedAndFailed)
+            .await
+            .unwrap(),
+        1
+    );
     assert_eq!(count(jobs::JobState::Failed).await, 0);
     assert_eq!(
         count(jobs::JobState::Waiting).await,
@@ -1043,7 +1052,7 @@ async fn a_prune_beside_a_running_job_holds_nothing_up(db: Option<TestDb>) {
     // `innodb_lock_wait_timeout` (50 s).
     let pruned = tokio::time::timeout(
         Duration::from_secs(20),
-        jobs::prune(&handle, Duration::ZERO, false),
+        jobs::prune(&handle, Duration::ZERO, jobs::Prune::Finished),
     )
     .await
     .expect("the prune does not wait for the running job")
@@ -1082,7 +1091,9 @@ async fn a_prune_deletes_batch_after_batch() {
     let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(100);
     assert_eq!(worker.run_until_idle().await.unwrap().len(), n);
     assert_eq!(
-        jobs::prune(&db, Duration::ZERO, false).await.unwrap(),
+        jobs::prune(&db, Duration::ZERO, jobs::Prune::Finished)
+            .await
+            .unwrap(),
         n as u64
     );
     assert!(

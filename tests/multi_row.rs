@@ -25,8 +25,8 @@ use std::{
 
 use entity::{account, ham, ham_lock, node, purchase_order, stock};
 use freshlock::{
-    ApplyError, Error, ForUpdate, LocalLock, SaveOutcome, SectionOutcome, Session, UpdateOutcome,
-    lock_name,
+    ApplyError, Error, ForUpdate, GetOutcome, LocalLock, SaveOutcome, SectionOutcome, Session,
+    UpdateOutcome, lock_name,
 };
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, EntityTrait, IntoActiveModel, QueryFilter,
@@ -311,14 +311,14 @@ async fn sections_on_a_one_connection_test_database() {
                     updated_at: Set(0),
                 })
                 .await?;
-                let (two, created) = hams
+                let got = hams
                     .get_or_insert(2, || ham::ActiveModel {
                         name: Set("two".into()),
                         updated_at: Set(0),
                         ..Default::default()
                     })
                     .await?;
-                assert!(created && two.name == "two");
+                assert!(matches!(&got, GetOutcome::Created(two) if two.name == "two"));
                 Ok(())
             })
         }),

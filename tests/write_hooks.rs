@@ -240,7 +240,7 @@ async fn hooks_and_stored_rows(db: DatabaseConnection, base: i32) {
     assert_eq!(stored(&db, id).await.unwrap().saves, 4);
 
     // get_or_insert / update_or_insert create through the hooks too.
-    let (created, was_created) = products
+    let got = products
         .get_or_insert(id + 1, || product::ActiveModel {
             name: Set("chair".into()),
             price: Set(Decimal::new(5, 0)),
@@ -249,7 +249,8 @@ async fn hooks_and_stored_rows(db: DatabaseConnection, base: i32) {
         })
         .await
         .unwrap();
-    assert!(was_created);
+    assert!(got.is_created());
+    let created = got.into_model();
     assert_eq!(*created, stored(&db, id + 1).await.unwrap());
     assert_eq!(created.saves, 1);
 

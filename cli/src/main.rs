@@ -335,7 +335,12 @@ async fn run(cli: Cli, url_from_env: bool) -> Result<(), Box<dyn std::error::Err
     let db = connect(&url).await?;
     match cli.command {
         Command::Locks { expired } => {
-            let locks = inspect::held_locks(&db, expired).await?;
+            let which = if expired {
+                inspect::Held::Expired
+            } else {
+                inspect::Held::All
+            };
+            let locks = inspect::held_locks(&db, which).await?;
             if cli.json {
                 let locks = Locks {
                     locks: locks.iter().map(LockRow::from).collect(),
@@ -481,7 +486,12 @@ async fn jobs(
             println!("job {id}: discarded");
         }
         Some(JobsAction::Prune { older_than, failed }) => {
-            let pruned = jobs::prune(db, older_than, failed).await?;
+            let which = if failed {
+                jobs::Prune::FinishedAndFailed
+            } else {
+                jobs::Prune::Finished
+            };
+            let pruned = jobs::prune(db, older_than, which).await?;
             if json {
                 println!("{}", serde_json::json!({ "pruned": pruned }));
             } else {

@@ -86,7 +86,7 @@ async fn lists_and_clears(url: &str) {
         .unwrap();
     std::mem::forget(stale);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
-    while freshlock::inspect::held_locks(&db, true)
+    while freshlock::inspect::held_locks(&db, freshlock::inspect::Held::Expired)
         .await
         .unwrap()
         .is_empty()

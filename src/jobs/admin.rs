@@ -366,10 +366,19 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
 /// own, so a large prune never holds many row locks, nor one transaction open for long.
 const PRUNE_BATCH: u32 = 1_000;
 
+/// Which finished jobs [`prune`] deletes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Prune {
+    /// Done and discarded jobs; failed ones keep their error for [`list`] and can be
+    /// [`retry`]-ed.
+    Finished,
+    /// Done, discarded and failed jobs.
+    FinishedAndFailed,
+}
+
 /// Deletes the jobs that finished `older_than` ago or earlier (database clock; `Duration::ZERO`:
-/// every finished job): done and discarded ones, and failed ones too with `failed` (until then a
-/// failed job keeps its error for [`list`] and can be [`retry`]-ed). Returns how many it
-/// deleted.
+/// every finished job), as `which` says. Returns how many it deleted.
 ///
 /// Finished jobs stay in the table until pruned (README, *Keyed jobs*). Waiting and leased jobs
 /// are never touched, and neither a key's order nor a unique key depends on finished jobs, so a
@@ -380,7 +389,7 @@ const PRUNE_BATCH: u32 = 1_000;
 ///
 /// # Errors
 /// [`crate::Error::Database`] when a statement fails.
-pub async fn prune(db: impl Into<Db>, older_than: Duration, failed: bool) -> Result<u64> {
+pub async fn prune(db: impl Into<Db>, older_than: Duration, which: Prune) -> Result<u64> {
     let fail = |e| database("pruning finished jobs of", &JOB_TABLE, e);
     let db = db.into();
     let pool = db.pool();
@@ -388,7 +397,7 @@ pub async fn prune(db: impl Into<Db>, older_than: Duration, failed: bool) -> Res
     let backend = db.get_database_backend();
     let now = now_ms(backend);
     let mut states = vec![Stored::Done, Stored::Discarded];
-    if failed {
+    if which == Prune::FinishedAndFailed {
         states.push(Stored::Failed);
     }
     let states = states

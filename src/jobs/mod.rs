@@ -87,7 +87,7 @@ use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
 pub use admin::{
-    Depth, JobInfo, JobState, Retried, depth, discard, list, prune, record_depth, retry,
+    Depth, JobInfo, JobState, Prune, Retried, depth, discard, list, prune, record_depth, retry,
 };
 pub use job::{Job, JobFailure, JobOutcome, JobRun};
 pub use kinds::Jobs;
