@@ -3,7 +3,7 @@
 use super::MAX_STORED_NAME;
 use sea_orm::DbErr;
 use sea_orm_migration::{
-    MigrationName, MigrationTrait, SchemaManager,
+    SchemaManager,
     prelude::{DeriveIden, Table},
     schema::{big_integer, big_integer_null, string_len, string_len_null},
     sea_query::TableCreateStatement,
@@ -41,32 +41,26 @@ pub(super) fn claim_table() -> TableCreateStatement {
         .to_owned()
 }
 
-/// The name of the migration that creates the claims table.
-pub const CLAIM_MIGRATION_NAME: &str = "m20261130_000200_create_freshlock_claim";
-
-/// The migration that creates `freshlock_claim` (claims with a lease).
-pub struct ClaimMigration;
-
-impl MigrationName for ClaimMigration {
-    fn name(&self) -> &str {
-        CLAIM_MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that creates the claims table.
+    const CLAIM_MIGRATION_NAME = "m20261130_000200_create_freshlock_claim";
+    /// The migration that creates `freshlock_claim` (claims with a lease).
+    struct ClaimMigration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for ClaimMigration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager.create_table(claim_table()).await
-    }
+/// `ClaimMigration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager.create_table(claim_table()).await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .drop_table(
-                Table::drop()
-                    .table(FreshlockClaim::Table)
-                    .if_exists()
-                    .to_owned(),
-            )
-            .await
-    }
+/// `ClaimMigration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager
+        .drop_table(
+            Table::drop()
+                .table(FreshlockClaim::Table)
+                .if_exists()
+                .to_owned(),
+        )
+        .await
 }

@@ -3,7 +3,7 @@
 use super::{CLAIM_TABLE, COMMIT_TABLE, LOCK_TABLE, MAX_STORED_NAME, ROW_LOCK_TABLE};
 use sea_orm::{ConnectionTrait, DbErr};
 use sea_orm_migration::{
-    MigrationName, MigrationTrait, SchemaManager,
+    SchemaManager,
     prelude::{DeriveIden, Table},
     schema::{big_integer, string_len},
     sea_query::TableCreateStatement,
@@ -25,41 +25,35 @@ pub(super) fn commit_table() -> TableCreateStatement {
         .to_owned()
 }
 
-/// The name of the migration that adds commit markers and byte-exact names.
-pub const COMMIT_MIGRATION_NAME: &str = "m20261130_000300_freshlock_commit_and_exact_names";
-
-/// The migration that creates `freshlock_commit` (the markers that resolve a commit whose reply
-/// was lost) and, on MySQL/MariaDB, makes every name and token column of freshlock's tables
-/// compare byte for byte: their default collation there ignores case, accents and trailing
-/// spaces, so `job:A`, `job:a`, `job:é` and `job:e  ` would be one claim, one lease, one fence.
-/// Existing tables are converted in place (a binary comparison never merges rows).
-pub struct CommitMigration;
-
-impl MigrationName for CommitMigration {
-    fn name(&self) -> &str {
-        COMMIT_MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that adds commit markers and byte-exact names.
+    const COMMIT_MIGRATION_NAME = "m20261130_000300_freshlock_commit_and_exact_names";
+    /// The migration that creates `freshlock_commit` (the markers that resolve a commit whose reply
+    /// was lost) and, on MySQL/MariaDB, makes every name and token column of freshlock's tables
+    /// compare byte for byte: their default collation there ignores case, accents and trailing
+    /// spaces, so `job:A`, `job:a`, `job:é` and `job:e  ` would be one claim, one lease, one fence.
+    /// Existing tables are converted in place (a binary comparison never merges rows).
+    struct CommitMigration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for CommitMigration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager.create_table(commit_table()).await?;
-        exact_names(manager.get_connection()).await
-    }
+/// `CommitMigration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager.create_table(commit_table()).await?;
+    exact_names(manager.get_connection()).await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        // The names stay byte-exact: going back to a collation that merges names could fail on
-        // rows that are distinct only byte for byte.
-        manager
-            .drop_table(
-                Table::drop()
-                    .table(FreshlockCommit::Table)
-                    .if_exists()
-                    .to_owned(),
-            )
-            .await
-    }
+/// `CommitMigration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    // The names stay byte-exact: going back to a collation that merges names could fail on
+    // rows that are distinct only byte for byte.
+    manager
+        .drop_table(
+            Table::drop()
+                .table(FreshlockCommit::Table)
+                .if_exists()
+                .to_owned(),
+        )
+        .await
 }
 
 /// On MySQL/MariaDB, a binary NO PAD collation for every name and token column: MariaDB's

@@ -2,34 +2,28 @@
 
 use super::{FLOOR_NAME, LOCK_TABLE, insert_ignore};
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::{MigrationName, MigrationTrait, SchemaManager};
+use sea_orm_migration::SchemaManager;
 
-/// The name of the migration that adds the fence floor.
-pub const FLOOR_MIGRATION_NAME: &str = "m20261130_000400_freshlock_lock_floor";
-
-/// The migration that adds the fence-floor row to `freshlock_lock` (see the module docs), so
-/// that lock rows nobody needs can be deleted without a name's fences ever going back. Without
-/// it the floor is taken as 0 (and created by the first [`crate::inspect::compact`]); on
-/// MySQL/MariaDB a present floor row also keeps new names' first grants from gap-locking.
-pub struct FloorMigration;
-
-impl MigrationName for FloorMigration {
-    fn name(&self) -> &str {
-        FLOOR_MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that adds the fence floor.
+    const FLOOR_MIGRATION_NAME = "m20261130_000400_freshlock_lock_floor";
+    /// The migration that adds the fence-floor row to `freshlock_lock` (see the module docs), so
+    /// that lock rows nobody needs can be deleted without a name's fences ever going back. Without
+    /// it the floor is taken as 0 (and created by the first [`crate::inspect::compact`]); on
+    /// MySQL/MariaDB a present floor row also keeps new names' first grants from gap-locking.
+    struct FloorMigration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for FloorMigration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        insert_floor(manager.get_connection()).await
-    }
+/// `FloorMigration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    insert_floor(manager.get_connection()).await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        // The floor stays: removing it could let a deleted name's fences start over.
-        let _ = manager;
-        Ok(())
-    }
+/// `FloorMigration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    // The floor stays: removing it could let a deleted name's fences start over.
+    let _ = manager;
+    Ok(())
 }
 
 /// Inserts the fence-floor row at 0 unless it is there.

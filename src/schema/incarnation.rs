@@ -2,43 +2,37 @@
 
 use super::INCARNATION_TABLE;
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::{MigrationName, MigrationTrait, SchemaManager};
+use sea_orm_migration::SchemaManager;
 
-/// The name of the migration that adds PostgreSQL's server-incarnation table.
-pub const INCARNATION_MIGRATION_NAME: &str = "m20261201_000500_freshlock_incarnation";
-
-/// On PostgreSQL, the migration that creates `freshlock_incarnation`: an `UNLOGGED` table that
-/// holds one row, the token of the server's current incarnation (written by the first locked
-/// write that finds it empty). PostgreSQL empties unlogged tables in crash recovery (and a
-/// promoted standby starts with them empty), which are exactly the events after which a
-/// transaction id can be handed out a second time. A write whose transaction saw token `t` and
-/// got id `x` is therefore resolved by `txid_status(x)` only while `t` is still the row's token;
-/// afterwards its outcome is unknown, never guessed. With this table a PostgreSQL write needs
-/// no marker row (see `freshlock::commit` in the crate's source); without it, writes keep
-/// writing markers. Nothing on MySQL/MariaDB and SQLite.
-pub struct IncarnationMigration;
-
-impl MigrationName for IncarnationMigration {
-    fn name(&self) -> &str {
-        INCARNATION_MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that adds PostgreSQL's server-incarnation table.
+    const INCARNATION_MIGRATION_NAME = "m20261201_000500_freshlock_incarnation";
+    /// On PostgreSQL, the migration that creates `freshlock_incarnation`: an `UNLOGGED` table that
+    /// holds one row, the token of the server's current incarnation (written by the first locked
+    /// write that finds it empty). PostgreSQL empties unlogged tables in crash recovery (and a
+    /// promoted standby starts with them empty), which are exactly the events after which a
+    /// transaction id can be handed out a second time. A write whose transaction saw token `t` and
+    /// got id `x` is therefore resolved by `txid_status(x)` only while `t` is still the row's token;
+    /// afterwards its outcome is unknown, never guessed. With this table a PostgreSQL write needs
+    /// no marker row (see `freshlock::commit` in the crate's source); without it, writes keep
+    /// writing markers. Nothing on MySQL/MariaDB and SQLite.
+    struct IncarnationMigration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for IncarnationMigration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        create_incarnation_table(manager.get_connection()).await
-    }
+/// `IncarnationMigration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    create_incarnation_table(manager.get_connection()).await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let db = manager.get_connection();
-        if db.get_database_backend() != sea_orm::DbBackend::Postgres {
-            return Ok(());
-        }
-        db.execute_unprepared(&format!("DROP TABLE IF EXISTS {INCARNATION_TABLE}"))
-            .await
-            .map(drop)
+/// `IncarnationMigration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let db = manager.get_connection();
+    if db.get_database_backend() != sea_orm::DbBackend::Postgres {
+        return Ok(());
     }
+    db.execute_unprepared(&format!("DROP TABLE IF EXISTS {INCARNATION_TABLE}"))
+        .await
+        .map(drop)
 }
 
 /// `CREATE UNLOGGED TABLE IF NOT EXISTS freshlock_incarnation` on PostgreSQL; nothing elsewhere.

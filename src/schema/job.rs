@@ -1,41 +1,35 @@
 //! `freshlock_job`: the keyed job queue ([`crate::jobs`]).
 
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::{MigrationName, MigrationTrait, SchemaManager};
+use sea_orm_migration::SchemaManager;
 
 use super::JOB_TABLE;
 use super::statements::create_index;
 
-/// The name of the migration that adds the job table.
-pub const JOB_MIGRATION_NAME: &str = "m20261202_000600_freshlock_job";
-
-/// The migration that creates `freshlock_job`, the table of [`crate::jobs`]: one row per job
-/// (kind, payload, serialization key, unique key, priority, run-at time on the database clock,
-/// attempts, last error, state). Kinds and keys are bytes: PostgreSQL's text cannot hold NUL,
-/// and MySQL's default collations merge case and trailing spaces. A key's index holds its
-/// SHA-256, so a 10 kB key indexes like a short one; the unique key's hash is set only while
-/// its job waits, so a finished job never blocks a new one.
-pub struct JobMigration;
-
-impl MigrationName for JobMigration {
-    fn name(&self) -> &str {
-        JOB_MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that adds the job table.
+    const JOB_MIGRATION_NAME = "m20261202_000600_freshlock_job";
+    /// The migration that creates `freshlock_job`, the table of [`crate::jobs`]: one row per job
+    /// (kind, payload, serialization key, unique key, priority, run-at time on the database clock,
+    /// attempts, last error, state). Kinds and keys are bytes: PostgreSQL's text cannot hold NUL,
+    /// and MySQL's default collations merge case and trailing spaces. A key's index holds its
+    /// SHA-256, so a 10 kB key indexes like a short one; the unique key's hash is set only while
+    /// its job waits, so a finished job never blocks a new one.
+    struct JobMigration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for JobMigration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        create_job_table(manager.get_connection()).await
-    }
+/// `JobMigration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    create_job_table(manager.get_connection()).await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .get_connection()
-            .execute_unprepared(&format!("DROP TABLE IF EXISTS {JOB_TABLE}"))
-            .await
-            .map(drop)
-    }
+/// `JobMigration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager
+        .get_connection()
+        .execute_unprepared(&format!("DROP TABLE IF EXISTS {JOB_TABLE}"))
+        .await
+        .map(drop)
 }
 
 /// `CREATE TABLE IF NOT EXISTS freshlock_job` and its indexes, per dialect.

@@ -3,7 +3,7 @@
 use super::MAX_STORED_NAME;
 use sea_orm::DbErr;
 use sea_orm_migration::{
-    MigrationName, MigrationTrait, SchemaManager,
+    SchemaManager,
     prelude::{DeriveIden, Table},
     schema::{big_integer, big_integer_null, string_len, string_len_null},
     sea_query::TableCreateStatement,
@@ -51,42 +51,36 @@ pub(super) fn row_lock_table() -> TableCreateStatement {
         .to_owned()
 }
 
-/// The name of the migration that creates them, as it appears in `seaql_migrations`.
-pub const MIGRATION_NAME: &str = "m20261130_000100_create_freshlock_tables";
-
-/// The migration that creates the lease and lock-row tables. Add [`migrations`](super::migrations) to your
-/// `Migrator`'s list (it has this one, [`ClaimMigration`](super::ClaimMigration) and [`CommitMigration`](super::CommitMigration)).
-pub struct Migration;
-
-impl MigrationName for Migration {
-    fn name(&self) -> &str {
-        MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that creates them, as it appears in `seaql_migrations`.
+    const MIGRATION_NAME = "m20261130_000100_create_freshlock_tables";
+    /// The migration that creates the lease and lock-row tables. Add [`migrations`](super::migrations) to your
+    /// `Migrator`'s list (it has this one, [`ClaimMigration`](super::ClaimMigration) and [`CommitMigration`](super::CommitMigration)).
+    struct Migration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for Migration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager.create_table(lock_table()).await?;
-        manager.create_table(row_lock_table()).await
-    }
+/// `Migration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager.create_table(lock_table()).await?;
+    manager.create_table(row_lock_table()).await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        manager
-            .drop_table(
-                Table::drop()
-                    .table(FreshlockRowLock::Table)
-                    .if_exists()
-                    .to_owned(),
-            )
-            .await?;
-        manager
-            .drop_table(
-                Table::drop()
-                    .table(FreshlockLock::Table)
-                    .if_exists()
-                    .to_owned(),
-            )
-            .await
-    }
+/// `Migration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    manager
+        .drop_table(
+            Table::drop()
+                .table(FreshlockRowLock::Table)
+                .if_exists()
+                .to_owned(),
+        )
+        .await?;
+    manager
+        .drop_table(
+            Table::drop()
+                .table(FreshlockLock::Table)
+                .if_exists()
+                .to_owned(),
+        )
+        .await
 }

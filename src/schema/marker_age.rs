@@ -1,44 +1,38 @@
 //! The age index of `freshlock_commit`, for the writers' sweep of old markers.
 
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::{MigrationName, MigrationTrait, SchemaManager};
+use sea_orm_migration::SchemaManager;
 
 use super::COMMIT_TABLE;
 use super::statements::create_index;
 
-/// The name of the migration that indexes the commit markers by age.
-pub const MARKER_AGE_MIGRATION_NAME: &str = "m20261202_000700_freshlock_commit_age";
-
 /// The index of `freshlock_commit` by `created_at` ([`MarkerAgeMigration`]).
 pub(super) const MARKER_AGE_INDEX: &str = "freshlock_commit_age";
 
-/// The migration that indexes `freshlock_commit` by `created_at`, so that the writers' sweep of
-/// old markers (every 1,024 markers of a process) reads only the markers it deletes. Without
-/// it the sweep scans every marker of the last ten minutes: on MySQL/MariaDB it then also waits
-/// for each write whose marker is not committed yet (one whose `COMMIT` reply is lost in a
-/// silent partition: until the server drops its connection), and the writer that runs the
-/// sweep waits with it.
-pub struct MarkerAgeMigration;
-
-impl MigrationName for MarkerAgeMigration {
-    fn name(&self) -> &str {
-        MARKER_AGE_MIGRATION_NAME
-    }
+super::migration! {
+    /// The name of the migration that indexes the commit markers by age.
+    const MARKER_AGE_MIGRATION_NAME = "m20261202_000700_freshlock_commit_age";
+    /// The migration that indexes `freshlock_commit` by `created_at`, so that the writers' sweep of
+    /// old markers (every 1,024 markers of a process) reads only the markers it deletes. Without
+    /// it the sweep scans every marker of the last ten minutes: on MySQL/MariaDB it then also waits
+    /// for each write whose marker is not committed yet (one whose `COMMIT` reply is lost in a
+    /// silent partition: until the server drops its connection), and the writer that runs the
+    /// sweep waits with it.
+    struct MarkerAgeMigration { up: up, down: down }
 }
 
-#[async_trait::async_trait]
-impl MigrationTrait for MarkerAgeMigration {
-    async fn up(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let db = manager.get_connection();
-        create_index(db, COMMIT_TABLE, MARKER_AGE_INDEX, "created_at").await
-    }
+/// `MarkerAgeMigration`'s step up.
+async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let db = manager.get_connection();
+    create_index(db, COMMIT_TABLE, MARKER_AGE_INDEX, "created_at").await
+}
 
-    async fn down(&self, manager: &SchemaManager) -> Result<(), DbErr> {
-        let db = manager.get_connection();
-        let sql = match db.get_database_backend() {
-            sea_orm::DbBackend::MySql => format!("DROP INDEX {MARKER_AGE_INDEX} ON {COMMIT_TABLE}"),
-            _ => format!("DROP INDEX IF EXISTS {MARKER_AGE_INDEX}"),
-        };
-        db.execute_unprepared(&sql).await.map(drop)
-    }
+/// `MarkerAgeMigration`'s step down.
+async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
+    let db = manager.get_connection();
+    let sql = match db.get_database_backend() {
+        sea_orm::DbBackend::MySql => format!("DROP INDEX {MARKER_AGE_INDEX} ON {COMMIT_TABLE}"),
+        _ => format!("DROP INDEX IF EXISTS {MARKER_AGE_INDEX}"),
+    };
+    db.execute_unprepared(&sql).await.map(drop)
 }

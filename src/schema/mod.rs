@@ -24,6 +24,46 @@
 //!
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
+/// Declares one of freshlock's migrations: its name constant, its unit struct and the two
+/// sea-orm-migration impls around the `up` and `down` functions of its own file — so a
+/// migration's file holds its tables and steps, and the impls are written once, here.
+macro_rules! migration {
+    (
+        $(#[$name_doc:meta])* const $name:ident = $value:literal;
+        $(#[$doc:meta])* struct $ty:ident { up: $up:ident, down: $down:ident }
+    ) => {
+        $(#[$name_doc])*
+        pub const $name: &str = $value;
+
+        $(#[$doc])*
+        pub struct $ty;
+
+        impl sea_orm_migration::MigrationName for $ty {
+            fn name(&self) -> &str {
+                $name
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl sea_orm_migration::MigrationTrait for $ty {
+            async fn up(
+                &self,
+                manager: &sea_orm_migration::SchemaManager,
+            ) -> Result<(), sea_orm::DbErr> {
+                $up(manager).await
+            }
+
+            async fn down(
+                &self,
+                manager: &sea_orm_migration::SchemaManager,
+            ) -> Result<(), sea_orm::DbErr> {
+                $down(manager).await
+            }
+        }
+    };
+}
+use migration;
+
 mod claim;
 mod commit;
 mod floor;
