@@ -71,20 +71,21 @@ where
         conflicts = field::Empty,
         outcome = field::Empty,
     );
-    let exclusion = crate::write::locking::exclusion(session.lock_backend().as_ref());
-    let room = exclusion
-        .filter(|_| combinable && session.combine_commits())
-        .map(|exclusion| {
-            RoomKey::new(
-                TypeId::of::<E>(),
-                session.db().rooms(),
-                exclusion,
-                &row.lock,
-                &row.name,
-                session.version_column(TypeId::of::<E>()),
-                session.commit_markers(),
-            )
-        });
+    let combining = combinable && session.combine_commits();
+    let exclusion = combining
+        .then(|| crate::write::locking::exclusion(session.lock_backend().as_ref()))
+        .flatten();
+    let room = exclusion.map(|exclusion| {
+        RoomKey::new(
+            TypeId::of::<E>(),
+            session.db().rooms(),
+            exclusion,
+            &row.lock,
+            &row.name,
+            session.version_column(TypeId::of::<E>()),
+            session.commit_markers(),
+        )
+    });
     let driver = Driver::<E> {
         // A write that only updates an existing row tries a `pg_advisory` or `row` lock in its
         // reload (one round trip less); one that may find no row would only pay for a second
