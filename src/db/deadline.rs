@@ -12,7 +12,7 @@
 //! may send several.
 //! Before a `COMMIT` that is transient (the section runs again on another connection); for a
 //! `COMMIT` it leaves the outcome in doubt, and the commit marker resolves it on another
-//! connection (see `commit.rs`), as after a cut. The section then ends and releases its lock, so
+//! connection (see `commit/`), as after a cut. The section then ends and releases its lock, so
 //! the key serves calls again within the bound.
 //!
 //! A `BEGIN` is never cut by a deadline: it ends in a task of its own (`detach.rs`), since a

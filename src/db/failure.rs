@@ -19,7 +19,7 @@ pub(crate) enum Failure {
     /// crash shutdown), MySQL / MariaDB 1053 (server shutdown), 1927 (connection killed), 2006 /
     /// 2013 (server gone, lost during a query). Before a `COMMIT` that is transient; while a
     /// `COMMIT` (or an autocommit write) is in flight it leaves the outcome unknown (see
-    /// `commit.rs`).
+    /// `commit/`).
     ConnectionLost,
     /// No connection could be had: the pool timed out, PostgreSQL 57P03 (cannot connect now),
     /// MySQL / MariaDB 1040 (too many connections). Nothing was sent.

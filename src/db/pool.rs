@@ -38,7 +38,7 @@ struct Inner {
     incarnation_table: OnceLock<bool>,
     /// The server incarnation's token as last seen in `freshlock_incarnation`, and when.
     incarnation: Mutex<Option<(Arc<str>, Instant)>>,
-    /// Commit markers written on this pool (see `commit.rs`'s sweep).
+    /// Commit markers written on this pool (see `commit/marker.rs`'s sweep).
     markers: AtomicU64,
 }
 
@@ -237,7 +237,7 @@ pub fn mysql_read_committed(options: &mut sea_orm::ConnectOptions) -> &mut sea_o
 /// [`Pool::incarnation`]).
 pub(crate) const INCARNATION_FRESH: Duration = Duration::from_secs(1);
 
-/// What a PostgreSQL write on a pool knows of the server's incarnation (see `commit.rs`).
+/// What a PostgreSQL write on a pool knows of the server's incarnation (see `commit/`).
 #[derive(Debug)]
 pub(crate) enum Incarnation {
     /// Not PostgreSQL, no `freshlock_incarnation` table, or not a sqlx pool: commit markers.

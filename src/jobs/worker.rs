@@ -143,7 +143,7 @@ impl Worker {
         }
         if runs.is_empty() && due(&self.swept) {
             // A job queued behind one that finished before its enqueue committed is made
-            // ready here (see `store::QUEUED`); a failure is only logged, the next sweep
+            // ready here (see `state::Stored::Queued`); a failure is only logged, the next sweep
             // tries again.
             let db = self.cx.session.pool();
             match within(self.cx.reply(), store::sweep(db)).await {

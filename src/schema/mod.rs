@@ -16,7 +16,7 @@
 //! - `freshlock_incarnation` — PostgreSQL only, an `UNLOGGED` table of one row: the token of the
 //!   server's current incarnation. Crash recovery empties unlogged tables, so the row's token
 //!   changes exactly when transaction ids may have been handed out twice; with it, a write's
-//!   transaction id is evidence of its commit ([`IncarnationMigration`], `commit.rs`).
+//!   transaction id is evidence of its commit ([`IncarnationMigration`], `commit/`).
 //!
 //! - `freshlock_job` — the keyed job queue ([`crate::jobs`], [`JobMigration`]): kinds, keys and
 //!   unique keys are stored as bytes (with a SHA-256 of each key for its index), so they compare

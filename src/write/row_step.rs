@@ -1,6 +1,6 @@
 //! One row's locked write as a step of the engine (`engine.rs`): evict, reload under the lock,
 //! hand the row to the caller, and write what it decided — update (serving the seated waiters of
-//! a combined batch), insert or delete, with the hooks and the version guard of `write.rs`. The
+//! a combined batch), insert or delete, with the hooks and the version guard of `row_sql/`. The
 //! fence check, the commit with its evidence, the cache effects and the retries are the
 //! engine's: this file only says what the attempt wrote.
 
@@ -154,7 +154,7 @@ where
             Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
         };
         // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
-        // statement where the database allows (see `commit.rs`).
+        // statement where the database allows (see `commit/`).
         let sending = write::Sending {
             db: self.session.pool(),
             markers,

@@ -1,4 +1,4 @@
-//! The job table's statements, per dialect (the table itself: `schema.rs`).
+//! The job table's statements, per dialect (the table itself: `schema/job.rs`).
 
 mod finish;
 mod insert;

@@ -2,7 +2,7 @@
 //! the guarded UPDATE that returns the row as the database stores it, and sea-orm's hooks.
 //!
 //! This module sits below the repository, the locked driver and sections: it knows entities,
-//! SQL and the commit's evidence (`commit.rs`), nothing of sessions, caches or locks.
+//! SQL and the commit's evidence (`commit/`), nothing of sessions, caches or locks.
 
 mod columns;
 mod delete;

@@ -89,7 +89,7 @@ pub(crate) struct Sending<'a> {
 
 /// The guarded UPDATE of a locked write (as [`update_returning`]), with the evidence of its
 /// commit when `sending.markers` asks for it, taken in the fewest round trips the database
-/// allows (see `commit.rs`): on PostgreSQL the UPDATE returns its transaction id (and the server
+/// allows (see `commit/`): on PostgreSQL the UPDATE returns its transaction id (and the server
 /// incarnation's token when the pool has not seen it lately), or writes a marker in its own
 /// statement without `freshlock_incarnation`; on MySQL/MariaDB a marker's INSERT goes with the
 /// UPDATE as one message where their values can be written into its text
@@ -296,7 +296,7 @@ pub(super) async fn send_marked<C: ConnectionTrait>(
     }
 }
 
-/// What [`update_returning_stamped`] carries besides the row (see `commit.rs`).
+/// What [`update_returning_stamped`] carries besides the row (see `commit/`).
 pub(crate) enum Stamp<'a> {
     /// An INSERT, the write's commit marker, run by the same statement as a data-modifying
     /// CTE: `WITH freshlock_marker AS (INSERT …) UPDATE … RETURNING …`. The CTE runs whether
