@@ -8,7 +8,8 @@ use std::sync::Arc;
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use entity::node;
-use freshlock::{LocalLock, Session};
+use freshlock::Session;
+use freshlock::lock::LocalLock;
 use sea_orm::{DatabaseConnection, EntityTrait};
 
 fn runtime() -> tokio::runtime::Runtime {

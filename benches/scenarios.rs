@@ -16,10 +16,9 @@ use std::{
 
 use async_trait::async_trait;
 use entity::node;
-use freshlock::{
-    LeaseLock, LocalLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy,
-    LockRole, OnLockFailure, Session,
-};
+use freshlock::lock::backend::{LeaseLock, LockGuard, LockRole};
+use freshlock::lock::{LocalLock, LockName};
+use freshlock::{LockBackend, LockError, LockKind, LockPolicy, OnLockFailure, Session};
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait};
 
 // ---------------------------------------------------------------- counting allocator
@@ -252,7 +251,7 @@ impl LockGuard for TimedGuard {
     // Its own fencing, not the inner guard's: only `verify` is passed on, so the lease is never
     // freed by the write's commit (`verify_and_release_in` keeps its default) and every release
     // goes through `release` below.
-    fn fencing(&self) -> Option<&dyn freshlock::Fencing> {
+    fn fencing(&self) -> Option<&dyn freshlock::lock::backend::Fencing> {
         Some(self)
     }
 
@@ -270,7 +269,7 @@ impl LockGuard for TimedGuard {
 }
 
 #[async_trait]
-impl freshlock::Fencing for TimedGuard {
+impl freshlock::lock::backend::Fencing for TimedGuard {
     fn fence(&self) -> u64 {
         let inner = self.inner.as_ref().and_then(|g| g.fencing());
         inner.map_or(0, |f| f.fence())
@@ -1126,7 +1125,7 @@ async fn evidence_cost(url: &str) {
     println!("| `locked_update` (local), commit markers off | {unmarked:.0} | |");
 }
 
-/// A MySQL/MariaDB pool at READ COMMITTED (`freshlock::mysql_read_committed`, no `SET
+/// A MySQL/MariaDB pool at READ COMMITTED (`freshlock::db::mysql_read_committed`, no `SET
 /// TRANSACTION` before each `BEGIN`) against one at the server's default: `locked_update`
 /// (local) and sea-orm's four statements by hand (which send no `SET TRANSACTION` on either: the
 /// control), in interleaved rounds of 3 s with the order swapped each round; medians.
@@ -1302,7 +1301,7 @@ async fn committed_pool(url: &str) -> DatabaseConnection {
         .idle_timeout(None)
         .max_lifetime(None)
         .sqlx_logging(false);
-    freshlock::mysql_read_committed(&mut options);
+    freshlock::db::mysql_read_committed(&mut options);
     sea_orm::Database::connect(options).await.expect("connect")
 }
 
@@ -1375,7 +1374,7 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
         LockKind::Table,
     ];
     // The same writes on a pool whose connections default to READ COMMITTED
-    // (`freshlock::mysql_read_committed`): no `SET TRANSACTION` before each `BEGIN`.
+    // (`freshlock::db::mysql_read_committed`): no `SET TRANSACTION` before each `BEGIN`.
     let committed = committed_pool(url).await;
     let committed_kinds = [LockKind::Local, LockKind::Row, LockKind::MySqlNamed];
     let mut on_committed = vec![Vec::new(); committed_kinds.len()];

@@ -7,7 +7,8 @@
 use std::{sync::Arc, time::Duration};
 
 use entity::node;
-use freshlock::{LocalLock, Session};
+use freshlock::Session;
+use freshlock::lock::LocalLock;
 use migration::{Migrator, MigratorTrait};
 use sea_orm::{
     ActiveModelTrait, ConnectOptions, Database, DatabaseConnection, EntityTrait, IntoActiveModel,

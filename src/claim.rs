@@ -23,12 +23,14 @@
 
 use std::{future::Future, pin::Pin, time::Duration};
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, IsolationLevel};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
 
 use crate::{
-    commit::{commit_write, rollback, rollback_after},
+    commit::commit_write,
     db::{
-        deadline::{Bounded, DEFAULT_REPLY, within},
+        autocommit::read_committed,
+        deadline::{Bounded, DEFAULT_REPLY},
+        own::{Own, rollback, rollback_after},
         pool::Pool,
     },
     error::{ApplyError, Error, Result, work_error},
@@ -171,21 +173,23 @@ impl Claims {
         let name = key.bounded(MAX_STORED_NAME, false).into_owned();
         let token = holder::new_token();
         let fail = |e| database("claiming", &name, e);
-        let mut tries = 0;
-        let (txn, taken) = loop {
-            tries += 1;
-            let txn = self.begin().await.map_err(fail)?;
-            match self.take(&self.bounded(&txn), &name, &token, lease).await {
-                Ok(taken) => break (txn, taken),
-                // Two claimants of one new key can still deadlock on InnoDB; nothing was
-                // written, so the claim is simply tried again.
-                Err(e) if tries < 5 && e.is_deadlock() => rollback(txn, self.reply).await,
-                Err(e) => {
-                    rollback_after(txn, self.reply, e.is_no_reply()).await;
-                    return Err(e);
-                }
-            }
-        };
+        // A deadlock of two claimants of one new key (InnoDB) is run again by `Own::open`.
+        let (txn, taken) = (self.own())
+            .open(|txn| {
+                let (name, token, label) = (name.clone(), token.clone(), self.label.clone());
+                Box::pin(async move {
+                    let holder = Holder {
+                        token: &token,
+                        ttl: lease,
+                        label: label.as_deref(),
+                        durable: true,
+                    };
+                    let grant = CLAIMS.grant(txn, &name, &holder, false).await?;
+                    Ok(grant.map(|g| g.fence))
+                })
+            })
+            .await
+            .map_err(fail)?;
         if let Some(fence) = taken {
             commit_write(txn, self.markers, &self.db, &name, self.reply).await?;
             return Ok(ClaimOutcome::Claimed(Claim {
@@ -225,52 +229,21 @@ impl Claims {
         Ok(())
     }
 
-    /// A claim's transaction, each of its round trips bounded by the reply timeout (see
-    /// `deadline.rs`): a statement whose reply does not come fails as a lost connection
-    /// (transient: nothing was committed) instead of waiting on a silent partition.
+    /// A claim's transaction of its own (`db::own`: `BEGIN` on a live connection and never cut
+    /// in half, each round trip bounded by the reply timeout, a deadlock run again): READ
+    /// COMMITTED on MySQL/MariaDB, where REPEATABLE READ would gap-lock a missing key on the
+    /// first statement and deadlock two claimants inserting it.
+    fn own(&self) -> Own<'_> {
+        let own = Own::new(&self.db, self.reply);
+        match self.db.get_database_backend() {
+            DbBackend::MySql => own.with(read_committed()),
+            _ => own,
+        }
+    }
+
+    /// A claim's transaction, each of its round trips bounded by the reply timeout.
     fn bounded<'t>(&self, txn: &'t DatabaseTransaction) -> Bounded<'t, DatabaseTransaction> {
         Bounded::new(txn, self.reply)
-    }
-
-    /// A claim's transaction: READ COMMITTED on MySQL/MariaDB, where REPEATABLE READ would
-    /// gap-lock a missing key on the first statement and deadlock two claimants inserting it.
-    /// Never cut in half (a caller dropped while `BEGIN` is in flight must not leave a pooled
-    /// connection inside a transaction), and tried on another connection when the pool hands out
-    /// one that died while idle (see `live::begin`). Waits at most the reply timeout, as a
-    /// locked write's `BEGIN` does: past it the `BEGIN` ends in a task of its own (`detach.rs`)
-    /// and the call fails as a lost connection.
-    async fn begin(&self) -> std::result::Result<DatabaseTransaction, sea_orm::DbErr> {
-        let options = match self.db.get_database_backend() {
-            DbBackend::MySql => sea_orm::TransactionOptions {
-                isolation_level: Some(IsolationLevel::ReadCommitted),
-                ..sea_orm::TransactionOptions::default()
-            },
-            _ => sea_orm::TransactionOptions::default(),
-        };
-        within(self.reply, crate::db::live::begin(&self.db, options)).await
-    }
-
-    /// Takes the claim row for `token` in `txn`, unless done or live: the new fence, or `None`.
-    /// One statement on PostgreSQL and SQLite; on MySQL two or three (a deadlock there is
-    /// returned: the caller rolls back and tries again).
-    async fn take(
-        &self,
-        txn: &impl ConnectionTrait,
-        name: &str,
-        token: &str,
-        lease: Duration,
-    ) -> Result<Option<i64>> {
-        let holder = Holder {
-            token,
-            ttl: lease,
-            label: self.label.as_deref(),
-            durable: true,
-        };
-        let grant = CLAIMS
-            .grant(txn, name, &holder, false)
-            .await
-            .map_err(|e| database("claiming", name, e))?;
-        Ok(grant.map(|g| g.fence))
     }
 
     /// Marks the claimed work done, only while the claim is still this worker's.
@@ -288,17 +261,13 @@ impl Claims {
     /// Begins a finish's transaction and marks `claim` done in it (rolled back on failure).
     async fn mark_done(&self, claim: &Claim) -> Result<(DatabaseTransaction, FinishOutcome)> {
         self.check()?;
-        let txn = self
-            .begin()
+        (self.own())
+            .open(|txn| {
+                let claim = claim.clone();
+                Box::pin(async move { mark_done(txn, &claim).await })
+            })
             .await
-            .map_err(|e| database("finishing", &claim.name, e))?;
-        match mark_done(&self.bounded(&txn), claim).await {
-            Ok(outcome) => Ok((txn, outcome)),
-            Err(e) => {
-                rollback_after(txn, self.reply, e.is_no_reply()).await;
-                Err(e)
-            }
-        }
+            .map_err(|e| database("finishing", &claim.name, e))
     }
 
     /// Commits a finish that marked the claim done (with a marker), or rolls back one that
@@ -357,7 +326,10 @@ impl Claims {
     }
 }
 
-async fn mark_done(txn: &impl ConnectionTrait, claim: &Claim) -> Result<FinishOutcome> {
+async fn mark_done(
+    txn: &impl ConnectionTrait,
+    claim: &Claim,
+) -> std::result::Result<FinishOutcome, sea_orm::DbErr> {
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let sql = format!(
@@ -369,10 +341,7 @@ async fn mark_done(txn: &impl ConnectionTrait, claim: &Claim) -> Result<FinishOu
         claim.token.clone().into(),
         i64::try_from(claim.fence).unwrap_or(i64::MAX).into(),
     ];
-    let done = txn
-        .execute_raw(statement(backend, &sql, values))
-        .await
-        .map_err(|e| database("finishing", &claim.name, e))?;
+    let done = txn.execute_raw(statement(backend, &sql, values)).await?;
     Ok(if done.rows_affected() == 1 {
         FinishOutcome::Finished
     } else {

@@ -40,7 +40,7 @@ pub enum Error {
         #[source]
         source: BoxError,
     },
-    /// The work given to [`crate::Claims::finish_with`] returned an error: the claim was not
+    /// The work given to [`crate::claim::Claims::finish_with`] returned an error: the claim was not
     /// finished and nothing the work wrote was committed (the claim is still held, as before).
     #[error("finish of claim {claim} aborted by its work")]
     FinishAborted {
@@ -150,7 +150,7 @@ pub enum Error {
         lease: Duration,
     },
     /// A [`crate::LockPolicy`] that cannot work (zero tries, zero TTL, a zero reply timeout), or
-    /// [`crate::Claims`] with a zero reply timeout.
+    /// [`crate::claim::Claims`] with a zero reply timeout.
     #[error("invalid lock policy: {reason}")]
     InvalidPolicy {
         /// Why the policy was rejected.
@@ -216,13 +216,6 @@ impl Error {
             Self::Lock { source, .. } => source.is_no_reply(),
             _ => false,
         }
-    }
-
-    /// Whether the database broke a deadlock by failing this statement.
-    pub(crate) fn is_deadlock(&self) -> bool {
-        matches!(self, Self::Database { source, .. } if source
-            .downcast_ref::<sea_orm::DbErr>()
-            .is_some_and(|e| crate::db::failure::classify(e) == crate::db::failure::Failure::Deadlock))
     }
 }
 

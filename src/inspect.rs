@@ -7,11 +7,11 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, DbErr, TransactionTrait, Value};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, Value};
 
 use crate::{
     database::Db,
-    db::pool::Pool,
+    db::{begin, deadline::DEFAULT_REPLY, own::Own, pool::Pool},
     error::{Result, database},
     lock::sql::{for_update, for_update_skip_locked, millis, now_ms, statement},
     schema::{FLOOR_NAME, LOCK_TABLE, ROW_LOCK_TABLE, insert_floor},
@@ -180,8 +180,16 @@ pub async fn compact(db: impl Into<Db>, idle: Duration) -> Result<Compacted> {
 
 /// One batch of `freshlock_lock`: how many rows were deleted, and the floor after.
 async fn compact_leases(db: &Pool, idle: Duration) -> std::result::Result<(usize, i64), DbErr> {
-    let backend = db.get_database_backend();
-    let txn = crate::db::begin::begin(db).await?;
+    let own = Own::new(db, DEFAULT_REPLY).with(begin::options(db).await);
+    own.run(|txn| Box::pin(compact_leases_in(txn, idle))).await
+}
+
+/// [`compact_leases`] in `txn`.
+async fn compact_leases_in(
+    txn: &impl ConnectionTrait,
+    idle: Duration,
+) -> std::result::Result<(usize, i64), DbErr> {
+    let backend = txn.get_database_backend();
     if backend == DbBackend::Postgres {
         // Writers of the table wait until this batch commits, and take their statement's
         // snapshot after: a first grant then reads the raised floor. Bounded, so a long wait
@@ -193,7 +201,7 @@ async fn compact_leases(db: &Pool, idle: Duration) -> std::result::Result<(usize
         ))
         .await?;
     }
-    insert_floor(&txn).await?;
+    insert_floor(txn).await?;
     let lock = for_update(backend);
     let read_floor = format!("SELECT fence FROM {LOCK_TABLE} WHERE name = ?{lock}");
     let floor: i64 = txn
@@ -239,14 +247,18 @@ async fn compact_leases(db: &Pool, idle: Duration) -> std::result::Result<(usize
         ))
         .await?;
     }
-    txn.commit().await?;
     Ok((names.len(), top))
 }
 
 /// One batch of `freshlock_row_lock`: how many rows were deleted.
-async fn compact_row_locks(db: &DatabaseConnection) -> std::result::Result<usize, DbErr> {
-    let backend = db.get_database_backend();
-    let txn = db.begin().await?;
+async fn compact_row_locks(db: &Pool) -> std::result::Result<usize, DbErr> {
+    let own = Own::new(db, DEFAULT_REPLY);
+    own.run(|txn| Box::pin(compact_row_locks_in(txn))).await
+}
+
+/// [`compact_row_locks`] in `txn`.
+async fn compact_row_locks_in(txn: &impl ConnectionTrait) -> std::result::Result<usize, DbErr> {
+    let backend = txn.get_database_backend();
     let skip = for_update_skip_locked(backend);
     let select = format!("SELECT name FROM {ROW_LOCK_TABLE} ORDER BY name LIMIT {BATCH}{skip}");
     let rows = txn
@@ -262,6 +274,5 @@ async fn compact_row_locks(db: &DatabaseConnection) -> std::result::Result<usize
         txn.execute_raw(statement(backend, &delete, names.clone()))
             .await?;
     }
-    txn.commit().await?;
     Ok(names.len())
 }

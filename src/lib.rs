@@ -42,6 +42,17 @@
 //!   alone (`autocommit.rs`), MySQL literal inlining (`inline.rs`).
 //! - **`schema/`** — freshlock's tables, one migration per file; **`testing/`** — test support
 //!   for users (feature `testing`).
+//! - **`db/own.rs`** — a short transaction of freshlock's own outside the engine (a claim, a
+//!   fence bump, the inspector's compaction, job admin, upkeep behind a pooler): the one place
+//!   where such a transaction begins, bounds each round trip, runs again after a deadlock and
+//!   ends; the bounded rollback lives there too.
+//!
+//! The crate root holds what an application names every day ([`Db`], [`Session`],
+//! [`Repository`], [`LockPolicy`], [`LockKind`], the outcomes and errors). What fewer users need
+//! sits in public modules: [`claim`] (claims with a lease), [`lock`] (freshlock's backends by
+//! value, [`lock::LockName`]) and [`lock::backend`] (what a backend author implements), [`db`]
+//! ([`db::Bounded`]), [`jobs`], [`inspect`], [`schema`], [`metrics`]. The old root names of
+//! moved types stay one release as deprecated aliases.
 
 // docs.rs: every item gated on a feature shows the feature it needs.
 #![cfg_attr(docsrs, feature(doc_cfg))]
@@ -56,17 +67,18 @@ compile_error!(
     "freshlock needs a database backend: enable a feature among `sqlite`, `postgres`, `mysql`"
 );
 
-mod claim;
+pub mod claim;
 mod commit;
 mod database;
-mod db;
+pub mod db;
 mod error;
 mod identity_map;
 pub mod inspect;
 pub mod jobs;
-mod lock;
+pub mod lock;
 mod many;
 pub mod metrics;
+mod moved;
 mod outcome;
 mod repository;
 pub mod schema;
@@ -80,23 +92,16 @@ mod tx_repository;
 mod unlocked;
 mod write;
 
-pub use claim::{Claim, ClaimOutcome, Claims, FinishOutcome};
 pub use database::Db;
-pub use db::deadline::Bounded;
-#[cfg(feature = "mysql")]
-pub use db::pool::mysql_read_committed;
-
-pub use error::{ApplyError, BoxError, Error, LockError, ReleaseError, Result};
+pub use error::{ApplyError, BoxError, Error, LockError, Result};
 pub use identity_map::CacheStats;
-#[cfg(feature = "mysql")]
-pub use lock::MySqlNamedLock;
-#[cfg(feature = "redis")]
-pub use lock::RedisLock;
 pub use lock::{
-    Fencing, LeaseCheck, LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName,
-    LockPolicy, LockRole, LockScope, OnLockFailure, PgAdvisoryLock, Renewal, RowLock, TableLock,
-    TransactionLock,
+    kind::LockKind,
+    policy::{LockPolicy, OnLockFailure},
+    traits::LockBackend,
 };
+#[allow(deprecated)]
+pub use moved::*;
 pub use outcome::{
     DeleteOutcome, DeleteReport, GetOutcome, LockReport, ManyReport, Report, SaveOutcome,
     UpdateOutcome, UpdateReport,

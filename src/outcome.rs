@@ -103,7 +103,7 @@ pub struct LockReport {
     /// How long the section waited for the lock.
     pub waited: Duration,
     /// The fence token of the grant, for backends that issue one (`mysql_named` issues one per
-    /// checked transaction: the write's, see [`crate::Fencing::fence`]).
+    /// checked transaction: the write's, see [`crate::lock::backend::Fencing::fence`]).
     pub fence: Option<u64>,
     /// Set when releasing the lock failed *after* the transaction ended: the outcome stands (a
     /// committed update stays committed), and the lease runs out by its TTL.

@@ -10,8 +10,9 @@ use crate::{
     commit,
     db::autocommit::autocommit,
     db::{
-        begin::begin_detached,
-        deadline::{Bounded, within},
+        begin,
+        deadline::Bounded,
+        own::{Own, rollback_after},
     },
     error::{ApplyError, Error, Result, database},
     outcome::{SaveOutcome, UpdateOutcome, UpdateReport},
@@ -102,21 +103,19 @@ where
             // MySQL: no UPDATE … RETURNING, and the read back must see this UPDATE's row, not a
             // later one. Behind a transaction pooler: the UPDATE and a conflict's check read
             // must not run outside a transaction (see `transaction_pooler.rs`).
-            let txn = within(reply, begin_detached(db))
-                .await
-                .map_err(|e| database("saving", &row, e))?;
+            let own = Own::new(db, reply).with(begin::options(db).await);
+            let txn = (own.begin().await).map_err(|e| database("saving", &row, e))?;
             let bounded = Bounded::new(&txn, reply);
             let saved = save_on::<E, _>(&bounded, &row, snapshot, model, version, false).await;
             let silent = bounded.went_silent();
             match saved {
                 Ok(saved) => {
-                    within(reply, txn.commit())
-                        .await
+                    (own.commit(txn).await)
                         .map_err(|e| commit::write_error("committing", row.name.as_str(), e))?;
                     Ok(saved)
                 }
                 Err(error) => {
-                    commit::rollback_after(txn, reply, silent).await;
+                    rollback_after(txn, reply, silent).await;
                     Err(error)
                 }
             }

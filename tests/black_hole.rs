@@ -14,6 +14,9 @@
 //! INSERT runs in a savepoint) give up after the bound and run again, and every row is as
 //! acknowledged. So do a claim's and a finish's statements, and those of `finish_with`'s work.
 //!
+//! An operator's `jobs::discard` whose `UPDATE` is black-holed gives up after freshlock's
+//! default bound (10 s) instead of waiting for TCP, and made again discards the job once.
+//!
 //! A guarded `save` whose `UPDATE` is black-holed gives up after the bound too: in doubt on
 //! PostgreSQL (its UPDATE is its own commit: `CommitUnknown`), transient on MySQL/MariaDB (its
 //! transaction never committed), and the row holds what was acknowledged.
@@ -33,10 +36,11 @@ use std::{
 };
 
 use entity::node;
+use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
+use freshlock::lock::LockName;
 use freshlock::{
-    ClaimOutcome, Claims, DeleteOutcome, Error, FinishOutcome, LockBackend, LockKind, LockName,
-    LockPolicy, OnLockFailure, Repository, SectionOutcome, Session, UpdateReport, lock_name,
-    section_work,
+    DeleteOutcome, Error, LockBackend, LockKind, LockPolicy, OnLockFailure, Repository,
+    SectionOutcome, Session, UpdateReport, lock_name, section_work,
 };
 use proxy::{CutAfter, Proxy, idle_transactions_end};
 use sea_orm::DatabaseConnection;
@@ -344,7 +348,7 @@ async fn black_holed_saves(db: Option<TestDb>, _kind: LockKind) {
     let proxied = sea_orm::Database::connect(idle_transactions_end(uncached(options)))
         .await
         .unwrap();
-    let backend: Arc<dyn LockBackend> = Arc::new(freshlock::LocalLock::new());
+    let backend: Arc<dyn LockBackend> = Arc::new(freshlock::lock::LocalLock::new());
     let session = session(&proxied, &backend, policy(REPLY));
     let nodes = session.repository::<node::Entity>();
     let bump = |n: &node::Model| {
@@ -695,6 +699,43 @@ async fn black_holed_releases(db: Option<TestDb>, _kind: LockKind) {
     black_holed_lock_connection(db, CutAfter::ReleaseLock).await;
 }
 
+/// `jobs::discard` whose `UPDATE`'s reply never comes: the call fails within freshlock's
+/// default reply bound (10 s) as transient instead of hanging, the server ends the abandoned
+/// transaction, and the call made again discards the job: discarded once.
+async fn black_holed_job_admin(db: Option<TestDb>, _kind: LockKind) {
+    let Some(db) = db else { return };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::JobUpdate).await;
+    let (options, _) = through(&proxy, &db);
+    let proxied = sea_orm::Database::connect(idle_transactions_end(uncached(options)))
+        .await
+        .unwrap();
+    let job = freshlock::jobs::NewJob::new("admin", &()).unwrap();
+    let freshlock::jobs::Enqueued::Added(id) = freshlock::jobs::enqueue(&db.db, job).await.unwrap()
+    else {
+        panic!("the job is added");
+    };
+    proxy.black_hole(true);
+    proxy.cut_once();
+    let hang = Duration::from_secs(25);
+    let lost = tokio::time::timeout(hang, freshlock::jobs::discard(&proxied, id))
+        .await
+        .expect("a discard does not hang on a black-holed reply");
+    assert!(
+        matches!(&lost, Err(e) if e.is_transient()),
+        "a discard without reply is transient: {lost:?}"
+    );
+    let again = tokio::time::timeout(hang, freshlock::jobs::discard(&proxied, id))
+        .await
+        .expect("the discard made again does not hang")
+        .unwrap();
+    assert!(again, "the discard made again discards the job");
+    assert_eq!(proxy.cuts(), 1);
+    let row = db
+        .query_one("SELECT COUNT(*) AS n FROM freshlock_job WHERE state = 4")
+        .await;
+    assert_eq!(row.try_get::<i64>("", "n").unwrap(), 1, "discarded once");
+}
+
 servers::server_tests! {
     black_hole_local_postgres: black_holed_commits, LockKind::Local, postgres;
     black_hole_row_postgres: black_holed_commits, LockKind::Row, postgres;
@@ -725,6 +766,8 @@ servers::server_tests! {
     black_hole_release_mysql_named_mysql: black_holed_releases, LockKind::MySqlNamed, mysql;
     black_hole_save_postgres: black_holed_saves, LockKind::Local, postgres;
     black_hole_save_mysql: black_holed_saves, LockKind::Local, mysql;
+    black_hole_job_admin_postgres: black_holed_job_admin, LockKind::Local, postgres;
+    black_hole_job_admin_mysql: black_holed_job_admin, LockKind::Local, mysql;
 }
 
 #[cfg(feature = "redis")]

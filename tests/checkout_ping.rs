@@ -25,10 +25,9 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use entity::node;
-use freshlock::{
-    ClaimOutcome, Claims, FinishOutcome, LocalLock, LockBackend, LockKind, LockName, LockPolicy,
-    OnLockFailure, Session, lock_name,
-};
+use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
+use freshlock::lock::{LocalLock, LockName};
+use freshlock::{LockBackend, LockKind, LockPolicy, OnLockFailure, Session, lock_name};
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, EntityTrait, Set,
 };

@@ -7,7 +7,8 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use common::memory_db;
-use freshlock::{ClaimOutcome, Claims, FinishOutcome, LockName};
+use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
+use freshlock::lock::LockName;
 use sea_orm::ConnectionTrait;
 
 fn key(s: &str) -> LockName {
@@ -31,7 +32,7 @@ async fn claim_rows(db: &sea_orm::DatabaseConnection) -> (i64, Option<String>) {
 }
 
 /// `claims`' claim of the new key `name`.
-async fn claimed(claims: &Claims, name: &str) -> freshlock::Claim {
+async fn claimed(claims: &Claims, name: &str) -> freshlock::claim::Claim {
     match claims.claim(&key(name), Duration::from_secs(60)).await {
         Ok(ClaimOutcome::Claimed(claim)) => claim,
         other => panic!("{name} is claimed: {other:?}"),

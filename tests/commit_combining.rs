@@ -36,9 +36,9 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use entity::account;
+use freshlock::lock::{LocalLock, LockName};
 use freshlock::{
-    ApplyError, Db, Error, LocalLock, LockBackend, LockKind, LockName, SectionOutcome, Session,
-    UpdateOutcome, lock_name,
+    ApplyError, Db, Error, LockBackend, LockKind, SectionOutcome, Session, UpdateOutcome, lock_name,
 };
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set, Statement};
 use servers::{TestDb, databases};
@@ -495,7 +495,7 @@ async fn writers_each_in(db: &DatabaseConnection, session: impl Fn(usize) -> Ses
 /// Sessions of one `Db`, writer `i` given `backends[i % backends.len()]` in an `Arc` of its own.
 async fn backend_per_session(
     db: &DatabaseConnection,
-    backends: &[freshlock::TableLock],
+    backends: &[freshlock::lock::TableLock],
 ) -> Vec<u32> {
     let shared = Db::new(db.clone());
     writers_each_in(db, |i| {
@@ -511,7 +511,7 @@ async fn backend_per_session(
 /// One backend, cloned into an `Arc` per session: one queue, so one commit of 16.
 async fn a_backend_clone_each(db: Option<TestDb>, _: ()) {
     let Some(test) = db else { return };
-    let table = freshlock::TableLock::new(test.db.clone());
+    let table = freshlock::lock::TableLock::new(test.db.clone());
     let batches = backend_per_session(&test.db, &[table]).await;
     assert!(
         batches.iter().all(|batch| *batch == WRITERS as u32),
@@ -523,8 +523,8 @@ async fn a_backend_clone_each(db: Option<TestDb>, _: ()) {
 async fn two_backends(db: Option<TestDb>, _: ()) {
     let Some(test) = db else { return };
     let (a, b) = (
-        freshlock::TableLock::new(test.db.clone()),
-        freshlock::TableLock::new(test.db.clone()),
+        freshlock::lock::TableLock::new(test.db.clone()),
+        freshlock::lock::TableLock::new(test.db.clone()),
     );
     let batches = backend_per_session(&test.db, &[a, b]).await;
     assert!(

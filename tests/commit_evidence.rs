@@ -23,7 +23,9 @@ use std::{
     time::Duration,
 };
 
-use freshlock::{ClaimOutcome, Claims, Error, FinishOutcome, LockName, Session, UpdateOutcome};
+use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
+use freshlock::lock::LockName;
+use freshlock::{Error, Session, UpdateOutcome};
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Set, Statement};
 use servers::{TestDb, databases};

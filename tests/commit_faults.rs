@@ -315,7 +315,7 @@ async fn lost_claim_commit_replies(db: Option<TestDb>, markers: bool) {
     let start = Arc::new(Barrier::new(CLAIM_WORKERS as usize));
     let workers: Vec<_> = (0..CLAIM_WORKERS)
         .map(|w| {
-            let claims = freshlock::Claims::new(&proxied)
+            let claims = freshlock::claim::Claims::new(&proxied)
                 .commit_markers(markers)
                 .with_label(format!("worker {w}"));
             let (finished, unknown, start) = (
@@ -333,11 +333,11 @@ async fn lost_claim_commit_replies(db: Option<TestDb>, markers: bool) {
                 let deadline = tokio::time::Instant::now() + within;
                 while !open.is_empty() && tokio::time::Instant::now() < deadline {
                     let job = open[0];
-                    let key = freshlock::LockName::new(format!("job:{job}")).unwrap();
+                    let key = freshlock::lock::LockName::new(format!("job:{job}")).unwrap();
                     match claims.claim(&key, Duration::from_secs(60)).await {
-                        Ok(freshlock::ClaimOutcome::Claimed(claim)) => loop {
+                        Ok(freshlock::claim::ClaimOutcome::Claimed(claim)) => loop {
                             match claims.finish(&claim).await {
-                                Ok(freshlock::FinishOutcome::Finished) => {
+                                Ok(freshlock::claim::FinishOutcome::Finished) => {
                                     finished.fetch_add(1, Ordering::SeqCst);
                                     open.remove(0);
                                     break;
@@ -352,7 +352,7 @@ async fn lost_claim_commit_replies(db: Option<TestDb>, markers: bool) {
                                 Err(e) => panic!("job {job}: {e}"),
                             }
                         },
-                        Ok(freshlock::ClaimOutcome::Done) => {
+                        Ok(freshlock::claim::ClaimOutcome::Done) => {
                             open.remove(0);
                         }
                         // Claimed by a live claim: look at it again after the others.

@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use common::{memory_db, seed_nodes, session};
 use entity::node;
-use freshlock::LocalLock;
+use freshlock::lock::LocalLock;
 use sea_orm::{EntityTrait, Set};
 use tokio::sync::Barrier;
 use workload::drupal;

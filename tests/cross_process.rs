@@ -19,9 +19,10 @@ use std::{
 
 use async_trait::async_trait;
 use entity::node;
+use freshlock::lock::LockName;
+use freshlock::lock::backend::{LeaseLock, LockGuard, LockRole};
 use freshlock::{
-    LeaseLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy, LockRole,
-    OnLockFailure, Session, UpdateOutcome,
+    LockBackend, LockError, LockKind, LockPolicy, OnLockFailure, Session, UpdateOutcome,
 };
 use sea_orm::{ConnectionTrait, Set};
 use servers::TestDb;
@@ -119,9 +120,10 @@ async fn worker(mode: String) {
             say(&format!("outcome={outcome}"));
         }
         "claim_hold" | "claim_pause" => {
-            let claims = freshlock::Claims::new(db).with_label("worker");
+            let claims = freshlock::claim::Claims::new(db).with_label("worker");
             let task = LockName::new(env("FRESHLOCK_WORKER_TASK")).unwrap();
-            let freshlock::ClaimOutcome::Claimed(claim) = claims.claim(&task, ttl).await.unwrap()
+            let freshlock::claim::ClaimOutcome::Claimed(claim) =
+                claims.claim(&task, ttl).await.unwrap()
             else {
                 panic!("the task was free");
             };
@@ -530,7 +532,7 @@ async fn stopped_holder_is_fenced(db: Option<TestDb>, lock: LockKind) {
 /// finishes the task. A worker stopped past its lease and resumed: its late finish is refused.
 async fn dead_and_late_claimants(db: Option<TestDb>, _lock: LockKind) {
     let Some(db) = db else { return };
-    let claims = freshlock::Claims::new(db.db.clone());
+    let claims = freshlock::claim::Claims::new(db.db.clone());
     let lease = Duration::from_millis(500);
     let claim_again = |task: LockName| {
         let claims = claims.clone();
@@ -538,8 +540,8 @@ async fn dead_and_late_claimants(db: Option<TestDb>, _lock: LockKind) {
             let deadline = tokio::time::Instant::now() + lease + Duration::from_secs(1);
             loop {
                 match claims.claim(&task, Duration::from_secs(60)).await.unwrap() {
-                    freshlock::ClaimOutcome::Claimed(claim) => break claim,
-                    freshlock::ClaimOutcome::Busy => {
+                    freshlock::claim::ClaimOutcome::Claimed(claim) => break claim,
+                    freshlock::claim::ClaimOutcome::Busy => {
                         assert!(
                             tokio::time::Instant::now() < deadline,
                             "not claimable within lease + 1 s"
@@ -561,7 +563,7 @@ async fn dead_and_late_claimants(db: Option<TestDb>, _lock: LockKind) {
     let retry = claim_again(LockName::new("spam-task:1").unwrap()).await;
     assert_eq!(
         claims.finish(&retry).await.unwrap(),
-        freshlock::FinishOutcome::Finished
+        freshlock::claim::FinishOutcome::Finished
     );
 
     // Stopped past the lease, resumed after another worker took over and finished.
@@ -572,7 +574,7 @@ async fn dead_and_late_claimants(db: Option<TestDb>, _lock: LockKind) {
     let retry = claim_again(LockName::new("spam-task:2").unwrap()).await;
     assert_eq!(
         claims.finish(&retry).await.unwrap(),
-        freshlock::FinishOutcome::Finished
+        freshlock::claim::FinishOutcome::Finished
     );
     worker.signal("-CONT");
     writeln!(worker.child.stdin.as_mut().unwrap(), "go").unwrap();

@@ -4,7 +4,8 @@ mod common;
 
 use common::{count, memory_db_recorded, node_in_db, seed_nodes, session};
 use entity::node;
-use freshlock::{LocalLock, SaveOutcome, UpdateOutcome};
+use freshlock::lock::LocalLock;
+use freshlock::{SaveOutcome, UpdateOutcome};
 use sea_orm::{EntityTrait, IntoActiveModel, Set};
 
 #[tokio::test]

@@ -7,7 +7,10 @@ mod servers;
 
 use std::time::Duration;
 
-use freshlock::{ClaimOutcome, Claims, LeaseLock, LockKind, LockName, TableLock};
+use freshlock::LockKind;
+use freshlock::claim::{ClaimOutcome, Claims};
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LockName, TableLock};
 use sea_orm::TransactionTrait;
 use servers::{TestDb, databases};
 

@@ -15,9 +15,11 @@ use std::{
 
 use async_trait::async_trait;
 use entity::node;
+use freshlock::lock::LockName;
+use freshlock::lock::backend::{Fencing, LeaseLock, LockGuard, LockRole};
 use freshlock::{
-    Error, Fencing, LeaseLock, LockBackend, LockError, LockGuard, LockKind, LockName, LockPolicy,
-    LockRole, OnLockFailure, Session, lock_name, testing::TestDatabase,
+    Error, LockBackend, LockError, LockKind, LockPolicy, OnLockFailure, Session, lock_name,
+    testing::TestDatabase,
 };
 use migration::Migrator;
 use sea_orm::{DatabaseTransaction, EntityTrait, Set};

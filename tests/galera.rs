@@ -49,10 +49,9 @@ use std::{
 };
 
 use entity::{account, node};
-use freshlock::{
-    ClaimOutcome, Claims, Error, FinishOutcome, LocalLock, LockBackend, LockError, LockKind,
-    LockPolicy, OnLockFailure, Session,
-};
+use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
+use freshlock::lock::LocalLock;
+use freshlock::{Error, LockBackend, LockError, LockKind, LockPolicy, OnLockFailure, Session};
 use migration::{Migrator, MigratorTrait};
 use sea_orm::{
     ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend, EntityTrait, Set,
@@ -513,7 +512,7 @@ async fn writers_on_every_node_lose_nothing() {
             let (claims, finished) = (Claims::new(db.clone()), Arc::clone(&finished));
             tasks.push(tokio::spawn(async move {
                 for job in 0..40 {
-                    let key = freshlock::LockName::new(format!("job:{job}")).expect("name");
+                    let key = freshlock::lock::LockName::new(format!("job:{job}")).expect("name");
                     loop {
                         match claims.claim(&key, Duration::from_secs(60)).await {
                             Ok(ClaimOutcome::Claimed(claim)) => match claims.finish(&claim).await {

@@ -21,7 +21,8 @@ use std::{
 };
 
 use entity::node;
-use freshlock::{LockBackend, Session, TableLock, UpdateOutcome};
+use freshlock::lock::TableLock;
+use freshlock::{LockBackend, Session, UpdateOutcome};
 use migration::{Migrator, MigratorTrait};
 use private_pg::PrivatePostgres;
 use sea_orm::{EntityTrait, Set};

@@ -15,7 +15,8 @@ mod servers;
 use std::sync::Arc;
 
 use entity::node;
-use freshlock::{Error, LocalLock, Session};
+use freshlock::lock::LocalLock;
+use freshlock::{Error, Session};
 use sea_orm::{DbBackend, EntityTrait, Set};
 use servers::{TestDb, databases};
 
@@ -132,7 +133,8 @@ servers::server_tests! {
 async fn hostile_lock_names_mysql_named() {
     use std::time::Duration;
 
-    use freshlock::{LeaseLock, LockName, MySqlNamedLock};
+    use freshlock::lock::backend::LeaseLock;
+    use freshlock::lock::{LockName, MySqlNamedLock};
     use sea_orm::{ConnectionTrait, Statement, TransactionTrait};
 
     let Some(test) = servers::mysql("hostile_lock_names").await else {
@@ -461,7 +463,8 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
 async fn hostile_keys_check_their_lease_in_the_write_mysql() {
     use std::sync::atomic::{AtomicU32, Ordering};
 
-    use freshlock::{TableLock, UpdateOutcome};
+    use freshlock::UpdateOutcome;
+    use freshlock::lock::TableLock;
     use sea_orm::{
         ActiveModelTrait, ActiveValue::Set, ConnectionTrait, Statement, prelude::Decimal,
     };

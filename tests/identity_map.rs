@@ -4,7 +4,8 @@ mod common;
 
 use common::{memory_db_recorded, seed_nodes, session};
 use entity::node;
-use freshlock::{LocalLock, Session};
+use freshlock::Session;
+use freshlock::lock::LocalLock;
 use sea_orm::{EntityTrait, Set};
 
 #[tokio::test]

@@ -8,7 +8,9 @@ mod servers;
 use std::time::Duration;
 
 use common::memory_db;
-use freshlock::{LeaseLock, LockName, TableLock, inspect};
+use freshlock::inspect;
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LockName, TableLock};
 use servers::databases;
 
 fn key(s: &str) -> LockName {

@@ -97,7 +97,7 @@ on_databases! {
 async fn a_section_enqueues_in_its_own_transaction_and_handlers_run_inline_on_memory_sqlite() {
     let (_test, db) = memory_with_node().await;
     let session = Session::new(db.clone());
-    let lock = freshlock::LockName::new("ham:1").unwrap();
+    let lock = freshlock::lock::LockName::new("ham:1").unwrap();
     // A section that fails after enqueuing: the job goes with its transaction.
     let failed: freshlock::Result<freshlock::SectionReport<()>> = session
         .with_lock(&lock, |tx| {

@@ -16,10 +16,10 @@ use std::{
 };
 
 use async_trait::async_trait;
-use freshlock::{
-    Claims, LeaseLock, LockBackend, LockError, LockGuard, LockName, LockPolicy, LockRole,
-    OnLockFailure, Session, TableLock,
-};
+use freshlock::claim::Claims;
+use freshlock::lock::backend::{LeaseLock, LockGuard, LockRole};
+use freshlock::lock::{LockName, TableLock};
+use freshlock::{LockBackend, LockError, LockPolicy, OnLockFailure, Session};
 use sea_orm::ConnectionTrait;
 use servers::{TestDb, databases};
 use tokio::time::Instant;
@@ -82,7 +82,7 @@ impl LockGuard for Inside {
     // Its own fencing, not the inner guard's: only `verify` is passed on, so the lease is never
     // freed by the write's commit (`verify_and_release_in` keeps its default) and every release
     // goes through `release` below.
-    fn fencing(&self) -> Option<&dyn freshlock::Fencing> {
+    fn fencing(&self) -> Option<&dyn freshlock::lock::backend::Fencing> {
         Some(self)
     }
 
@@ -94,7 +94,7 @@ impl LockGuard for Inside {
 }
 
 #[async_trait]
-impl freshlock::Fencing for Inside {
+impl freshlock::lock::backend::Fencing for Inside {
     fn fence(&self) -> u64 {
         let inner = self.inner.as_ref().and_then(|g| g.fencing());
         inner.map_or(0, |f| f.fence())

@@ -9,7 +9,9 @@ use common::{
     FakeLock, memory_db, node_in_db, seed_nodes, session_trying_twice as session_with, set_score,
 };
 use entity::node;
-use freshlock::{LeaseLock, LockError, LockName, OnLockFailure, TableLock, UpdateOutcome};
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LockName, TableLock};
+use freshlock::{LockError, OnLockFailure, UpdateOutcome};
 use sea_orm::{ConnectionTrait, Statement};
 
 #[tokio::test]

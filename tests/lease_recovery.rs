@@ -11,7 +11,9 @@ mod servers;
 
 use std::time::Duration;
 
-use freshlock::{LeaseLock, LockKind, LockName, TableLock};
+use freshlock::LockKind;
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LockName, TableLock};
 use proxy::{CutAfter, Proxy};
 use servers::{TestDb, databases};
 

@@ -14,7 +14,9 @@ use std::{
     time::Duration,
 };
 
-use freshlock::{LockBackend, LockGuard, LockKind, LockName, LockScope};
+use freshlock::lock::LockName;
+use freshlock::lock::backend::{LockGuard, LockScope};
+use freshlock::{LockBackend, LockKind};
 use sea_orm::{
     DatabaseConnection, DatabaseTransaction, DbBackend, SqliteTransactionMode, TransactionOptions,
     TransactionTrait,
@@ -319,7 +321,7 @@ servers::server_tests! {
 struct Named {
     db: TestDb,
     name: LockName,
-    lock: freshlock::MySqlNamedLock,
+    lock: freshlock::lock::MySqlNamedLock,
 }
 
 #[cfg(feature = "mysql")]
@@ -329,12 +331,12 @@ impl Named {
         let database = db.url.rsplit('/').next().unwrap_or_default().to_owned();
         let name = LockName::new(format!("{database}/{tag}")).unwrap();
         let locks = servers::connect(&db.url, None, 3).await;
-        let lock = freshlock::MySqlNamedLock::new(locks).unwrap();
+        let lock = freshlock::lock::MySqlNamedLock::new(locks).unwrap();
         Some(Self { db, name, lock })
     }
 
     async fn grant(&self, wait: Duration) -> Option<Box<dyn LockGuard>> {
-        freshlock::LeaseLock::acquire(&self.lock, &self.name, wait, TTL)
+        freshlock::lock::backend::LeaseLock::acquire(&self.lock, &self.name, wait, TTL)
             .await
             .unwrap()
     }
@@ -417,7 +419,8 @@ async fn a_lost_named_lock_is_fenced_out_and_its_successor_waits_mysql() {
     let successor = {
         let (lock, name) = (named.lock.clone(), named.name.clone());
         tokio::spawn(async move {
-            freshlock::LeaseLock::acquire(&lock, &name, Duration::from_secs(30), TTL).await
+            freshlock::lock::backend::LeaseLock::acquire(&lock, &name, Duration::from_secs(30), TTL)
+                .await
         })
     };
     // Its grant waits in the read of the fence row the checked transaction holds.

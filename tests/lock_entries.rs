@@ -6,7 +6,9 @@ use std::{sync::Arc, time::Duration};
 
 use common::{memory_db, seed_nodes};
 use entity::node;
-use freshlock::{LeaseLock, LocalLock, LockName, Session};
+use freshlock::Session;
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LocalLock, LockName};
 use sea_orm::Set;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -23,7 +23,9 @@ use std::{
 };
 
 use entity::node;
-use freshlock::{LockBackend, LockGuard, LockKind, LockName, Session, UpdateOutcome, inspect};
+use freshlock::lock::LockName;
+use freshlock::lock::backend::LockGuard;
+use freshlock::{LockBackend, LockKind, Session, UpdateOutcome, inspect};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Set, Statement};
 use servers::{TestDb, databases};
 use tokio::sync::Barrier;

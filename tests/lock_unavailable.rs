@@ -9,8 +9,9 @@ use common::{
     FakeLock, memory_db, node_in_db, seed_nodes, session_trying_twice as session_with, set_score,
 };
 use entity::node;
+use freshlock::lock::{LockName, TableLock};
 use freshlock::testing::TestDatabase;
-use freshlock::{Error, LockError, LockName, OnLockFailure, TableLock};
+use freshlock::{Error, LockError, OnLockFailure};
 use sea_orm::ConnectionTrait;
 
 #[tokio::test]
@@ -102,7 +103,7 @@ async fn an_unreachable_redis_is_a_typed_error_not_a_hang() {
     // A hang guard, not a speed target: the backend's own call timeout is 2 s.
     let result = tokio::time::timeout(
         std::time::Duration::from_secs(10),
-        freshlock::RedisLock::connect("redis://127.0.0.1:1", db),
+        freshlock::lock::RedisLock::connect("redis://127.0.0.1:1", db),
     )
     .await
     .expect("an unreachable Redis is reported, never waited on forever");

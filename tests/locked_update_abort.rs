@@ -13,7 +13,9 @@ use std::{
 
 use common::{memory_db, must_lock_now, node_in_db, seed_nodes};
 use entity::node;
-use freshlock::{ApplyError, Error, LeaseLock, LocalLock, LockName, Session, UpdateOutcome};
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LocalLock, LockName};
+use freshlock::{ApplyError, Error, Session, UpdateOutcome};
 use futures::FutureExt;
 use sea_orm::{ConnectionTrait, Set, TransactionTrait};
 

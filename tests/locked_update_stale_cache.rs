@@ -4,7 +4,8 @@ mod common;
 
 use common::{memory_db, node_in_db, seed_nodes, session};
 use entity::node;
-use freshlock::{LocalLock, UpdateOutcome};
+use freshlock::UpdateOutcome;
+use freshlock::lock::LocalLock;
 use sea_orm::{ActiveModelTrait, IntoActiveModel, Set};
 
 #[tokio::test]

@@ -13,7 +13,8 @@ mod servers;
 
 use std::{sync::Arc, time::Duration};
 
-use freshlock::{LockBackend, LockName, TableLock};
+use freshlock::LockBackend;
+use freshlock::lock::{LockName, TableLock};
 use proxy::{CutAfter, Proxy};
 use servers::{TestDb, databases};
 

@@ -24,9 +24,10 @@ use std::{
 };
 
 use entity::{account, ham, ham_lock, node, purchase_order, stock};
+use freshlock::lock::LocalLock;
 use freshlock::{
-    ApplyError, Error, ForUpdate, GetOutcome, LocalLock, SaveOutcome, SectionOutcome, Session,
-    UpdateOutcome, lock_name,
+    ApplyError, Error, ForUpdate, GetOutcome, SaveOutcome, SectionOutcome, Session, UpdateOutcome,
+    lock_name,
 };
 use sea_orm::{
     ColumnTrait, ConnectionTrait, DatabaseConnection, EntityTrait, IntoActiveModel, QueryFilter,
@@ -411,7 +412,7 @@ async fn deadlock_in_a_section(db: Option<TestDb>, retrying: bool) {
         let (session, barrier) = (session.clone(), Arc::clone(&barrier));
         tokio::spawn(async move {
             let section =
-                session.section([freshlock::LockName::new(format!("dl:{first}")).unwrap()]);
+                session.section([freshlock::lock::LockName::new(format!("dl:{first}")).unwrap()]);
             let work = crossing(first, second, barrier);
             if retrying {
                 section.run_retrying(work).await
@@ -456,34 +457,40 @@ async fn skip_locked_and_no_wait(db: Option<TestDb>, _: ()) {
         let session = session.clone();
         tokio::spawn(async move {
             session
-                .with_lock(&freshlock::LockName::new("worker-a").unwrap(), move |tx| {
-                    Box::pin(async move {
-                        let taken = tx
-                            .repository::<node::Entity>()
-                            .find_locked(next_free(), ForUpdate::SkipLocked)
-                            .await?;
-                        let _ = held_tx.send(taken[0].id);
-                        let _ = done_rx.await;
-                        Ok(())
-                    })
-                })
+                .with_lock(
+                    &freshlock::lock::LockName::new("worker-a").unwrap(),
+                    move |tx| {
+                        Box::pin(async move {
+                            let taken = tx
+                                .repository::<node::Entity>()
+                                .find_locked(next_free(), ForUpdate::SkipLocked)
+                                .await?;
+                            let _ = held_tx.send(taken[0].id);
+                            let _ = done_rx.await;
+                            Ok(())
+                        })
+                    },
+                )
                 .await
                 .unwrap();
         })
     };
     let held = held_rx.await.unwrap();
     let seen = session
-        .with_lock(&freshlock::LockName::new("worker-b").unwrap(), move |tx| {
-            Box::pin(async move {
-                let nodes = tx.repository::<node::Entity>();
-                let next = nodes
-                    .find_locked(next_free(), ForUpdate::SkipLocked)
-                    .await?;
-                let skipped = nodes.load_locked(held, ForUpdate::SkipLocked).await?;
-                let no_wait = nodes.load_locked(held, ForUpdate::NoWait).await;
-                Ok((next[0].id, skipped.is_none(), no_wait.map(|_| ())))
-            })
-        })
+        .with_lock(
+            &freshlock::lock::LockName::new("worker-b").unwrap(),
+            move |tx| {
+                Box::pin(async move {
+                    let nodes = tx.repository::<node::Entity>();
+                    let next = nodes
+                        .find_locked(next_free(), ForUpdate::SkipLocked)
+                        .await?;
+                    let skipped = nodes.load_locked(held, ForUpdate::SkipLocked).await?;
+                    let no_wait = nodes.load_locked(held, ForUpdate::NoWait).await;
+                    Ok((next[0].id, skipped.is_none(), no_wait.map(|_| ())))
+                })
+            },
+        )
         .await;
     let _ = done_tx.send(());
     a.await.unwrap();
@@ -651,7 +658,7 @@ async fn async_apply_reads_and_writes_in_the_same_transaction() {
 async fn section_errors_mean_what_they_say() {
     let db = common::memory_db().await;
     let session = common::session(&db, &LocalLock::new());
-    let key = freshlock::LockName::new("report:1").unwrap();
+    let key = freshlock::lock::LockName::new("report:1").unwrap();
     let db_error = session
         .with_lock(&key, |tx| {
             Box::pin(async move {

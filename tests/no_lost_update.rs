@@ -17,10 +17,9 @@ use std::{
 use common::FakeLock;
 use entity::node;
 use expiring::ExpiresBeforeUse;
-use freshlock::{
-    Error, LeaseLock, LockBackend, LockError, LockGuard, LockName, LockPolicy, LockRole,
-    OnLockFailure, Session, TableLock, UpdateOutcome,
-};
+use freshlock::lock::backend::{LeaseLock, LockGuard, LockRole};
+use freshlock::lock::{LockName, TableLock};
+use freshlock::{Error, LockBackend, LockError, LockPolicy, OnLockFailure, Session, UpdateOutcome};
 use sea_orm::{EntityTrait, Set, TransactionTrait};
 use servers::{TestDb, databases};
 use tokio::sync::Barrier;
@@ -228,7 +227,9 @@ impl LeaseLock for DeletesAfterAcquire {
         wait: Duration,
         ttl: Duration,
     ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
-        let guard = freshlock::LocalLock::new().acquire(name, wait, ttl).await?;
+        let guard = freshlock::lock::LocalLock::new()
+            .acquire(name, wait, ttl)
+            .await?;
         // In a transaction: behind a transaction pooler no statement may run outside one.
         let txn = self.0.begin().await.unwrap();
         node::Entity::delete_by_id(1).exec(&txn).await.unwrap();

@@ -10,7 +10,8 @@ use std::{
 
 use common::{FakeLock, TestDatabase, node_in_db, seed_nodes, test_db};
 use entity::node;
-use freshlock::{LockPolicy, OnLockFailure, Session, TableLock, UpdateOutcome};
+use freshlock::lock::TableLock;
+use freshlock::{LockPolicy, OnLockFailure, Session, UpdateOutcome};
 use sea_orm::{ConnectionTrait, Set};
 use tracing::{
     Subscriber,
@@ -186,7 +187,9 @@ async fn a_span_per_locked_update_with_entity_key_backend_wait_attempts_and_outc
 /// flaky), and its report says the same.
 #[tokio::test]
 async fn the_span_records_the_time_waited_for_a_held_lock() {
-    use freshlock::{LeaseLock, LocalLock, lock_name};
+    use freshlock::lock::LocalLock;
+    use freshlock::lock::backend::LeaseLock;
+    use freshlock::lock_name;
     use std::time::Duration;
 
     let seen = Seen::default();

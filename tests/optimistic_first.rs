@@ -11,7 +11,8 @@ use std::sync::{
 };
 
 use entity::node;
-use freshlock::{LocalLock, Session, UpdateOutcome};
+use freshlock::lock::LocalLock;
+use freshlock::{Session, UpdateOutcome};
 use sea_orm::{DatabaseConnection, Set};
 use servers::{TestDb, databases};
 use tokio::sync::Barrier;

@@ -24,7 +24,8 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use entity::node;
-use freshlock::{Error, LocalLock, SaveOutcome, Session};
+use freshlock::lock::LocalLock;
+use freshlock::{Error, SaveOutcome, Session};
 use migration::{Migrator, MigratorTrait};
 use private_pg::PrivatePostgres;
 use sea_orm::{

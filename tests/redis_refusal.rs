@@ -9,7 +9,7 @@ mod servers;
 
 use std::{process::Command, time::Duration};
 
-use freshlock::RedisLock;
+use freshlock::lock::RedisLock;
 
 struct PrivateRedis {
     port: u16,

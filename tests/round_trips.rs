@@ -19,10 +19,8 @@ mod servers;
 use std::{sync::Arc, time::Duration};
 
 use entity::node;
-use freshlock::{
-    LocalLock, LockBackend, LockPolicy, PgAdvisoryLock, RowLock, Session, TableLock, UpdateOutcome,
-    lock_name,
-};
+use freshlock::lock::{LocalLock, PgAdvisoryLock, RowLock, TableLock};
+use freshlock::{LockBackend, LockPolicy, Session, UpdateOutcome, lock_name};
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Set, TransactionTrait};
 use servers::TestDb;
@@ -194,7 +192,7 @@ async fn a_table_write_that_changes_nothing_ends_its_lease_with_its_commit() {
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn every_backend_sends_the_statements_it_documents_mysql() {
-    use freshlock::MySqlNamedLock;
+    use freshlock::lock::MySqlNamedLock;
 
     let Some(db) = servers::mysql("round_trips_backends").await else {
         return;
@@ -354,7 +352,7 @@ async fn a_table_delete_checks_its_lease_in_the_delete_mysql() {
 }
 
 /// A MySQL/MariaDB pool whose connections default to READ COMMITTED
-/// (`freshlock::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: five
+/// (`freshlock::db::mysql_read_committed`) needs no `SET TRANSACTION` before each `BEGIN`: five
 /// round trips per write under `local` instead of six; the application's own transactions on
 /// it run at that level too.
 #[cfg(feature = "mysql")]
@@ -366,7 +364,7 @@ async fn a_read_committed_pool_skips_set_transaction_mysql() {
     db.seed_nodes(1).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let pool = proxied_with(&db, &proxy, |options| {
-        freshlock::mysql_read_committed(options);
+        freshlock::db::mysql_read_committed(options);
     })
     .await;
     let sent = round_trips_of(&session_with(&pool, Arc::new(LocalLock::new())), &proxy).await;
@@ -673,7 +671,7 @@ async fn a_job_sends_four_statements_keyed_or_not_and_a_batch_too() {
 }
 
 /// A lease whose fence lives in `freshlock_lock` (as `redis`'s does), told
-/// through [`freshlock::Fencing::fence_row`], granted `behind` fences behind the stored one
+/// through [`freshlock::lock::backend::Fencing::fence_row`], granted `behind` fences behind the stored one
 /// (1: a grant that another holder has since overtaken). Its own check, a statement of its
 /// own, is counted: a write whose reload checked the fence does not call it.
 #[derive(Debug)]
@@ -697,19 +695,19 @@ impl LockBackend for StoredFence {
         freshlock::LockKind::Other("stored_fence")
     }
 
-    fn role(&self) -> freshlock::LockRole<'_> {
-        freshlock::LockRole::Lease(self)
+    fn role(&self) -> freshlock::lock::backend::LockRole<'_> {
+        freshlock::lock::backend::LockRole::Lease(self)
     }
 }
 
 #[async_trait::async_trait]
-impl freshlock::LeaseLock for StoredFence {
+impl freshlock::lock::backend::LeaseLock for StoredFence {
     async fn acquire(
         &self,
-        name: &freshlock::LockName,
+        name: &freshlock::lock::LockName,
         _wait: Duration,
         _ttl: Duration,
-    ) -> Result<Option<Box<dyn freshlock::LockGuard>>, freshlock::LockError> {
+    ) -> Result<Option<Box<dyn freshlock::lock::backend::LockGuard>>, freshlock::LockError> {
         Ok(Some(Box::new(StoredFenceGuard {
             name: name.as_str().to_owned(),
             fence: STORED_FENCE - self.behind,
@@ -719,8 +717,8 @@ impl freshlock::LeaseLock for StoredFence {
 }
 
 #[async_trait::async_trait]
-impl freshlock::LockGuard for StoredFenceGuard {
-    fn fencing(&self) -> Option<&dyn freshlock::Fencing> {
+impl freshlock::lock::backend::LockGuard for StoredFenceGuard {
+    fn fencing(&self) -> Option<&dyn freshlock::lock::backend::Fencing> {
         Some(self)
     }
 
@@ -730,7 +728,7 @@ impl freshlock::LockGuard for StoredFenceGuard {
 }
 
 #[async_trait::async_trait]
-impl freshlock::Fencing for StoredFenceGuard {
+impl freshlock::lock::backend::Fencing for StoredFenceGuard {
     fn fence(&self) -> u64 {
         self.fence
     }

@@ -8,7 +8,8 @@ mod servers;
 use std::time::Duration;
 
 use entity::ham;
-use freshlock::{LockName, RowLock, TransactionLock};
+use freshlock::lock::backend::TransactionLock;
+use freshlock::lock::{LockName, RowLock};
 use sea_orm::{
     ConnectionTrait, DatabaseConnection, DbBackend, EntityTrait, QuerySelect, Set, TransactionTrait,
 };

@@ -7,7 +7,8 @@ mod common;
 use std::sync::Arc;
 
 use entity::node;
-use freshlock::{Session, TableLock};
+use freshlock::Session;
+use freshlock::lock::TableLock;
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set, Statement};
 
 /// A session on `db` under the `table` backend.

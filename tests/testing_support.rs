@@ -108,7 +108,9 @@ async fn the_users_migrator_and_freshlocks_tables_are_applied_and_statements_cou
     // freshlock's own tables exist too: the table-lease backend works on this database.
     let leases = db
         .session_builder()
-        .lock(Arc::new(freshlock::TableLock::new(db.connection().clone())))
+        .lock(Arc::new(freshlock::lock::TableLock::new(
+            db.connection().clone(),
+        )))
         .build()
         .unwrap();
     let report = leases

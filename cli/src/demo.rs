@@ -10,7 +10,9 @@ use std::{
 };
 
 use comfy_table::{Cell, CellAlignment, Table, presets::NOTHING};
-use freshlock::{Claims, LocalLock, LockBackend, LockKind, RowLock, Session, jobs::Worker};
+use freshlock::claim::Claims;
+use freshlock::lock::{LocalLock, RowLock};
+use freshlock::{LockBackend, LockKind, Session, jobs::Worker};
 use indicatif::{MultiProgress, ProgressBar, ProgressStyle};
 use migration::{Migrator, MigratorTrait};
 use sea_orm::{ConnectOptions, ConnectionTrait, Database, DatabaseConnection, DbBackend};

@@ -10,7 +10,8 @@ use std::{process::Command, time::Duration};
 use common::{connect, fresh_database, unique};
 
 use entity::node;
-use freshlock::{ClaimOutcome, Claims, LockName};
+use freshlock::claim::{ClaimOutcome, Claims};
+use freshlock::lock::LockName;
 use migration::{Migrator, MigratorTrait};
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, PaginatorTrait, Statement};
 

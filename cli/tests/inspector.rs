@@ -7,7 +7,8 @@ mod common;
 
 use std::{process::Command, time::Duration};
 
-use freshlock::{LeaseLock, LockName, TableLock};
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LockName, TableLock};
 use migration::{Migrator, MigratorTrait};
 
 fn freshlock(url: &str, args: &[&str]) -> serde_json::Value {

@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Statement};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, Statement};
 use tracing::info;
 
 use super::marker::Marker;
@@ -51,7 +51,7 @@ pub(crate) enum Plan {
 impl Plan {
     /// The plan of a write in `txn` on `db` (asking `txn`, never another connection of the
     /// pool, whether `freshlock_incarnation` exists: see [`Pool::incarnation`]).
-    pub(crate) async fn of(db: &Pool, txn: &DatabaseTransaction) -> Self {
+    pub(crate) async fn of(db: &Pool, txn: &impl ConnectionTrait) -> Self {
         match db.incarnation(txn).await {
             Incarnation::Known(token) => Self::Stamped(Stamped { known: Some(token) }),
             Incarnation::Unseen => Self::Stamped(Stamped { known: None }),
@@ -77,7 +77,7 @@ impl Stamped {
     /// on `db`.
     pub(crate) async fn evidence(
         self,
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         db: &Pool,
         row: &sea_orm::QueryResult,
     ) -> Result<Evidence, DbErr> {
@@ -96,7 +96,7 @@ impl Evidence {
     /// this SELECT, which runs on the transaction's own connection; a crash since the id was
     /// given out would have ended that connection (so no evidence, no commit), and a crash after
     /// this SELECT empties the table of the token (so the resolution does not trust `committed`).
-    pub(crate) async fn take(txn: &DatabaseTransaction, db: &Pool) -> Result<Self, DbErr> {
+    pub(crate) async fn take(txn: &impl ConnectionTrait, db: &Pool) -> Result<Self, DbErr> {
         let stamped = match Plan::of(db, txn).await {
             Plan::Stamped(stamped) => stamped,
             Plan::Marker => {
@@ -132,7 +132,7 @@ impl Evidence {
     /// emptied it), the transaction id proves nothing: the write gets a marker instead, and
     /// starts the new incarnation, in `txn`.
     async fn stamped(
-        txn: &DatabaseTransaction,
+        txn: &impl ConnectionTrait,
         db: &Pool,
         xid: i64,
         known: Option<Arc<str>>,

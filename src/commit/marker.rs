@@ -3,15 +3,14 @@
 
 use std::time::Duration;
 
-use sea_orm::{
-    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Statement, sea_query::Query,
-};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, Statement, sea_query::Query};
 use tracing::warn;
 
 use crate::{
     db::{
-        autocommit::{alone, read_committed, upkeep},
-        deadline::within,
+        autocommit::{read_committed, upkeep},
+        deadline::{DEFAULT_REPLY, within},
+        own::Own,
         pool::Pool,
     },
     lock::holder,
@@ -68,7 +67,7 @@ impl Marker {
     }
 
     /// Writes the marker in the write's transaction, just before its `COMMIT`.
-    pub(crate) async fn write(&self, txn: &DatabaseTransaction) -> Result<(), DbErr> {
+    pub(crate) async fn write(&self, txn: &impl ConnectionTrait) -> Result<(), DbErr> {
         txn.execute(&self.insert(txn.get_database_backend(), true))
             .await
             .map(drop)
@@ -115,25 +114,28 @@ async fn delete_old_markers(db: &Pool) -> Result<u64, DbErr> {
         // MySQL cannot read the table it deletes from in a subquery: the markers are locked
         // first (READ COMMITTED: no gap locks), then deleted by key, in one transaction.
         _ => {
-            return alone(db, read_committed(), |txn| {
-                Box::pin(async move {
+            let own = Own::new(db, DEFAULT_REPLY).with(read_committed());
+            return own
+                .run(|txn| {
                     let lock =
                         Statement::from_string(backend, format!("{old} FOR UPDATE SKIP LOCKED"));
-                    let tokens = (txn.query_all_raw(lock).await?.iter())
-                        .map(|row| row.try_get::<String>("", "token").map(sea_orm::Value::from))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    if tokens.is_empty() {
-                        return Ok(0);
-                    }
-                    let placeholders = vec!["?"; tokens.len()].join(", ");
-                    let sql = format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({placeholders})");
-                    let done = txn
-                        .execute_raw(Statement::from_sql_and_values(backend, sql, tokens))
-                        .await?;
-                    Ok(done.rows_affected())
+                    Box::pin(async move {
+                        let tokens = (txn.query_all_raw(lock).await?.iter())
+                            .map(|row| row.try_get::<String>("", "token").map(sea_orm::Value::from))
+                            .collect::<Result<Vec<_>, _>>()?;
+                        if tokens.is_empty() {
+                            return Ok(0);
+                        }
+                        let placeholders = vec!["?"; tokens.len()].join(", ");
+                        let sql =
+                            format!("DELETE FROM {COMMIT_TABLE} WHERE token IN ({placeholders})");
+                        let done = txn
+                            .execute_raw(Statement::from_sql_and_values(backend, sql, tokens))
+                            .await?;
+                        Ok(done.rows_affected())
+                    })
                 })
-            })
-            .await;
+                .await;
         }
     };
     upkeep(db, Statement::from_string(backend, sql)).await

@@ -57,4 +57,4 @@ mod transaction;
 
 pub(crate) use evidence::{Evidence, Plan, Stamped};
 pub(crate) use marker::Marker;
-pub(crate) use transaction::{commit, commit_write, rollback, rollback_after, write_error};
+pub(crate) use transaction::{commit, commit_write, write_error};

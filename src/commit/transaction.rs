@@ -4,7 +4,7 @@
 use std::time::Duration;
 
 use sea_orm::{DatabaseTransaction, DbErr};
-use tracing::{debug, warn};
+use tracing::warn;
 
 use super::{
     evidence::Evidence,
@@ -12,7 +12,7 @@ use super::{
     resolve::{Resolution, unknown},
 };
 use crate::{
-    db::{deadline::within, failure::in_doubt, pool::Pool},
+    db::{deadline::within, failure::in_doubt, own::rollback_after, pool::Pool},
     error::{Error, database},
 };
 
@@ -56,28 +56,6 @@ pub(crate) async fn commit_write(
         }
     };
     commit(txn, &evidence, db, target, reply).await
-}
-
-/// Ends `txn` after a failure: rolled back as [`rollback`] does, or — when `silent`, a round
-/// trip on it got no reply ([`Error::is_no_reply`]) — dropped at once (which queues the
-/// rollback on its connection): a second round trip on a connection gone silent would only
-/// wait out another bound.
-pub(crate) async fn rollback_after(txn: DatabaseTransaction, reply: Duration, silent: bool) {
-    if silent {
-        debug!("no reply on the transaction's connection: dropped, not rolled back");
-        drop(txn);
-    } else {
-        rollback(txn, reply).await;
-    }
-}
-
-/// Rolls `txn` back, waiting at most `reply` (a connection whose reply does not come is dropped,
-/// which queues the rollback on it). A failure is logged: the server ends the transaction with
-/// the connection anyway.
-pub(crate) async fn rollback(txn: DatabaseTransaction, reply: Duration) {
-    if let Err(error) = within(reply, txn.rollback()).await {
-        warn!(%error, "rollback failed");
-    }
 }
 
 /// Commits `txn` (which holds `evidence`): `Ok` when it committed — also when the reply was lost

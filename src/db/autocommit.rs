@@ -1,9 +1,13 @@
-//! Single statements freshlock sends on a pool outside a transaction of its own ([`Autocommit`]),
-//! its upkeep statements ([`upkeep`]), and short transactions of its own ([`alone`]).
+//! Single statements freshlock sends on a pool outside a transaction of its own ([`Autocommit`])
+//! and its upkeep statements ([`upkeep`]).
 
-use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
+use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
-use super::pool::Pool;
+use super::{
+    deadline::{Bounded, DEFAULT_REPLY},
+    own::{Own, Work},
+    pool::Pool,
+};
 
 /// A statement that freshlock runs outside a transaction of its own (a load, a lease, a commit
 /// outcome's resolution), as one autocommit statement — or, on a pool behind a transaction
@@ -26,7 +30,9 @@ pub(crate) async fn upkeep(db: &Pool, stmt: Statement) -> Result<u64, sea_orm::D
         let done = autocommit(db).execute_raw(stmt).await?;
         return Ok(done.rows_affected());
     }
-    alone(db, read_committed(), |txn| {
+    let own = Own::new(db, DEFAULT_REPLY).with(read_committed());
+    own.run(|txn| {
+        let stmt = stmt.clone();
         Box::pin(async move { Ok(txn.execute_raw(stmt).await?.rows_affected()) })
     })
     .await
@@ -40,40 +46,18 @@ pub(crate) fn read_committed() -> sea_orm::TransactionOptions {
     }
 }
 
-/// The work of a transaction of its own ([`alone`]).
-pub(crate) type Alone<'t, T> =
-    std::pin::Pin<Box<dyn std::future::Future<Output = Result<T, sea_orm::DbErr>> + Send + 't>>;
-
-/// Runs `work` in a transaction of its own on `db`, begun with `options`: committed when `work`
-/// succeeds, rolled back when it fails.
-pub(crate) async fn alone<T>(
-    db: &DatabaseConnection,
-    options: sea_orm::TransactionOptions,
-    work: impl for<'t> FnOnce(&'t sea_orm::DatabaseTransaction) -> Alone<'t, T>,
-) -> Result<T, sea_orm::DbErr> {
-    // Never cut in half (a caller's deadline may drop this future): see `detach::begin`.
-    let txn = crate::db::detach::begin(db, options).await?;
-    match work(&txn).await {
-        Ok(value) => txn.commit().await.map(|()| value),
-        Err(error) => {
-            let _ = txn.rollback().await;
-            Err(error)
-        }
-    }
-}
-
 /// [`Autocommit`] on `db`.
 pub(crate) fn autocommit(db: &Pool) -> Autocommit<'_> {
     Autocommit(db)
 }
 
 impl Autocommit<'_> {
-    /// Runs `statement` in a transaction of its own; a failed statement rolls it back.
+    /// Runs `statement` in a transaction of its own ([`Own`]); a failed statement rolls it back.
     async fn wrapped<T>(
         &self,
-        statement: impl for<'t> FnOnce(&'t sea_orm::DatabaseTransaction) -> Alone<'t, T>,
+        statement: impl for<'t> FnMut(&'t Bounded<'t, sea_orm::DatabaseTransaction>) -> Work<'t, T>,
     ) -> Result<T, sea_orm::DbErr> {
-        alone(self.0, sea_orm::TransactionOptions::default(), statement).await
+        Own::new(self.0, DEFAULT_REPLY).run(statement).await
     }
 }
 
@@ -87,7 +71,7 @@ impl ConnectionTrait for Autocommit<'_> {
         if !self.0.transaction_pooled() {
             return self.0.execute_raw(stmt).await;
         }
-        self.wrapped(move |txn| Box::pin(txn.execute_raw(stmt)))
+        self.wrapped(move |txn| Box::pin(txn.execute_raw(stmt.clone())))
             .await
     }
 
@@ -103,7 +87,7 @@ impl ConnectionTrait for Autocommit<'_> {
         if !self.0.transaction_pooled() {
             return self.0.query_one_raw(stmt).await;
         }
-        self.wrapped(move |txn| Box::pin(txn.query_one_raw(stmt)))
+        self.wrapped(move |txn| Box::pin(txn.query_one_raw(stmt.clone())))
             .await
     }
 
@@ -114,7 +98,7 @@ impl ConnectionTrait for Autocommit<'_> {
         if !self.0.transaction_pooled() {
             return self.0.query_all_raw(stmt).await;
         }
-        self.wrapped(move |txn| Box::pin(txn.query_all_raw(stmt)))
+        self.wrapped(move |txn| Box::pin(txn.query_all_raw(stmt.clone())))
             .await
     }
 

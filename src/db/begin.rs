@@ -29,7 +29,12 @@ pub(crate) async fn begin_detached(db: &Pool) -> std::result::Result<DatabaseTra
 /// snapshot could predate the lock and the reload be stale) — set by `SET TRANSACTION` unless it
 /// is the pool's default already (PostgreSQL's; see [`read_committed_by_default`]).
 pub(crate) async fn begin(db: &Pool) -> std::result::Result<DatabaseTransaction, DbErr> {
-    let options = match db.get_database_backend() {
+    crate::db::live::begin(db, options(db).await).await
+}
+
+/// The options of [`begin`]'s `BEGIN` on `db`.
+pub(crate) async fn options(db: &Pool) -> TransactionOptions {
+    match db.get_database_backend() {
         DbBackend::Sqlite => TransactionOptions {
             sqlite_transaction_mode: Some(SqliteTransactionMode::Immediate),
             ..TransactionOptions::default()
@@ -40,8 +45,7 @@ pub(crate) async fn begin(db: &Pool) -> std::result::Result<DatabaseTransaction,
             isolation_level: Some(IsolationLevel::ReadCommitted),
             ..TransactionOptions::default()
         },
-    };
-    crate::db::live::begin(db, options).await
+    }
 }
 
 /// Whether a transaction begun on `db` runs at READ COMMITTED without being told to: the

@@ -65,7 +65,7 @@ pub(crate) async fn within<T>(
 ///
 /// A write hands it to the statements it does not send itself — the entity's hooks, a combined
 /// batch's, the generic insert and delete — so that none of them can wait with the key's lock
-/// held; [`crate::Claims::finish_with`] hands its work the claim's transaction as one. It is a
+/// held; [`crate::claim::Claims::finish_with`] hands its work the claim's transaction as one. It is a
 /// [`ConnectionTrait`], so sea-orm's queries and `ActiveModel` writes take it as they take the
 /// transaction; [`inner`](Self::inner) is the connection itself, for what needs more (a
 /// savepoint's `begin`), with no bound.

@@ -1,4 +1,5 @@
-//! The connection edge: what freshlock knows of a database connection and its pool, knowing SQL
+//! The connection edge (public: [`Bounded`], the connection a claim's finish and a write's
+//! hooks are handed, and `mysql_read_committed`): what freshlock knows of a database connection and its pool, knowing SQL
 //! but nothing of locks, sessions or repositories — failures and their classes, a deadline on
 //! every round trip, `BEGIN` on a live connection and never cut in half, single statements
 //! that commit alone, and PostgreSQL behind a transaction pooler.
@@ -11,5 +12,10 @@ pub(crate) mod failure;
 #[cfg(feature = "mysql")]
 pub(crate) mod inline;
 pub(crate) mod live;
+pub(crate) mod own;
 pub(crate) mod pool;
 pub(crate) mod savepoint;
+
+pub use deadline::Bounded;
+#[cfg(feature = "mysql")]
+pub use pool::mysql_read_committed;

@@ -212,7 +212,7 @@ impl Pool {
 /// ```no_run
 /// # async fn connect() -> Result<(), sea_orm::DbErr> {
 /// let mut options = sea_orm::ConnectOptions::new("mysql://root@127.0.0.1:3306/test");
-/// freshlock::mysql_read_committed(&mut options);
+/// freshlock::db::mysql_read_committed(&mut options);
 /// let db = sea_orm::Database::connect(options).await?;
 /// # let _ = db;
 /// # Ok(())

@@ -3,14 +3,16 @@
 
 use std::time::Duration;
 
-use sea_orm::{
-    ConnectionTrait, DatabaseConnection, DbBackend, DbErr, QueryResult, TransactionTrait, Value,
-};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
 
 use super::{JobId, state::Stored, store};
 use crate::{
     database::Db,
-    db::autocommit::{autocommit, upkeep},
+    db::{
+        autocommit::{autocommit, upkeep},
+        deadline::DEFAULT_REPLY,
+        own::{Own, rollback},
+    },
     error::{Result, database},
     lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
@@ -260,35 +262,29 @@ pub enum Retried {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the database fails.
-pub async fn retry(db: &DatabaseConnection, id: JobId) -> Result<Retried> {
+pub async fn retry(db: impl Into<Db>, id: JobId) -> Result<Retried> {
+    let db = db.into();
+    let own = Own::new(db.pool(), DEFAULT_REPLY);
     let fail = |e| database("retrying a job of", &JOB_TABLE, e);
-    let txn = db.begin().await.map_err(fail)?;
-    let retried = retry_in(&txn, id).await;
+    let (txn, retried) = (own.open(|txn| Box::pin(retry_in(txn, id))).await).map_err(fail)?;
     match retried {
-        Ok(Retried::Waiting) => txn.commit().await.map_err(fail)?,
-        _ => {
-            let _ = txn.rollback().await;
-        }
+        Retried::Waiting => own.commit(txn).await.map_err(fail)?,
+        _ => rollback(txn, own.reply()).await,
     }
-    retried
+    Ok(retried)
 }
 
 /// [`retry`] in `db`'s transaction.
-async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
+async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> std::result::Result<Retried, DbErr> {
     let backend = db.get_database_backend();
-    let fail = |e| database("retrying a job of", &JOB_TABLE, e);
     let read = format!("SELECT unique_key FROM {JOB_TABLE} WHERE id = ? AND state = ?");
     let values = vec![id.into(), Stored::Failed.into()];
-    let Some(row) = db
-        .query_one_raw(statement(backend, &read, values))
-        .await
-        .map_err(fail)?
-    else {
+    let Some(row) = db.query_one_raw(statement(backend, &read, values)).await? else {
         return Ok(Retried::NotFailed);
     };
-    let unique: Option<String> = text(row.try_get("", "unique_key").map_err(fail)?);
+    let unique: Option<String> = text(row.try_get("", "unique_key")?);
     if let Some(unique) = &unique
-        && store::holder_of(db, unique).await.map_err(fail)?.is_some()
+        && store::holder_of(db, unique).await?.is_some()
     {
         return Ok(Retried::Duplicate);
     }
@@ -305,7 +301,7 @@ async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
         Ok(_) => Ok(Retried::NotFailed),
         // Taken by a job enqueued between the two statements.
         Err(e) if crate::db::failure::is_unique_violation(&e) => Ok(Retried::Duplicate),
-        Err(e) => Err(fail(e)),
+        Err(e) => Err(e),
     }
 }
 
@@ -314,24 +310,23 @@ async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> Result<Retried> {
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the database fails.
-pub async fn discard(db: &DatabaseConnection, id: JobId) -> Result<bool> {
+pub async fn discard(db: impl Into<Db>, id: JobId) -> Result<bool> {
+    let db = db.into();
+    let own = Own::new(db.pool(), DEFAULT_REPLY);
     let fail = |e| database("discarding a job of", &JOB_TABLE, e);
-    let txn = db.begin().await.map_err(fail)?;
-    let discarded = discard_in(&txn, id).await;
-    match discarded {
-        Ok(true) => txn.commit().await.map_err(fail)?,
-        _ => {
-            let _ = txn.rollback().await;
-        }
+    let (txn, discarded) = (own.open(|txn| Box::pin(discard_in(txn, id))).await).map_err(fail)?;
+    if discarded {
+        own.commit(txn).await.map_err(fail)?;
+    } else {
+        rollback(txn, own.reply()).await;
     }
-    discarded
+    Ok(discarded)
 }
 
 /// [`discard`] in `db`'s transaction.
-async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
+async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> std::result::Result<bool, DbErr> {
     let backend = db.get_database_backend();
     let now = now_ms(backend);
-    let fail = |e| database("discarding a job of", &JOB_TABLE, e);
     let sql = format!(
         "UPDATE {JOB_TABLE} SET state = {discarded}, finished_at = {now}, unique_hash = NULL \
          WHERE id = ? AND state IN ({pending}, {queued})",
@@ -341,8 +336,7 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
     );
     let done = db
         .execute_raw(statement(backend, &sql, vec![id.into()]))
-        .await
-        .map_err(fail)?;
+        .await?;
     if done.rows_affected() != 1 {
         return Ok(false);
     }
@@ -350,15 +344,12 @@ async fn discard_in(db: &impl ConnectionTrait, id: JobId) -> Result<bool> {
     let read = format!("SELECT key_hash FROM {JOB_TABLE} WHERE id = ?");
     let row = db
         .query_one_raw(statement(backend, &read, vec![id.into()]))
-        .await
-        .map_err(fail)?;
+        .await?;
     let key: Option<Vec<u8>> = match row {
-        Some(row) => row.try_get("", "key_hash").map_err(fail)?,
+        Some(row) => row.try_get("", "key_hash")?,
         None => None,
     };
-    store::promote(db, key.into_iter().collect(), &[])
-        .await
-        .map_err(fail)?;
+    store::promote(db, key.into_iter().collect(), &[]).await?;
     Ok(true)
 }
 

@@ -11,7 +11,7 @@ use super::{
     step::{Did, Ended, Failed, JobStep, Measured, Ran, Start, waited},
     store,
 };
-use crate::db::deadline::within;
+use crate::db::deadline::Bounded;
 
 impl JobStep<'_> {
     /// Finishes a leased job whose work ended, if its claim still holds: runs its finish (when
@@ -23,7 +23,8 @@ impl JobStep<'_> {
     ) -> (DatabaseTransaction, std::result::Result<Did, Failed>) {
         let claim = &finishing.claim;
         let kind_name = claim.kind_name();
-        let held = within(self.cx.reply(), store::hold(&txn, claim.id, &claim.owner)).await;
+        let bounded = Bounded::new(&txn, self.cx.reply());
+        let held = store::hold(&bounded, claim.id, &claim.owner).await;
         let held = match held {
             Ok(held) => held,
             Err(e) => return (txn, Err(("checking the claim on a job of", e))),

@@ -10,7 +10,7 @@ use super::{
 };
 use crate::{
     commit::{Evidence, Plan},
-    db::deadline::within,
+    db::deadline::Bounded,
     write::engine::{Fence, Worked},
 };
 
@@ -23,7 +23,7 @@ impl JobStep<'_> {
         txn: &DatabaseTransaction,
         ended: Vec<Ended>,
     ) -> std::result::Result<Worked<Vec<JobRun>>, Failed> {
-        let reply = self.cx.reply();
+        let txn = &Bounded::new(txn, self.cx.reply());
         let mut runs = Vec::with_capacity(ended.len());
         let mut all_effects = Vec::new();
         let mut completed = Vec::new();
@@ -37,14 +37,11 @@ impl JobStep<'_> {
                 }
                 JobOutcome::Retrying { failure, after } => {
                     let error = failure.to_string();
-                    let failed =
-                        store::failed(txn, ended.id, stored_attempts, &error, Some(*after));
-                    within(reply, failed).await
+                    store::failed(txn, ended.id, stored_attempts, &error, Some(*after)).await
                 }
                 JobOutcome::Failed(failure) => {
                     let error = failure.to_string();
-                    let failed = store::failed(txn, ended.id, stored_attempts, &error, None);
-                    within(reply, failed).await
+                    store::failed(txn, ended.id, stored_attempts, &error, None).await
                 }
                 // Reported without recording (`Did::Nothing`).
                 JobOutcome::LeaseLost => Ok(()),
@@ -86,8 +83,7 @@ impl JobStep<'_> {
             _ => None,
         };
         let (evidence, readied) = if completed.is_empty() {
-            let readied = within(reply, store::promote(txn, finished_keys, &[]))
-                .await
+            let readied = (store::promote(txn, finished_keys, &[]).await)
                 .map_err(|e| ("readying the next jobs of", e))?;
             (None, readied)
         } else {
@@ -110,12 +106,11 @@ impl JobStep<'_> {
     /// `None` for the engine to take at the commit; and how many jobs it readied.
     pub(super) async fn complete(
         &self,
-        txn: &DatabaseTransaction,
+        txn: &Bounded<'_, DatabaseTransaction>,
         completed: &[JobId],
         promote: Vec<Vec<u8>>,
     ) -> std::result::Result<(Option<Evidence>, u64), Failed> {
         const OPERATION: &str = "completing jobs in";
-        let reply = self.cx.reply();
         let db = self.cx.session.pool();
         let plan = match self.cx.session.commit_markers() {
             true => Plan::of(db, txn).await,
@@ -123,21 +118,16 @@ impl JobStep<'_> {
         };
         let Plan::Stamped(stamped) = plan else {
             // A marker (or nothing) is taken by the engine at the commit.
-            let (_, readied) = within(reply, store::complete(txn, completed, None, promote))
-                .await
+            let (_, readied) = (store::complete(txn, completed, None, promote).await)
                 .map_err(|e| (OPERATION, e))?;
             return Ok((None, readied));
         };
-        let (row, readied) = within(
-            reply,
-            store::complete(txn, completed, Some(stamped.exprs()), promote),
-        )
-        .await
-        .map_err(|e| (OPERATION, e))?;
+        let (row, readied) = store::complete(txn, completed, Some(stamped.exprs()), promote)
+            .await
+            .map_err(|e| (OPERATION, e))?;
         let row =
             row.ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
-        within(reply, stamped.evidence(txn, db, &row))
-            .await
+        (stamped.evidence(txn, db, &row).await)
             .map(|evidence| (Some(evidence), readied))
             .map_err(|e| ("marking the commit of", e))
     }

@@ -9,7 +9,7 @@ use super::{
     step::{Did, Ended, Failed, JobStep, Ran, Start},
     store,
 };
-use crate::{db::deadline::within, lock::holder::new_token};
+use crate::{db::deadline::Bounded, lock::holder::new_token};
 use sea_orm::DatabaseTransaction;
 use tracing::{Instrument, info_span, warn};
 
@@ -37,12 +37,13 @@ impl JobStep<'_> {
         // runs, while the connection is warm (a round trip after a job's idle time costs about
         // double), and left queued if that job fails.
         let chains = chain && limit == 1;
+        let bounded = Bounded::new(&txn, reply);
         let mut taken = Ok(Vec::new());
         if let Some(key) = follow.filter(|_| limit == 1) {
-            taken = within(reply, store::take_key(&txn, key, chains)).await;
+            taken = store::take_key(&bounded, key, chains).await;
         }
         if matches!(&taken, Ok(taken) if taken.is_empty()) {
-            taken = within(reply, store::take(&txn, limit, chains)).await;
+            taken = store::take(&bounded, limit, chains).await;
         }
         let mut taken = match taken {
             Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
@@ -57,7 +58,7 @@ impl JobStep<'_> {
             && !self.cx.is_leased(&first.kind)
         {
             let more = u32::try_from(CHAIN_JOBS - 1).unwrap_or(1);
-            ahead = match within(reply, store::take_after(&txn, &key, first.id, more)).await {
+            ahead = match store::take_after(&bounded, &key, first.id, more).await {
                 Ok(next) => next.into(),
                 Err(e) => return (txn, Err(fail(e))),
             };
@@ -131,8 +132,10 @@ impl JobStep<'_> {
                     Handler::Leased(leased) => {
                         let owner = new_token();
                         let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
-                        let claim = store::claim(&txn, taken.id, attempts, &owner, leased.lease);
-                        if let Err(e) = within(reply, claim).await {
+                        let bounded = Bounded::new(&txn, reply);
+                        let claim =
+                            store::claim(&bounded, taken.id, attempts, &owner, leased.lease);
+                        if let Err(e) = claim.await {
                             return (txn, Err(("claiming a job of", e)));
                         }
                         self.claimed.push(Claimed {

@@ -3,13 +3,13 @@
 //! starts one above the fence floor, see [`super::floor`]), checked in the transaction of the
 //! write.
 
-use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend};
+use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBackend, DbErr};
 
 use super::{
     floor,
     sql::{for_update, lock_error, now_ms, statement},
 };
-use crate::{error::LockError, schema::LOCK_TABLE};
+use crate::{db::own::Own, error::LockError, schema::LOCK_TABLE};
 
 /// Issues the next fence of `name` (the bounded, stored name) on `db`.
 pub(crate) async fn bump(
@@ -19,30 +19,21 @@ pub(crate) async fn bump(
     name: &str,
     reply: std::time::Duration,
 ) -> Result<u64, LockError> {
-    // Its round trips together wait at most `reply` (see `deadline.rs`): a bump whose reply
-    // never comes fails the grant, whose guard then releases the lease.
-    tokio::time::timeout(reply, bump_now(db, backend, kind, name))
-        .await
-        .unwrap_or_else(|_| {
-            Err(lock_error(
-                kind,
-                LOCK_TABLE,
-                crate::db::failure::no_reply(reply),
-            ))
-        })
+    // A transaction of its own (`db::own`), each round trip bounded; and its round trips
+    // together wait at most `reply` (see `deadline.rs`): a bump whose reply never comes fails
+    // the grant, whose guard then releases the lease.
+    let own = Own::new(db, reply);
+    let bumped = own.run(|txn| {
+        let name = name.to_owned();
+        Box::pin(async move { bump_in(txn, backend, &name).await })
+    });
+    let bumped = tokio::time::timeout(reply, bumped).await;
+    (bumped.unwrap_or_else(|_| Err(crate::db::failure::no_reply(reply))))
+        .map_err(|e| lock_error(kind, LOCK_TABLE, e))
 }
 
-async fn bump_now(
-    db: &DatabaseConnection,
-    backend: DbBackend,
-    kind: &'static str,
-    name: &str,
-) -> Result<u64, LockError> {
-    let fail = |e| lock_error(kind, LOCK_TABLE, e);
-    // Never cut in half by `bump`'s deadline (see `detach::begin`), and on a live connection.
-    let txn = crate::db::live::begin(db, sea_orm::TransactionOptions::default())
-        .await
-        .map_err(fail)?;
+/// [`bump`] in `txn`.
+async fn bump_in(txn: &impl ConnectionTrait, backend: DbBackend, name: &str) -> Result<u64, DbErr> {
     if backend == DbBackend::MySql {
         // `LAST_INSERT_ID(expr)` in the upsert: its own reply carries the fence.
         let done = txn
@@ -51,9 +42,7 @@ async fn bump_now(
                 floor::MYSQL_BUMP_FENCE,
                 vec![name.into()],
             ))
-            .await
-            .map_err(fail)?;
-        txn.commit().await.map_err(fail)?;
+            .await?;
         return Ok(done.last_insert_id());
     }
     let upsert = format!(
@@ -66,14 +55,11 @@ async fn bump_now(
     );
     let fence = txn
         .query_one_raw(statement(backend, &upsert, vec![name.into()]))
-        .await
-        .map_err(fail)?;
+        .await?;
     let fence = fence
         .map(|row| row.try_get::<i64>("", "fence"))
-        .transpose()
-        .map_err(fail)?
+        .transpose()?
         .unwrap_or(0);
-    txn.commit().await.map_err(fail)?;
     Ok(u64::try_from(fence).unwrap_or(0))
 }
 

@@ -17,13 +17,13 @@ use crate::error::LockError;
 #[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum LockKind {
-    /// [`LocalLock::shared`](crate::LocalLock::shared).
+    /// [`LocalLock::shared`](crate::lock::LocalLock::shared).
     Local,
-    /// [`TableLock`](crate::TableLock).
+    /// [`TableLock`](crate::lock::TableLock).
     Table,
-    /// [`RowLock`](crate::RowLock).
+    /// [`RowLock`](crate::lock::RowLock).
     Row,
-    /// [`PgAdvisoryLock`](crate::PgAdvisoryLock).
+    /// [`PgAdvisoryLock`](crate::lock::PgAdvisoryLock).
     PgAdvisory,
     /// `MySqlNamedLock` (feature `mysql`).
     MySqlNamed,

@@ -1,4 +1,4 @@
-//! `freshlock_claim`: claims with a lease ([`crate::Claims`]).
+//! `freshlock_claim`: claims with a lease ([`crate::claim::Claims`]).
 
 use super::MAX_STORED_NAME;
 use sea_orm::DbErr;

@@ -2,14 +2,14 @@
 //!
 //! - `freshlock_lock` — one row per lock name: owner token, lease expiry (database clock,
 //!   milliseconds since the Unix epoch), fence counter, and who holds it (host, pid, label,
-//!   acquired-at). The [`TableLock`](crate::TableLock) backend leases these rows; the
+//!   acquired-at). The [`TableLock`](crate::lock::TableLock) backend leases these rows; the
 //!   other lease backends keep their fence counters here. The row named `''` (no lock has an
 //!   empty name) is the **fence floor** ([`FloorMigration`]): a new row's first fence is one
 //!   above it, and [`crate::inspect::compact`] raises it to the highest fence of the rows it
 //!   deletes, so every name's fences keep growing across deletions.
 //! - `freshlock_claim` — claims with a lease ([`crate::claim::Claims`]).
 //! - `freshlock_row_lock` — one row per lock name, locked with `SELECT … FOR UPDATE` by the
-//!   [`RowLock`](crate::RowLock) backend (the Django report's `HamLock`).
+//!   [`RowLock`](crate::lock::RowLock) backend (the Django report's `HamLock`).
 //! - `freshlock_commit` — commit markers: one row per recent locked write, so that a commit whose
 //!   reply was lost can be resolved instead of run twice ([`CommitMigration`]); indexed by age
 //!   for the sweep of old markers ([`MarkerAgeMigration`]).

@@ -13,7 +13,9 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction};
 
 use crate::{
     error::LockError,
-    lock::{Fencing, LeaseLock, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockRole},
+    lock::{
+        Fencing, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockRole, traits::LeaseLock,
+    },
 };
 
 const KIND: &str = "fake";

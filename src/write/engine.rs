@@ -331,7 +331,7 @@ async fn attempt<S: Step>(
     let (value, ended, effects) = match worked {
         Worked::Undone(tried) => {
             let silent = matches!(&tried, Tried::Failed { error, .. } if error.is_no_reply());
-            commit::rollback_after(txn, reply, silent).await;
+            crate::db::own::rollback_after(txn, reply, silent).await;
             return Ok(tried);
         }
         Worked::Kept {
@@ -363,7 +363,7 @@ async fn attempt<S: Step>(
             if fence == Fence::Releasing {
                 let held = fences(&txn, lockings, label).await;
                 if !matches!(held, Ok(true)) {
-                    commit::rollback(txn, reply).await;
+                    crate::db::own::rollback(txn, reply).await;
                     return held.map(|_| Tried::Done(step.lease_lost()));
                 }
             }

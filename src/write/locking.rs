@@ -272,7 +272,7 @@ impl Locking {
                 }
                 if let Err(failure) = locking.lock_in(&txn).await {
                     let silent = failure.as_ref().is_some_and(LockError::is_no_reply);
-                    crate::commit::rollback_after(txn, reply, silent).await;
+                    crate::db::own::rollback_after(txn, reply, silent).await;
                     locking.unavailable(failure)?;
                     *skipped = true;
                     continue 'again;

@@ -3,7 +3,9 @@
 
 use std::time::Duration;
 
-use freshlock::{LeaseLock, LockBackend, LockError, LockGuard, LockName, LockRole, TableLock};
+use freshlock::lock::backend::{LeaseLock, LockGuard, LockRole};
+use freshlock::lock::{LockName, TableLock};
+use freshlock::{LockBackend, LockError};
 
 /// Waits (on the database clock, by polling the lease itself) until the lease has expired before
 /// handing it over.

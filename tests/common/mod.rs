@@ -7,8 +7,9 @@ mod eventually;
 pub use eventually::eventually;
 
 use entity::node;
+use freshlock::lock::LocalLock;
 pub use freshlock::testing::{FakeLock, Recorder, TestDatabase};
-use freshlock::{LocalLock, LockPolicy, Session};
+use freshlock::{LockPolicy, Session};
 use migration::Migrator;
 use sea_orm::{DatabaseConnection, EntityTrait, Set};
 

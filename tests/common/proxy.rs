@@ -47,6 +47,8 @@ pub enum CutAfter {
     LockWait,
     /// A statement on the claims' table (`freshlock_claim`).
     Claim,
+    /// A statement that changes a job's row (`UPDATE freshlock_job`).
+    JobUpdate,
     /// A `mysql_named` grant (`GET_LOCK`, a text query: every grant carries it).
     GetLock,
     /// A `mysql_named` release (`RELEASE_LOCK`; prepared, so its text crosses once per
@@ -67,6 +69,7 @@ impl CutAfter {
             Self::NodeInsert => &[b"INSERT INTO \"node\"", b"INSERT INTO `node`"],
             Self::NodeUpdate => &[b"UPDATE \"node\"", b"UPDATE `node`"],
             Self::Savepoint => &[b"SAVEPOINT"],
+            Self::JobUpdate => &[b"UPDATE freshlock_job"],
             Self::MarkerSweep => &[b"FROM freshlock_commit WHERE created_at"],
             Self::Begin => &[b"BEGIN"],
             Self::LockWait => &[b"'lock_timeout'", b"innodb_lock_wait_timeout"],

@@ -17,8 +17,10 @@ use std::{
 };
 
 use entity::{ham, spam};
+use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
+use freshlock::lock::LockName;
 use freshlock::{
-    ApplyError, ClaimOutcome, Claims, FinishOutcome, LockName, Session,
+    ApplyError, Session,
     jobs::{self, Enqueued, Job, Jobs, NewJob, RetryPolicy},
     lock_name,
 };

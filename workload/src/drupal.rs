@@ -8,7 +8,9 @@
 use std::time::Duration;
 
 use entity::node;
-use freshlock::{LeaseLock, LocalLock, LockName, Session};
+use freshlock::Session;
+use freshlock::lock::backend::LeaseLock;
+use freshlock::lock::{LocalLock, LockName};
 use sea_orm::{ActiveModelTrait, ConnectionTrait, DbErr, EntityTrait, IntoActiveModel, Set};
 use tokio::time::Instant;
 

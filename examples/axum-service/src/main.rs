@@ -13,7 +13,8 @@ use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use clap::Parser;
 use entity::node;
-use freshlock::{LocalLock, LockPolicy};
+use freshlock::LockPolicy;
+use freshlock::lock::LocalLock;
 use freshlock_axum_example::{AppState, app, check};
 use migration::{Migrator, MigratorTrait};
 use sea_orm::{ConnectOptions, Database, EntityTrait};

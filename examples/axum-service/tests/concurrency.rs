@@ -4,7 +4,8 @@
 use std::{net::SocketAddr, sync::Arc, time::Duration};
 
 use entity::node;
-use freshlock::{LocalLock, LockPolicy, testing::TestDatabase};
+use freshlock::lock::LocalLock;
+use freshlock::{LockPolicy, testing::TestDatabase};
 use freshlock_axum_example::{AppState, app, check, request};
 use migration::Migrator;
 use sea_orm::EntityTrait;

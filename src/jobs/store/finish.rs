@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
 
 use crate::jobs::state::Stored::{Done, Failed, Leased, Pending, Queued};
 use crate::{
@@ -20,7 +20,7 @@ use super::MAX_ERROR;
 /// rather than one of its own: the first row. On PostgreSQL the promotion rides in the same
 /// statement (a `WITH` of its own: the two touch different rows), elsewhere it is one more.
 pub(crate) async fn complete(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     ids: &[i64],
     stamps: Option<&[&str]>,
     promote: Vec<Vec<u8>>,
@@ -74,7 +74,7 @@ pub(crate) async fn complete(
 /// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error
 /// kept, its unique key free) when `retry` is `None`. A leased job's claim ends either way.
 pub(crate) async fn failed(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     id: i64,
     attempts: i32,
     error: &str,

@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbErr};
+use sea_orm::{ConnectionTrait, DbErr};
 
 use crate::jobs::state::Stored::{Leased, Pending};
 use crate::{
@@ -16,7 +16,7 @@ use crate::{
 /// held by `owner`: once `txn` commits, the job works outside any transaction and its key stays
 /// busy until the claim ends ([`hold`], [`complete`], [`failed`]) or expires ([`reclaim`]).
 pub(crate) async fn claim(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     id: i64,
     attempts: i32,
     owner: &str,
@@ -43,7 +43,7 @@ pub(crate) async fn claim(
 /// finish): `false` when its lease expired and was reclaimed, whether or not another worker
 /// took it since. An expired lease that nobody reclaimed yet still holds: the row's lock keeps
 /// [`reclaim`] out until `txn` ends.
-pub(crate) async fn hold(txn: &DatabaseTransaction, id: i64, owner: &str) -> Result<bool, DbErr> {
+pub(crate) async fn hold(txn: &impl ConnectionTrait, id: i64, owner: &str) -> Result<bool, DbErr> {
     let backend = txn.get_database_backend();
     let lock = for_update(backend);
     let sql =

@@ -1,7 +1,7 @@
 //! The take: due jobs locked by one statement (`FOR UPDATE SKIP LOCKED`), each the head of
 //! its key; a key followed by its next jobs.
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, QueryResult, Value};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
 
 use crate::jobs::state::{
     Stored::{Pending, Queued},
@@ -48,7 +48,7 @@ impl Taken {
 /// key — its head locked by the worker running it — hands out nothing, and a worker is never
 /// given a job it would wait for. With `chain`, each job's `followed` is read too.
 pub(crate) async fn take(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     limit: u32,
     chain: bool,
 ) -> Result<Vec<Taken>, DbErr> {
@@ -68,7 +68,7 @@ pub(crate) async fn take(
 /// the worker that just finished the key's job follows the key with it, so that a hot key's
 /// chain never waits for a free worker (`Worker::run`). `chain` as for [`take`].
 pub(crate) async fn take_key(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     key_hash: &[u8],
     chain: bool,
 ) -> Result<Vec<Taken>, DbErr> {
@@ -91,7 +91,7 @@ pub(crate) async fn take_key(
 /// job after them (`complete`'s exclusion), and one the transaction does not get to stays
 /// queued, first in line.
 pub(crate) async fn take_after(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     key_hash: &[u8],
     after: i64,
     limit: u32,
@@ -145,7 +145,7 @@ struct Scan {
 
 /// Locks the due jobs `scan` finds (`values` fill its placeholders), skipping locked rows.
 async fn lock_due(
-    txn: &DatabaseTransaction,
+    txn: &impl ConnectionTrait,
     scan: &Scan,
     values: Vec<Value>,
 ) -> Result<Vec<Taken>, DbErr> {
