@@ -31,6 +31,7 @@ mod local;
 #[cfg(feature = "mysql")]
 mod mysql_named;
 mod name;
+mod outside;
 mod pg_advisory;
 pub(crate) mod policy;
 #[cfg(feature = "redis")]

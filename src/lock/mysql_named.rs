@@ -17,10 +17,9 @@ use tracing::{debug, warn};
 
 use super::{
     LocalLock,
-    kind::LockKind,
     name::LockName,
     sql::{lock_error, statement},
-    traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole},
+    traits::{Fencing, LeaseLock, LockGuard},
 };
 use crate::{
     db::deadline::reply_bound,
@@ -96,19 +95,7 @@ impl MySqlNamedLock {
     }
 }
 
-impl LockBackend for MySqlNamedLock {
-    fn queue(&self) -> Option<&dyn LockBackend> {
-        Some(&self.queue)
-    }
-
-    fn kind(&self) -> LockKind {
-        LockKind::MySqlNamed
-    }
-
-    fn role(&self) -> LockRole<'_> {
-        LockRole::Lease(self)
-    }
-}
+super::outside::outside_backend!(MySqlNamedLock, MySqlNamed, Lease);
 
 #[async_trait]
 impl LeaseLock for MySqlNamedLock {

@@ -6,12 +6,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, Value};
 
 use super::{
-    LocalLock,
-    kind::LockKind,
-    name::LockName,
-    sql::statement,
-    traits::{LockBackend, LockRole, TransactionLock},
-    wait::with_lock_timeout,
+    LocalLock, name::LockName, sql::statement, traits::TransactionLock, wait::with_lock_timeout,
 };
 use crate::error::LockError;
 
@@ -43,19 +38,7 @@ impl PgAdvisoryLock {
     }
 }
 
-impl LockBackend for PgAdvisoryLock {
-    fn queue(&self) -> Option<&dyn LockBackend> {
-        Some(&self.queue)
-    }
-
-    fn kind(&self) -> LockKind {
-        LockKind::PgAdvisory
-    }
-
-    fn role(&self) -> LockRole<'_> {
-        LockRole::Transaction(self)
-    }
-}
+super::outside::outside_backend!(PgAdvisoryLock, PgAdvisory, Transaction);
 
 #[async_trait]
 impl TransactionLock for PgAdvisoryLock {

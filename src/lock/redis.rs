@@ -11,9 +11,8 @@ use super::{
     LocalLock,
     backoff::Backoff,
     fence, holder,
-    kind::LockKind,
     name::LockName,
-    traits::{Fencing, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
+    traits::{Fencing, LeaseLock, LockGuard, Renewal},
 };
 use crate::{error::LockError, schema::MAX_STORED_NAME};
 
@@ -137,19 +136,7 @@ async fn call<T>(future: impl Future<Output = redis::RedisResult<T>>) -> Result<
         .map_err(fail)
 }
 
-impl LockBackend for RedisLock {
-    fn queue(&self) -> Option<&dyn LockBackend> {
-        Some(&self.queue)
-    }
-
-    fn kind(&self) -> LockKind {
-        LockKind::Redis
-    }
-
-    fn role(&self) -> LockRole<'_> {
-        LockRole::Lease(self)
-    }
-}
+super::outside::outside_backend!(RedisLock, Redis, Lease);
 
 #[async_trait]
 impl LeaseLock for RedisLock {

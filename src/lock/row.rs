@@ -7,10 +7,9 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DatabaseTransaction, DbBacken
 
 use super::{
     LocalLock,
-    kind::LockKind,
     name::LockName,
     sql::{lock_error, statement},
-    traits::{LockBackend, LockRole, TransactionLock},
+    traits::TransactionLock,
     wait::with_lock_timeout,
 };
 use crate::{
@@ -84,19 +83,7 @@ impl RowLock {
     }
 }
 
-impl LockBackend for RowLock {
-    fn queue(&self) -> Option<&dyn LockBackend> {
-        Some(&self.queue)
-    }
-
-    fn kind(&self) -> LockKind {
-        LockKind::Row
-    }
-
-    fn role(&self) -> LockRole<'_> {
-        LockRole::Transaction(self)
-    }
-}
+super::outside::outside_backend!(RowLock, Row, Transaction);
 
 #[async_trait]
 impl TransactionLock for RowLock {

@@ -11,11 +11,10 @@ use super::{
     LocalLock,
     backoff::Backoff,
     floor, holder,
-    kind::LockKind,
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
     sql::{for_update, lease_free, lease_values, lock_error, millis, now_ms, statement},
-    traits::{Fencing, LeaseCheck, LeaseLock, LockBackend, LockGuard, LockRole, Renewal},
+    traits::{Fencing, LeaseCheck, LeaseLock, LockGuard, Renewal},
 };
 use crate::{
     db::deadline::{reply_bound, within},
@@ -158,19 +157,7 @@ impl TableLock {
     }
 }
 
-impl LockBackend for TableLock {
-    fn queue(&self) -> Option<&dyn LockBackend> {
-        Some(&self.queue)
-    }
-
-    fn kind(&self) -> LockKind {
-        LockKind::Table
-    }
-
-    fn role(&self) -> LockRole<'_> {
-        LockRole::Lease(self)
-    }
-}
+super::outside::outside_backend!(TableLock, Table, Lease);
 
 #[async_trait]
 impl LeaseLock for TableLock {
