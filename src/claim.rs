@@ -5,7 +5,8 @@
 //! transaction open, then marks it "done". If the worker dies after "processing", the retry sees
 //! "processing" and returns: the row is stranded forever. Here a claim is a lease (database
 //! clock): once it has expired, the work can be claimed again, and the dead worker's late
-//! `finish` is refused because the claim is no longer its own.
+//! `finish` is refused because the claim is no longer its own. Work that may outlast its lease
+//! beats with [`Claims::extend`].
 //!
 //! Claims live in freshlock's own table, `freshlock_claim` (one row per claimed key), rather than
 //! in columns of your entity: any entity works unchanged, a claim can cover work that is not one
@@ -28,14 +29,15 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend};
 use crate::{
     commit::commit_write,
     db::{
-        autocommit::read_committed,
-        deadline::{Bounded, DEFAULT_REPLY},
+        autocommit::{autocommit, read_committed},
+        deadline::{Bounded, DEFAULT_REPLY, within},
         own::{Own, rollback, rollback_after},
         pool::Pool,
     },
     error::{ApplyError, Error, Result, work_error},
     lock::{
         LockName, holder,
+        lease::{CLAIM_LEASES, Held},
         lease_row::{CLAIMS, Holder},
         sql::{millis, now_ms, statement},
     },
@@ -44,25 +46,10 @@ use crate::{
 
 /// Claims on keys (`"spam:17"`), in `db`'s `freshlock_claim` table. Cheap to clone.
 ///
-/// Claim / finish with a lease: the Django report's new → processing → done, without its
-/// stranded rows. The report marks a row "processing" in a short transaction, does the heavy work with no
-/// transaction open, then marks it "done". If the worker dies after "processing", the retry sees
-/// "processing" and returns: the row is stranded forever. Here a claim is a lease (database
-/// clock): once it has expired, the work can be claimed again, and the dead worker's late
-/// `finish` is refused because the claim is no longer its own.
-///
-/// Claims live in freshlock's own table, `freshlock_claim` (one row per claimed key), rather than
-/// in columns of your entity: any entity works unchanged, a claim can cover work that is not one
-/// row, and the lease bookkeeping (owner token, fence, expiry, holder) stays out of your schema.
-/// Keep your own state column if you want one, and update it in the same transaction as the
-/// finish with [`Claims::finish_with`].
-///
-/// A claim or finish whose `COMMIT` reply is lost is resolved like a locked write's (see
-/// [`crate::SessionBuilder::commit_markers`]): each commits with its commit evidence, so the outcome
-/// is read back on another connection — `Claimed` / `Finished` when it committed, a transient
-/// error (nothing was written: call again) when it provably did not, and
-/// [`Error::CommitUnknown`] when the database did not answer in time. A claim is never left held
-/// by a token nobody knows, and a finish that happened is never reported as `Stale`.
+/// [`claim`](Self::claim) takes a key under a lease (database clock), [`extend`](Self::extend)
+/// moves the lease on while the work runs, [`finish`](Self::finish) marks it done only while the
+/// claim is still this worker's. A lost `COMMIT` reply of a claim or a finish is resolved by its
+/// commit evidence: see the [module docs](self).
 #[derive(Clone, Debug)]
 pub struct Claims {
     db: Pool,
@@ -102,6 +89,17 @@ pub enum FinishOutcome {
     /// The claim is no longer ours (it expired and was claimed again, or was finished): nothing
     /// was changed.
     Stale,
+}
+
+impl Claim {
+    /// This claim's lease (see `lock/lease.rs`).
+    fn held(&self) -> Held<'_> {
+        Held {
+            key: self.name.clone().into(),
+            owner: &self.token,
+            fence: Some(i64::try_from(self.fence).unwrap_or(i64::MAX)),
+        }
+    }
 }
 
 fn database(operation: &'static str, name: &str, e: sea_orm::DbErr) -> Error {
@@ -246,6 +244,31 @@ impl Claims {
         Bounded::new(txn, self.reply)
     }
 
+    /// Moves `claim`'s lease to run out `lease` from now (database clock), while the claim is
+    /// still this worker's: a heartbeat for work that may outlast the lease it was claimed with
+    /// (beat every third of the lease, say). One statement that commits alone; its round trip
+    /// waits at most the reply timeout.
+    ///
+    /// `false` when the claim is no longer ours — its lease ran out and another worker claimed
+    /// the work, or it was finished: stop, the finish would be [`FinishOutcome::Stale`]. A claim
+    /// whose lease ran out but that nobody claimed again is still ours, and is extended.
+    ///
+    /// # Errors
+    /// - [`Error::InvalidLease`] when `lease` is shorter than a millisecond, and
+    ///   [`Error::InvalidPolicy`] when the reply timeout is zero; nothing is written.
+    /// - [`Error::Database`] when the database fails (transient when it is): whether the lease
+    ///   moved is then unknown; beat again.
+    pub async fn extend(&self, claim: &Claim, lease: Duration) -> Result<bool> {
+        if millis(lease) < 1 {
+            return Err(Error::InvalidLease { lease });
+        }
+        self.check()?;
+        let db = autocommit(&self.db);
+        let held = claim.held();
+        let extended = CLAIM_LEASES.extend(&db, &held, lease);
+        (within(self.reply, extended).await).map_err(|e| database("extending", &claim.name, e))
+    }
+
     /// Marks the claimed work done, only while the claim is still this worker's.
     ///
     /// # Errors
@@ -332,15 +355,11 @@ async fn mark_done(
 ) -> std::result::Result<FinishOutcome, sea_orm::DbErr> {
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
+    let held = CLAIM_LEASES.held(backend);
     let sql = format!(
-        "UPDATE {CLAIM_TABLE} SET state = 'done', owner = NULL, finished_at = {now} \
-         WHERE name = ? AND owner = ? AND fence = ? AND state = 'processing'"
+        "UPDATE {CLAIM_TABLE} SET state = 'done', owner = NULL, finished_at = {now} WHERE {held}"
     );
-    let values = vec![
-        claim.name.clone().into(),
-        claim.token.clone().into(),
-        i64::try_from(claim.fence).unwrap_or(i64::MAX).into(),
-    ];
+    let values = CLAIM_LEASES.values(&claim.held());
     let done = txn.execute_raw(statement(backend, &sql, values)).await?;
     Ok(if done.rows_affected() == 1 {
         FinishOutcome::Finished

@@ -33,8 +33,10 @@
 //!   writes a marker), markers and their sweep (`marker.rs`), resolving a lost reply
 //!   (`resolve.rs`). It knows nothing of locks' semantics or sessions.
 //! - **`lock/`** — the [`LockBackend`] trait and its halves, the backends (each owning its
-//!   in-process queue), [`LockPolicy`], names, fences, a lock statement's deadline
-//!   (`bound.rs`). A backend never knows about repositories or sessions.
+//!   in-process queue: `outside.rs`), [`LockPolicy`], names, fences, a lock statement's deadline
+//!   (`bound.rs`), and the one lease protocol (`lease.rs`: a leased row checked and extended the
+//!   same way for the `table` backend, claims and leased jobs; `lease_row.rs`: a named lease row
+//!   granted). A backend never knows about repositories or sessions.
 //! - **`db/`** — the connection edge, knowing SQL but nothing of locks or sessions: the pool's
 //!   state (`pool.rs`), `BEGIN` at the right isolation on a live connection, never cut in half
 //!   (`begin.rs`, `live.rs`, `detach.rs`), deadlines (`deadline.rs`), failure classes

@@ -73,6 +73,8 @@ async fn a_zero_reply_timeout_is_refused_and_writes_nothing() {
     assert!(invalid(claimed.unwrap_err()));
     let finished = zero.finish(&claim).await;
     assert!(invalid(finished.unwrap_err()));
+    let extended = zero.extend(&claim, Duration::from_secs(60)).await;
+    assert!(invalid(extended.unwrap_err()));
     let finished = zero
         .finish_with(&claim, |_| Box::pin(async { Ok(()) }))
         .await;
@@ -191,6 +193,117 @@ async fn an_expired_claim_is_claimed_again_and_the_late_finish_is_refused() {
         FinishOutcome::Stale,
         "the late finish is refused"
     );
+    assert_eq!(
+        claims.finish(&retry).await.unwrap(),
+        FinishOutcome::Finished
+    );
+}
+
+/// Where the claim row of `name` expires (ms since the epoch, database clock).
+async fn expires_at(db: &sea_orm::DatabaseConnection, name: &str) -> i64 {
+    let row = db
+        .query_one_raw(sea_orm::Statement::from_sql_and_values(
+            db.get_database_backend(),
+            "SELECT expires_at FROM freshlock_claim WHERE name = ?",
+            [name.into()],
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    row.try_get("", "expires_at").unwrap()
+}
+
+#[tokio::test]
+async fn an_extended_claim_stays_ours_until_its_new_expiry() {
+    let db = memory_db().await;
+    let claims = Claims::new(db.clone());
+    let ClaimOutcome::Claimed(claim) = claims
+        .claim(&key("spam:5"), Duration::from_millis(1))
+        .await
+        .unwrap()
+    else {
+        panic!("claimed");
+    };
+    let before = expires_at(&db, "spam:5").await;
+    // Whether or not its 1 ms lease has run out by now, nobody claimed it again: still ours.
+    assert!(
+        claims
+            .extend(&claim, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    let after = expires_at(&db, "spam:5").await;
+    assert!(
+        after >= before + 59_000,
+        "moved on by a minute: {before} -> {after}"
+    );
+    assert_eq!(
+        claims
+            .claim(&key("spam:5"), Duration::from_secs(60))
+            .await
+            .unwrap(),
+        ClaimOutcome::Busy,
+        "a live claim is not taken over"
+    );
+    assert_eq!(
+        claims.finish(&claim).await.unwrap(),
+        FinishOutcome::Finished
+    );
+    assert!(
+        !claims
+            .extend(&claim, Duration::from_secs(60))
+            .await
+            .unwrap(),
+        "a finished claim is not extended"
+    );
+    assert_eq!(claim_rows(&db).await, (1, Some("done".to_owned())));
+}
+
+#[tokio::test]
+async fn a_claim_taken_over_is_not_extended() {
+    let db = memory_db().await;
+    let claims = Claims::new(db.clone());
+    let ClaimOutcome::Claimed(dead) = claims
+        .claim(&key("spam:6"), Duration::from_millis(1))
+        .await
+        .unwrap()
+    else {
+        panic!("claimed");
+    };
+    let retry = loop {
+        match claims
+            .claim(&key("spam:6"), Duration::from_secs(60))
+            .await
+            .unwrap()
+        {
+            ClaimOutcome::Claimed(claim) => break claim,
+            ClaimOutcome::Busy => tokio::time::sleep(Duration::from_millis(1)).await,
+            other => panic!("{other:?}"),
+        }
+    };
+    let live = expires_at(&db, "spam:6").await;
+    assert!(
+        !claims
+            .extend(&dead, Duration::from_secs(600))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        expires_at(&db, "spam:6").await,
+        live,
+        "the new holder's lease is untouched"
+    );
+    assert!(
+        claims
+            .extend(&retry, Duration::from_secs(60))
+            .await
+            .unwrap()
+    );
+    assert!(matches!(
+        claims.extend(&retry, Duration::ZERO).await,
+        Err(freshlock::Error::InvalidLease { .. })
+    ));
+    assert_eq!(claims.finish(&dead).await.unwrap(), FinishOutcome::Stale);
     assert_eq!(
         claims.finish(&retry).await.unwrap(),
         FinishOutcome::Finished

@@ -26,6 +26,7 @@ mod fence;
 pub(crate) mod floor;
 pub(crate) mod holder;
 pub(crate) mod kind;
+pub(crate) mod lease;
 pub(crate) mod lease_row;
 mod local;
 #[cfg(feature = "mysql")]

@@ -57,11 +57,8 @@ pub(crate) fn fence_folded(backend: DbBackend) -> &'static str {
 /// of name `?` where it still has owner `?`, fence `?` and an expiry in the future, keeping it
 /// locked until the transaction ends. One row changed: the lease was still held.
 pub(crate) fn lease_free(backend: DbBackend) -> String {
-    let now = now_ms(backend);
-    format!(
-        "UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 \
-         WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}"
-    )
+    let held = super::lease::LOCK_LEASES.held(backend);
+    format!("UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE {held}")
 }
 
 /// The values of [`lease_free`] for a lease's row: its (stored) name, its owner token and the

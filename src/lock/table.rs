@@ -11,9 +11,10 @@ use super::{
     LocalLock,
     backoff::Backoff,
     floor, holder,
+    lease::{Held, LOCK_LEASES},
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
-    sql::{for_update, lease_free, lease_values, lock_error, millis, now_ms, statement},
+    sql::{lease_free, lease_values, lock_error, statement},
     traits::{Fencing, LeaseCheck, LeaseLock, LockGuard, Renewal},
 };
 use crate::{
@@ -197,6 +198,15 @@ struct TableGuard {
 }
 
 impl TableGuard {
+    /// This grant's lease (see `lease.rs`).
+    fn held(&self) -> Held<'_> {
+        Held {
+            key: self.name.clone().into(),
+            owner: &self.token,
+            fence: Some(self.fence),
+        }
+    }
+
     async fn release_now(db: &Pool, name: &str, token: &str) -> Result<(), LockError> {
         let backend = db.get_database_backend();
         let sql = format!(
@@ -264,25 +274,9 @@ impl Fencing for TableGuard {
     }
 
     async fn verify(&self, txn: &DatabaseTransaction) -> Result<bool, LockError> {
-        let backend = txn.get_database_backend();
-        let now = now_ms(backend);
-        // FOR UPDATE: a takeover of this row waits until our transaction ends, so the lease cannot
-        // be lost between this check and the commit. (SQLite: BEGIN IMMEDIATE already excludes it.)
-        let lock = for_update(backend);
-        let sql = format!(
-            "SELECT fence FROM {LOCK_TABLE} \
-             WHERE name = ? AND owner = ? AND fence = ? AND expires_at > {now}{lock}"
-        );
-        let values = vec![
-            self.name.clone().into(),
-            self.token.clone().into(),
-            self.fence.into(),
-        ];
-        let row = txn
-            .query_one_raw(statement(backend, &sql, values))
-            .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        Ok(row.is_some())
+        // FOR UPDATE: a takeover of this row waits until our transaction ends, so the lease
+        // cannot be lost between this check and the commit (see `lease.rs`).
+        (LOCK_LEASES.check(txn, &self.held()).await).map_err(|e| lock_error(KIND, LOCK_TABLE, e))
     }
 
     /// One UPDATE that checks the grant (as [`verify`](Fencing::verify)) and frees the row; it
@@ -310,23 +304,10 @@ impl Fencing for TableGuard {
 #[async_trait]
 impl Renewal for TableGuard {
     async fn extend(&self, ttl: Duration) -> Result<bool, LockError> {
-        let backend = self.db.get_database_backend();
-        let now = now_ms(backend);
-        let sql = format!(
-            "UPDATE {LOCK_TABLE} SET expires_at = {now} + ? \
-             WHERE name = ? AND owner = ? AND expires_at > {now}"
-        );
-        let values = vec![
-            millis(ttl).into(),
-            self.name.clone().into(),
-            self.token.clone().into(),
-        ];
         let db = autocommit(&self.db);
-        let extend = db.execute_raw(statement(backend, &sql, values));
-        let updated = within(reply_bound(ttl), extend)
-            .await
-            .map_err(|e| lock_error(KIND, LOCK_TABLE, e))?;
-        Ok(updated.rows_affected() == 1)
+        let held = self.held();
+        let extend = LOCK_LEASES.extend(&db, &held, ttl);
+        (within(reply_bound(ttl), extend).await).map_err(|e| lock_error(KIND, LOCK_TABLE, e))
     }
 }
 

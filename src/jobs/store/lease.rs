@@ -8,7 +8,10 @@ use sea_orm::{ConnectionTrait, DbErr};
 use crate::jobs::state::Stored::{Leased, Pending};
 use crate::{
     db::{autocommit::upkeep, pool::Pool},
-    lock::sql::{for_update, millis, now_ms, statement},
+    lock::{
+        lease::{Held, Lapse, Leases},
+        sql::{millis, now_ms, statement},
+    },
     schema::JOB_TABLE,
 };
 
@@ -39,40 +42,47 @@ pub(crate) async fn claim(
         .map(drop)
 }
 
+/// Leased jobs' leases: in the job's own row (see `lock/lease.rs` for why), held while the job
+/// is `LEASED` and until another worker reclaims it.
+const JOB_LEASES: Leases = Leases {
+    table: JOB_TABLE,
+    key: "id",
+    expires: "lease_until",
+    leased: LEASED,
+    fence: false,
+    lapse: Lapse::WhenTaken,
+};
+
+/// The condition of a leased job (its state's code is pinned: see `state.rs`).
+const LEASED: &str = "state = 1";
+
+/// `owner`'s lease on job `id`.
+fn held(id: i64, owner: &str) -> Held<'_> {
+    Held {
+        key: id.into(),
+        owner,
+        fence: None,
+    }
+}
+
 /// Locks job `id` in `txn` if `owner`'s claim on it still holds (the fence of a leased job's
 /// finish): `false` when its lease expired and was reclaimed, whether or not another worker
 /// took it since. An expired lease that nobody reclaimed yet still holds: the row's lock keeps
 /// [`reclaim`] out until `txn` ends.
 pub(crate) async fn hold(txn: &impl ConnectionTrait, id: i64, owner: &str) -> Result<bool, DbErr> {
-    let backend = txn.get_database_backend();
-    let lock = for_update(backend);
-    let sql =
-        format!("SELECT id FROM {JOB_TABLE} WHERE id = ? AND state = {Leased} AND owner = ?{lock}");
-    let row = txn
-        .query_one_raw(statement(backend, &sql, vec![id.into(), owner.into()]))
-        .await?;
-    Ok(row.is_some())
+    JOB_LEASES.check(txn, &held(id, owner)).await
 }
 
 /// Extends `owner`'s lease on job `id` to `lease` from now (a heartbeat): `false` when the
-/// claim no longer holds.
+/// claim no longer holds. (The expiry moves by a third of the lease between beats, so the row
+/// always changes: MySQL counts changed rows only.)
 pub(crate) async fn extend(
     db: &impl ConnectionTrait,
     id: i64,
     owner: &str,
     lease: Duration,
 ) -> Result<bool, DbErr> {
-    let backend = db.get_database_backend();
-    let now = now_ms(backend);
-    // The expiry moves by a third of the lease between beats, so the row always changes (MySQL
-    // counts changed rows only).
-    let sql = format!(
-        "UPDATE {JOB_TABLE} SET lease_until = {now} + ? \
-         WHERE id = ? AND state = {Leased} AND owner = ?"
-    );
-    let values = vec![millis(lease).into(), id.into(), owner.into()];
-    let done = db.execute_raw(statement(backend, &sql, values)).await?;
-    Ok(done.rows_affected() == 1)
+    JOB_LEASES.extend(db, &held(id, owner), lease).await
 }
 
 /// Makes every leased job whose lease expired wait again, due now (its worker stopped, hung or
@@ -87,4 +97,14 @@ pub(crate) async fn reclaim(db: &Pool) -> Result<u64, DbErr> {
     let why = "the lease expired before the job finished (its worker stopped, hung or lost the \
                database)";
     upkeep(db, statement(backend, &sql, vec![why.into()])).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_leased_job_is_told_by_its_state_code() {
+        assert_eq!(LEASED, format!("state = {Leased}"));
+    }
 }
