@@ -1,42 +1,22 @@
 //! `freshlock_claim`: claims with a lease ([`crate::claim::Claims`]).
 
-use super::MAX_STORED_NAME;
+use super::{CLAIM_TABLE, lease_row::lease_table};
 use sea_orm::DbErr;
 use sea_orm_migration::{
     SchemaManager,
     prelude::{DeriveIden, Table},
-    schema::{big_integer, big_integer_null, string_len, string_len_null},
+    schema::big_integer_null,
     sea_query::TableCreateStatement,
 };
 
 #[derive(DeriveIden)]
 enum FreshlockClaim {
     Table,
-    Name,
-    State,
-    Owner,
-    Fence,
-    ExpiresAt,
-    Host,
-    Pid,
-    Label,
-    ClaimedAt,
     FinishedAt,
 }
 
 pub(super) fn claim_table() -> TableCreateStatement {
-    Table::create()
-        .table(FreshlockClaim::Table)
-        .if_not_exists()
-        .col(string_len(FreshlockClaim::Name, MAX_STORED_NAME as u32).primary_key())
-        .col(string_len(FreshlockClaim::State, 16))
-        .col(string_len_null(FreshlockClaim::Owner, 64))
-        .col(big_integer(FreshlockClaim::Fence).default(0))
-        .col(big_integer(FreshlockClaim::ExpiresAt).default(0))
-        .col(string_len_null(FreshlockClaim::Host, 255))
-        .col(big_integer_null(FreshlockClaim::Pid))
-        .col(string_len_null(FreshlockClaim::Label, 255))
-        .col(big_integer_null(FreshlockClaim::ClaimedAt))
+    lease_table(CLAIM_TABLE, true, "claimed_at")
         .col(big_integer_null(FreshlockClaim::FinishedAt))
         .to_owned()
 }

@@ -1,25 +1,17 @@
 //! The first migration: `freshlock_lock` (leases, fences, holders) and `freshlock_row_lock`.
 
-use super::MAX_STORED_NAME;
+use super::{LOCK_TABLE, MAX_STORED_NAME, lease_row::lease_table};
 use sea_orm::DbErr;
 use sea_orm_migration::{
     SchemaManager,
     prelude::{DeriveIden, Table},
-    schema::{big_integer, big_integer_null, string_len, string_len_null},
+    schema::string_len,
     sea_query::TableCreateStatement,
 };
 
 #[derive(DeriveIden)]
 enum FreshlockLock {
     Table,
-    Name,
-    Owner,
-    Fence,
-    ExpiresAt,
-    Host,
-    Pid,
-    Label,
-    AcquiredAt,
 }
 
 #[derive(DeriveIden)]
@@ -29,18 +21,7 @@ enum FreshlockRowLock {
 }
 
 pub(super) fn lock_table() -> TableCreateStatement {
-    Table::create()
-        .table(FreshlockLock::Table)
-        .if_not_exists()
-        .col(string_len(FreshlockLock::Name, MAX_STORED_NAME as u32).primary_key())
-        .col(string_len_null(FreshlockLock::Owner, 64))
-        .col(big_integer(FreshlockLock::Fence).default(0))
-        .col(big_integer(FreshlockLock::ExpiresAt).default(0))
-        .col(string_len_null(FreshlockLock::Host, 255))
-        .col(big_integer_null(FreshlockLock::Pid))
-        .col(string_len_null(FreshlockLock::Label, 255))
-        .col(big_integer_null(FreshlockLock::AcquiredAt))
-        .to_owned()
+    lease_table(LOCK_TABLE, false, "acquired_at")
 }
 
 pub(super) fn row_lock_table() -> TableCreateStatement {

@@ -69,6 +69,7 @@ mod commit;
 mod floor;
 mod incarnation;
 mod job;
+mod lease_row;
 mod locks;
 mod marker_age;
 mod statements;
