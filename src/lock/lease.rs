@@ -157,6 +157,37 @@ impl Leases {
     }
 }
 
+/// A held lease's check and release (`table`'s `verify_and_release_in`): frees the lease row
+/// of name `?` where it still has owner `?`, fence `?` and an expiry in the future, keeping it
+/// locked until the transaction ends. One row changed: the lease was still held.
+pub(crate) fn lease_free(backend: DbBackend) -> String {
+    let held = LOCK_LEASES.held(backend);
+    format!("UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE {held}")
+}
+
+/// The values of [`lease_free`] for a lease's row: its (stored) name, its owner token and the
+/// grant's fence.
+pub(crate) fn lease_values(name: &str, owner: &str, fence: i64) -> [Value; 3] {
+    [name.into(), owner.into(), fence.into()]
+}
+
+/// [`lease_free`] on MySQL/MariaDB with its `values` ([`lease_values`]) written into the text
+/// (see `inline.rs`), to ride in a message of several statements (see
+/// [`crate::lock::Fencing::owned_row`]); `None` when a value cannot be written in.
+#[cfg(feature = "mysql")]
+pub(crate) fn lease_free_written(values: [Value; 3]) -> Option<String> {
+    crate::db::inline::written(&lease_free(DbBackend::MySql), values)
+}
+
+/// [`lease_free`] as a data-modifying `WITH` before a PostgreSQL statement whose own values are
+/// `$1` to `$first - 1` (see [`crate::lock::Fencing::owned_row`]): `freed` has a row when the
+/// lease was still held, and this statement's transaction then frees it. PostgreSQL runs the
+/// `UPDATE` once, whether or not the statement reads `freed`.
+pub(crate) fn lease_freed(first: u32) -> String {
+    let free = super::sql::numbered(&lease_free(DbBackend::Postgres), first);
+    format!("WITH freed AS ({free} RETURNING 1) ")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -186,5 +217,20 @@ mod tests {
             CLAIM_LEASES.values(&holder),
             vec![Value::from("n"), Value::from("t"), Value::from(7_i64)]
         );
+    }
+
+    /// The check-and-free written into a MySQL message is the bound statement's text with its
+    /// three values in place: the name and the token as hexadecimal literals (whatever they
+    /// hold), the fence as a number.
+    #[cfg(feature = "mysql")]
+    #[test]
+    fn a_written_lease_check_is_the_bound_text_with_its_values() {
+        let text = lease_free_written(lease_values("it's ?", "ab", -3)).expect("written");
+        let expected = lease_free(DbBackend::MySql)
+            .replacen('?', "_utf8mb4 X'69742773203F'", 1)
+            .replacen('?', "_utf8mb4 X'6162'", 1)
+            .replacen('?', "-3", 1);
+        assert_eq!(text, expected);
+        assert!(!text.contains('?'), "{text}");
     }
 }

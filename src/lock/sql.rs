@@ -5,7 +5,7 @@ use sea_orm::{DbBackend, DbErr, Statement, Value};
 use crate::{
     db::failure::{Failure, classify},
     error::LockError,
-    schema::{LOCK_TABLE, MIGRATION_NAME},
+    schema::MIGRATION_NAME,
 };
 
 /// The database clock in milliseconds since the Unix epoch. Only this clock decides whether a
@@ -53,37 +53,6 @@ pub(crate) fn fence_folded(backend: DbBackend) -> &'static str {
     }
 }
 
-/// A held lease's check and release (`table`'s `verify_and_release_in`): frees the lease row
-/// of name `?` where it still has owner `?`, fence `?` and an expiry in the future, keeping it
-/// locked until the transaction ends. One row changed: the lease was still held.
-pub(crate) fn lease_free(backend: DbBackend) -> String {
-    let held = super::lease::LOCK_LEASES.held(backend);
-    format!("UPDATE {LOCK_TABLE} SET owner = NULL, expires_at = 0 WHERE {held}")
-}
-
-/// The values of [`lease_free`] for a lease's row: its (stored) name, its owner token and the
-/// grant's fence.
-pub(crate) fn lease_values(name: &str, owner: &str, fence: i64) -> [Value; 3] {
-    [name.into(), owner.into(), fence.into()]
-}
-
-/// [`lease_free`] on MySQL/MariaDB with its `values` ([`lease_values`]) written into the text
-/// (see `inline.rs`), to ride in a message of several statements (see
-/// [`crate::lock::Fencing::owned_row`]); `None` when a value cannot be written in.
-#[cfg(feature = "mysql")]
-pub(crate) fn lease_free_written(values: [Value; 3]) -> Option<String> {
-    crate::db::inline::written(&lease_free(DbBackend::MySql), values)
-}
-
-/// [`lease_free`] as a data-modifying `WITH` before a PostgreSQL statement whose own values are
-/// `$1` to `$first - 1` (see [`crate::lock::Fencing::owned_row`]): `freed` has a row when the
-/// lease was still held, and this statement's transaction then frees it. PostgreSQL runs the
-/// `UPDATE` once, whether or not the statement reads `freed`.
-pub(crate) fn lease_freed(first: u32) -> String {
-    let free = numbered(&lease_free(DbBackend::Postgres), first);
-    format!("WITH freed AS ({free} RETURNING 1) ")
-}
-
 /// A statement from SQL written with `?` placeholders (numbered `$n` for PostgreSQL). A `?`
 /// inside a quoted literal or identifier (`'…'`, `"…"`, quotes doubled inside) is text, not a
 /// placeholder.
@@ -120,7 +89,7 @@ pub(crate) fn millis(duration: std::time::Duration) -> i64 {
 /// and every cut is at a character boundary), the text between placeholders copied in slices.
 /// Every grant and lease check goes through here: a character at a time cost ~25,000
 /// instructions per grant.
-fn numbered(sql: &str, first: u32) -> String {
+pub(super) fn numbered(sql: &str, first: u32) -> String {
     use std::fmt::Write as _;
     let mut numbered = String::with_capacity(sql.len() + 16);
     let (mut n, mut quote, mut copied) = (first.saturating_sub(1), None::<u8>, 0);
@@ -170,20 +139,5 @@ mod tests {
             "{}",
             numbered(&many, 1)
         );
-    }
-
-    /// The check-and-free written into a MySQL message is the bound statement's text with its
-    /// three values in place: the name and the token as hexadecimal literals (whatever they
-    /// hold), the fence as a number.
-    #[cfg(feature = "mysql")]
-    #[test]
-    fn a_written_lease_check_is_the_bound_text_with_its_values() {
-        let text = lease_free_written(lease_values("it's ?", "ab", -3)).expect("written");
-        let expected = lease_free(DbBackend::MySql)
-            .replacen('?', "_utf8mb4 X'69742773203F'", 1)
-            .replacen('?', "_utf8mb4 X'6162'", 1)
-            .replacen('?', "-3", 1);
-        assert_eq!(text, expected);
-        assert!(!text.contains('?'), "{text}");
     }
 }

@@ -11,10 +11,10 @@ use super::{
     LocalLock,
     backoff::Backoff,
     floor, holder,
-    lease::{Held, LOCK_LEASES},
+    lease::{Held, LOCK_LEASES, lease_free, lease_values},
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
-    sql::{lease_free, lease_values, lock_error, statement},
+    sql::{lock_error, statement},
     traits::{Fencing, LeaseCheck, LeaseLock, LockGuard, Renewal},
 };
 use crate::{

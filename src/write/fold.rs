@@ -96,7 +96,7 @@ impl Locking {
         }
     }
 
-    /// The values of the lease's check-and-free ([`crate::lock::sql::lease_values`]) for a row
+    /// The values of the lease's check-and-free ([`crate::lock::lease::lease_values`]) for a row
     /// write under `lockings` on MySQL/MariaDB to send first in the message of its commit marker
     /// (`marked`: it has one) and its UPDATE or DELETE (see
     /// [`crate::write::row_sql::update_with_evidence`]), where no statement before it can free the lease
@@ -118,7 +118,7 @@ impl Locking {
         }
         let fencing = locking.guard.as_ref()?.fencing()?;
         let (name, owner) = fencing.owned_row()?;
-        let values = crate::lock::sql::lease_values(name, owner, fence_of(fencing));
+        let values = crate::lock::lease::lease_values(name, owner, fence_of(fencing));
         locking.fold = Fold::Pending;
         Some(values)
     }

@@ -167,7 +167,7 @@ pub(crate) async fn reload_for_update<E: EntityTrait>(
                     "a lease freed by the reload needs PostgreSQL, not {backend:?}"
                 )));
             }
-            let lease = crate::lock::sql::lease_values(&name, &owner, fence);
+            let lease = crate::lock::lease::lease_values(&name, &owner, fence);
             let statement = freeing_lease(reload, lease);
             return E::find().from_raw_sql(statement).one(txn).await;
         }
@@ -190,7 +190,7 @@ fn freeing_lease<E: EntityTrait>(reload: Select<E>, lease: [sea_orm::Value; 3]) 
     let mut values = built.values.map(|values| values.0).unwrap_or_default();
     // The reload's own values are `$1` to `$n`; the lease's follow.
     let first = u32::try_from(values.len() + 1).unwrap_or(u32::MAX);
-    let with = crate::lock::sql::lease_freed(first);
+    let with = crate::lock::lease::lease_freed(first);
     values.extend(lease);
     Statement::from_sql_and_values(DbBackend::Postgres, format!("{with}{}", built.sql), values)
 }

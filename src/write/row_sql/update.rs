@@ -80,7 +80,7 @@ pub(crate) struct Sending<'a> {
     /// The bound on each round trip.
     pub(crate) reply: Duration,
     /// MySQL/MariaDB only, with `markers`: the values of a held `table` lease's check-and-free
-    /// ([`crate::lock::sql::lease_free`]: name, owner token, fence), sent first in the marker's
+    /// ([`crate::lock::lease::lease_free`]: name, owner token, fence), sent first in the marker's
     /// and the UPDATE's message — or, where that message cannot be written, as a statement of
     /// its own before them. The caller has not checked the lease; a write returned then found
     /// it held, and its transaction frees it.
@@ -255,13 +255,13 @@ pub(super) fn marked_message(
     match lease {
         None => Some(message),
         Some(lease) => {
-            let free = crate::lock::sql::lease_free_written(lease.clone())?;
+            let free = crate::lock::lease::lease_free_written(lease.clone())?;
             Some(format!("{free}; {message}"))
         }
     }
 }
 
-/// A held lease's check-and-free ([`crate::lock::sql::lease_free`], `lease` its values) as a
+/// A held lease's check-and-free ([`crate::lock::lease::lease_free`], `lease` its values) as a
 /// bound statement of its own on MySQL/MariaDB, in `db`'s transaction: whether it found the
 /// lease held (and freed it, for this transaction's commit to end).
 #[cfg(feature = "mysql")]
@@ -269,7 +269,7 @@ pub(super) async fn free_lease<C: ConnectionTrait>(
     db: &C,
     lease: [Value; 3],
 ) -> Result<bool, DbErr> {
-    let free = crate::lock::sql::lease_free(DbBackend::MySql);
+    let free = crate::lock::lease::lease_free(DbBackend::MySql);
     let free = crate::lock::sql::statement(DbBackend::MySql, &free, lease.to_vec());
     Ok(db.execute_raw(free).await?.rows_affected() == 1)
 }
