@@ -17,7 +17,9 @@
 //! - **`write/`** — the engine and its steps: `engine.rs` (the one attempt loop: begin, step,
 //!   fence checks, commit with evidence, cache effects, retries), `locking.rs` (a section's lock
 //!   under the policy), `fold.rs` (what a lock adds to a row step's statement, in one place),
-//!   `row_step.rs` (one row's reload, decision and write), `locked_update.rs` (its front door,
+//!   `row_step.rs` (one row's reload, decision and write), `rows_step.rs` (several rows', for
+//!   `locked_update_many` / `_pair` / `_with`), `row_write.rs` (the one row write both use:
+//!   hooks, key check, guard, UPDATE with evidence), `locked_update.rs` (its front door,
 //!   polled in place, detached on cancel), `room.rs` / `combine.rs` (commit combining: rooms and
 //!   seats, the holder's batch), `section.rs`, `row.rs` (how a row is named, and the one
 //!   primary-key check), `decision.rs`, `save.rs`, and `row_sql/` (the SQL of a row write:

@@ -1,27 +1,29 @@
-//! Locked writes built on a retrying section: several rows of one entity in one transaction
-//! ([`Repository::locked_update_many`], [`Repository::locked_update_pair`]), and one row whose
+//! Locked writes of several rows of one entity in one transaction
+//! ([`Repository::locked_update_many`], [`Repository::locked_update_pair`]), and of one row whose
 //! `apply` runs statements of its own in the transaction ([`Repository::locked_update_with`]).
+//! They take their locks as a section does (one canonical order) and run the rows' write step
+//! (`write/rows_step.rs`), whose row write is `locked_update`'s (`write/row_write.rs`): the
+//! same hooks, key check, guard, fence before the first UPDATE and evidence in the last.
 //!
-//! Each polls its section in place and, if the caller's future is dropped, moves it to a task
+//! Each polls its write in place and, if the caller's future is dropped, moves it to a task
 //! of its own (`apply` is `'static`; see `detach.rs`), so a drop never cuts a statement in half
 //! — the section runs to its commit or rollback and releases its locks, as if the caller had
 //! waited.
 
-use std::{collections::HashSet, sync::Arc};
+use std::collections::HashSet;
 
-use sea_orm::{ActiveModelTrait, EntityTrait, IntoActiveModel, sea_query::IntoValueTuple};
-use tokio::sync::Mutex;
+use sea_orm::{DatabaseTransaction, EntityTrait, IntoActiveModel, sea_query::IntoValueTuple};
 
 use crate::{
     db::detach::Detachable,
     error::{ApplyError, Error, Result},
-    outcome::{ManyReport, Report, SaveOutcome, UpdateOutcome, UpdateReport},
+    outcome::{ManyReport, Report, UpdateOutcome, UpdateReport},
     repository::{PrimaryKeyOf, Repository},
     session::Session,
-    tx::{ForUpdate, Tx},
-    tx_repository::TxRepository,
+    tx::Tx,
     write::row::Row,
-    write::section::{SectionOutcome, SectionWork},
+    write::rows_step::{Applied, Apply, Drafts, RowsStep},
+    write::section::SectionWork,
 };
 
 impl<E> Repository<E>
@@ -37,9 +39,10 @@ where
     /// order (sorted by name), so two callers locking the same rows in opposite orders never
     /// deadlock, across processes too → opens one transaction → reloads every row in that order
     /// (`FOR UPDATE` off SQLite) → runs `apply` on the drafts, given in the order of `ids` →
-    /// writes only each row's changed columns, each guarded as in `locked_update` (with the
-    /// `before_save` / `after_save` hooks) → checks every lease's fence → commits (with a
-    /// commit marker) → caches the stored rows → releases every lock.
+    /// checks every lease's fence (a lost lease sends no UPDATE) → writes only each row's
+    /// changed columns, each guarded as in `locked_update` (with the `before_save` /
+    /// `after_save` hooks), the last UPDATE taking the commit's evidence where the database
+    /// allows → commits → caches the stored rows → releases every lock.
     ///
     /// A guard conflict or a transient error (deadlock, lock timeout, busy SQLite, a connection
     /// lost before the commit) runs the whole set again, up to the policy's `write_attempts`. If a
@@ -191,92 +194,22 @@ where
     // The canonical order: the locks' (the section sorts them the same way), then the rows'.
     let mut order: Vec<usize> = (0..rows.len()).collect();
     order.sort_by(|&a, &b| (&rows[a].lock, &rows[a].name).cmp(&(&rows[b].lock, &rows[b].name)));
-    for row in &rows {
-        session.map().remove(&row.key);
-    }
-    let (rows, order) = (Arc::new(rows), Arc::new(order));
-    let apply = Arc::new(Mutex::new(apply));
-    let label = rows_label(&rows);
-    let report = session
-        .section(rows.iter().map(|row| row.lock.clone()))
-        .run_retrying(|tx| {
-            let (rows, order, apply) = (Arc::clone(&rows), Arc::clone(&order), Arc::clone(&apply));
-            let label = label.clone();
-            Box::pin(async move {
-                let repo = tx.repository::<E>();
-                let mut found = vec![None; rows.len()];
-                for &i in order.iter() {
-                    found[i] = repo.load_row_locked(&rows[i], ForUpdate::Wait).await?;
-                }
-                if found.iter().any(Option::is_none) {
-                    return Ok(found
-                        .into_iter()
-                        .map(|model| {
-                            model.map_or(UpdateOutcome::NotFound, UpdateOutcome::Unchanged)
-                        })
-                        .collect());
-                }
-                let originals: Vec<Arc<E::Model>> = found.into_iter().flatten().collect();
-                let mut drafts: Vec<E::ActiveModel> = originals
-                    .iter()
-                    .map(|model| (**model).clone().into_active_model())
-                    .collect();
-                (apply.lock().await)(&mut drafts).map_err(|source| Error::Apply {
-                    target: label.clone(),
-                    source: source.into_inner(),
-                })?;
-                let mut drafts: Vec<Option<E::ActiveModel>> =
-                    drafts.into_iter().map(Some).collect();
-                let mut outcomes: Vec<Option<UpdateOutcome<E::Model>>> =
-                    (0..rows.len()).map(|_| None).collect();
-                for &i in order.iter() {
-                    let Some(draft) = drafts[i].take() else {
-                        continue;
-                    };
-                    outcomes[i] = Some(write_row(&repo, &rows[i], &originals[i], draft).await?);
-                }
-                Ok(outcomes.into_iter().flatten().collect())
-            }) as SectionWork<'_, Vec<UpdateOutcome<E::Model>>>
-        })
-        .await?;
-    let outcomes = match report.outcome {
-        SectionOutcome::Committed(outcomes) => outcomes,
-        _ => rows.iter().map(|_| UpdateOutcome::LeaseLost).collect(),
+    let locks: Vec<_> = rows.iter().map(|row| row.lock.clone()).collect();
+    let mut step = RowsStep::<E, _> {
+        entity: std::marker::PhantomData,
+        session: session.clone(),
+        label: rows_label(&rows),
+        rows,
+        order,
+        apply: Drafts(apply),
     };
+    let ran = session.section(locks).run_step(true, &mut step).await?;
     Ok(ManyReport {
-        outcomes,
-        locks: report.locks,
-        attempts: report.attempts,
-        conflicts: report.conflicts,
+        outcomes: ran.value,
+        locks: ran.locks,
+        attempts: ran.attempts,
+        conflicts: ran.conflicts,
     })
-}
-
-/// Writes `draft`'s changes to `row` (read locked as `original`), guarded; a refusal is a
-/// conflict error, which runs the section again.
-async fn write_row<E>(
-    repo: &TxRepository<'_, E>,
-    row: &Row,
-    original: &Arc<E::Model>,
-    draft: E::ActiveModel,
-) -> Result<UpdateOutcome<E::Model>>
-where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
-{
-    row.check_key::<E>(&draft)?;
-    if !draft.is_changed() {
-        return Ok(UpdateOutcome::Unchanged(Arc::clone(original)));
-    }
-    match repo.save_row(row, original, draft).await? {
-        SaveOutcome::Updated(model) => Ok(UpdateOutcome::Updated(model)),
-        SaveOutcome::Unchanged => Ok(UpdateOutcome::Unchanged(Arc::clone(original))),
-        // Locked since the reload: only a write outside every lock can get here.
-        _ => Err(Error::Conflict {
-            target: row.to_string(),
-            attempts: 1,
-        }),
-    }
 }
 
 async fn update_with<E, F>(session: Session, row: Row, apply: F) -> Result<UpdateReport<E::Model>>
@@ -286,44 +219,82 @@ where
     E::ActiveModel: Send,
     F: for<'a> FnMut(&'a mut E::ActiveModel, &'a Tx) -> SectionWork<'a, ()> + Send + 'static,
 {
-    session.map().remove(&row.key);
-    let row = Arc::new(row);
-    let apply = Arc::new(Mutex::new(apply));
-    let report = session
-        .section([row.lock.clone()])
-        .run_retrying(|tx| {
-            let (row, apply) = (Arc::clone(&row), Arc::clone(&apply));
-            Box::pin(async move {
-                let repo = tx.repository::<E>();
-                let Some(original) = repo.load_row_locked(&row, ForUpdate::Wait).await? else {
-                    return Ok(UpdateOutcome::NotFound);
-                };
-                let mut draft = (*original).clone().into_active_model();
-                {
-                    let mut apply = apply.lock().await;
-                    (apply)(&mut draft, tx).await.map_err(|source| {
-                        // The section's statements' errors stay what they are.
-                        match crate::write::section::section_error(row.name.as_str(), source) {
-                            Error::SectionAborted { source, .. } => Error::Apply {
-                                target: row.to_string(),
-                                source,
-                            },
-                            other => other,
-                        }
-                    })?;
-                }
-                Ok(write_row(&repo, &row, &original, draft).await?)
-            }) as SectionWork<'_, UpdateOutcome<E::Model>>
-        })
-        .await?;
+    let locks = [row.lock.clone()];
+    let mut step = RowsStep::<E, _> {
+        entity: std::marker::PhantomData,
+        session: session.clone(),
+        label: row.to_string(),
+        apply: WithTx {
+            session: session.clone(),
+            name: row.name.as_str().to_owned(),
+            apply,
+        },
+        rows: vec![row],
+        order: vec![0],
+    };
+    let ran = session.section(locks).run_step(true, &mut step).await?;
+    let lock = ran
+        .locks
+        .into_iter()
+        .next()
+        .ok_or_else(|| Error::Interrupted {
+            target: step.label.clone(),
+        })?;
     Ok(Report {
         batch: 1,
-        outcome: match report.outcome {
-            SectionOutcome::Committed(outcome) => outcome,
-            _ => UpdateOutcome::LeaseLost,
-        },
-        lock: report.lock,
-        attempts: report.attempts,
-        conflicts: report.conflicts,
+        outcome: ran
+            .value
+            .into_iter()
+            .next()
+            .unwrap_or(UpdateOutcome::NotFound),
+        lock,
+        attempts: ran.attempts,
+        conflicts: ran.conflicts,
     })
+}
+
+/// `locked_update_with`'s `apply`: run on the draft with the attempt's transaction as a [`Tx`],
+/// so that what it writes there commits with the row (and reaches the cache at the commit).
+struct WithTx<F> {
+    session: Session,
+    /// The row's lock name, which names a failed `apply`'s own statements.
+    name: String,
+    apply: F,
+}
+
+impl<E, F> Apply<E> for WithTx<F>
+where
+    E: EntityTrait,
+    E::ActiveModel: Send,
+    F: for<'a> FnMut(&'a mut E::ActiveModel, &'a Tx) -> SectionWork<'a, ()> + Send,
+{
+    const WRITES: bool = true;
+
+    async fn apply(
+        &mut self,
+        txn: DatabaseTransaction,
+        label: &str,
+        drafts: &mut [E::ActiveModel],
+    ) -> (DatabaseTransaction, Applied) {
+        let tx = Tx::new(txn, self.session.clone());
+        let worked = match drafts {
+            [draft] => (self.apply)(draft, &tx).await,
+            _ => Err(ApplyError::msg(
+                "locked_update_with was given another number of rows",
+            )),
+        };
+        let (txn, effects, conflicted) = tx.into_parts();
+        let applied = worked.map(|()| effects).map_err(|source| {
+            // The section's statements' errors stay what they are.
+            let error = match crate::write::section::section_error(&self.name, source) {
+                Error::SectionAborted { source, .. } => Error::Apply {
+                    target: label.to_owned(),
+                    source,
+                },
+                other => other,
+            };
+            (error, conflicted)
+        });
+        (txn, applied)
+    }
 }

@@ -63,6 +63,36 @@ async fn a_lost_lease_refuses_the_write() {
     assert_eq!(session.cache_stats().len, 0);
 }
 
+/// `locked_update_many` checks its leases before its first UPDATE, as `locked_update` does:
+/// a lost lease sends no UPDATE at all (the section it ran as before checked at the commit,
+/// after writing every row), and nothing is written or cached.
+#[tokio::test]
+async fn a_lost_lease_refuses_a_many_row_write_before_any_update() {
+    let (db, recorder) = common::memory_db_recorded().await;
+    seed_nodes(&db, 2).await;
+    let fake = FakeLock::new();
+    fake.lose_lease(true);
+    let session = session_with(&db, Arc::new(fake), OnLockFailure::Fail);
+    recorder.clear();
+    let report = session
+        .repository::<node::Entity>()
+        .locked_update_pair(1, 2, |a, b| {
+            set_score(5)(a)?;
+            set_score(6)(b)
+        })
+        .await
+        .unwrap();
+    assert!(
+        (report.outcomes.iter()).all(|o| matches!(o, UpdateOutcome::LeaseLost)),
+        "{:?}",
+        report.outcomes
+    );
+    assert_eq!(recorder.count("UPDATE"), 0, "{:?}", recorder.statements());
+    assert_eq!(node_in_db(&db, 1).await.score, None, "nothing written");
+    assert_eq!(node_in_db(&db, 2).await.score, None, "nothing written");
+    assert_eq!(session.cache_stats().len, 0);
+}
+
 #[tokio::test]
 async fn lease_expiry_follows_the_database_clock() {
     let db = memory_db().await;

@@ -138,6 +138,53 @@ async fn every_backend_sends_the_statements_it_documents() {
     sends_per_call(&db, &pool, &proxy, backends).await;
 }
 
+/// `locked_update_pair` runs on the row write of `locked_update` (`rows_step.rs`): under the
+/// in-process lock it sends `BEGIN`, one reload per row, one UPDATE per row — the last taking
+/// the commit's evidence in its own statement — and `COMMIT`: six round trips, where the
+/// section it ran as before sent a seventh for the evidence. Both rows gain exactly the
+/// acknowledged increments.
+#[tokio::test]
+async fn a_pair_update_takes_its_evidence_in_its_last_update() {
+    let Some(db) = servers::postgres("round_trips_pair").await else {
+        return;
+    };
+    db.seed_nodes(2).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let session = session_with(&pool, Arc::new(LocalLock::new()));
+    let nodes = session.repository::<node::Entity>();
+    let pair = || {
+        nodes.locked_update_pair(1, 2, |a, b| {
+            a.score = Set(Some(a.score.as_ref().unwrap_or(0) + 1));
+            b.score = Set(Some(b.score.as_ref().unwrap_or(0) + 1));
+            Ok(())
+        })
+    };
+    for _ in 0..5 {
+        pair().await.expect("warm-up");
+    }
+    let before = proxy.round_trips();
+    for _ in 0..CALLS {
+        let report = pair().await.expect("locked_update_pair");
+        assert!(
+            (report.outcomes.iter()).all(|o| matches!(o, UpdateOutcome::Updated(_))),
+            "{:?}",
+            report.outcomes
+        );
+        assert_eq!((report.attempts, report.conflicts), (1, 0));
+    }
+    assert_eq!(
+        proxy.round_trips() - before,
+        CALLS * 6,
+        "round trips for {CALLS} calls"
+    );
+    let done = 5 + CALLS as i32;
+    assert_eq!(
+        (db.score(1).await, db.score(2).await),
+        (Some(done), Some(done))
+    );
+}
+
 /// `table` on PostgreSQL checks its lease and frees it in the statement that reloads the row (a
 /// data-modifying `WITH` before the `SELECT … FOR UPDATE`), so the commit ends the lease: also
 /// when the write changed nothing — four round trips (the grant, `BEGIN`, the reload, `COMMIT`),

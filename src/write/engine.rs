@@ -6,11 +6,12 @@
 //! fence check, the commit and its evidence, the cache and the retry each exist once, here.
 //!
 //! The steps: a section's work (`section.rs`: [`Session::with_lock`](crate::Session::with_lock),
-//! sections, `locked_update_many`, `locked_update_with`) and a row's reload-decide-write
-//! (`row_step.rs`: `locked_update`, `locked_delete`, `get_or_insert`, `update_or_insert`). The
-//! front ends differ only in how they take their locks: a section takes all of its own in one
-//! canonical order; `locked_update`'s driver takes its row's lock while seated in the row's room,
-//! where commit combining (`combine.rs`) may serve it instead.
+//! sections), a row's reload-decide-write (`row_step.rs`: `locked_update`, `locked_delete`,
+//! `get_or_insert`, `update_or_insert`) and several rows' (`rows_step.rs`: `locked_update_many`,
+//! `_pair`, `_with`), the last two writing each row by the same code (`row_write.rs`). The front
+//! ends differ only in how they take their locks: a section and the rows' write take all of
+//! theirs in one canonical order; `locked_update`'s driver takes its row's lock while seated in
+//! the row's room, where commit combining (`combine.rs`) may serve it instead.
 //!
 //! The rule for cancellation is one too (`detach.rs`, stated in the README's Guarantees): a
 //! locked write whose caller is dropped is polled to its end in a task of its own, never cut in

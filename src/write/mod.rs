@@ -1,7 +1,8 @@
 //! The locked-write engine and its steps: the one attempt loop every locked write runs on
-//! (`engine.rs`), the lock it takes (`locking.rs`), the row step (`row_step.rs`) with the SQL of
-//! a row write (`row_sql.rs`, `save.rs`), commit combining around it (`combine.rs`), sections
-//! (`section.rs`, `many.rs`), and the words they share (`decision.rs`, `row.rs`).
+//! (`engine.rs`), the lock it takes (`locking.rs`), the row step (`row_step.rs`) and the rows'
+//! step (`rows_step.rs`) with the one row write they share (`row_write.rs`) and the SQL under it
+//! (`row_sql/`, `save.rs`), commit combining around the row step (`combine.rs`), sections
+//! (`section.rs`), and the words they share (`decision.rs`, `row.rs`).
 
 pub(crate) mod combine;
 pub(crate) mod decision;
@@ -13,5 +14,7 @@ pub(crate) mod room;
 pub(crate) mod row;
 pub(crate) mod row_sql;
 pub(crate) mod row_step;
+pub(crate) mod row_write;
+pub(crate) mod rows_step;
 pub(crate) mod save;
 pub(crate) mod section;

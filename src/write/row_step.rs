@@ -8,7 +8,6 @@ use std::{sync::Arc, time::Duration};
 
 use sea_orm::{
     ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
-    ModelTrait,
 };
 use tokio::sync::mpsc;
 use tracing::debug;
@@ -24,6 +23,7 @@ use crate::{
     write::locking::Locking,
     write::row::{Row, reload_for_update},
     write::row_sql::{self as write, Inserted, Removed},
+    write::row_write::{self, Updated},
     write::{combine::Batch, room::RoomKey},
 };
 
@@ -97,14 +97,11 @@ where
         draft: E::ActiveModel,
     ) -> Attempted<E> {
         let bounded = Bounded::new(&txn, self.reply());
-        let mut draft = match write::before_save::<E, _>(draft, &bounded, false).await {
-            Ok(draft) => draft,
-            Err(e) => return self.failed(txn, "running before_save for", e),
+        let mut changes = match row_write::changes::<E>(&bounded, &self.row, &original, draft).await
+        {
+            Ok(changes) => changes,
+            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
         };
-        if let Err(error) = self.row.check_key::<E>(&draft) {
-            return (txn, Worked::Undone(Tried::failed(error)));
-        }
-        let mut changes = write::changed_columns::<E>(&original, &mut draft);
         // Only a holder that excludes the process's other writers of the row may serve them.
         let excludes = lockings.iter().all(Locking::excludes_process);
         if let Some(room) = self.room.as_ref().filter(|_| excludes) {
@@ -139,46 +136,30 @@ where
         {
             return (txn, refused);
         }
-        // The optimistic guard: the UPDATE also checks that the row still holds what was read
-        // (its version column when one is declared, else the changed columns), so a write made
-        // without the lock can never overwrite a change it did not see.
-        let version = self.session.version_of::<E>();
-        let read = version.map(|column| (column, original.get(column)));
-        let unversioned = |changes: &[write::ColumnValue<E>]| {
-            (changes.iter())
-                .map(|(column, _)| (*column, original.get(*column)))
-                .collect()
-        };
-        let expected = match write::guard::<E>(read, &mut changes, unversioned) {
-            Ok(expected) => expected,
-            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
-        };
-        // The evidence a lost commit reply is resolved with, taken by the UPDATE's own
-        // statement where the database allows (see `commit/`).
+        // The optimistic guard and the UPDATE (see `row_write.rs`), with the evidence a lost
+        // commit reply is resolved with, taken by the UPDATE's own statement where the
+        // database allows (see `commit/`).
         let sending = write::Sending {
             db: self.session.pool(),
             markers,
             reply: self.reply(),
             lease: riding,
         };
-        let update =
-            write::update_with_evidence::<E>(&txn, sending, &original, &changes, &expected);
-        let updated = update.await;
+        let version = self.session.version_of::<E>();
+        let updated =
+            row_write::update::<E>(&txn, &self.row, version, &original, changes, sending).await;
         // Freed by this transaction when the write went through; after a failure the lease is
         // checked by a statement of its own in the next attempt.
-        Locking::rode(lockings, updated.is_ok());
+        let rode = matches!(updated, Ok(Updated::Stored(..) | Updated::Refused));
+        Locking::rode(lockings, rode);
         let (stored, evidence) = match updated {
-            Ok((Some(stored), evidence)) => (stored, evidence),
-            Ok((None, _)) => {
+            Ok(Updated::Stored(stored, evidence)) => (stored, evidence),
+            Ok(Updated::Refused) => {
                 let conflict = Tried::conflict(self.row.to_string());
                 return (txn, Worked::Undone(conflict));
             }
-            Err((write::Step::Lease, e)) => {
-                debug!(row = %self.row.name, error = %e, "the lease's check in the UPDATE's message did not confirm it; again, checked on its own");
-                return (txn, Worked::Undone(Tried::Uncounted));
-            }
-            Err((write::Step::Evidence, e)) => return self.failed(txn, "marking the commit of", e),
-            Err((write::Step::Update, e)) => return self.failed(txn, "writing", e),
+            Ok(Updated::LeaseNotConfirmed) => return (txn, Worked::Undone(Tried::Uncounted)),
+            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
         };
         let bounded = Bounded::new(&txn, self.reply());
         let reported = match write::after_save::<E, _>(stored.clone(), &bounded, false).await {

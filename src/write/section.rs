@@ -199,6 +199,38 @@ impl Section<'_> {
         T: Send,
         F: for<'t> FnMut(&'t Tx) -> Option<SectionWork<'t, T>> + Send,
     {
+        let (session, label) = (self.session, self.label());
+        let mut step = Work {
+            session,
+            label: &label,
+            work,
+        };
+        let ran = self.run_step(retrying, &mut step).await?;
+        let lock = ran
+            .locks
+            .first()
+            .cloned()
+            .ok_or_else(|| Error::Interrupted {
+                target: label.clone(),
+            })?;
+        Ok(SectionReport {
+            outcome: ran.value,
+            lock,
+            locks: ran.locks,
+            attempts: ran.attempts,
+            conflicts: ran.conflicts,
+        })
+    }
+
+    /// Runs `step` on the engine under every lock of the section, taken in its canonical order
+    /// and released after the last attempt's transaction ended: the work of a section
+    /// ([`Work`]) or a step of its own (`rows_step.rs`). `retrying`: a conflict or a transient
+    /// error runs the step again.
+    pub(crate) async fn run_step<S: Step>(
+        self,
+        retrying: bool,
+        step: &mut S,
+    ) -> Result<Ran<S::Output>> {
         let session = self.session;
         let label = self.label();
         if self.locks.is_empty() {
@@ -239,27 +271,16 @@ impl Section<'_> {
                 retrying,
                 None,
             );
-            let mut step = Work {
-                session,
-                label: &label,
-                work,
-            };
             let engine = Engine {
                 db: session.pool(),
                 map: session.map(),
                 markers: session.commit_markers(),
             };
-            let result =
-                engine::run(engine, &mut lockings, &mut retries, &label, true, &mut step).await;
+            let result = engine::run(engine, &mut lockings, &mut retries, &label, true, step).await;
             // Only now, after commit or rollback.
             let locks = engine::release_all(lockings).await;
-            let outcome = result?;
-            let lock = locks.first().cloned().ok_or_else(|| Error::Interrupted {
-                target: label.clone(),
-            })?;
-            Ok(SectionReport {
-                outcome,
-                lock,
+            Ok(Ran {
+                value: result?,
                 locks,
                 attempts: retries.attempts,
                 conflicts: retries.conflicts,
@@ -268,6 +289,15 @@ impl Section<'_> {
         .instrument(span)
         .await
     }
+}
+
+/// What a step run under a section's locks gave, and how the locks and attempts went.
+pub(crate) struct Ran<T> {
+    pub(crate) value: T,
+    /// How every lock went, in the order they were taken.
+    pub(crate) locks: Vec<LockReport>,
+    pub(crate) attempts: u32,
+    pub(crate) conflicts: u32,
 }
 
 /// A section's work as the engine's [`Step`]: the work runs on a [`Tx`] made of the attempt's
