@@ -573,6 +573,38 @@ async fn many_rows_report_each_row() {
         .unwrap()
         .unwrap();
     assert_eq!(three.balance, START);
+
+    // A draft that moves its row's key fails the whole write, after the row before it in the
+    // canonical order was updated: rolled back, nothing written.
+    let before = account::Entity::find_by_id(1)
+        .one(&db)
+        .await
+        .unwrap()
+        .unwrap();
+    let moved = accounts
+        .locked_update_pair(1, 2, |a, b| {
+            a.balance = Set(7);
+            b.id = Set(999);
+            Ok(())
+        })
+        .await;
+    assert!(
+        matches!(moved, Err(Error::PrimaryKeyChanged { .. })),
+        "{moved:?}"
+    );
+    let one = account::Entity::find_by_id(1)
+        .one(&db)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(one, before, "the first row's UPDATE was rolled back");
+    assert!(
+        account::Entity::find_by_id(999)
+            .one(&db)
+            .await
+            .unwrap()
+            .is_none()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -134,11 +134,7 @@ where
         mut drafts: Vec<Option<E::ActiveModel>>,
         applied: Vec<Change>,
     ) -> Attempted<E::Model> {
-        for &i in &self.order {
-            if let Some(Err(error)) = drafts[i].as_ref().map(|d| self.rows[i].check_key::<E>(d)) {
-                return (txn, Worked::Undone(Tried::failed(error)));
-            }
-        }
+        // A draft whose key moved has changes: `row_write::changes` refuses it below.
         let originals: Vec<Arc<E::Model>> = originals.into_iter().map(Arc::new).collect();
         let mut outcomes: Vec<_> = (originals.iter())
             .map(|original| UpdateOutcome::Unchanged(Arc::clone(original)))
