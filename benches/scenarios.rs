@@ -1564,8 +1564,11 @@ async fn hot_keys(postgres: Option<&str>, mysql: Option<&str>) {
                 kind.connect(&db, url, None).await.expect("backend")
             };
             let plain = session(&db, Arc::clone(&lock));
+            // The handle an application makes once per pool and keeps in its state: sessions
+            // made from it share their rooms (a bare connection would give each its own).
+            let handle = freshlock::Db::new(db.clone());
             let combining = || {
-                Session::builder(db.clone())
+                Session::builder(&handle)
                     .lock(Arc::clone(&lock))
                     .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
                     .combine_commits(true)
