@@ -162,22 +162,23 @@ async fn double_delivery_is_processed_once() {
     assert_eq!(processed, 1);
 }
 
-#[tokio::test]
-async fn an_expired_claim_is_claimed_again_and_the_late_finish_is_refused() {
-    let db = memory_db().await;
-    let claims = Claims::new(db.clone());
+/// A claim of `name` whose worker "dies" at once (a 1 ms lease), and the claim of another
+/// worker that takes it over once the lease has run out by the database clock (polled every
+/// millisecond, never finished meanwhile).
+async fn taken_over(
+    claims: &Claims,
+    name: &str,
+) -> (freshlock::claim::Claim, freshlock::claim::Claim) {
     let ClaimOutcome::Claimed(dead) = claims
-        .claim(&key("spam:2"), Duration::from_millis(1))
+        .claim(&key(name), Duration::from_millis(1))
         .await
         .unwrap()
     else {
         panic!("claimed");
     };
-    // The worker "dies" after claiming. Once the lease has run out (database clock), the work
-    // can be claimed again — in the report's code it would stay "processing" forever.
     let retry = loop {
         match claims
-            .claim(&key("spam:2"), Duration::from_secs(60))
+            .claim(&key(name), Duration::from_secs(60))
             .await
             .unwrap()
         {
@@ -187,6 +188,16 @@ async fn an_expired_claim_is_claimed_again_and_the_late_finish_is_refused() {
             other => panic!("{other:?}"),
         }
     };
+    (dead, retry)
+}
+
+#[tokio::test]
+async fn an_expired_claim_is_claimed_again_and_the_late_finish_is_refused() {
+    let db = memory_db().await;
+    let claims = Claims::new(db.clone());
+    // The worker "dies" after claiming. Once the lease has run out (database clock), the work
+    // can be claimed again — in the report's code it would stay "processing" forever.
+    let (dead, retry) = taken_over(&claims, "spam:2").await;
     assert!(retry.fence > dead.fence);
     assert_eq!(
         claims.finish(&dead).await.unwrap(),
@@ -263,24 +274,7 @@ async fn an_extended_claim_stays_ours_until_its_new_expiry() {
 async fn a_claim_taken_over_is_not_extended() {
     let db = memory_db().await;
     let claims = Claims::new(db.clone());
-    let ClaimOutcome::Claimed(dead) = claims
-        .claim(&key("spam:6"), Duration::from_millis(1))
-        .await
-        .unwrap()
-    else {
-        panic!("claimed");
-    };
-    let retry = loop {
-        match claims
-            .claim(&key("spam:6"), Duration::from_secs(60))
-            .await
-            .unwrap()
-        {
-            ClaimOutcome::Claimed(claim) => break claim,
-            ClaimOutcome::Busy => tokio::time::sleep(Duration::from_millis(1)).await,
-            other => panic!("{other:?}"),
-        }
-    };
+    let (dead, retry) = taken_over(&claims, "spam:6").await;
     let live = expires_at(&db, "spam:6").await;
     assert!(
         !claims
