@@ -122,30 +122,23 @@ impl Claims {
         }
     }
 
-    /// Whether claims and finishes commit with a commit marker, so that a lost `COMMIT` reply
-    /// is resolved (see the module docs). Without, a lost reply is [`Error::CommitUnknown`].
-    pub fn commit_markers(mut self, on: bool) -> Self {
-        self.markers = on;
-        self
-    }
+    crate::setters::setters! {
+        /// Whether claims and finishes commit with a commit marker, so that a lost `COMMIT` reply
+        /// is resolved (see the module docs). Without, a lost reply is [`Error::CommitUnknown`].
+        commit_markers(on: bool) => markers = on;
 
-    /// Sets how long one reply of the database may take (10 s by default): a round trip of a
-    /// claim or a finish — `BEGIN`, a statement, the commit, a rollback, each statement of
-    /// [`finish_with`](Self::finish_with)'s work — whose reply does not come within it fails
-    /// the call as a lost connection does, instead of waiting on a silent partition for TCP to
-    /// give up (hours). A commit cut so is resolved by its evidence (see the type's docs).
-    ///
-    /// A zero bound could not wait for any reply: calls then fail with
-    /// [`Error::InvalidPolicy`] before sending anything.
-    pub fn with_reply_timeout(mut self, bound: Duration) -> Self {
-        self.reply = bound;
-        self
-    }
+        /// Sets how long one reply of the database may take (10 s by default): a round trip of a
+        /// claim or a finish — `BEGIN`, a statement, the commit, a rollback, each statement of
+        /// [`finish_with`](Self::finish_with)'s work — whose reply does not come within it fails
+        /// the call as a lost connection does, instead of waiting on a silent partition for TCP to
+        /// give up (hours). A commit cut so is resolved by its evidence (see the type's docs).
+        ///
+        /// A zero bound could not wait for any reply: calls then fail with
+        /// [`Error::InvalidPolicy`] before sending anything.
+        with_reply_timeout(bound: Duration) => reply = bound;
 
-    /// Records `label` as the claimant's label.
-    pub fn with_label(mut self, label: impl Into<String>) -> Self {
-        self.label = Some(label.into());
-        self
+        /// Records `label` as the claimant's label.
+        with_label(label: impl Into<String>) => label = Some(label.into());
     }
 
     /// Claims `key` for `lease`, unless it is done or claimed by a live claim. One short

@@ -13,7 +13,8 @@
 //!   `optimistic_first`), `tx.rs` / `tx_repository.rs` ([`Tx`], [`TxRepository`]: a section's
 //!   transaction and its repositories), `claim.rs` ([`Claims`]), `inspect.rs`,
 //!   `transaction_pooler.rs` (feature `postgres`), `identity_map.rs` (the session's cache, which
-//!   knows nothing of locks or SQL), `outcome.rs`, `error.rs`, `metrics.rs`.
+//!   knows nothing of locks or SQL), `outcome.rs`, `error.rs`, `metrics.rs`, `setters.rs` (the
+//!   builders' setters, written once).
 //! - **`write/`** — the engine and its steps: `engine.rs` (the one attempt loop: begin, step,
 //!   fence checks, commit with evidence, cache effects, retries), `locking.rs` (a section's lock
 //!   under the policy), `fold.rs` (what a lock adds to a row step's statement, in one place),
@@ -21,7 +22,8 @@
 //!   `locked_update_many` / `_pair` / `_with`), `row_write.rs` (the one row write both use:
 //!   hooks, key check, guard, UPDATE with evidence), `locked_update.rs` (its front door,
 //!   polled in place, detached on cancel), `room.rs` / `combine.rs` (commit combining: rooms and
-//!   seats, the holder's batch), `section.rs`, `row.rs` (how a row is named, and the one
+//!   seats, the holder's batch), `section.rs`, `entity.rs` (what an entity needs to be
+//!   written, said once), `row.rs` (how a row is named, and the one
 //!   primary-key check), `decision.rs`, `save.rs`, and `row_sql/` (the SQL of a row write:
 //!   columns, the guarded UPDATE, DELETE, hooks, keys). It may not name a front end.
 //! - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`), retry policy
@@ -44,7 +46,8 @@
 //!   (`begin.rs`, `live.rs`, `detach.rs`), deadlines (`deadline.rs`), failure classes
 //!   (`failure.rs`), the one savepoint helper (`savepoint.rs`), single statements that commit
 //!   alone (`autocommit.rs`), MySQL literal inlining (`inline.rs`).
-//! - **`schema/`** — freshlock's tables, one migration per file; **`testing/`** — test support
+//! - **`schema/`** — freshlock's tables, one migration per file (its `create` is both the step
+//!   up and part of `create_tables`); **`testing/`** — test support
 //!   for users (feature `testing`).
 //! - **`db/own.rs`** — a short transaction of freshlock's own outside the engine (a claim, a
 //!   fence bump, the inspector's compaction, job admin, upkeep behind a pooler): the one place
@@ -87,6 +90,7 @@ mod outcome;
 mod repository;
 pub mod schema;
 mod session;
+mod setters;
 #[cfg(feature = "testing")]
 pub mod testing;
 #[cfg(feature = "postgres")]

@@ -10,6 +10,7 @@
 //! — the section runs to its commit or rollback and releases its locks, as if the caller had
 //! waited.
 
+use crate::write::entity::Writable;
 use std::collections::HashSet;
 
 use sea_orm::{DatabaseTransaction, EntityTrait, IntoActiveModel, sea_query::IntoValueTuple};
@@ -186,9 +187,7 @@ async fn update_many<E, F>(
     apply: F,
 ) -> Result<ManyReport<E::Model>>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
     F: FnMut(&mut [E::ActiveModel]) -> Result<(), ApplyError> + Send + 'static,
 {
     // The canonical order: the locks' (the section sorts them the same way), then the rows'.
@@ -214,9 +213,7 @@ where
 
 async fn update_with<E, F>(session: Session, row: Row, apply: F) -> Result<UpdateReport<E::Model>>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
     F: for<'a> FnMut(&'a mut E::ActiveModel, &'a Tx) -> SectionWork<'a, ()> + Send + 'static,
 {
     let locks = [row.lock.clone()];

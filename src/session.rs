@@ -211,114 +211,95 @@ impl SessionBuilder {
         self
     }
 
-    /// Uses `lock` (default: the process-wide [`LocalLock::shared`]). Give every session that must
-    /// exclude the others the same backend.
-    pub fn lock(mut self, lock: Arc<dyn LockBackend>) -> Self {
-        self.lock = Some(lock);
-        self
-    }
+    crate::setters::setters! {
+        /// Uses `lock` (default: the process-wide [`LocalLock::shared`]). Give every session that must
+        /// exclude the others the same backend.
+        lock(lock: Arc<dyn LockBackend>) => lock = Some(lock);
 
-    /// Uses `policy` (default: [`LockPolicy::default`]).
-    pub fn policy(mut self, policy: LockPolicy) -> Self {
-        self.policy = policy;
-        self
-    }
+        /// Uses `policy` (default: [`LockPolicy::default`]).
+        policy(policy: LockPolicy) => policy = policy;
 
-    /// Whether locked writes (`locked_update`, `locked_delete`, `get_or_insert`,
-    /// `update_or_insert`, [`Session::with_lock`]) carry evidence of their commit, so that a
-    /// commit whose reply was lost (the connection broke while `COMMIT` was in flight) is
-    /// resolved on another connection: reported as done if it committed, run again only if it
-    /// provably did not. Without it such a write returns [`crate::Error::CommitUnknown`] and is
-    /// never run again. The evidence is a commit marker (a row in `freshlock_commit`, written in
-    /// the write's transaction) on MySQL/MariaDB; on PostgreSQL it is the transaction's id
-    /// within the server's incarnation ([`crate::schema::IncarnationMigration`]), returned by
-    /// `locked_update`'s own UPDATE: nothing written, no round trip. An id alone is not enough
-    /// (one can be handed out again after a crash): a write whose server recovered from a crash
-    /// before its lost reply was resolved, and whose id then reads `committed`, returns
-    /// [`crate::Error::CommitUnknown`]. See the README's *Guarantees*.
-    ///
-    /// Default: on for PostgreSQL and MySQL/MariaDB (needs [`crate::schema::CommitMigration`]
-    /// and, on PostgreSQL, [`crate::schema::IncarnationMigration`] — without it markers are
-    /// written there too; both are part of [`crate::schema::migrations`]), off for
-    /// SQLite, whose commits do not cross a network.
-    pub fn commit_markers(mut self, on: bool) -> Self {
-        self.commit_markers = Some(on);
-        self
-    }
+        /// Whether locked writes (`locked_update`, `locked_delete`, `get_or_insert`,
+        /// `update_or_insert`, [`Session::with_lock`]) carry evidence of their commit, so that a
+        /// commit whose reply was lost (the connection broke while `COMMIT` was in flight) is
+        /// resolved on another connection: reported as done if it committed, run again only if it
+        /// provably did not. Without it such a write returns [`crate::Error::CommitUnknown`] and is
+        /// never run again. The evidence is a commit marker (a row in `freshlock_commit`, written in
+        /// the write's transaction) on MySQL/MariaDB; on PostgreSQL it is the transaction's id
+        /// within the server's incarnation ([`crate::schema::IncarnationMigration`]), returned by
+        /// `locked_update`'s own UPDATE: nothing written, no round trip. An id alone is not enough
+        /// (one can be handed out again after a crash): a write whose server recovered from a crash
+        /// before its lost reply was resolved, and whose id then reads `committed`, returns
+        /// [`crate::Error::CommitUnknown`]. See the README's *Guarantees*.
+        ///
+        /// Default: on for PostgreSQL and MySQL/MariaDB (needs [`crate::schema::CommitMigration`]
+        /// and, on PostgreSQL, [`crate::schema::IncarnationMigration`] — without it markers are
+        /// written there too; both are part of [`crate::schema::migrations`]), off for
+        /// SQLite, whose commits do not cross a network.
+        commit_markers(on: bool) => commit_markers = Some(on);
 
-    /// Makes `locked_update` / `locked_update_under` try a **one-statement optimistic write**
-    /// first, for entities with a [version column](Self::version_column) whose row this session
-    /// has cached: `apply` runs on the cached row, and one `UPDATE … SET <changed columns>,
-    /// version = version + 1 WHERE pk AND version = <cached version> RETURNING *` (autocommit;
-    /// on MySQL/MariaDB the UPDATE and a read back in one transaction) writes it — the guarded
-    /// [`crate::Repository::save`], with no lock, no `BEGIN`, no reload. If the row changed
-    /// since it was cached (the version moved), nothing is written and the call goes on as an
-    /// ordinary `locked_update` (lock, reload, `apply` again on the fresh row).
-    ///
-    /// What it covers: every write that bumps the version column — every freshlock write of an
-    /// entity with a declared version does — so `apply` may read any column of the cached row,
-    /// not only those it sets. A writer outside freshlock that changes the row without bumping
-    /// the version is not seen by the guard: do not turn this on if such writers exist.
-    /// Without a version column, or without a cached row, or when `apply` changes nothing, the
-    /// ordinary locked path runs at once. An optimistic write reports `lock.held == false` and
-    /// `lock.tries == 0` (no lock was needed), and, like `save`, a lost reply of its autocommit
-    /// UPDATE is [`crate::Error::CommitUnknown`]. Default: off.
-    pub fn optimistic_first(mut self, on: bool) -> Self {
-        self.optimistic_first = on;
-        self
-    }
+        /// Makes `locked_update` / `locked_update_under` try a **one-statement optimistic write**
+        /// first, for entities with a [version column](Self::version_column) whose row this session
+        /// has cached: `apply` runs on the cached row, and one `UPDATE … SET <changed columns>,
+        /// version = version + 1 WHERE pk AND version = <cached version> RETURNING *` (autocommit;
+        /// on MySQL/MariaDB the UPDATE and a read back in one transaction) writes it — the guarded
+        /// [`crate::Repository::save`], with no lock, no `BEGIN`, no reload. If the row changed
+        /// since it was cached (the version moved), nothing is written and the call goes on as an
+        /// ordinary `locked_update` (lock, reload, `apply` again on the fresh row).
+        ///
+        /// What it covers: every write that bumps the version column — every freshlock write of an
+        /// entity with a declared version does — so `apply` may read any column of the cached row,
+        /// not only those it sets. A writer outside freshlock that changes the row without bumping
+        /// the version is not seen by the guard: do not turn this on if such writers exist.
+        /// Without a version column, or without a cached row, or when `apply` changes nothing, the
+        /// ordinary locked path runs at once. An optimistic write reports `lock.held == false` and
+        /// `lock.tries == 0` (no lock was needed), and, like `save`, a lost reply of its autocommit
+        /// UPDATE is [`crate::Error::CommitUnknown`]. Default: off.
+        optimistic_first(on: bool) => optimistic_first = on;
 
-    /// Makes `locked_update` / `locked_update_under` **combine commits** on hot rows: the tasks
-    /// of this process waiting for the lock of the same row (through sessions on the same
-    /// connection pool and lock space — the default process-wide `LocalLock` in whichever session, or
-    /// one backend instance — with this setting on) are served by the holder's
-    /// transaction instead of each running their own. The holder reloads the row and runs its
-    /// `apply`; then each waiter, in arrival order and up to 31 of them, runs *its own* `apply`
-    /// (in its own task: closures need not be `'static`) on the row as the ones before it left
-    /// it; one guarded UPDATE writes the merged change and one commit makes them all durable.
-    /// Every waiter gets its own report, with the committed row and
-    /// [`batch`](crate::Report::batch) set to the number of writes the commit carried.
-    ///
-    /// What is kept: each `apply` still sees every earlier change (nothing is lost), and each
-    /// write is reported once. A waiter whose `apply` fails or panics, or that is dropped before
-    /// its turn, contributes nothing and gets its own error (the others still commit). A waiter
-    /// whose `before_save` / `after_save` hook fails gets its error, and the batch runs again
-    /// without it. If the batch is not committed (the holder's own write failed or conflicted for
-    /// good), the waiters run on their own, since nothing of theirs was written; if the commit's
-    /// outcome is unknown, every member gets [`crate::Error::CommitUnknown`].
-    ///
-    /// What changes: hooks of the batch run in one transaction, each on its own draft; the
-    /// version column (if declared) moves by one per commit, not per write; a batch shares its
-    /// fate on a database error. `locked_delete`, `get_or_insert` and `update_or_insert` never
-    /// combine. Default: off.
-    pub fn combine_commits(mut self, on: bool) -> Self {
-        self.combine_commits = on;
-        self
-    }
+        /// Makes `locked_update` / `locked_update_under` **combine commits** on hot rows: the tasks
+        /// of this process waiting for the lock of the same row (through sessions on the same
+        /// connection pool and lock space — the default process-wide `LocalLock` in whichever session, or
+        /// one backend instance — with this setting on) are served by the holder's
+        /// transaction instead of each running their own. The holder reloads the row and runs its
+        /// `apply`; then each waiter, in arrival order and up to 31 of them, runs *its own* `apply`
+        /// (in its own task: closures need not be `'static`) on the row as the ones before it left
+        /// it; one guarded UPDATE writes the merged change and one commit makes them all durable.
+        /// Every waiter gets its own report, with the committed row and
+        /// [`batch`](crate::Report::batch) set to the number of writes the commit carried.
+        ///
+        /// What is kept: each `apply` still sees every earlier change (nothing is lost), and each
+        /// write is reported once. A waiter whose `apply` fails or panics, or that is dropped before
+        /// its turn, contributes nothing and gets its own error (the others still commit). A waiter
+        /// whose `before_save` / `after_save` hook fails gets its error, and the batch runs again
+        /// without it. If the batch is not committed (the holder's own write failed or conflicted for
+        /// good), the waiters run on their own, since nothing of theirs was written; if the commit's
+        /// outcome is unknown, every member gets [`crate::Error::CommitUnknown`].
+        ///
+        /// What changes: hooks of the batch run in one transaction, each on its own draft; the
+        /// version column (if declared) moves by one per commit, not per write; a batch shares its
+        /// fate on a database error. `locked_delete`, `get_or_insert` and `update_or_insert` never
+        /// combine. Default: off.
+        combine_commits(on: bool) => combine_commits = on;
 
-    /// Reads rows the cache does not have from `replica` (a read replica of the same database:
-    /// a PostgreSQL streaming replica, a MariaDB replica): [`Repository::load`](crate::Repository::load),
-    /// [`load_many`](crate::Repository::load_many) and the existence check of
-    /// [`get_or_insert`](crate::Repository::get_or_insert). What they return is a snapshot, as
-    /// every load is — possibly older on a replica that lags.
-    ///
-    /// Everything that must be current uses the primary (the session's connection):
-    /// [`load_fresh`](crate::Repository::load_fresh), the reload under the lock of every locked
-    /// write, the guard of [`save`](crate::Repository::save) (checked by the UPDATE on the primary,
-    /// so a save based on a stale replica read is [`crate::SaveOutcome::Conflict`], never an
-    /// overwrite), every write, lock, claim and section.
-    ///
-    /// [`build`](Self::build) refuses a replica of another kind of database than the primary.
-    pub fn read_from(mut self, replica: DatabaseConnection) -> Self {
-        self.replica = Some(Pool::new(replica));
-        self
-    }
+        /// Reads rows the cache does not have from `replica` (a read replica of the same database:
+        /// a PostgreSQL streaming replica, a MariaDB replica): [`Repository::load`](crate::Repository::load),
+        /// [`load_many`](crate::Repository::load_many) and the existence check of
+        /// [`get_or_insert`](crate::Repository::get_or_insert). What they return is a snapshot, as
+        /// every load is — possibly older on a replica that lags.
+        ///
+        /// Everything that must be current uses the primary (the session's connection):
+        /// [`load_fresh`](crate::Repository::load_fresh), the reload under the lock of every locked
+        /// write, the guard of [`save`](crate::Repository::save) (checked by the UPDATE on the primary,
+        /// so a save based on a stale replica read is [`crate::SaveOutcome::Conflict`], never an
+        /// overwrite), every write, lock, claim and section.
+        ///
+        /// [`build`](Self::build) refuses a replica of another kind of database than the primary.
+        read_from(replica: DatabaseConnection) => replica = Some(Pool::new(replica));
 
-    /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
-    /// new row evicts an arbitrary other one; 0 disables caching.
-    pub fn cache_capacity(mut self, capacity: usize) -> Self {
-        self.capacity = Some(capacity);
-        self
+        /// Bounds the identity map to `capacity` entries (default: unbounded). When full, caching a
+        /// new row evicts an arbitrary other one; 0 disables caching.
+        cache_capacity(capacity: usize) => capacity = Some(capacity);
     }
 
     /// Builds the session.

@@ -5,13 +5,13 @@
 use std::{marker::PhantomData, sync::Arc};
 
 use sea_orm::{
-    ActiveModelTrait, ConnectionTrait, DbBackend, EntityTrait, IntoActiveModel, ModelTrait,
-    QuerySelect, Select,
+    ActiveModelTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
+    IntoActiveModel, ModelTrait, QuerySelect, Select,
     sea_query::{IntoValueTuple, LockBehavior, LockType},
 };
 
 use crate::{
-    db::{deadline::within, savepoint::Savepoint},
+    db::{Bounded, deadline::Work, savepoint::Savepoint},
     error::{Error, Result, database},
     outcome::{DeleteOutcome, GetOutcome, SaveOutcome},
     tx::{ForUpdate, Tx},
@@ -92,16 +92,14 @@ where
         row: &Row,
         mode: ForUpdate,
     ) -> Result<Option<Arc<E::Model>>> {
-        let backend = self.tx.get_database_backend();
-        let select = locking(select_by_key::<E>(row.pk()), backend, mode);
-        let fail = |e| database("loading", row, e);
-        let reply = self.tx.reply();
-        let found = if savepointed(backend, mode) {
-            Savepoint::around(&self.tx.txn, reply, |c| Box::pin(select.one(c))).await
-        } else {
-            within(reply, select.one(&self.tx.txn)).await
-        };
-        let found = found.map_err(fail)?;
+        let select = locking(
+            select_by_key::<E>(row.pk()),
+            self.tx.get_database_backend(),
+            mode,
+        );
+        let found = read_locked(self.tx, mode, move |c| Box::pin(select.one(c)))
+            .await
+            .map_err(|e| database("loading", row, e))?;
         Ok(match found {
             Some(model) => {
                 let model = Arc::new(model);
@@ -132,16 +130,10 @@ where
         mode: ForUpdate,
     ) -> Result<Vec<Arc<E::Model>>> {
         let table = E::default().table_name();
-        let fail = |e| database("loading rows of", &table, e);
-        let backend = self.tx.get_database_backend();
-        let select = locking(select, backend, mode);
-        let reply = self.tx.reply();
-        let models = if savepointed(backend, mode) {
-            Savepoint::around(&self.tx.txn, reply, |c| Box::pin(select.all(c))).await
-        } else {
-            within(reply, select.all(&self.tx.txn)).await
-        };
-        let models = models.map_err(fail)?;
+        let select = locking(select, self.tx.get_database_backend(), mode);
+        let models = read_locked(self.tx, mode, move |c| Box::pin(select.all(c)))
+            .await
+            .map_err(|e| database("loading rows of", &table, e))?;
         models
             .into_iter()
             .map(|model| {
@@ -302,11 +294,21 @@ where
     }
 }
 
-/// Whether a locking read runs in a savepoint: `NOWAIT` off SQLite, so that its failure on a
-/// locked row does not abort the section's transaction (PostgreSQL would refuse every later
+/// Runs `read` — a SELECT locked in `mode` — on `tx`'s transaction, each round trip within its
+/// reply bound. A `NOWAIT` read off SQLite runs in a savepoint, so that its failure on a locked
+/// row does not abort the section's transaction (PostgreSQL would refuse every later
 /// statement): the section can move on to another row.
-fn savepointed(backend: DbBackend, mode: ForUpdate) -> bool {
-    mode == ForUpdate::NoWait && backend != DbBackend::Sqlite
+async fn read_locked<T>(
+    tx: &Tx,
+    mode: ForUpdate,
+    read: impl for<'c> FnOnce(&'c Bounded<'c, DatabaseTransaction>) -> Work<'c, T>,
+) -> std::result::Result<T, DbErr> {
+    let reply = tx.reply();
+    if mode == ForUpdate::NoWait && tx.get_database_backend() != DbBackend::Sqlite {
+        Savepoint::around(&tx.txn, reply, read).await
+    } else {
+        read(&Bounded::new(&tx.txn, reply)).await
+    }
 }
 
 /// `select` with `FOR UPDATE` in `mode` — nothing on SQLite, where the section's `BEGIN

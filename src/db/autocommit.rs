@@ -4,8 +4,8 @@
 use sea_orm::{ConnectionTrait, DbBackend, Statement};
 
 use super::{
-    deadline::{Bounded, DEFAULT_REPLY},
-    own::{Own, Work},
+    deadline::{Bounded, DEFAULT_REPLY, Work},
+    own::Own,
     pool::Pool,
 };
 

@@ -60,6 +60,10 @@ pub(crate) async fn within<T>(
     }
 }
 
+/// Work given a connection whose every round trip is bounded ([`Bounded`]): a transaction of
+/// its own (`own.rs`), a savepoint, a statement that commits alone.
+pub(crate) type Work<'c, T> = std::pin::Pin<Box<dyn Future<Output = Result<T, DbErr>> + Send + 'c>>;
+
 /// A connection whose every round trip waits at most a bound: a statement whose reply does
 /// not come within it fails as a lost connection instead of waiting on a silent partition.
 ///

@@ -17,13 +17,13 @@
 //! - the `COMMIT` waits at most the bound. A write that needs its lost `COMMIT` resolved commits
 //!   with evidence instead (`commit::commit_write`), from the transaction [`Own::open`] returns.
 
-use std::{future::Future, pin::Pin, time::Duration};
+use std::time::Duration;
 
 use sea_orm::{DatabaseConnection, DatabaseTransaction, DbErr, TransactionOptions};
 use tracing::{debug, warn};
 
 use super::{
-    deadline::{Bounded, within},
+    deadline::{Bounded, Work, within},
     failure::{Failure, classify, is_no_reply},
 };
 
@@ -31,9 +31,6 @@ use super::{
 /// failing it: two claimants of one new key can deadlock on InnoDB's gap locks, and nothing was
 /// written, so running again is safe.
 pub(crate) const DEADLOCK_TRIES: u32 = 5;
-
-/// The work of a transaction of its own, given the transaction with each round trip bounded.
-pub(crate) type Work<'t, T> = Pin<Box<dyn Future<Output = Result<T, DbErr>> + Send + 't>>;
 
 /// A short transaction of freshlock's own on a pool (see the module docs).
 #[derive(Clone, Debug)]

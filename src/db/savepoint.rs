@@ -4,20 +4,17 @@
 //! every statement of a locked write does (see `deadline.rs`): a reply that never comes fails
 //! as a lost connection, never hangs the transaction's locks.
 
-use std::{future::Future, pin::Pin, time::Duration};
+use std::time::Duration;
 
 use sea_orm::{DatabaseTransaction, DbErr, TransactionTrait};
 
-use super::deadline::{Bounded, within};
+use super::deadline::{Bounded, Work, within};
 
 /// A savepoint of a transaction, its round trips bounded.
 pub(crate) struct Savepoint {
     txn: DatabaseTransaction,
     reply: Duration,
 }
-
-/// A piece of work in a savepoint.
-pub(crate) type Work<'c, T> = Pin<Box<dyn Future<Output = Result<T, DbErr>> + Send + 'c>>;
 
 impl Savepoint {
     /// `SAVEPOINT` in `txn`, every round trip of the savepoint bounded by `reply`.

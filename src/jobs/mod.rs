@@ -135,30 +135,20 @@ impl NewJob {
         })
     }
 
-    /// The serialization key: jobs with the same key run one at a time, in enqueue order (the
-    /// field report's `ham_id`).
-    pub fn key(mut self, key: impl Into<String>) -> Self {
-        self.key = Some(key.into());
-        self
-    }
+    crate::setters::setters! {
+        /// The serialization key: jobs with the same key run one at a time, in enqueue order (the
+        /// field report's `ham_id`).
+        key(key: impl Into<String>) => key = Some(key.into());
 
-    /// The unique key: while a job with this unique key has not finished (waiting, running or
-    /// waiting for a retry), enqueuing another adds nothing ([`Enqueued::Duplicate`]).
-    pub fn unique(mut self, unique: impl Into<String>) -> Self {
-        self.unique = Some(unique.into());
-        self
-    }
+        /// The unique key: while a job with this unique key has not finished (waiting, running or
+        /// waiting for a retry), enqueuing another adds nothing ([`Enqueued::Duplicate`]).
+        unique(unique: impl Into<String>) => unique = Some(unique.into());
 
-    /// Higher runs first among due jobs (default 0). Within a key, enqueue order wins.
-    pub fn priority(mut self, priority: i32) -> Self {
-        self.priority = priority;
-        self
-    }
+        /// Higher runs first among due jobs (default 0). Within a key, enqueue order wins.
+        priority(priority: i32) => priority = priority;
 
-    /// Due `delay` after the enqueue (on the database's clock), instead of at once.
-    pub fn delay(mut self, delay: Duration) -> Self {
-        self.delay = delay;
-        self
+        /// Due `delay` after the enqueue (on the database's clock), instead of at once.
+        delay(delay: Duration) => delay = delay;
     }
 
     /// The job's kind.

@@ -1,6 +1,6 @@
 //! What a lock backend is made of, for those who write one: the two halves of
 //! [`LockBackend`](crate::LockBackend) ([`LeaseLock`], [`TransactionLock`]), what a lease grant
-//! returns ([`LockGuard`]) and may offer ([`Fencing`], [`Renewal`]), and the words they speak
+//! returns ([`Acquired`], [`LockGuard`]) and may offer ([`Fencing`], [`Renewal`]), and the words they speak
 //! ([`LockRole`], [`LockScope`], [`LeaseCheck`], [`ReleaseError`]).
 //!
 //! An application that only picks one of freshlock's backends never names these: it passes a
@@ -9,6 +9,7 @@
 //! written against this module.
 
 pub use super::traits::{
-    Fencing, LeaseCheck, LeaseLock, LockGuard, LockRole, LockScope, Renewal, TransactionLock,
+    Acquired, Fencing, LeaseCheck, LeaseLock, LockGuard, LockRole, LockScope, Renewal,
+    TransactionLock,
 };
 pub use crate::error::ReleaseError;

@@ -15,7 +15,7 @@ use tokio::sync::{Mutex, OwnedMutexGuard};
 use super::{
     kind::LockKind,
     name::LockName,
-    traits::{LeaseLock, LockBackend, LockGuard, LockRole},
+    traits::{Acquired, LeaseLock, LockBackend, LockGuard, LockRole},
 };
 use crate::error::LockError;
 
@@ -112,12 +112,7 @@ impl LockBackend for LocalLock {
 
 #[async_trait]
 impl LeaseLock for LocalLock {
-    async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        _ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire(&self, name: &LockName, wait: Duration, _ttl: Duration) -> Acquired {
         let mutex = self.entries.entry(name.clone()).or_default().clone();
         // If this future is dropped while waiting, `Waiting` still drops the entry's reference
         // and forgets the entry when it was the last one.

@@ -19,7 +19,7 @@ use super::{
     LocalLock,
     name::LockName,
     sql::{lock_error, statement},
-    traits::{Fencing, LeaseLock, LockGuard},
+    traits::{Acquired, Fencing, LeaseLock, LockGuard},
 };
 use crate::{
     db::deadline::reply_bound,
@@ -99,12 +99,7 @@ super::outside::outside_backend!(MySqlNamedLock, MySqlNamed, Lease);
 
 #[async_trait]
 impl LeaseLock for MySqlNamedLock {
-    async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired {
         let server_name = name.bounded(MAX_NAME, true).into_owned();
         let fence_name = name.bounded(MAX_STORED_NAME, false).into_owned();
         let token = token();

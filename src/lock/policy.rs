@@ -7,9 +7,9 @@ use tracing::{debug, warn};
 
 use super::{
     name::LockName,
-    traits::{LeaseLock, LockGuard},
+    traits::{Acquired, LeaseLock},
 };
-use crate::error::{Error, LockError};
+use crate::error::Error;
 
 /// What `locked_update` does when the lock could not be taken within the policy's tries.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -81,34 +81,21 @@ impl LockPolicy {
             .unwrap_or_else(|| crate::db::deadline::reply_bound(self.ttl))
     }
 
-    /// Sets how many times to try for the lock ([`lock_tries`](Self::lock_tries)).
-    pub fn with_lock_tries(mut self, tries: u32) -> Self {
-        self.lock_tries = tries;
-        self
-    }
+    crate::setters::setters! {
+        /// Sets how many times to try for the lock ([`lock_tries`](Self::lock_tries)).
+        with_lock_tries(tries: u32) => lock_tries = tries;
 
-    /// Sets the wait per try.
-    pub fn with_wait_per_try(mut self, wait: Duration) -> Self {
-        self.wait_per_try = wait;
-        self
-    }
+        /// Sets the wait per try.
+        with_wait_per_try(wait: Duration) => wait_per_try = wait;
 
-    /// Sets the lease TTL.
-    pub fn with_ttl(mut self, ttl: Duration) -> Self {
-        self.ttl = ttl;
-        self
-    }
+        /// Sets the lease TTL.
+        with_ttl(ttl: Duration) => ttl = ttl;
 
-    /// Sets what happens when the lock cannot be had.
-    pub fn with_on_failure(mut self, on_failure: OnLockFailure) -> Self {
-        self.on_failure = on_failure;
-        self
-    }
+        /// Sets what happens when the lock cannot be had.
+        with_on_failure(on_failure: OnLockFailure) => on_failure = on_failure;
 
-    /// Sets how many times the locked section may run (conflicts and transient errors).
-    pub fn with_write_attempts(mut self, attempts: u32) -> Self {
-        self.write_attempts = attempts;
-        self
+        /// Sets how many times the locked section may run (conflicts and transient errors).
+        with_write_attempts(attempts: u32) => write_attempts = attempts;
     }
 
     /// Checks the policy.
@@ -179,7 +166,7 @@ impl LockPolicy {
 #[derive(Debug)]
 pub(crate) struct Acquisition {
     /// The guard, `None` when every try found the lock busy, or the backend's error.
-    pub(crate) result: Result<Option<Box<dyn LockGuard>>, LockError>,
+    pub(crate) result: Acquired,
     /// Tries made.
     pub(crate) tries: u32,
     /// Time spent trying.

@@ -12,7 +12,7 @@ use super::{
     backoff::Backoff,
     fence, holder,
     name::LockName,
-    traits::{Fencing, LeaseLock, LockGuard, Renewal},
+    traits::{Acquired, Fencing, LeaseLock, LockGuard, Renewal},
 };
 use crate::{error::LockError, schema::MAX_STORED_NAME};
 
@@ -140,12 +140,7 @@ super::outside::outside_backend!(RedisLock, Redis, Lease);
 
 #[async_trait]
 impl LeaseLock for RedisLock {
-    async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired {
         let key = Self::key(name);
         let token = holder::new_token();
         let ttl_ms = u64::try_from(ttl.as_millis()).unwrap_or(u64::MAX).max(1);

@@ -15,7 +15,7 @@ use super::{
     lease_row::{Grant, Holder, LOCKS},
     name::LockName,
     sql::{lock_error, statement},
-    traits::{Fencing, LeaseCheck, LeaseLock, LockGuard, Renewal},
+    traits::{Acquired, Fencing, LeaseCheck, LeaseLock, LockGuard, Renewal},
 };
 use crate::{
     db::deadline::{reply_bound, within},
@@ -76,7 +76,7 @@ impl TableLock {
         wait: Duration,
         ttl: Duration,
         durable: bool,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    ) -> Acquired {
         let stored = name.bounded(MAX_STORED_NAME, false).into_owned();
         let deadline = Instant::now() + wait;
         let mut backoff = Backoff::new();
@@ -162,24 +162,14 @@ super::outside::outside_backend!(TableLock, Table, Lease);
 
 #[async_trait]
 impl LeaseLock for TableLock {
-    async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired {
         self.acquire_with(name, wait, ttl, true).await
     }
 
     /// On PostgreSQL the grant's commit does not wait for its log flush (a commit that waits
     /// costs a flush, ~1 ms here, as much as the write it guards): see
     /// [`LeaseLock::acquire_checked`] for why nothing is lost by that.
-    async fn acquire_checked(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire_checked(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired {
         self.acquire_with(name, wait, ttl, false).await
     }
 }

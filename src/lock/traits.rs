@@ -101,12 +101,7 @@ impl dyn LockBackend + '_ {
     ///
     /// # Errors
     /// As [`LeaseLock::acquire`].
-    pub async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    pub async fn acquire(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired {
         match self.role() {
             LockRole::Lease(lease) => lease.acquire(name, wait, ttl).await,
             LockRole::Transaction(_) => Ok(None),
@@ -149,6 +144,11 @@ impl fmt::Debug for LockRole<'_> {
     }
 }
 
+/// What asking for a lease gives: `Ok(Some(guard))` when it was granted, `Ok(None)` when
+/// someone else held it for the whole wait (an expected outcome, not an error), and
+/// [`LockError`] when the backend itself failed.
+pub type Acquired = Result<Option<Box<dyn LockGuard>>, LockError>;
+
 /// A lease lock: taken before the transaction opens, released after it ends.
 #[async_trait]
 pub trait LeaseLock: Send + Sync {
@@ -165,12 +165,7 @@ pub trait LeaseLock: Send + Sync {
     ///
     /// # Cancel safety
     /// Dropping the future while it waits gives up the wait and leaves no lock behind.
-    async fn acquire(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError>;
+    async fn acquire(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired;
 
     /// [`acquire`](Self::acquire), for a caller that acts under the lease only in transactions
     /// on the database whose rows it guards, each checking the lease before it commits
@@ -186,12 +181,7 @@ pub trait LeaseLock: Send + Sync {
     ///
     /// # Errors
     /// As [`acquire`](Self::acquire).
-    async fn acquire_checked(
-        &self,
-        name: &LockName,
-        wait: Duration,
-        ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire_checked(&self, name: &LockName, wait: Duration, ttl: Duration) -> Acquired {
         self.acquire(name, wait, ttl).await
     }
 }

@@ -3,7 +3,6 @@
 use super::{CLAIM_TABLE, COMMIT_TABLE, LOCK_TABLE, MAX_STORED_NAME, ROW_LOCK_TABLE};
 use sea_orm::{ConnectionTrait, DbErr};
 use sea_orm_migration::{
-    SchemaManager,
     prelude::{DeriveIden, Table},
     schema::{big_integer, string_len},
     sea_query::TableCreateStatement,
@@ -33,32 +32,20 @@ super::migration! {
     /// compare byte for byte: their default collation there ignores case, accents and trailing
     /// spaces, so `job:A`, `job:a`, `job:é` and `job:e  ` would be one claim, one lease, one fence.
     /// Existing tables are converted in place (a binary comparison never merges rows).
-    struct CommitMigration { up: up, down: down }
+    struct CommitMigration { up: create, drops: [COMMIT_TABLE] }
 }
 
-/// `CommitMigration`'s step up.
-async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    manager.create_table(commit_table()).await?;
-    exact_names(manager.get_connection()).await
-}
-
-/// `CommitMigration`'s step down.
-async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    // The names stay byte-exact: going back to a collation that merges names could fail on
-    // rows that are distinct only byte for byte.
-    manager
-        .drop_table(
-            Table::drop()
-                .table(FreshlockCommit::Table)
-                .if_exists()
-                .to_owned(),
-        )
-        .await
+/// Creates `freshlock_commit` unless it exists, and makes the names byte-exact. Its step down
+/// drops the table; the names stay byte-exact (going back to a collation that merges names could
+/// fail on rows that are distinct only byte for byte).
+pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+    db.execute(&commit_table()).await?;
+    exact_names(db).await
 }
 
 /// On MySQL/MariaDB, a binary NO PAD collation for every name and token column: MariaDB's
 /// `utf8mb4_nopad_bin`, MySQL 8's `utf8mb4_0900_bin` (`utf8mb4_bin` still pads trailing spaces).
-pub(super) async fn exact_names(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+async fn exact_names(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     if db.get_database_backend() != sea_orm::DbBackend::MySql {
         return Ok(());
     }

@@ -2,7 +2,6 @@
 
 use super::{FLOOR_NAME, LOCK_TABLE, insert_ignore};
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::SchemaManager;
 
 super::migration! {
     /// The name of the migration that adds the fence floor.
@@ -11,22 +10,11 @@ super::migration! {
     /// that lock rows nobody needs can be deleted without a name's fences ever going back. Without
     /// it the floor is taken as 0 (and created by the first [`crate::inspect::compact`]); on
     /// MySQL/MariaDB a present floor row also keeps new names' first grants from gap-locking.
-    struct FloorMigration { up: up, down: down }
+    struct FloorMigration { up: insert_floor, drops: [] }
 }
 
-/// `FloorMigration`'s step up.
-async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    insert_floor(manager.get_connection()).await
-}
-
-/// `FloorMigration`'s step down.
-async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    // The floor stays: removing it could let a deleted name's fences start over.
-    let _ = manager;
-    Ok(())
-}
-
-/// Inserts the fence-floor row at 0 unless it is there.
+/// Inserts the fence-floor row at 0 unless it is there. Its step down drops nothing: removing
+/// the floor could let a deleted name's fences start over.
 pub(crate) async fn insert_floor(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     let backend = db.get_database_backend();
     let insert = insert_ignore(

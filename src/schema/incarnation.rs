@@ -2,7 +2,6 @@
 
 use super::INCARNATION_TABLE;
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::SchemaManager;
 
 super::migration! {
     /// The name of the migration that adds PostgreSQL's server-incarnation table.
@@ -16,27 +15,11 @@ super::migration! {
     /// afterwards its outcome is unknown, never guessed. With this table a PostgreSQL write needs
     /// no marker row (see `freshlock::commit` in the crate's source); without it, writes keep
     /// writing markers. Nothing on MySQL/MariaDB and SQLite.
-    struct IncarnationMigration { up: up, down: down }
-}
-
-/// `IncarnationMigration`'s step up.
-async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    create_incarnation_table(manager.get_connection()).await
-}
-
-/// `IncarnationMigration`'s step down.
-async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    let db = manager.get_connection();
-    if db.get_database_backend() != sea_orm::DbBackend::Postgres {
-        return Ok(());
-    }
-    db.execute_unprepared(&format!("DROP TABLE IF EXISTS {INCARNATION_TABLE}"))
-        .await
-        .map(drop)
+    struct IncarnationMigration { up: create, drops: [INCARNATION_TABLE] }
 }
 
 /// `CREATE UNLOGGED TABLE IF NOT EXISTS freshlock_incarnation` on PostgreSQL; nothing elsewhere.
-pub(super) async fn create_incarnation_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     if db.get_database_backend() != sea_orm::DbBackend::Postgres {
         return Ok(());
     }

@@ -1,7 +1,6 @@
 //! `freshlock_job`: the keyed job queue ([`crate::jobs`]).
 
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::SchemaManager;
 
 use super::JOB_TABLE;
 use super::statements::create_index;
@@ -15,25 +14,11 @@ super::migration! {
     /// and MySQL's default collations merge case and trailing spaces. A key's index holds its
     /// SHA-256, so a 10 kB key indexes like a short one; the unique key's hash is set only while
     /// its job waits, so a finished job never blocks a new one.
-    struct JobMigration { up: up, down: down }
-}
-
-/// `JobMigration`'s step up.
-async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    create_job_table(manager.get_connection()).await
-}
-
-/// `JobMigration`'s step down.
-async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    manager
-        .get_connection()
-        .execute_unprepared(&format!("DROP TABLE IF EXISTS {JOB_TABLE}"))
-        .await
-        .map(drop)
+    struct JobMigration { up: create, drops: [JOB_TABLE] }
 }
 
 /// `CREATE TABLE IF NOT EXISTS freshlock_job` and its indexes, per dialect.
-pub(super) async fn create_job_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     use sea_orm::DbBackend;
     let backend = db.get_database_backend();
     // id, then the columns every dialect spells alike.

@@ -1,18 +1,12 @@
 //! The first migration: `freshlock_lock` (leases, fences, holders) and `freshlock_row_lock`.
 
-use super::{LOCK_TABLE, MAX_STORED_NAME, lease_row::lease_table};
-use sea_orm::DbErr;
+use super::{LOCK_TABLE, MAX_STORED_NAME, ROW_LOCK_TABLE, lease_row::lease_table};
+use sea_orm::{ConnectionTrait, DbErr};
 use sea_orm_migration::{
-    SchemaManager,
     prelude::{DeriveIden, Table},
     schema::string_len,
     sea_query::TableCreateStatement,
 };
-
-#[derive(DeriveIden)]
-enum FreshlockLock {
-    Table,
-}
 
 #[derive(DeriveIden)]
 enum FreshlockRowLock {
@@ -37,31 +31,11 @@ super::migration! {
     const MIGRATION_NAME = "m20261130_000100_create_freshlock_tables";
     /// The migration that creates the lease and lock-row tables. Add [`migrations`](super::migrations) to your
     /// `Migrator`'s list (it has this one, [`ClaimMigration`](super::ClaimMigration) and [`CommitMigration`](super::CommitMigration)).
-    struct Migration { up: up, down: down }
+    struct Migration { up: create, drops: [ROW_LOCK_TABLE, LOCK_TABLE] }
 }
 
-/// `Migration`'s step up.
-async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    manager.create_table(lock_table()).await?;
-    manager.create_table(row_lock_table()).await
-}
-
-/// `Migration`'s step down.
-async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    manager
-        .drop_table(
-            Table::drop()
-                .table(FreshlockRowLock::Table)
-                .if_exists()
-                .to_owned(),
-        )
-        .await?;
-    manager
-        .drop_table(
-            Table::drop()
-                .table(FreshlockLock::Table)
-                .if_exists()
-                .to_owned(),
-        )
-        .await
+/// Creates the lease and lock-row tables unless they exist.
+pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+    db.execute(&lock_table()).await?;
+    db.execute(&row_lock_table()).await.map(drop)
 }

@@ -1,13 +1,12 @@
 //! The age index of `freshlock_commit`, for the writers' sweep of old markers.
 
 use sea_orm::{ConnectionTrait, DbErr};
-use sea_orm_migration::SchemaManager;
 
 use super::COMMIT_TABLE;
 use super::statements::create_index;
 
 /// The index of `freshlock_commit` by `created_at` ([`MarkerAgeMigration`]).
-pub(super) const MARKER_AGE_INDEX: &str = "freshlock_commit_age";
+const MARKER_AGE_INDEX: &str = "freshlock_commit_age";
 
 super::migration! {
     /// The name of the migration that indexes the commit markers by age.
@@ -18,18 +17,16 @@ super::migration! {
     /// for each write whose marker is not committed yet (one whose `COMMIT` reply is lost in a
     /// silent partition: until the server drops its connection), and the writer that runs the
     /// sweep waits with it.
-    struct MarkerAgeMigration { up: up, down: down }
+    struct MarkerAgeMigration { up: create, down: drop_index }
 }
 
-/// `MarkerAgeMigration`'s step up.
-async fn up(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    let db = manager.get_connection();
+/// Indexes `freshlock_commit` by age unless it is.
+pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     create_index(db, COMMIT_TABLE, MARKER_AGE_INDEX, "created_at").await
 }
 
-/// `MarkerAgeMigration`'s step down.
-async fn down(manager: &SchemaManager<'_>) -> Result<(), DbErr> {
-    let db = manager.get_connection();
+/// Drops the age index.
+async fn drop_index(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     let sql = match db.get_database_backend() {
         sea_orm::DbBackend::MySql => format!("DROP INDEX {MARKER_AGE_INDEX} ON {COMMIT_TABLE}"),
         _ => format!("DROP INDEX IF EXISTS {MARKER_AGE_INDEX}"),

@@ -25,19 +25,32 @@
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
 /// Declares one of freshlock's migrations: its name constant, its unit struct and the two
-/// sea-orm-migration impls around the `up` and `down` functions of its own file — so a
-/// migration's file holds its tables and steps, and the impls are written once, here.
+/// sea-orm-migration impls. Its step up is the `create` function of its own file (the same one
+/// [`create_tables`] runs, so the migrations and the shortcut cannot drift apart); its step down
+/// drops the tables it lists, or runs the `down` function its file names.
 macro_rules! migration {
     (
         $(#[$name_doc:meta])* const $name:ident = $value:literal;
-        $(#[$doc:meta])* struct $ty:ident { up: $up:ident, down: $down:ident }
+        $(#[$doc:meta])* struct $ty:ident { up: $up:path, drops: [$($table:expr),*] }
     ) => {
+        super::migration!(@declare $(#[$name_doc])* $name = $value, $(#[$doc])* $ty);
+        super::migration!(@impls $name $ty, $up, |db| super::statements::drop_tables(db, &[$($table),*]));
+    };
+    (
+        $(#[$name_doc:meta])* const $name:ident = $value:literal;
+        $(#[$doc:meta])* struct $ty:ident { up: $up:path, down: $down:path }
+    ) => {
+        super::migration!(@declare $(#[$name_doc])* $name = $value, $(#[$doc])* $ty);
+        super::migration!(@impls $name $ty, $up, |db| $down(db));
+    };
+    (@declare $(#[$name_doc:meta])* $name:ident = $value:literal, $(#[$doc:meta])* $ty:ident) => {
         $(#[$name_doc])*
         pub const $name: &str = $value;
 
         $(#[$doc])*
         pub struct $ty;
-
+    };
+    (@impls $name:ident $ty:ident, $up:path, |$db:ident| $down:expr) => {
         impl sea_orm_migration::MigrationName for $ty {
             fn name(&self) -> &str {
                 $name
@@ -50,14 +63,15 @@ macro_rules! migration {
                 &self,
                 manager: &sea_orm_migration::SchemaManager,
             ) -> Result<(), sea_orm::DbErr> {
-                $up(manager).await
+                $up(manager.get_connection()).await
             }
 
             async fn down(
                 &self,
                 manager: &sea_orm_migration::SchemaManager,
             ) -> Result<(), sea_orm::DbErr> {
-                $down(manager).await
+                let $db = manager.get_connection();
+                $down.await
             }
         }
     };
@@ -130,13 +144,11 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
 /// # Errors
 /// The database's error when a statement fails.
 pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
-    db.execute(&locks::lock_table()).await?;
-    db.execute(&locks::row_lock_table()).await?;
-    db.execute(&claim::claim_table()).await?;
-    db.execute(&commit::commit_table()).await?;
-    commit::exact_names(db).await?;
-    insert_floor(db).await?;
-    incarnation::create_incarnation_table(db).await?;
-    job::create_job_table(db).await?;
-    statements::create_index(db, COMMIT_TABLE, marker_age::MARKER_AGE_INDEX, "created_at").await
+    locks::create(db).await?;
+    claim::create(db).await?;
+    commit::create(db).await?;
+    floor::insert_floor(db).await?;
+    incarnation::create(db).await?;
+    job::create(db).await?;
+    marker_age::create(db).await
 }

@@ -45,3 +45,12 @@ pub(super) async fn create_index(
     };
     db.execute_unprepared(&create).await.map(drop)
 }
+
+/// `DROP TABLE IF EXISTS` each of `tables`, in order.
+pub(super) async fn drop_tables(db: &impl ConnectionTrait, tables: &[&str]) -> Result<(), DbErr> {
+    for table in tables {
+        db.execute_unprepared(&format!("DROP TABLE IF EXISTS {table}"))
+            .await?;
+    }
+    Ok(())
+}

@@ -14,7 +14,8 @@ use sea_orm::{ConnectionTrait, DatabaseTransaction};
 use crate::{
     error::LockError,
     lock::{
-        Fencing, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockRole, traits::LeaseLock,
+        Fencing, LocalLock, LockBackend, LockGuard, LockKind, LockName, LockRole,
+        backend::Acquired, traits::LeaseLock,
     },
 };
 
@@ -176,12 +177,7 @@ impl LockBackend for FakeLock {
 
 #[async_trait]
 impl LeaseLock for FakeLock {
-    async fn acquire(
-        &self,
-        _name: &LockName,
-        _wait: Duration,
-        _ttl: Duration,
-    ) -> Result<Option<Box<dyn LockGuard>>, LockError> {
+    async fn acquire(&self, _name: &LockName, _wait: Duration, _ttl: Duration) -> Acquired {
         self.state.tries.fetch_add(1, Ordering::SeqCst);
         let delay = *lock(&self.state.delay);
         if !delay.is_zero() {

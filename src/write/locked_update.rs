@@ -14,12 +14,13 @@
 //! evidence, cache, retries — are the engine's (`engine.rs`), the reload and the write a step of
 //! it (`row_step.rs`).
 
+use crate::write::entity::Writable;
 use std::{
     any::TypeId,
     panic::{AssertUnwindSafe, catch_unwind, resume_unwind},
 };
 
-use sea_orm::{EntityTrait, IntoActiveModel};
+use sea_orm::EntityTrait;
 use tokio::sync::mpsc;
 use tracing::{Instrument, field, info_span};
 
@@ -50,9 +51,7 @@ pub(crate) async fn run<E, D>(
     mut decide: D,
 ) -> Result<Report<Written<E::Model>>>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
     D: FnMut(Option<E::Model>) -> Result<Decision<E>> + Send,
 {
     let (reloaded_tx, mut reloaded) = mpsc::channel::<Option<E::Model>>(1);
@@ -150,9 +149,7 @@ enum Woke<E: EntityTrait> {
 
 impl<E> Driver<E>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
 {
     /// Runs the section and records how it ended (see [`engine::record`]).
     async fn run(self) -> Result<Report<Written<E::Model>>> {

@@ -7,6 +7,7 @@
 pub(crate) mod combine;
 pub(crate) mod decision;
 pub(crate) mod engine;
+pub(crate) mod entity;
 pub(crate) mod fold;
 pub(crate) mod locked_update;
 pub(crate) mod locking;

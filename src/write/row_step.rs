@@ -4,11 +4,10 @@
 //! fence check, the commit with its evidence, the cache effects and the retries are the
 //! engine's: this file only says what the attempt wrote.
 
+use crate::write::entity::Writable;
 use std::{sync::Arc, time::Duration};
 
-use sea_orm::{
-    ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait, IntoActiveModel,
-};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait};
 use tokio::sync::mpsc;
 use tracing::debug;
 
@@ -61,9 +60,7 @@ type Attempted<E> = (
 
 impl<E> RowStep<E>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
 {
     pub(crate) fn new(
         session: Session,
@@ -289,9 +286,7 @@ where
 
 impl<E> Step for RowStep<E>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
 {
     type Output = Written<E::Model>;
 

@@ -5,6 +5,7 @@
 //! ([`update`]). What only one of the steps does around it — commit combining, a lease's check
 //! riding in the UPDATE's message, a lock folded into the reload — stays in that step.
 
+use crate::write::entity::Writable;
 use sea_orm::{DatabaseTransaction, EntityTrait, IntoActiveModel, ModelTrait};
 use tracing::debug;
 
@@ -29,9 +30,7 @@ pub(crate) async fn changes<E>(
     draft: E::ActiveModel,
 ) -> Result<Vec<ColumnValue<E>>, Error>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
 {
     let mut draft = write::before_save::<E, _>(draft, txn, false)
         .await

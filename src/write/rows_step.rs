@@ -9,9 +9,10 @@
 //! the order the section took their locks in, so two writers of the same rows never wait on
 //! each other's row locks in opposite orders. `apply` sees the drafts in the caller's order.
 
+use crate::write::entity::Writable;
 use std::{future::Future, marker::PhantomData, sync::Arc, time::Duration};
 
-use sea_orm::{ActiveModelTrait, DatabaseTransaction, EntityTrait, IntoActiveModel};
+use sea_orm::{DatabaseTransaction, EntityTrait, IntoActiveModel};
 
 use crate::{
     commit::Evidence,
@@ -106,9 +107,7 @@ impl<E, A> RowsStep<E, A> {
 
 impl<E, A> RowsStep<E, A>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: ActiveModelTrait<Entity = E> + Send,
+    E: Writable,
     A: Apply<E>,
 {
     /// Reloads every row under its lock, in the canonical order: the rows as found, by index.
@@ -235,9 +234,7 @@ where
 
 impl<E, A> Step for RowsStep<E, A>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: ActiveModelTrait<Entity = E> + Send,
+    E: Writable,
     A: Apply<E>,
 {
     type Output = Vec<UpdateOutcome<E::Model>>;

@@ -1,9 +1,8 @@
 //! The statements of one save and one insert, on any connection (a pool, a transaction of
 //! the repository's own, a section's): written once for `Repository` and `TxRepository`.
 
-use sea_orm::{
-    ActiveModelTrait, ActiveValue, ConnectionTrait, EntityTrait, IntoActiveModel, ModelTrait,
-};
+use crate::write::entity::Writable;
+use sea_orm::{ActiveModelTrait, ActiveValue, ConnectionTrait, ModelTrait};
 
 use crate::{
     commit,
@@ -36,9 +35,7 @@ pub(crate) async fn save_on<E, C>(
     autocommit: bool,
 ) -> Result<Saved<E::Model>>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
     C: ConnectionTrait,
 {
     let fail = |operation| move |e| database(operation, row, e);
@@ -116,9 +113,7 @@ pub(crate) async fn insert_on<E, C>(
     model: E::ActiveModel,
 ) -> Result<(Row, E::Model, E::Model)>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
     C: ConnectionTrait,
 {
     let table = E::default().table_name();

@@ -13,7 +13,7 @@ use crate::{
     schema::JOB_TABLE,
 };
 
-use super::{bytes, hash};
+use super::{bytes, hash, hashed};
 
 /// What [`insert`] stores.
 pub(crate) struct Insert<'a> {
@@ -69,16 +69,12 @@ pub(crate) async fn insert(
                  LIMIT 1"
             );
             let found = db
-                .query_one_raw(statement(
-                    backend,
-                    &sql,
-                    vec![Value::Bytes(Some(hash(key)))],
-                ))
+                .query_one_raw(statement(backend, &sql, vec![hashed(key)]))
                 .await?;
             state = if found.is_some() { Queued } else { Pending }.to_string();
         } else {
             state = format!("CASE WHEN {behind} THEN {Queued} ELSE {Pending} END");
-            state_values.push(Value::Bytes(Some(hash(key))));
+            state_values.push(hashed(key));
         }
     }
     let sql = format!(
@@ -117,11 +113,7 @@ pub(crate) async fn holder_of(
     let backend = db.get_database_backend();
     let sql = format!("SELECT id FROM {JOB_TABLE} WHERE unique_hash = ?");
     let row = db
-        .query_one_raw(statement(
-            backend,
-            &sql,
-            vec![Value::Bytes(Some(hash(unique)))],
-        ))
+        .query_one_raw(statement(backend, &sql, vec![hashed(unique)]))
         .await?;
     row.map(|row| row.try_get::<i64>("", "id")).transpose()
 }

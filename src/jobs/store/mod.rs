@@ -27,6 +27,12 @@ pub(crate) fn hash(key: impl AsRef<[u8]>) -> Vec<u8> {
     Sha256::digest(key.as_ref()).to_vec()
 }
 
+/// A key's hash ([`hash`]) as a bound value.
+pub(super) fn hashed(key: impl AsRef<[u8]>) -> Value {
+    Value::Bytes(Some(hash(key)))
+}
+
+/// A text as bytes (kinds, keys and unique keys are stored as bytes), or SQL `NULL`.
 pub(super) fn bytes(value: Option<&str>) -> Value {
     Value::Bytes(value.map(|v| v.as_bytes().to_vec()))
 }

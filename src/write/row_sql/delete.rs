@@ -1,15 +1,15 @@
 //! The guarded DELETE and the locked read that checks a row still holds what was expected.
 
 use sea_orm::{
-    ConnectionTrait, DbBackend, DbErr, EntityTrait, IntoActiveModel, Iterable, PrimaryKeyToColumn,
-    QueryFilter, Value, sea_query::ValueTuple,
+    ActiveModelBehavior, ConnectionTrait, DbBackend, DbErr, DeleteMany, EntityTrait,
+    IntoActiveModel, Iterable, PrimaryKeyToColumn, QueryFilter, Value, sea_query::ValueTuple,
 };
 
 #[cfg(feature = "mysql")]
 use super::update::{free_lease, marked_message, send_marked};
 use super::{
     columns::ColumnValue,
-    hooks::{Failed, after_delete, before_delete, step},
+    hooks::{Failed, step},
     update::holds,
 };
 use crate::{commit::Marker, write::row::select_by_key};
@@ -48,17 +48,16 @@ pub(crate) enum Removed {
     LeaseNotConfirmed,
 }
 
-/// `DELETE … WHERE pk = <pk> AND <expected>`; how it ended ([`Removed`]).
+/// Sends `delete` (`DELETE … WHERE pk = <pk> AND <expected>`); how it ended ([`Removed`]).
 ///
 /// With `marker`, the write's commit marker is inserted in the same transaction first: on
 /// MySQL/MariaDB in the same message as the DELETE where their values can be written into its
 /// text (see `inline.rs`; the reply then counts the marker's row too), else by a statement of
 /// its own. `lease` (MySQL/MariaDB with `marker` only): a held lease's check-and-free, first in
 /// that message or bound before it, as [`Sending::lease`] says for an UPDATE.
-pub(crate) async fn delete_holding<E, C>(
+async fn delete_holding<E, C>(
     db: &C,
-    pk: &ValueTuple,
-    expected: &[ColumnValue<E>],
+    delete: DeleteMany<E>,
     marker: Option<&Marker>,
     lease: Option<[Value; 3]>,
 ) -> Result<Removed, DbErr>
@@ -66,13 +65,6 @@ where
     E: EntityTrait,
     C: ConnectionTrait,
 {
-    let mut delete = E::delete_many();
-    for (column, value) in E::PrimaryKey::iter().zip(pk.iter()) {
-        delete = delete.filter(holds::<E>(column.into_column(), value));
-    }
-    for (column, value) in expected {
-        delete = delete.filter(holds::<E>(*column, value));
-    }
     let removed = |deleted: bool| {
         if deleted {
             Removed::Deleted
@@ -128,16 +120,23 @@ where
     C: ConnectionTrait,
 {
     let draft = original.clone().into_active_model();
-    let draft = before_delete::<E, _>(draft, db)
+    let draft = ActiveModelBehavior::before_delete(draft, db)
         .await
         .map_err(step("running before_delete for"))?;
-    let removed = delete_holding::<E, _>(db, pk, expected, marker, lease)
+    let mut delete = E::delete_many();
+    for (column, value) in E::PrimaryKey::iter().zip(pk.iter()) {
+        delete = delete.filter(holds::<E>(column.into_column(), value));
+    }
+    for (column, value) in expected {
+        delete = delete.filter(holds::<E>(*column, value));
+    }
+    let removed = delete_holding(db, delete, marker, lease)
         .await
         .map_err(step("deleting"))?;
     if removed != Removed::Deleted {
         return Ok(removed);
     }
-    after_delete::<E, _>(draft, db)
+    ActiveModelBehavior::after_delete(draft, db)
         .await
         .map_err(step("running after_delete for"))?;
     Ok(Removed::Deleted)

@@ -1,7 +1,8 @@
 //! Inserts and deletes through sea-orm's `ActiveModel` (so its hooks run), and the hooks
 //! themselves for the writes freshlock builds by hand.
 
-use sea_orm::{ActiveModelBehavior, ConnectionTrait, DbErr, EntityTrait, IntoActiveModel};
+use crate::write::entity::Writable;
+use sea_orm::{ActiveModelBehavior, ConnectionTrait, DbErr, EntityTrait};
 
 /// A statement of a row write that failed, and what it was doing (`"inserting"`, `"running
 /// before_save for"`, …: the words of [`crate::error::database`]'s message).
@@ -31,9 +32,7 @@ pub(crate) async fn insert_row<E, C>(
     draft: E::ActiveModel,
 ) -> Result<Inserted<E::Model>, Failed>
 where
-    E: EntityTrait,
-    E::Model: IntoActiveModel<E::ActiveModel> + Sync,
-    E::ActiveModel: Send,
+    E: Writable,
     C: ConnectionTrait,
 {
     let draft = before_save::<E, _>(draft, db, true)
@@ -76,30 +75,4 @@ where
     C: ConnectionTrait,
 {
     <E::ActiveModel as ActiveModelBehavior>::after_save(model, db, insert).await
-}
-
-/// sea-orm's `before_delete` hook.
-pub(crate) async fn before_delete<E, C>(
-    draft: E::ActiveModel,
-    db: &C,
-) -> Result<E::ActiveModel, DbErr>
-where
-    E: EntityTrait,
-    E::ActiveModel: Send,
-    C: ConnectionTrait,
-{
-    ActiveModelBehavior::before_delete(draft, db).await
-}
-
-/// sea-orm's `after_delete` hook.
-pub(crate) async fn after_delete<E, C>(
-    draft: E::ActiveModel,
-    db: &C,
-) -> Result<E::ActiveModel, DbErr>
-where
-    E: EntityTrait,
-    E::ActiveModel: Send,
-    C: ConnectionTrait,
-{
-    ActiveModelBehavior::after_delete(draft, db).await
 }
