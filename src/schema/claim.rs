@@ -17,14 +17,14 @@ pub(super) fn claim_table() -> TableCreateStatement {
         .to_owned()
 }
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that creates the claims table.
     const CLAIM_MIGRATION_NAME = "m20261130_000200_create_freshlock_claim";
     /// The migration that creates `freshlock_claim` (claims with a lease).
-    struct ClaimMigration { up: create, drops: [CLAIM_TABLE] }
+    struct ClaimMigration { up: create_claim_table, drops: [CLAIM_TABLE] }
 }
 
 /// Creates `freshlock_claim` unless it exists.
-pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create_claim_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&claim_table()).await.map(drop)
 }

@@ -24,7 +24,7 @@ pub(super) fn commit_table() -> TableCreateStatement {
         .to_owned()
 }
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that adds commit markers and byte-exact names.
     const COMMIT_MIGRATION_NAME = "m20261130_000300_freshlock_commit_and_exact_names";
     /// The migration that creates `freshlock_commit` (the markers that resolve a commit whose reply
@@ -32,13 +32,13 @@ super::migration! {
     /// compare byte for byte: their default collation there ignores case, accents and trailing
     /// spaces, so `job:A`, `job:a`, `job:é` and `job:e  ` would be one claim, one lease, one fence.
     /// Existing tables are converted in place (a binary comparison never merges rows).
-    struct CommitMigration { up: create, drops: [COMMIT_TABLE] }
+    struct CommitMigration { up: create_commit_table, drops: [COMMIT_TABLE] }
 }
 
 /// Creates `freshlock_commit` unless it exists, and makes the names byte-exact. Its step down
 /// drops the table; the names stay byte-exact (going back to a collation that merges names could
 /// fail on rows that are distinct only byte for byte).
-pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create_commit_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&commit_table()).await?;
     exact_names(db).await
 }

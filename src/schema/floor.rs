@@ -3,7 +3,7 @@
 use super::{FLOOR_NAME, LOCK_TABLE, insert_ignore};
 use sea_orm::{ConnectionTrait, DbErr};
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that adds the fence floor.
     const FLOOR_MIGRATION_NAME = "m20261130_000400_freshlock_lock_floor";
     /// The migration that adds the fence-floor row to `freshlock_lock` (see the module docs), so

@@ -3,7 +3,7 @@
 use super::INCARNATION_TABLE;
 use sea_orm::{ConnectionTrait, DbErr};
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that adds PostgreSQL's server-incarnation table.
     const INCARNATION_MIGRATION_NAME = "m20261201_000500_freshlock_incarnation";
     /// On PostgreSQL, the migration that creates `freshlock_incarnation`: an `UNLOGGED` table that
@@ -15,11 +15,11 @@ super::migration! {
     /// afterwards its outcome is unknown, never guessed. With this table a PostgreSQL write needs
     /// no marker row (see `freshlock::commit` in the crate's source); without it, writes keep
     /// writing markers. Nothing on MySQL/MariaDB and SQLite.
-    struct IncarnationMigration { up: create, drops: [INCARNATION_TABLE] }
+    struct IncarnationMigration { up: create_incarnation_table, drops: [INCARNATION_TABLE] }
 }
 
 /// `CREATE UNLOGGED TABLE IF NOT EXISTS freshlock_incarnation` on PostgreSQL; nothing elsewhere.
-pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create_incarnation_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     if db.get_database_backend() != sea_orm::DbBackend::Postgres {
         return Ok(());
     }

@@ -5,7 +5,7 @@ use sea_orm::{ConnectionTrait, DbErr};
 use super::JOB_TABLE;
 use super::statements::create_index;
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that adds the job table.
     const JOB_MIGRATION_NAME = "m20261202_000600_freshlock_job";
     /// The migration that creates `freshlock_job`, the table of [`crate::jobs`]: one row per job
@@ -14,11 +14,11 @@ super::migration! {
     /// and MySQL's default collations merge case and trailing spaces. A key's index holds its
     /// SHA-256, so a 10 kB key indexes like a short one; the unique key's hash is set only while
     /// its job waits, so a finished job never blocks a new one.
-    struct JobMigration { up: create, drops: [JOB_TABLE] }
+    struct JobMigration { up: create_job_table, drops: [JOB_TABLE] }
 }
 
 /// `CREATE TABLE IF NOT EXISTS freshlock_job` and its indexes, per dialect.
-pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create_job_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     use sea_orm::DbBackend;
     let backend = db.get_database_backend();
     // id, then the columns every dialect spells alike.

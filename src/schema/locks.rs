@@ -26,16 +26,16 @@ pub(super) fn row_lock_table() -> TableCreateStatement {
         .to_owned()
 }
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that creates them, as it appears in `seaql_migrations`.
     const MIGRATION_NAME = "m20261130_000100_create_freshlock_tables";
     /// The migration that creates the lease and lock-row tables. Add [`migrations`](super::migrations) to your
     /// `Migrator`'s list (it has this one, [`ClaimMigration`](super::ClaimMigration) and [`CommitMigration`](super::CommitMigration)).
-    struct Migration { up: create, drops: [ROW_LOCK_TABLE, LOCK_TABLE] }
+    struct Migration { up: create_lock_tables, drops: [ROW_LOCK_TABLE, LOCK_TABLE] }
 }
 
 /// Creates the lease and lock-row tables unless they exist.
-pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create_lock_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     db.execute(&lock_table()).await?;
     db.execute(&row_lock_table()).await.map(drop)
 }

@@ -8,7 +8,7 @@ use super::statements::create_index;
 /// The index of `freshlock_commit` by `created_at` ([`MarkerAgeMigration`]).
 const MARKER_AGE_INDEX: &str = "freshlock_commit_age";
 
-super::migration! {
+super::freshlock_migration! {
     /// The name of the migration that indexes the commit markers by age.
     const MARKER_AGE_MIGRATION_NAME = "m20261202_000700_freshlock_commit_age";
     /// The migration that indexes `freshlock_commit` by `created_at`, so that the writers' sweep of
@@ -17,11 +17,11 @@ super::migration! {
     /// for each write whose marker is not committed yet (one whose `COMMIT` reply is lost in a
     /// silent partition: until the server drops its connection), and the writer that runs the
     /// sweep waits with it.
-    struct MarkerAgeMigration { up: create, down: drop_index }
+    struct MarkerAgeMigration { up: create_age_index, down: drop_index }
 }
 
 /// Indexes `freshlock_commit` by age unless it is.
-pub(super) async fn create(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+pub(super) async fn create_age_index(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     create_index(db, COMMIT_TABLE, MARKER_AGE_INDEX, "created_at").await
 }
 

@@ -28,20 +28,20 @@
 /// sea-orm-migration impls. Its step up is the `create` function of its own file (the same one
 /// [`create_tables`] runs, so the migrations and the shortcut cannot drift apart); its step down
 /// drops the tables it lists, or runs the `down` function its file names.
-macro_rules! migration {
+macro_rules! freshlock_migration {
     (
         $(#[$name_doc:meta])* const $name:ident = $value:literal;
         $(#[$doc:meta])* struct $ty:ident { up: $up:path, drops: [$($table:expr),*] }
     ) => {
-        super::migration!(@declare $(#[$name_doc])* $name = $value, $(#[$doc])* $ty);
-        super::migration!(@impls $name $ty, $up, |db| super::statements::drop_tables(db, &[$($table),*]));
+        crate::schema::freshlock_migration!(@declare $(#[$name_doc])* $name = $value, $(#[$doc])* $ty);
+        crate::schema::freshlock_migration!(@impls $name $ty, $up, |db| crate::schema::statements::drop_tables(db, &[$($table),*]));
     };
     (
         $(#[$name_doc:meta])* const $name:ident = $value:literal;
         $(#[$doc:meta])* struct $ty:ident { up: $up:path, down: $down:path }
     ) => {
-        super::migration!(@declare $(#[$name_doc])* $name = $value, $(#[$doc])* $ty);
-        super::migration!(@impls $name $ty, $up, |db| $down(db));
+        crate::schema::freshlock_migration!(@declare $(#[$name_doc])* $name = $value, $(#[$doc])* $ty);
+        crate::schema::freshlock_migration!(@impls $name $ty, $up, |db| $down(db));
     };
     (@declare $(#[$name_doc:meta])* $name:ident = $value:literal, $(#[$doc:meta])* $ty:ident) => {
         $(#[$name_doc])*
@@ -76,7 +76,7 @@ macro_rules! migration {
         }
     };
 }
-use migration;
+use freshlock_migration;
 
 mod claim;
 mod commit;
@@ -144,11 +144,11 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
 /// # Errors
 /// The database's error when a statement fails.
 pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
-    locks::create(db).await?;
-    claim::create(db).await?;
-    commit::create(db).await?;
-    floor::insert_floor(db).await?;
-    incarnation::create(db).await?;
-    job::create(db).await?;
-    marker_age::create(db).await
+    locks::create_lock_tables(db).await?;
+    claim::create_claim_table(db).await?;
+    commit::create_commit_table(db).await?;
+    insert_floor(db).await?;
+    incarnation::create_incarnation_table(db).await?;
+    job::create_job_table(db).await?;
+    marker_age::create_age_index(db).await
 }
