@@ -29,7 +29,7 @@ use std::{
 
 use entity::node;
 use freshlock::{
-    ForUpdate, SaveOutcome, Session,
+    ForUpdate, SaveOutcome, Session, Tx,
     jobs::{self, Job, Jobs, NewJob, RetryPolicy, Worker},
 };
 use sea_orm::{
@@ -187,9 +187,11 @@ fn row(workload: &str, workers: usize, batch: u32, n: usize, seconds: f64) {
 /// W1: no-op jobs.
 async fn no_ops(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) {
     fill(db, n, |_| NewJob::new("noop", &()).unwrap()).await;
-    let handlers = Jobs::new().handle("noop", RetryPolicy::default(), |_tx, _job: Job<()>| {
-        Box::pin(async move { Ok(()) })
-    });
+    let handlers = Jobs::new().handle(
+        "noop",
+        RetryPolicy::default(),
+        async |_tx: &Tx, _job: Job<()>| Ok(()),
+    );
     let (seconds, _) = drain(db, handlers, workers, batch, n).await;
     row("W1 no-op", workers, batch, n, seconds);
 }
@@ -205,34 +207,38 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, 
         NewJob::new("bump", &((i % 1000) as i32 + 1)).unwrap()
     })
     .await;
-    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), move |tx, job: Job<i32>| {
-        Box::pin(async move {
-            if locked {
-                let nodes = tx.repository::<node::Entity>();
-                let found = nodes.load_locked(job.payload, ForUpdate::Wait).await?;
-                let found = found.ok_or_else(|| freshlock::ApplyError::msg("no such node"))?;
-                let mut model = (*found).clone().into_active_model();
-                model.score = Set(Some(found.score.unwrap_or(0) + 1));
-                return match nodes.save(model).await? {
-                    SaveOutcome::Updated(_) => Ok(()),
-                    other => Err(freshlock::ApplyError::msg(format!("not saved: {other:?}"))),
+    let handlers = Jobs::new().handle(
+        "bump",
+        RetryPolicy::default(),
+        jobs::handler(move |tx, job: Job<i32>| {
+            Box::pin(async move {
+                if locked {
+                    let nodes = tx.repository::<node::Entity>();
+                    let found = nodes.load_locked(job.payload, ForUpdate::Wait).await?;
+                    let found = found.ok_or_else(|| freshlock::ApplyError::msg("no such node"))?;
+                    let mut model = (*found).clone().into_active_model();
+                    model.score = Set(Some(found.score.unwrap_or(0) + 1));
+                    return match nodes.save(model).await? {
+                        SaveOutcome::Updated(_) => Ok(()),
+                        other => Err(freshlock::ApplyError::msg(format!("not saved: {other:?}"))),
+                    };
+                }
+                let backend = tx.get_database_backend();
+                let sql = if backend == sea_orm::DbBackend::Postgres {
+                    "UPDATE node SET score = score + 1 WHERE id = $1"
+                } else {
+                    "UPDATE node SET score = score + 1 WHERE id = ?"
                 };
-            }
-            let backend = tx.get_database_backend();
-            let sql = if backend == sea_orm::DbBackend::Postgres {
-                "UPDATE node SET score = score + 1 WHERE id = $1"
-            } else {
-                "UPDATE node SET score = score + 1 WHERE id = ?"
-            };
-            tx.execute_raw(Statement::from_sql_and_values(
-                backend,
-                sql,
-                [job.payload.into()],
-            ))
-            .await?;
-            Ok(())
-        })
-    });
+                tx.execute_raw(Statement::from_sql_and_values(
+                    backend,
+                    sql,
+                    [job.payload.into()],
+                ))
+                .await?;
+                Ok(())
+            })
+        }),
+    );
     let (seconds, _) = drain(db, handlers, workers, batch, n).await;
     let name = if locked {
         "W2 one locked update each"
@@ -288,7 +294,7 @@ async fn skewed(db: &DatabaseConnection) {
         Jobs::new().handle(
             "work",
             RetryPolicy::default(),
-            move |_tx, job: Job<bool>| {
+            jobs::handler(move |_tx, job: Job<bool>| {
                 let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
                 let (finished, stop_tx) = (Arc::clone(&finished), stop_tx.clone());
                 started.lock().unwrap().insert(job.id, start.elapsed());
@@ -315,7 +321,7 @@ async fn skewed(db: &DatabaseConnection) {
                     }
                     Ok(())
                 })
-            },
+            }),
         )
     };
     // The workers as an application runs them: `Worker::run` (woken by enqueues on

@@ -328,6 +328,23 @@ impl ApplyError {
     pub fn into_inner(self) -> BoxError {
         self.0
     }
+
+    /// The error as the type it was made from, if it was a `T` (`?` on a `T`, or
+    /// `ApplyError::from(t)`).
+    pub fn downcast_ref<T: std::error::Error + 'static>(&self) -> Option<&T> {
+        self.0.downcast_ref::<T>()
+    }
+
+    /// Whether the error was made from a `T`.
+    pub fn is<T: std::error::Error + 'static>(&self) -> bool {
+        self.0.is::<T>()
+    }
+}
+
+impl AsRef<dyn std::error::Error + Send + Sync + 'static> for ApplyError {
+    fn as_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.0
+    }
 }
 
 impl<E: Into<BoxError>> From<E> for ApplyError {

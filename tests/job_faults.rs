@@ -25,7 +25,7 @@ use freshlock::{
     Error, LockPolicy, Session,
     jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
-use job_support::bump_node;
+use job_support::{bump_node, bump_output};
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use servers::{TestDb, databases};
@@ -89,9 +89,10 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32, leased
     proxy.cut_every(every);
     let handlers = if leased {
         // Claimed under a 1 s lease (its commit cut too), worked outside, finished fenced.
-        let work = |job: Job<i32>, _lease| async move { Ok::<_, freshlock::BoxError>(job.payload) };
+        let work =
+            |job: Job<i32>, _lease| async move { Ok::<_, freshlock::ApplyError>(job.payload) };
         let lease = Duration::from_secs(1);
-        Jobs::new().handle_leased("bump", RetryPolicy::default(), lease, work, bump_node)
+        Jobs::new().handle_leased("bump", RetryPolicy::default(), lease, work, bump_output)
     } else {
         Jobs::new().handle("bump", RetryPolicy::default(), bump_node)
     };
@@ -200,9 +201,13 @@ async fn black_holed_savepoint(db: Option<TestDb>) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let handlers = Jobs::new()
-        .handle("fails", job_support::at_once(1), |_tx, _job: Job<i32>| {
-            Box::pin(async { Err(freshlock::ApplyError::msg("fails")) })
-        })
+        .handle(
+            "fails",
+            job_support::at_once(1),
+            jobs::handler(|_tx, _job: Job<i32>| {
+                Box::pin(async { Err(freshlock::ApplyError::msg("fails")) })
+            }),
+        )
         .handle("bump", RetryPolicy::default(), bump_node);
     for kind in ["fails", "bump"] {
         job_support::add(&db.db, NewJob::new(kind, &1).unwrap())

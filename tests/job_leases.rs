@@ -20,10 +20,10 @@ use std::{
 };
 
 use freshlock::{
-    Session,
+    Session, Tx,
     jobs::{self, Job, JobFailure, JobOutcome, JobState, Jobs, Lease, NewJob, RetryPolicy, Worker},
 };
-use job_support::{add, at_once, bigint, bump, bump_node, jobs_in, number, total_score};
+use job_support::{add, at_once, bigint, bump, bump_output, jobs_in, number, total_score};
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use serde::{Deserialize, Serialize};
 use servers::{TestDb, databases};
@@ -116,10 +116,10 @@ async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
                         .unwrap()
                         .entry(job.payload.seq)
                         .or_default() += 1;
-                    Ok::<_, freshlock::BoxError>(job.payload.node)
+                    Ok::<_, freshlock::ApplyError>(job.payload.node)
                 }
             },
-            bump_node,
+            bump_output,
         )
     };
     let session = Session::new(&handle);
@@ -170,14 +170,12 @@ fn gated_jobs(gate: Gate, lease: Duration, policy: RetryPolicy) -> Jobs {
                     let mut release = gate.release.clone();
                     release.wait_for(|go| *go).await.unwrap();
                 }
-                Ok::<_, freshlock::BoxError>((job.payload.node, lease.is_lost()))
+                Ok::<_, freshlock::ApplyError>((job.payload.node, lease.is_lost()))
             }
         },
-        |tx, job: Job<(i32, bool)>| {
-            Box::pin(async move {
-                bump(tx, job.payload.0).await?;
-                Ok(())
-            })
+        async |tx: &Tx, _job: Job<Analyze>, done: &(i32, bool)| {
+            bump(tx, done.0).await?;
+            Ok(())
         },
     )
 }
@@ -339,10 +337,10 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
                     let mut release = stuck.release.clone();
                     release.wait_for(|go| *go).await.unwrap();
                 }
-                Ok::<_, freshlock::BoxError>(job.payload.node)
+                Ok::<_, freshlock::ApplyError>(job.payload.node)
             }
         },
-        bump_node,
+        bump_output,
     );
     for attempt in 1..=2 {
         let worker = Worker::new(Session::new(&handle), handlers.clone());
@@ -431,14 +429,14 @@ async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
                 _ => Ok((node, seq)),
             }
         },
-        |tx, job: Job<(i32, u32)>| {
-            Box::pin(async move {
-                bump(tx, job.payload.0).await?;
-                if job.payload.1 == 3 && job.attempt == 1 {
-                    return Err(freshlock::ApplyError::msg("the finish failed"));
-                }
-                Ok(())
-            })
+        // The finish sees the job as enqueued beside what its work returned.
+        async |tx: &Tx, job: Job<Analyze>, &(node, seq): &(i32, u32)| {
+            assert_eq!((job.payload.node, job.payload.seq), (node, seq));
+            bump(tx, node).await?;
+            if seq == 3 && job.attempt == 1 {
+                return Err(freshlock::ApplyError::msg("the finish failed"));
+            }
+            Ok(())
         },
     );
     let worker = Worker::new(Session::new(&handle), handlers).with_batch(4);

@@ -18,7 +18,7 @@ use std::{
 };
 
 use freshlock::{
-    Session,
+    ApplyError, Session, Tx,
     jobs::{self, Enqueued, Job, JobFailure, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
 use job_support::{add, at_once, bigint, bump, jobs_in, number, total_score};
@@ -79,12 +79,16 @@ async fn enqueued_with_the_callers_transaction(db: Option<TestDb>) {
 }
 
 fn bump_jobs(policy: RetryPolicy) -> Jobs {
-    Jobs::new().handle("bump", policy, |tx, job: Job<Bump>| {
-        Box::pin(async move {
-            bump(tx, job.payload.node).await?;
-            Ok(())
-        })
-    })
+    Jobs::new().handle(
+        "bump",
+        policy,
+        jobs::handler(|tx, job: Job<Bump>| {
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        }),
+    )
 }
 
 on_databases! {
@@ -167,32 +171,36 @@ async fn keyed_jobs_run_once_in_order_without_overlap(db: Option<TestDb>) {
     let completed = Arc::new(AtomicUsize::new(0));
     let handlers = {
         let seen = Arc::clone(&seen);
-        Jobs::new().handle("bump", at_once(5), move |tx, job: Job<Bump>| {
-            let seen = Arc::clone(&seen);
-            Box::pin(async move {
-                let key = job.key.clone().unwrap_or_default();
-                if !key.is_empty() {
-                    let mut running = seen.running.lock().unwrap();
-                    let now = running.entry(key.clone()).or_default();
-                    if *now > 0 {
-                        seen.overlaps.fetch_add(1, Ordering::SeqCst);
+        Jobs::new().handle(
+            "bump",
+            at_once(5),
+            jobs::handler(move |tx, job: Job<Bump>| {
+                let seen = Arc::clone(&seen);
+                Box::pin(async move {
+                    let key = job.key.clone().unwrap_or_default();
+                    if !key.is_empty() {
+                        let mut running = seen.running.lock().unwrap();
+                        let now = running.entry(key.clone()).or_default();
+                        if *now > 0 {
+                            seen.overlaps.fetch_add(1, Ordering::SeqCst);
+                        }
+                        *now += 1;
+                        let mut order = seen.order.lock().unwrap();
+                        order.entry(key.clone()).or_default().push(job.payload.seq);
                     }
-                    *now += 1;
-                    let mut order = seen.order.lock().unwrap();
-                    order.entry(key.clone()).or_default().push(job.payload.seq);
-                }
-                // Let the other workers run while this job holds its key.
-                for _ in 0..3 {
-                    tokio::task::yield_now().await;
-                }
-                let bumped = bump(tx, job.payload.node).await;
-                if !key.is_empty() {
-                    *seen.running.lock().unwrap().get_mut(&key).unwrap() -= 1;
-                }
-                bumped?;
-                Ok(())
-            })
-        })
+                    // Let the other workers run while this job holds its key.
+                    for _ in 0..3 {
+                        tokio::task::yield_now().await;
+                    }
+                    let bumped = bump(tx, job.payload.node).await;
+                    if !key.is_empty() {
+                        *seen.running.lock().unwrap().get_mut(&key).unwrap() -= 1;
+                    }
+                    bumped?;
+                    Ok(())
+                })
+            }),
+        )
     };
     let session = Session::new(&handle);
     let mut workers = Vec::new();
@@ -257,13 +265,17 @@ async fn workers_run_until_idle_leave_nothing(db: Option<TestDb>) {
     const JOBS: i64 = 200;
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
-    let handlers = Jobs::new().handle("bump", at_once(5), |tx, job: Job<Bump>| {
-        Box::pin(async move {
-            tokio::task::yield_now().await;
-            bump(tx, job.payload.node).await?;
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "bump",
+        at_once(5),
+        jobs::handler(|tx, job: Job<Bump>| {
+            Box::pin(async move {
+                tokio::task::yield_now().await;
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        }),
+    );
     for round in 1..=ROUNDS {
         let txn = db.begin().await.unwrap();
         for seq in 0..JOBS {
@@ -326,18 +338,22 @@ async fn a_busy_key_is_skipped_not_waited_for(db: Option<TestDb>) {
     let first_hot = ids[0];
     let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
     let (release_tx, release) = tokio::sync::watch::channel(false);
-    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
-        let (started_tx, mut release) = (started_tx.clone(), release.clone());
-        Box::pin(async move {
-            // Only the hot key's first job holds on, until the test lets it go.
-            if job.id == first_hot {
-                started_tx.send(()).await.unwrap();
-                release.wait_for(|go| *go).await.unwrap();
-            }
-            bump(tx, job.payload.node).await?;
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "bump",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let (started_tx, mut release) = (started_tx.clone(), release.clone());
+            Box::pin(async move {
+                // Only the hot key's first job holds on, until the test lets it go.
+                if job.id == first_hot {
+                    started_tx.send(()).await.unwrap();
+                    release.wait_for(|go| *go).await.unwrap();
+                }
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        }),
+    );
     let session = Session::new(&handle);
     let first = Worker::new(session.clone(), handlers.clone());
     let holder = tokio::spawn(async move { first.run_one().await.unwrap() });
@@ -387,6 +403,185 @@ on_databases! {
     a_busy_key_is_skipped_mysql: a_busy_key_is_skipped_not_waited_for, mysql;
 }
 
+// ------------------------------------------------------------------------- handler forms
+
+/// A handler as an `async fn` item.
+async fn bump_by_fn(tx: &Tx, job: Job<Bump>) -> Result<(), ApplyError> {
+    bump(tx, job.payload.node).await?;
+    Ok(())
+}
+
+/// A handler with state: a type of the user's own.
+struct Counting {
+    ran: Arc<AtomicUsize>,
+}
+
+impl jobs::Handler<Bump> for Counting {
+    async fn run(&self, tx: &Tx, job: Job<Bump>) -> Result<(), ApplyError> {
+        bump(tx, job.payload.node).await?;
+        self.ran.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+/// The user's own error type, found again by `retry_if`.
+#[derive(Debug, thiserror::Error)]
+#[error("the card was declined ({0})")]
+struct Declined(u32);
+
+async fn every_handler_form_runs_and_retry_if_sees_the_error_typed(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let ran = Arc::new(AtomicUsize::new(0));
+    // Kept in a variable before it is registered.
+    let stored = async |tx: &Tx, job: Job<Bump>| -> Result<(), ApplyError> {
+        bump(tx, job.payload.node).await?;
+        Ok(())
+    };
+    let seen = Arc::clone(&ran);
+    let boxed = jobs::handler(move |tx, job: Job<Bump>| {
+        let seen = Arc::clone(&seen);
+        Box::pin(async move {
+            bump(tx, job.payload.node).await?;
+            seen.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        })
+    });
+    let checked: Arc<Mutex<Vec<Option<u32>>>> = Arc::default();
+    let seen_errors = Arc::clone(&checked);
+    let declines = at_once(5).retry_if(move |error| {
+        let declined = error.downcast_ref::<Declined>().map(|d| d.0);
+        seen_errors.lock().unwrap().push(declined);
+        !error.is::<Declined>()
+    });
+    let handlers = Jobs::new()
+        .handle("fn", at_once(1), bump_by_fn)
+        .handle("stored", at_once(1), stored)
+        .handle(
+            "state",
+            at_once(1),
+            Counting {
+                ran: Arc::clone(&ran),
+            },
+        )
+        .handle("boxed", at_once(1), boxed)
+        .handle("declined", declines, async |_tx: &Tx, job: Job<Bump>| {
+            if job.attempt == 1 {
+                return Err(ApplyError::msg("the service is down"));
+            }
+            Err(Declined(job.payload.seq).into())
+        });
+    for kind in ["fn", "stored", "state", "boxed"] {
+        add(&db, NewJob::new(kind, &Bump { node: 1, seq: 0 }).unwrap())
+            .await
+            .unwrap();
+    }
+    add(
+        &db,
+        NewJob::new("declined", &Bump { node: 1, seq: 7 }).unwrap(),
+    )
+    .await
+    .unwrap();
+    let worker = Worker::new(Session::new(&handle), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let completed = runs
+        .iter()
+        .filter(|run| run.outcome == JobOutcome::Completed)
+        .count();
+    assert_eq!(completed, 4, "{runs:?}");
+    assert_eq!(
+        total_score(&db).await,
+        4,
+        "each form's write committed once"
+    );
+    assert_eq!(
+        ran.load(Ordering::SeqCst),
+        2,
+        "the stateful handlers ran once each"
+    );
+    // The first attempt's error retried; the second was the user's own type, found again by
+    // `retry_if`, and failed the job at once.
+    assert_eq!(*checked.lock().unwrap(), [None, Some(7)]);
+    let failed = jobs::list(&handle, jobs::JobState::Failed, 10)
+        .await
+        .unwrap();
+    assert_eq!(failed.len(), 1);
+    assert_eq!(failed[0].attempts, 2);
+    assert!(
+        failed[0]
+            .last_error
+            .as_deref()
+            .unwrap()
+            .contains("declined (7)")
+    );
+}
+
+on_databases! {
+    handler_forms_sqlite: every_handler_form_runs_and_retry_if_sees_the_error_typed, sqlite;
+    handler_forms_postgres: every_handler_form_runs_and_retry_if_sees_the_error_typed, postgres;
+    handler_forms_mysql: every_handler_form_runs_and_retry_if_sees_the_error_typed, mysql;
+}
+
+// ----------------------------------------------------------------------- unknown kinds
+
+/// Two services (or an old and a new version) share the job table: each worker takes only the
+/// kinds it has handlers for. A job of a kind the first does not know waits, even at the head
+/// of its key (the key's later jobs wait behind it), until a worker that knows it runs it.
+async fn a_kind_a_worker_does_not_know_waits_for_one_that_does(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let bump = |seq| Bump { node: 1, seq };
+    add(&db, NewJob::new("new-kind", &bump(0)).unwrap().key("k"))
+        .await
+        .unwrap();
+    add(&db, NewJob::new("bump", &bump(1)).unwrap().key("k"))
+        .await
+        .unwrap();
+    add(&db, NewJob::new("bump", &bump(2)).unwrap())
+        .await
+        .unwrap();
+    let old = Worker::new(Session::new(&handle), bump_jobs(at_once(1))).with_batch(4);
+    let runs = old.run_until_idle().await.unwrap();
+    let ran: Vec<(&str, u32)> = runs.iter().map(|r| (r.kind.as_str(), r.attempt)).collect();
+    assert_eq!(ran, [("bump", 1)], "only the unkeyed bump: {runs:#?}");
+    let waiting = jobs::list(&handle, jobs::JobState::Waiting, 10)
+        .await
+        .unwrap();
+    let waiting: Vec<&str> = waiting.iter().map(|job| job.kind.as_str()).collect();
+    assert_eq!(
+        waiting,
+        ["new-kind", "bump"],
+        "the new kind and the bump behind it wait"
+    );
+    assert_eq!(jobs_in(&db, 3).await, 0, "nothing failed");
+    // The new version's worker knows both kinds: the key drains in order.
+    let new = bump_jobs(at_once(1)).handle("new-kind", at_once(1), bump_by_fn);
+    let runs = Worker::new(Session::new(&handle), new)
+        .run_until_idle()
+        .await
+        .unwrap();
+    let ran: Vec<&str> = runs.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(ran, ["new-kind", "bump"]);
+    assert!(runs.iter().all(|r| r.outcome == JobOutcome::Completed));
+    assert_eq!(total_score(&db).await, 3, "every job's write once");
+    assert_eq!(jobs_in(&db, 2).await, 3);
+    // A worker with no handlers takes nothing.
+    add(&db, NewJob::new("bump", &bump(3)).unwrap())
+        .await
+        .unwrap();
+    let idle = Worker::new(Session::new(&handle), Jobs::new());
+    assert!(idle.run_until_idle().await.unwrap().is_empty());
+    assert_eq!(jobs_in(&db, 0).await, 1);
+}
+
+on_databases! {
+    unknown_kind_waits_sqlite: a_kind_a_worker_does_not_know_waits_for_one_that_does, sqlite;
+    unknown_kind_waits_postgres: a_kind_a_worker_does_not_know_waits_for_one_that_does, postgres;
+    unknown_kind_waits_mysql: a_kind_a_worker_does_not_know_waits_for_one_that_does, mysql;
+}
+
 // ------------------------------------------------------------------ retries and bad input
 
 async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>) {
@@ -403,38 +598,50 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
     };
     let (flaky_call, panics_call, permanent_call) = (counted(0), counted(1), counted(2));
     let handlers = Jobs::new()
-        .handle("flaky", at_once(3), move |tx, job: Job<Bump>| {
-            flaky_call();
-            Box::pin(async move {
-                // Written, then rolled back with the failed attempt.
-                bump(tx, job.payload.node).await?;
-                Err(freshlock::ApplyError::msg(format!(
-                    "attempt {} failed",
-                    job.attempt
-                )))
-            })
-        })
-        .handle("panics", at_once(2), move |_tx, job: Job<Bump>| {
-            panics_call();
-            Box::pin(async move {
-                assert!(job.attempt > 5, "boom on attempt {}", job.attempt);
-                Ok(())
-            })
-        })
+        .handle(
+            "flaky",
+            at_once(3),
+            jobs::handler(move |tx, job: Job<Bump>| {
+                flaky_call();
+                Box::pin(async move {
+                    // Written, then rolled back with the failed attempt.
+                    bump(tx, job.payload.node).await?;
+                    Err(freshlock::ApplyError::msg(format!(
+                        "attempt {} failed",
+                        job.attempt
+                    )))
+                })
+            }),
+        )
+        .handle(
+            "panics",
+            at_once(2),
+            jobs::handler(move |_tx, job: Job<Bump>| {
+                panics_call();
+                Box::pin(async move {
+                    assert!(job.attempt > 5, "boom on attempt {}", job.attempt);
+                    Ok(())
+                })
+            }),
+        )
         .handle(
             "permanent",
             at_once(5).retry_if(|e| !e.to_string().contains("permanent")),
-            move |_tx, _job: Job<Bump>| {
+            jobs::handler(move |_tx, _job: Job<Bump>| {
                 permanent_call();
                 Box::pin(async move { Err(freshlock::ApplyError::msg("a permanent error")) })
-            },
+            }),
         )
-        .handle("bump", at_once(1), |tx, job: Job<Bump>| {
-            Box::pin(async move {
-                bump(tx, job.payload.node).await?;
-                Ok(())
-            })
-        });
+        .handle(
+            "bump",
+            at_once(1),
+            jobs::handler(|tx, job: Job<Bump>| {
+                Box::pin(async move {
+                    bump(tx, job.payload.node).await?;
+                    Ok(())
+                })
+            }),
+        );
     let bump_one = Bump { node: 1, seq: 0 };
     for kind in ["flaky", "panics", "permanent", "nobody-handles-this"] {
         add(&db, NewJob::new(kind, &bump_one).unwrap())
@@ -479,10 +686,9 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
         by_kind("permanent")[..],
         [JobOutcome::Failed(JobFailure::Handler(_))]
     ));
-    assert!(matches!(
-        by_kind("nobody-handles-this")[..],
-        [JobOutcome::Failed(JobFailure::UnknownKind { .. })]
-    ));
+    // A kind this worker has no handler for is not taken: it waits for a worker that has.
+    assert!(by_kind("nobody-handles-this").is_empty(), "{runs:#?}");
+    assert_eq!(jobs_in(&db, 0).await, 1);
     let bumps = by_kind("bump");
     assert!(matches!(
         bumps[0],
@@ -494,7 +700,7 @@ async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>)
     assert_eq!(calls, [3, 2, 1], "handler runs of flaky, panics, permanent");
     // Only the good job's write is in the database: every failed attempt's was rolled back.
     assert_eq!(total_score(&db).await, 1);
-    assert_eq!(jobs_in(&db, 3).await, 5);
+    assert_eq!(jobs_in(&db, 3).await, 4);
     assert_eq!(jobs_in(&db, 2).await, 1);
     let txn = db.begin().await.unwrap();
     let kept = txn
@@ -526,9 +732,13 @@ async fn a_retry_waits_for_its_backoff() {
     let policy = RetryPolicy::default()
         .with_max_attempts(2)
         .with_backoff(Duration::from_secs(3600), Duration::from_secs(3600));
-    let handlers = Jobs::new().handle("fails", policy, |_tx, _job: Job<()>| {
-        Box::pin(async move { Err(freshlock::ApplyError::msg("no")) })
-    });
+    let handlers = Jobs::new().handle(
+        "fails",
+        policy,
+        jobs::handler(|_tx, _job: Job<()>| {
+            Box::pin(async move { Err(freshlock::ApplyError::msg("no")) })
+        }),
+    );
     add(&db, NewJob::new("fails", &()).unwrap()).await.unwrap();
     let worker = Worker::new(Session::new(db.clone()), handlers);
     let runs = worker.run_until_idle().await.unwrap();
@@ -550,6 +760,62 @@ async fn a_retry_waits_for_its_backoff() {
     if *after >= Duration::from_secs(1) {
         assert!(worker.run_one().await.unwrap().is_none());
     }
+}
+
+/// A drain runs what is due within its horizon — retries after their backoff, delayed jobs —
+/// and nothing beyond it, nor any kind it has no handler for.
+async fn a_drain_runs_what_is_due_within_its_horizon(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let hour = Duration::from_secs(3600);
+    let policy = RetryPolicy::default()
+        .with_max_attempts(3)
+        .with_backoff(hour, hour);
+    let handlers =
+        bump_jobs(at_once(1)).handle("fails", policy, async |_tx: &Tx, _job: Job<()>| {
+            Err(ApplyError::msg("no"))
+        });
+    add(&db, NewJob::new("fails", &()).unwrap()).await.unwrap();
+    let bump_one = Bump { node: 1, seq: 0 };
+    add(
+        &db,
+        NewJob::new("bump", &bump_one).unwrap().delay(hour * 48),
+    )
+    .await
+    .unwrap();
+    add(&db, NewJob::new("elsewhere", &()).unwrap())
+        .await
+        .unwrap();
+    let worker = Worker::new(Session::new(&handle), handlers);
+    // Two days ahead: every retry of the failing job (each at most two hours after the last),
+    // not the bump due in 48 hours.
+    let runs = worker.drain(hour * 47).await.unwrap();
+    let outcomes: Vec<(&str, u32)> = runs.iter().map(|r| (r.kind.as_str(), r.attempt)).collect();
+    assert_eq!(
+        outcomes,
+        [("fails", 1), ("fails", 2), ("fails", 3)],
+        "{runs:#?}"
+    );
+    assert!(matches!(runs[2].outcome, JobOutcome::Failed(_)));
+    assert_eq!(total_score(&db).await, 0);
+    let runs = worker.drain(hour * 49).await.unwrap();
+    assert_eq!(runs.len(), 1);
+    assert_eq!(total_score(&db).await, 1, "the delayed bump ran once");
+    let waiting = jobs::list(&handle, jobs::JobState::Waiting, 10)
+        .await
+        .unwrap();
+    assert_eq!(waiting.len(), 1);
+    assert_eq!(
+        waiting[0].kind, "elsewhere",
+        "a kind without a handler is left as it was"
+    );
+}
+
+on_databases! {
+    drain_sqlite: a_drain_runs_what_is_due_within_its_horizon, sqlite;
+    drain_postgres: a_drain_runs_what_is_due_within_its_horizon, postgres;
+    drain_mysql: a_drain_runs_what_is_due_within_its_horizon, mysql;
 }
 
 // ------------------------------------------------------------------------- unique jobs
@@ -630,13 +896,17 @@ async fn keys_kinds_and_unique_keys_are_byte_exact(db: Option<TestDb>) {
     let mut handlers = Jobs::new();
     for kind in hostile() {
         let (seen, name) = (Arc::clone(&seen), kind.clone());
-        handlers = handlers.handle(kind, at_once(1), move |_tx, job: Job<String>| {
-            let (seen, name) = (Arc::clone(&seen), name.clone());
-            Box::pin(async move {
-                seen.lock().unwrap().push((name, job.key, job.payload));
-                Ok(())
-            })
-        });
+        handlers = handlers.handle(
+            kind,
+            at_once(1),
+            jobs::handler(move |_tx, job: Job<String>| {
+                let (seen, name) = (Arc::clone(&seen), name.clone());
+                Box::pin(async move {
+                    seen.lock().unwrap().push((name, job.key, job.payload));
+                    Ok(())
+                })
+            }),
+        );
     }
     for value in hostile() {
         let job = NewJob::new(value.clone(), &value)
@@ -697,15 +967,19 @@ async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
     }
     let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
     let (release_tx, release) = tokio::sync::watch::channel(false);
-    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
-        let (started_tx, mut release) = (started_tx.clone(), release.clone());
-        Box::pin(async move {
-            started_tx.send(()).await.unwrap();
-            release.wait_for(|go| *go).await.unwrap();
-            bump(tx, job.payload.node).await?;
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "bump",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let (started_tx, mut release) = (started_tx.clone(), release.clone());
+            Box::pin(async move {
+                started_tx.send(()).await.unwrap();
+                release.wait_for(|go| *go).await.unwrap();
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        }),
+    );
     let worker = Worker::new(Session::new(db.clone()), handlers);
     let (stop_tx, running) = run_in_background(worker);
     started.recv().await.unwrap();
@@ -795,17 +1069,23 @@ async fn depth_list_retry_and_discard(db: Option<TestDb>) {
         Enqueued::Added(_)
     ));
     let handlers = bump_jobs(at_once(1))
-        .handle("fails", at_once(1), |_tx, job: Job<()>| {
-            Box::pin(async move {
-                if job.attempt == 1 {
-                    return Err(freshlock::ApplyError::msg("first time"));
-                }
-                Ok(())
-            })
-        })
-        .handle("other", at_once(1), |_tx, _job: Job<()>| {
-            Box::pin(async move { Ok(()) })
-        });
+        .handle(
+            "fails",
+            at_once(1),
+            jobs::handler(|_tx, job: Job<()>| {
+                Box::pin(async move {
+                    if job.attempt == 1 {
+                        return Err(freshlock::ApplyError::msg("first time"));
+                    }
+                    Ok(())
+                })
+            }),
+        )
+        .handle(
+            "other",
+            at_once(1),
+            jobs::handler(|_tx, _job: Job<()>| Box::pin(async move { Ok(()) })),
+        );
     let worker = Worker::new(Session::new(&handle), handlers);
     worker.run_until_idle().await.unwrap();
     assert_eq!(total_score(&db).await, 3, "the discarded job did not run");
@@ -938,9 +1218,13 @@ async fn prune_deletes_finished_jobs_only(db: Option<TestDb>) {
         panic!("added");
     };
     assert!(jobs::discard(&db, dropped).await.unwrap());
-    let handlers = bump_jobs(at_once(1)).handle("fails", at_once(1), |_tx, _job: Job<()>| {
-        Box::pin(async move { Err(freshlock::ApplyError::msg("always")) })
-    });
+    let handlers = bump_jobs(at_once(1)).handle(
+        "fails",
+        at_once(1),
+        jobs::handler(|_tx, _job: Job<()>| {
+            Box::pin(async move { Err(freshlock::ApplyError::msg("always")) })
+        }),
+    );
     let worker = Worker::new(Session::new(&handle), handlers);
     assert_eq!(worker.run_until_idle().await.unwrap().len(), 4);
     let count = |state| {
@@ -1034,17 +1318,21 @@ async fn a_prune_beside_a_running_job_holds_nothing_up(db: Option<TestDb>) {
     };
     let (started_tx, mut started) = tokio::sync::mpsc::channel::<()>(1);
     let (release_tx, release) = tokio::sync::watch::channel(false);
-    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
-        let (started_tx, mut release) = (started_tx.clone(), release.clone());
-        Box::pin(async move {
-            if job.id == held {
-                started_tx.send(()).await.unwrap();
-                release.wait_for(|go| *go).await.unwrap();
-            }
-            bump(tx, job.payload.node).await?;
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "bump",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let (started_tx, mut release) = (started_tx.clone(), release.clone());
+            Box::pin(async move {
+                if job.id == held {
+                    started_tx.send(()).await.unwrap();
+                    release.wait_for(|go| *go).await.unwrap();
+                }
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        }),
+    );
     let running = Worker::new(Session::new(&handle), handlers.clone());
     let running = tokio::spawn(async move { running.run_one().await.unwrap() });
     started.recv().await.unwrap();
@@ -1085,9 +1373,11 @@ async fn a_prune_deletes_batch_after_batch() {
             .unwrap();
     }
     txn.commit().await.unwrap();
-    let handlers = Jobs::new().handle("noop", at_once(1), |_tx, _job: Job<()>| {
-        Box::pin(async move { Ok(()) })
-    });
+    let handlers = Jobs::new().handle(
+        "noop",
+        at_once(1),
+        jobs::handler(|_tx, _job: Job<()>| Box::pin(async move { Ok(()) })),
+    );
     let worker = Worker::new(Session::new(db.clone()), handlers).with_batch(100);
     assert_eq!(worker.run_until_idle().await.unwrap().len(), n);
     assert_eq!(
@@ -1162,14 +1452,18 @@ async fn an_enqueue_wakes_an_idle_worker(db: Option<TestDb>) {
         .await
         .unwrap();
     let (ran_tx, mut ran) = tokio::sync::mpsc::channel::<u32>(4);
-    let handlers = Jobs::new().handle("bump", at_once(1), move |tx, job: Job<Bump>| {
-        let ran_tx = ran_tx.clone();
-        Box::pin(async move {
-            bump(tx, job.payload.node).await?;
-            ran_tx.send(job.payload.seq).await.unwrap();
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "bump",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let ran_tx = ran_tx.clone();
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                ran_tx.send(job.payload.seq).await.unwrap();
+                Ok(())
+            })
+        }),
+    );
     let wait = if pooled {
         Duration::from_millis(20)
     } else {
@@ -1217,18 +1511,22 @@ async fn a_deadlocked_handler_runs_again(db: Option<TestDb>) {
     // Both handlers hold their first row before either asks for its second (first attempts).
     let both = Arc::new(tokio::sync::Barrier::new(2));
     let first_attempts = Arc::new(AtomicUsize::new(0));
-    let handlers = Jobs::new().handle("cross", at_once(3), move |tx, job: Job<Bump>| {
-        let (both, first_attempts) = (Arc::clone(&both), Arc::clone(&first_attempts));
-        Box::pin(async move {
-            let first = job.payload.node;
-            bump(tx, first).await?;
-            if first_attempts.fetch_add(1, Ordering::SeqCst) < 2 {
-                both.wait().await;
-            }
-            bump(tx, 3 - first).await?;
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "cross",
+        at_once(3),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let (both, first_attempts) = (Arc::clone(&both), Arc::clone(&first_attempts));
+            Box::pin(async move {
+                let first = job.payload.node;
+                bump(tx, first).await?;
+                if first_attempts.fetch_add(1, Ordering::SeqCst) < 2 {
+                    both.wait().await;
+                }
+                bump(tx, 3 - first).await?;
+                Ok(())
+            })
+        }),
+    );
     let session = Session::new(&handle);
     let one = Worker::new(session.clone(), handlers.clone());
     let two = Worker::new(session, handlers);
@@ -1302,9 +1600,10 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
     let seen: Arc<std::sync::Mutex<Vec<(u32, i64)>>> = Arc::default();
-    let handlers = {
-        let seen = Arc::clone(&seen);
-        Jobs::new().handle("txid", at_once(1), move |tx, job: Job<Bump>| {
+    let handlers =
+        {
+            let seen = Arc::clone(&seen);
+            Jobs::new().handle("txid", at_once(1), jobs::handler(move |tx, job: Job<Bump>| {
             let seen = Arc::clone(&seen);
             Box::pin(async move {
                 bump(tx, job.payload.node).await?;
@@ -1324,8 +1623,8 @@ async fn a_hot_keys_short_jobs_share_a_transaction(db: Option<TestDb>) {
                 seen.lock().unwrap().push((job.payload.seq, txid));
                 Ok(())
             })
-        })
-    };
+        }))
+        };
     let enqueue = |n: u32| {
         let db = db.clone();
         async move {
@@ -1379,25 +1678,29 @@ fn ordered_jobs(fail: u32, policy: RetryPolicy) -> (Jobs, Arc<std::sync::Mutex<V
     let misordered: Arc<std::sync::Mutex<Vec<u32>>> = Arc::default();
     let handlers = {
         let misordered = Arc::clone(&misordered);
-        Jobs::new().handle("ordered", policy, move |tx, job: Job<Bump>| {
-            let misordered = Arc::clone(&misordered);
-            Box::pin(async move {
-                let sql = "SELECT score FROM node WHERE id = 1";
-                let row = tx
-                    .query_one_raw(Statement::from_string(tx.get_database_backend(), sql))
-                    .await?
-                    .ok_or_else(|| freshlock::ApplyError::msg("no node"))?;
-                let score: Option<i32> = row.try_get("", "score")?;
-                if job.payload.seq == fail {
-                    return Err(freshlock::ApplyError::msg("this one fails"));
-                }
-                if score.unwrap_or(0) != i32::try_from(job.payload.seq).unwrap() {
-                    misordered.lock().unwrap().push(job.payload.seq);
-                }
-                bump(tx, job.payload.node).await?;
-                Ok(())
-            })
-        })
+        Jobs::new().handle(
+            "ordered",
+            policy,
+            jobs::handler(move |tx, job: Job<Bump>| {
+                let misordered = Arc::clone(&misordered);
+                Box::pin(async move {
+                    let sql = "SELECT score FROM node WHERE id = 1";
+                    let row = tx
+                        .query_one_raw(Statement::from_string(tx.get_database_backend(), sql))
+                        .await?
+                        .ok_or_else(|| freshlock::ApplyError::msg("no node"))?;
+                    let score: Option<i32> = row.try_get("", "score")?;
+                    if job.payload.seq == fail {
+                        return Err(freshlock::ApplyError::msg("this one fails"));
+                    }
+                    if score.unwrap_or(0) != i32::try_from(job.payload.seq).unwrap() {
+                        misordered.lock().unwrap().push(job.payload.seq);
+                    }
+                    bump(tx, job.payload.node).await?;
+                    Ok(())
+                })
+            }),
+        )
     };
     (handlers, misordered)
 }
@@ -1504,9 +1807,9 @@ async fn a_leased_job_in_a_hot_keys_line_ends_the_chain(db: Option<TestDb>) {
         at_once(1),
         Duration::from_secs(30),
         |job: Job<Bump>, _lease: jobs::Lease| async move {
-            Ok::<_, freshlock::BoxError>(job.payload.node)
+            Ok::<_, freshlock::ApplyError>(job.payload.node)
         },
-        job_support::bump_node,
+        job_support::bump_output,
     );
     for (seq, kind) in [
         (0, "ordered"),

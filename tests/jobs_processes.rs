@@ -76,17 +76,21 @@ fn job_worker_process() {
         let handlers = if std::env::var(ENV_LEASED).is_ok() {
             leased_handlers()
         } else {
-            Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<Bump>| {
-                Box::pin(async move {
-                    bump(tx, job.payload.node).await?;
-                    // A job that hangs the first time it runs, after its write: the parent
-                    // kills this process right here.
-                    if hangs(&job) {
-                        hang(job.id).await;
-                    }
-                    Ok(())
-                })
-            })
+            Jobs::new().handle(
+                "bump",
+                RetryPolicy::default(),
+                jobs::handler(|tx, job: Job<Bump>| {
+                    Box::pin(async move {
+                        bump(tx, job.payload.node).await?;
+                        // A job that hangs the first time it runs, after its write: the parent
+                        // kills this process right here.
+                        if hangs(&job) {
+                            hang(job.id).await;
+                        }
+                        Ok(())
+                    })
+                }),
+            )
         };
         // Batches of up to 4: a killed process rolls back its whole batch, every job of which
         // runs again.
@@ -169,17 +173,15 @@ fn leased_handlers() -> Jobs {
             if in_work && hangs(&job) {
                 hang(job.id).await;
             }
-            Ok::<_, freshlock::BoxError>(job.payload)
+            Ok::<_, freshlock::ApplyError>(())
         },
-        |tx, job: Job<Bump>| {
-            Box::pin(async move {
-                bump(tx, job.payload.node).await?;
-                let in_finish = job.payload.seq / HANG_EVERY % 2 == 1;
-                if in_finish && hangs(&job) {
-                    hang(job.id).await;
-                }
-                Ok(())
-            })
+        async |tx: &freshlock::Tx, job: Job<Bump>, _: &()| {
+            bump(tx, job.payload.node).await?;
+            let in_finish = job.payload.seq / HANG_EVERY % 2 == 1;
+            if in_finish && hangs(&job) {
+                hang(job.id).await;
+            }
+            Ok(())
         },
     )
 }
@@ -445,12 +447,16 @@ async fn duplicate_enqueues_across_processes(db: Option<TestDb>) {
     assert_eq!(number(&db, jobs_sql).await, i64::from(UNIQUE_JOBS));
     let distinct = "SELECT COUNT(DISTINCT unique_key) FROM freshlock_job";
     assert_eq!(number(&db, distinct).await, i64::from(UNIQUE_JOBS));
-    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), |tx, job: Job<Bump>| {
-        Box::pin(async move {
-            bump(tx, job.payload.node).await?;
-            Ok(())
-        })
-    });
+    let handlers = Jobs::new().handle(
+        "bump",
+        RetryPolicy::default(),
+        jobs::handler(|tx, job: Job<Bump>| {
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                Ok(())
+            })
+        }),
+    );
     let runs = Worker::new(Session::new(db.db.clone()), handlers)
         .run_until_idle()
         .await

@@ -461,7 +461,7 @@ mod metrics_facade {
         );
     }
 
-    /// A job that completes on its second attempt and one of an unknown kind: two attempts
+    /// A job that completes on its second attempt and one whose payload is not its kind's: two attempts
     /// counted per outcome, the attempt each ended on, their waits and run times.
     #[test]
     fn jobs_are_counted_by_kind_and_outcome() {
@@ -482,11 +482,11 @@ mod metrics_facade {
             m.counters
         );
         assert_eq!(c("freshlock_jobs_total{kind=twice,outcome=completed}"), 1);
-        assert_eq!(c("freshlock_jobs_total{kind=nobody,outcome=failed}"), 1);
+        assert_eq!(c("freshlock_jobs_total{kind=bad,outcome=failed}"), 1);
         assert_eq!(m.samples("freshlock_job_wait_seconds{kind=twice}"), 2);
         assert_eq!(m.samples("freshlock_job_run_seconds{kind=twice}"), 2);
         assert_eq!(m.samples("freshlock_job_attempts{kind=twice}"), 1);
-        assert_eq!(m.samples("freshlock_job_attempts{kind=nobody}"), 1);
+        assert_eq!(m.samples("freshlock_job_attempts{kind=bad}"), 1);
     }
 
     /// The depth gauge per kind and state: set from the queue, summed over keys, and back to 0
@@ -523,9 +523,9 @@ mod metrics_facade {
                         RetryPolicy::default(),
                         ok,
                     );
-                    // "c" has no handler: it fails.
+                    // "c" has no handler here: it waits.
                     let worker = Worker::new(db.session(), handlers);
-                    assert_eq!(worker.run_until_idle().await.unwrap().len(), 4);
+                    assert_eq!(worker.run_until_idle().await.unwrap().len(), 3);
                     jobs::record_depth(db.connection()).await.unwrap();
                     let after = Recorded::of(&recorder);
                     // A running worker records it by itself (every 10 s, first at its start).
@@ -546,11 +546,15 @@ mod metrics_facade {
         );
         assert_eq!(g(&before, "a", "due"), Some(2.0));
         assert_eq!(g(&before, "b", "waiting"), Some(1.0));
-        assert_eq!(g(&before, "c", "failed"), Some(0.0));
+        assert_eq!(g(&before, "c", "waiting"), Some(1.0));
         assert_eq!(g(&after, "a", "waiting"), Some(1.0), "{:#?}", after.gauges);
         assert_eq!(g(&after, "a", "due"), Some(0.0));
         assert_eq!(g(&after, "b", "waiting"), Some(0.0), "b left the queue");
-        assert_eq!(g(&after, "c", "failed"), Some(1.0));
+        assert_eq!(
+            g(&after, "c", "waiting"),
+            Some(1.0),
+            "no worker has c's handler"
+        );
         assert_eq!(
             g(&running, "d", "waiting"),
             Some(1.0),
@@ -564,15 +568,25 @@ mod metrics_facade {
         let db = test_db().await;
         let zero = std::time::Duration::ZERO;
         let policy = RetryPolicy::default().with_backoff(zero, zero);
-        let handlers = Jobs::new().handle("twice", policy, |_tx, job: Job<()>| {
-            Box::pin(async move {
-                if job.attempt == 1 {
-                    return Err(freshlock::ApplyError::msg("not yet"));
-                }
-                Ok(())
-            })
-        });
-        for kind in ["twice", "nobody"] {
+        let handlers = Jobs::new()
+            .handle(
+                "twice",
+                policy,
+                jobs::handler(|_tx, job: Job<()>| {
+                    Box::pin(async move {
+                        if job.attempt == 1 {
+                            return Err(freshlock::ApplyError::msg("not yet"));
+                        }
+                        Ok(())
+                    })
+                }),
+            )
+            .handle(
+                "bad",
+                RetryPolicy::default(),
+                async |_tx: &freshlock::Tx, _job: Job<i64>| Ok(()),
+            );
+        for kind in ["twice", "bad"] {
             jobs::enqueue(db.connection(), NewJob::new(kind, &()).unwrap())
                 .await
                 .unwrap();

@@ -603,7 +603,7 @@ async fn job_round_trips(
     let handlers = Jobs::new().handle(
         "noop",
         RetryPolicy::default(),
-        |_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) }),
+        jobs::handler(|_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) })),
     );
     let worker = Worker::new(Session::new(pool.clone()), handlers).with_batch(batch);
     let mut sent = 0;
@@ -648,7 +648,7 @@ async fn a_hot_keys_chain_sends_nothing_between_its_jobs() {
     let handlers = Jobs::new().handle(
         "noop",
         RetryPolicy::default(),
-        |_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) }),
+        jobs::handler(|_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) })),
     );
     let worker = Worker::new(Session::new(pool.clone()), handlers);
     let mut sent = Vec::new();

@@ -277,7 +277,7 @@ const JOBS: i32 = 200;
 /// are among them.
 async fn jobs_survive(mariadb: bool, crash: Crash) {
     use freshlock::jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker};
-    use job_support::{bump, bump_node};
+    use job_support::{bump, bump_output};
 
     let Some(server) = Private::start(mariadb).await else {
         return;
@@ -303,22 +303,26 @@ async fn jobs_survive(mariadb: bool, crash: Crash) {
         .with_max_attempts(20)
         .with_backoff(Duration::from_millis(10), Duration::from_millis(100));
     let handlers = Jobs::new()
-        .handle("bump", policy.clone(), |tx, job: Job<i32>| {
-            Box::pin(async move {
-                bump(tx, job.payload).await?;
-                tokio::time::sleep(Duration::from_millis(2)).await;
-                Ok(())
-            })
-        })
+        .handle(
+            "bump",
+            policy.clone(),
+            jobs::handler(|tx, job: Job<i32>| {
+                Box::pin(async move {
+                    bump(tx, job.payload).await?;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                    Ok(())
+                })
+            }),
+        )
         .handle_leased(
             "leased",
             policy,
             Duration::from_secs(1),
             |job: Job<i32>, _lease| async move {
                 tokio::time::sleep(Duration::from_millis(5)).await;
-                Ok::<_, freshlock::BoxError>(job.payload)
+                Ok::<_, freshlock::ApplyError>(job.payload)
             },
-            bump_node,
+            bump_output,
         );
     let stop = Arc::new(AtomicBool::new(false));
     let (acknowledged, unknown) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));

@@ -68,9 +68,11 @@ async fn inspect_retry_discard(url: &str) {
     };
     // The handler of "broken" takes a number: its string payload fails the job at once. (The
     // spam jobs are discarded below, before the worker runs: it knows no "spam" kind.)
-    let handlers = Jobs::new().handle("broken", RetryPolicy::default(), |_tx, _job: Job<i32>| {
-        Box::pin(async move { Ok(()) })
-    });
+    let handlers = Jobs::new().handle(
+        "broken",
+        RetryPolicy::default(),
+        jobs::handler(|_tx, _job: Job<i32>| Box::pin(async move { Ok(()) })),
+    );
     let depth = json(url, &["jobs"]);
     let rows = depth.as_array().unwrap();
     let of = |kind: &str, key: &str| {

@@ -109,7 +109,7 @@ type HandlerRan = std::result::Result<(), (JobFailure, Retry, Option<DbErr>)>;
 async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) -> HandlerRan {
     let started = match start {
         Start::InTx(run, raw) => run(tx, raw),
-        Start::Finish(finish, meta, output) => finish(tx, meta, output),
+        Start::Finish(finish, raw, output) => finish(tx, raw, output),
     };
     match started {
         Err(reason) => {
@@ -119,8 +119,8 @@ async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) ->
         Ok(work) => match (CatchUnwind { inner: work }).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(error)) => {
-                let error = error.into_inner();
                 let retries = kind.policy.retries(&error);
+                let error = error.into_inner();
                 let failure = JobFailure::Handler(error.to_string());
                 let handler = error.downcast::<DbErr>().ok().map(|e| *e);
                 Err((failure, retries, handler))

@@ -5,8 +5,9 @@ use tracing::warn;
 
 use super::{
     JobFailure, JobOutcome, JobRun,
+    job::Raw,
     kinds::Kind,
-    leased::{Finishing, Meta},
+    leased::Finishing,
     retry::decide,
     step::{Did, Ended, Failed, JobStep, Measured, Ran, Start, waited},
     store,
@@ -51,12 +52,13 @@ impl JobStep<'_> {
         let leased = kind.as_deref().and_then(Kind::leased);
         let (txn, (outcome, effects)) = match (&finishing.worked, kind.as_deref(), leased) {
             (Ok(output), Some(kind), Some((leased, _))) => {
-                let meta = Meta {
+                let raw = Raw {
                     id: claim.id,
                     attempt: claim.attempt,
                     key: claim.key_text(),
+                    payload: &claim.payload,
                 };
-                let start = Start::Finish(&leased.finish, meta, output);
+                let start = Start::Finish(&leased.finish, raw, output);
                 let (txn, ran) = self
                     .attempt(txn, kind, &kind_name, claim.id, claim.attempt, start)
                     .await;

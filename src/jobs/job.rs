@@ -22,7 +22,9 @@ pub struct Job<P> {
 #[derive(Clone, Debug, PartialEq, Eq, thiserror::Error)]
 #[non_exhaustive]
 pub enum JobFailure {
-    /// No handler is registered for the job's kind (never retried).
+    /// No handler is registered for the job's kind (never retried). No longer produced:
+    /// workers take only the kinds they have handlers for, and a kind none knows waits. Kept
+    /// so that matches on it compile.
     #[error("no handler for job kind {kind:?}")]
     UnknownKind {
         /// The kind, as stored.
@@ -92,6 +94,19 @@ pub(super) struct Raw<'a> {
     pub(super) attempt: u32,
     pub(super) key: Option<String>,
     pub(super) payload: &'a str,
+}
+
+impl Raw<'_> {
+    /// The job with its payload deserialized as `P`, or serde's reason why it does not.
+    pub(super) fn job<P: serde::de::DeserializeOwned>(self) -> Result<Job<P>, String> {
+        let payload = serde_json::from_str::<P>(self.payload).map_err(|e| e.to_string())?;
+        Ok(Job {
+            id: self.id,
+            attempt: self.attempt,
+            key: self.key,
+            payload,
+        })
+    }
 }
 
 impl JobOutcome {

@@ -7,10 +7,11 @@ use serde::de::DeserializeOwned;
 
 use super::{
     Job, RetryPolicy,
+    handler::{Finish, Handler},
     job::Raw,
-    leased::{self, Lease, Leased, Meta, Output},
+    leased::{self, Lease, Leased, Output},
 };
-use crate::{error::BoxError, tx::Tx, write::section::SectionWork};
+use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
 
 /// A kind's runner: deserializes the payload (or says why not) and starts the handler.
 pub(super) type Runner = dyn for<'t> Fn(&'t Tx, Raw<'_>) -> std::result::Result<SectionWork<'t, ()>, String>
@@ -30,7 +31,7 @@ where
 /// Makes a closure's future borrow the `Tx` it is given, for a leased kind's finish.
 fn finisher<F>(finish: F) -> F
 where
-    F: for<'t> Fn(&'t Tx, Meta, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
+    F: for<'t> Fn(&'t Tx, Raw<'_>, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
         + Send
         + Sync,
 {
@@ -39,7 +40,7 @@ where
 
 /// A kind's handler and retry policy.
 pub(super) struct Kind {
-    pub(super) handler: Handler,
+    pub(super) handler: Runs,
     pub(super) policy: RetryPolicy,
 }
 
@@ -47,14 +48,14 @@ impl Kind {
     /// The kind's lease and handlers, when it is leased.
     pub(super) fn leased(&self) -> Option<(&Leased, &RetryPolicy)> {
         match &self.handler {
-            Handler::Leased(leased) => Some((leased, &self.policy)),
-            Handler::InTx(_) => None,
+            Runs::Leased(leased) => Some((leased, &self.policy)),
+            Runs::InTx(_) => None,
         }
     }
 }
 
 /// How a kind runs.
-pub(super) enum Handler {
+pub(super) enum Runs {
     /// In the transaction that took the job.
     InTx(Box<Runner>),
     /// Claimed under a lease, worked outside any transaction, finished in a fenced one.
@@ -65,6 +66,8 @@ pub(super) enum Handler {
 #[derive(Clone, Default)]
 pub struct Jobs {
     kinds: HashMap<Vec<u8>, Arc<Kind>>,
+    /// The kinds' names, sorted: what a worker's take asks for.
+    names: Vec<Vec<u8>>,
 }
 
 impl fmt::Debug for Jobs {
@@ -86,48 +89,98 @@ impl Jobs {
     /// transaction (its writes commit with the job's completion, or roll back with a failed
     /// attempt) and the job with its payload deserialized as `P`. Registering a kind again
     /// replaces its handler.
+    ///
+    /// A handler is an `async fn`, an async closure that captures nothing, or a value of a type
+    /// that implements [`Handler`] (for state); its error is an [`ApplyError`], which `?` makes
+    /// from any error (a `DbErr`, a [`crate::Error`], your own):
+    ///
+    /// ```
+    /// use freshlock::{ApplyError, Tx, jobs::{Job, Jobs, RetryPolicy}};
+    /// use sea_orm::ConnectionTrait;
+    ///
+    /// async fn touch(tx: &Tx, job: Job<i64>) -> Result<(), ApplyError> {
+    ///     tx.execute_unprepared(&format!("UPDATE ham SET n = n + 1 WHERE id = {}", job.payload))
+    ///         .await?;
+    ///     Ok(())
+    /// }
+    ///
+    /// let log = async |_tx: &Tx, job: Job<String>| -> Result<(), ApplyError> {
+    ///     tracing::info!(line = %job.payload, "logged");
+    ///     Ok(())
+    /// };
+    /// let jobs = Jobs::new()
+    ///     .handle("touch", RetryPolicy::default(), touch)
+    ///     .handle("log", RetryPolicy::default(), log);
+    /// # let _ = jobs;
+    /// ```
+    ///
+    /// A job key is not a row lock: jobs of one key run one at a time, but a handler that
+    /// writes rows other code writes too still locks them (`locked_update`, a section's
+    /// [`ForUpdate`](crate::ForUpdate) reads).
     #[must_use]
-    pub fn handle<P, F>(mut self, kind: impl Into<String>, policy: RetryPolicy, handler: F) -> Self
+    pub fn handle<P, H>(mut self, kind: impl Into<String>, policy: RetryPolicy, handler: H) -> Self
     where
         P: DeserializeOwned + Send + 'static,
-        F: for<'t> Fn(&'t Tx, Job<P>) -> SectionWork<'t, ()> + Send + Sync + 'static,
+        H: Handler<P>,
     {
+        let handler = Arc::new(handler);
         let run = runner(move |tx, raw| {
-            let payload = serde_json::from_str::<P>(raw.payload).map_err(|e| e.to_string())?;
-            Ok(handler(
-                tx,
-                Job {
-                    id: raw.id,
-                    attempt: raw.attempt,
-                    key: raw.key,
-                    payload,
-                },
-            ))
+            let job = raw.job::<P>()?;
+            let handler = Arc::clone(&handler);
+            let work: SectionWork<'_, ()> = Box::pin(async move { handler.run(tx, job).await });
+            Ok(work)
         });
         let runner = Kind {
-            handler: Handler::InTx(Box::new(run)),
+            handler: Runs::InTx(Box::new(run)),
             policy,
         };
-        self.kinds
-            .insert(kind.into().into_bytes(), Arc::new(runner));
+        self.insert(kind.into(), runner);
         self
     }
 
     /// Runs jobs of `kind` in the field report's shape, for work too long to hold a transaction
     /// open: the worker **claims** the job under a `lease` (a short transaction; the job's key
     /// stays busy), runs `work` **outside any transaction** while a heartbeat extends the lease
-    /// every third of it, then runs `finish` with `work`'s output in a transaction **fenced by
-    /// the claim**: its writes and the job's completion commit together, and only if the claim
-    /// still holds. A worker that stops or hangs lets its lease expire; another worker makes
-    /// the job wait again and runs it, and the old claim's late finish is refused
-    /// ([`JobOutcome::LeaseLost`](super::JobOutcome::LeaseLost)). So `finish`'s writes commit once; `work` itself (an HTTP
-    /// call) runs at least once per attempt — make it idempotent, or watch
-    /// [`Lease::lost`] to stop early.
+    /// every third of it, then runs `finish` with the job (its payload as enqueued) and `work`'s
+    /// output in a transaction **fenced by the claim**: its writes and the job's completion
+    /// commit together, and only if the claim still holds. A worker that stops or hangs lets
+    /// its lease expire; another worker makes the job wait again and runs it, and the old
+    /// claim's late finish is refused
+    /// ([`JobOutcome::LeaseLost`](super::JobOutcome::LeaseLost)). So `finish`'s writes commit
+    /// once; `work` itself (an HTTP call) runs at least once per attempt — make it idempotent,
+    /// or watch [`Lease::lost`] to stop early.
+    ///
+    /// `work` is any function or closure returning a future (it owns what it is given, so a
+    /// closure may clone its state into an `async move` block); `finish` is a [`Finish`], as a
+    /// handler is a [`Handler`]. Both fail with an [`ApplyError`].
+    ///
+    /// ```
+    /// use std::time::Duration;
+    /// use freshlock::{ApplyError, Tx, jobs::{Job, Jobs, Lease, RetryPolicy}};
+    ///
+    /// async fn render(job: Job<String>, _lease: Lease) -> Result<usize, ApplyError> {
+    ///     Ok(job.payload.len()) // minutes of work, no transaction open
+    /// }
+    ///
+    /// async fn store(_tx: &Tx, job: Job<String>, length: &usize) -> Result<(), ApplyError> {
+    ///     tracing::info!(page = %job.payload, length, "rendered");
+    ///     Ok(())
+    /// }
+    ///
+    /// let jobs = Jobs::new().handle_leased(
+    ///     "render",
+    ///     RetryPolicy::default(),
+    ///     Duration::from_secs(60),
+    ///     render,
+    ///     store,
+    /// );
+    /// # let _ = jobs;
+    /// ```
     ///
     /// Retries follow `policy` as for [`handle`](Self::handle): a failing `work` or `finish`
     /// is a failed attempt. An attempt counts when it is claimed, so a job whose worker dies on
-    /// every attempt fails ([`JobFailure::LeaseExpired`](super::JobFailure::LeaseExpired)) once its attempts are used. A lease
-    /// is at least 300 ms.
+    /// every attempt fails ([`JobFailure::LeaseExpired`](super::JobFailure::LeaseExpired)) once
+    /// its attempts are used. A lease is at least 300 ms.
     #[must_use]
     pub fn handle_leased<P, R, W, Fut, F>(
         mut self,
@@ -139,37 +192,28 @@ impl Jobs {
     ) -> Self
     where
         P: DeserializeOwned + Send + 'static,
-        R: Clone + Send + Sync + 'static,
+        R: Send + Sync + 'static,
         W: Fn(Job<P>, Lease) -> Fut + Send + Sync + 'static,
-        Fut: Future<Output = std::result::Result<R, BoxError>> + Send + 'static,
-        F: for<'t> Fn(&'t Tx, Job<R>) -> SectionWork<'t, ()> + Send + Sync + 'static,
+        Fut: Future<Output = std::result::Result<R, ApplyError>> + Send + 'static,
+        F: Finish<P, R>,
     {
         let work = move |raw: Raw<'_>, lease: Lease| {
-            let payload = serde_json::from_str::<P>(raw.payload).map_err(|e| e.to_string())?;
-            let job = Job {
-                id: raw.id,
-                attempt: raw.attempt,
-                key: raw.key,
-                payload,
-            };
-            let worked = work(job, lease);
+            let worked = work(raw.job::<P>()?, lease);
             let future: Pin<Box<dyn Future<Output = _> + Send>> =
                 Box::pin(async move { worked.await.map(|output| Arc::new(output) as Output) });
             Ok(future)
         };
-        let finish = finisher(move |tx, meta, output| {
+        let finish = Arc::new(finish);
+        let finish = finisher(move |tx, raw, output| {
+            let job = raw.job::<P>()?;
             // The output was made by this kind's `work`, so it is an `R`.
-            let payload = (output.downcast_ref::<R>().cloned())
-                .ok_or_else(|| "the work's output is not the finish's type".to_owned())?;
-            Ok(finish(
-                tx,
-                Job {
-                    id: meta.id,
-                    attempt: meta.attempt,
-                    key: meta.key,
-                    payload,
-                },
-            ))
+            let output = Arc::clone(output)
+                .downcast::<R>()
+                .map_err(|_| "the work's output is not the finish's type".to_owned())?;
+            let finish = Arc::clone(&finish);
+            let work: SectionWork<'_, ()> =
+                Box::pin(async move { finish.finish(tx, job, &output).await });
+            Ok(work)
         });
         let leased = Leased {
             lease: lease.max(leased::MIN_LEASE),
@@ -177,12 +221,25 @@ impl Jobs {
             finish: Box::new(finish),
         };
         let runner = Kind {
-            handler: Handler::Leased(leased),
+            handler: Runs::Leased(leased),
             policy,
         };
-        self.kinds
-            .insert(kind.into().into_bytes(), Arc::new(runner));
+        self.insert(kind.into(), runner);
         self
+    }
+
+    /// Registers `kind`'s handler, replacing one it had.
+    fn insert(&mut self, kind: String, runner: Kind) {
+        let kind = kind.into_bytes();
+        if let Err(at) = self.names.binary_search(&kind) {
+            self.names.insert(at, kind.clone());
+        }
+        self.kinds.insert(kind, Arc::new(runner));
+    }
+
+    /// The kinds there are handlers for, sorted: a worker takes only these.
+    pub(super) fn names(&self) -> &[Vec<u8>] {
+        &self.names
     }
 
     /// The handler of `kind`, if there is one.

@@ -6,7 +6,7 @@ use std::{any::Any, future::Future, pin::Pin, sync::Arc, time::Duration};
 use tokio::sync::watch;
 
 use super::{JobFailure, JobId, job::Raw, retry::Retry};
-use crate::{error::BoxError, tx::Tx, write::section::SectionWork};
+use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
 
 /// The shortest lease a kind gets: the heartbeat beats every third of it.
 pub(super) const MIN_LEASE: Duration = Duration::from_millis(300);
@@ -52,22 +52,15 @@ pub(super) type WorkRunner = dyn Fn(
         Raw<'_>,
         Lease,
     ) -> std::result::Result<
-        Pin<Box<dyn Future<Output = std::result::Result<Output, BoxError>> + Send>>,
+        Pin<Box<dyn Future<Output = std::result::Result<Output, ApplyError>> + Send>>,
         String,
     > + Send
     + Sync;
 
-/// A kind's finish, given the work's output (or why it cannot start).
-pub(super) type FinishRunner = dyn for<'t> Fn(&'t Tx, Meta, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
+/// A kind's finish, given the job and the work's output (or why it cannot start).
+pub(super) type FinishRunner = dyn for<'t> Fn(&'t Tx, Raw<'_>, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
     + Send
     + Sync;
-
-/// A job's fields a finish gets besides the work's output.
-pub(super) struct Meta {
-    pub(super) id: JobId,
-    pub(super) attempt: u32,
-    pub(super) key: Option<String>,
-}
 
 /// A leased kind's handlers.
 pub(super) struct Leased {

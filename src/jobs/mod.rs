@@ -35,9 +35,13 @@
 //!   job's failure recorded rather than its handler run a second time. So a failing job costs
 //!   its batch one more transaction, and the batch's jobs before it run again (their writes
 //!   still commit once).
-//! - **Bad input never stops a worker.** An unknown kind or a payload that does not deserialize
-//!   fails the job at once ([`JobFailure`]); a handler that errors or panics is a failed attempt.
-//!   The worker goes on with the next job.
+//! - **A worker takes only its kinds.** A worker takes the jobs of the kinds it has handlers
+//!   for ([`Jobs`]), so several services, and the old and new versions of one during a rolling
+//!   deploy, share one table: a kind no running worker knows waits (and so do the jobs of its
+//!   key behind it) until one that knows it starts.
+//! - **Bad input never stops a worker.** A payload that does not deserialize fails the job at
+//!   once ([`JobFailure`]); a handler that errors or panics is a failed attempt. The worker goes
+//!   on with the next job.
 //! - **Unique jobs** ([`NewJob::unique`]): enqueuing while a job with the same unique key has
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
 //! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
@@ -59,8 +63,10 @@
 //! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored whole
 //! as bytes; keys and unique keys are matched through their SHA-256 (a collision is
 //! 2⁻¹²⁸-unlikely), the same on every database (see [`crate::schema::JobMigration`]).
-//! Every worker of one database must know every kind enqueued there: a worker fails a kind it
-//! does not know.
+//!
+//! A job key is not a row lock: the jobs of one key run one at a time, but a handler that
+//! writes rows other code writes too still locks them (`locked_update`, a section's
+//! [`ForUpdate`](crate::ForUpdate) reads).
 
 mod admin;
 mod attempt;
@@ -68,6 +74,7 @@ mod catch;
 mod chores;
 mod context;
 mod finish;
+mod handler;
 mod job;
 mod kinds;
 mod lease;
@@ -89,6 +96,7 @@ use serde::Serialize;
 pub use admin::{
     Depth, JobInfo, JobState, Prune, Retried, depth, discard, list, prune, record_depth, retry,
 };
+pub use handler::{BoxedHandler, Finish, FinishFn, Handler, HandlerFn, handler};
 pub use job::{Job, JobFailure, JobOutcome, JobRun};
 pub use kinds::Jobs;
 pub use leased::Lease;

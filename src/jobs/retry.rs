@@ -5,7 +5,7 @@ use std::{fmt, hash::BuildHasher, sync::Arc, time::Duration};
 use tracing::warn;
 
 use super::{JobFailure, JobId, JobOutcome};
-use crate::error::BoxError;
+use crate::error::ApplyError;
 
 /// How a kind's failed attempts are retried: Celery's `max_retries`, `retry_backoff` and
 /// `autoretry_for`, per kind.
@@ -18,7 +18,7 @@ pub struct RetryPolicy {
 }
 
 /// A kind's test of which handler errors retry.
-type RetryIf = dyn Fn(&BoxError) -> bool + Send + Sync;
+type RetryIf = dyn Fn(&ApplyError) -> bool + Send + Sync;
 
 impl fmt::Debug for RetryPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
@@ -60,8 +60,22 @@ impl RetryPolicy {
     }
 
     /// Which handler errors retry (Celery's `autoretry_for`): an error for which `retry` is
-    /// false fails the job at once. A panic always counts as a failed attempt that retries.
-    pub fn retry_if(mut self, retry: impl Fn(&BoxError) -> bool + Send + Sync + 'static) -> Self {
+    /// false fails the job at once. `retry` sees the error the handler (or a leased kind's work
+    /// or finish) returned, as it returned it: [`ApplyError::downcast_ref`] finds your own
+    /// error type in it. A panic always counts as a failed attempt that retries.
+    ///
+    /// ```
+    /// use freshlock::jobs::RetryPolicy;
+    ///
+    /// #[derive(Debug, thiserror::Error)]
+    /// #[error("the card was declined")]
+    /// struct Declined;
+    ///
+    /// // A declined card never succeeds on a retry; anything else (a timeout) may.
+    /// let policy = RetryPolicy::default().retry_if(|error| error.downcast_ref::<Declined>().is_none());
+    /// # let _ = policy;
+    /// ```
+    pub fn retry_if(mut self, retry: impl Fn(&ApplyError) -> bool + Send + Sync + 'static) -> Self {
         self.retry_if = Some(Arc::new(retry));
         self
     }
@@ -88,7 +102,7 @@ impl RetryPolicy {
 pub(super) enum Retry {
     /// It may: a panic, a refused guarded write, a handler error the kind's `retry_if` accepts.
     Allowed,
-    /// It never does: bad input (an unknown kind, a payload that does not deserialize), or a
+    /// It never does: bad input (a payload that does not deserialize, a kind no longer handled), or a
     /// handler error the kind's `retry_if` refuses.
     Never,
 }
@@ -96,7 +110,7 @@ pub(super) enum Retry {
 impl RetryPolicy {
     /// Whether a handler's `error` retries under this policy (its `retry_if`; every error
     /// without one).
-    pub(super) fn retries(&self, error: &BoxError) -> Retry {
+    pub(super) fn retries(&self, error: &ApplyError) -> Retry {
         if (self.retry_if.as_ref()).is_none_or(|retry_if| retry_if(error)) {
             Retry::Allowed
         } else {

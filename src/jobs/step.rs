@@ -12,7 +12,7 @@ use super::{
     context::Context,
     job::Raw,
     kinds::Runner,
-    leased::{Claimed, FinishRunner, Finishing, Meta, Output},
+    leased::{Claimed, FinishRunner, Finishing, Output},
     retry::Retry,
 };
 use crate::{
@@ -222,7 +222,7 @@ pub(super) enum Start<'a> {
     /// A kind that runs in the transaction.
     InTx(&'a Runner, Raw<'a>),
     /// A leased kind's finish, with its work's output.
-    Finish(&'a FinishRunner, Meta, &'a Output),
+    Finish(&'a FinishRunner, Raw<'a>, &'a Output),
 }
 
 /// How a handler's run in the job's transaction ended, for `take` and `finish`.

@@ -4,7 +4,7 @@
 use super::{
     JobFailure, JobOutcome,
     job::Raw,
-    kinds::Handler,
+    kinds::Runs,
     leased::Claimed,
     step::{Did, Ended, Failed, JobStep, Ran, Start},
     store,
@@ -38,12 +38,13 @@ impl JobStep<'_> {
         // double), and left queued if that job fails.
         let chains = chain && limit == 1;
         let bounded = Bounded::new(&txn, reply);
+        let kinds = self.cx.jobs.names();
         let mut taken = Ok(Vec::new());
         if let Some(key) = follow.filter(|_| limit == 1) {
-            taken = store::take_key(&bounded, key, chains).await;
+            taken = store::take_key(&bounded, kinds, key, chains).await;
         }
         if matches!(&taken, Ok(taken) if taken.is_empty()) {
-            taken = store::take(&bounded, limit, chains).await;
+            taken = store::take(&bounded, kinds, limit, chains).await;
         }
         let mut taken = match taken {
             Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
@@ -58,7 +59,7 @@ impl JobStep<'_> {
             && !self.cx.is_leased(&first.kind)
         {
             let more = u32::try_from(CHAIN_JOBS - 1).unwrap_or(1);
-            ahead = match store::take_after(&bounded, &key, first.id, more).await {
+            ahead = match store::take_after(&bounded, kinds, &key, first.id, more).await {
                 Ok(next) => next.into(),
                 Err(e) => return (txn, Err(fail(e))),
             };
@@ -122,14 +123,14 @@ impl JobStep<'_> {
                     (JobOutcome::Failed(failure), Vec::new())
                 }
                 Some(kind) => match &kind.handler {
-                    Handler::Leased(_) if attempt > kind.policy.max_attempts => {
+                    Runs::Leased(_) if attempt > kind.policy.max_attempts => {
                         // Only an expired lease leaves a job with its attempts used.
                         attempt -= 1;
                         let failure = JobFailure::LeaseExpired { attempts: attempt };
                         span.in_scope(|| warn!(%failure, "job failed"));
                         (JobOutcome::Failed(failure), Vec::new())
                     }
-                    Handler::Leased(leased) => {
+                    Runs::Leased(leased) => {
                         let owner = new_token();
                         let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
                         let bounded = Bounded::new(&txn, reply);
@@ -150,7 +151,7 @@ impl JobStep<'_> {
                         });
                         continue;
                     }
-                    Handler::InTx(run) => {
+                    Runs::InTx(run) => {
                         let raw = Raw {
                             id: taken.id,
                             attempt,

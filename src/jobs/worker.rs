@@ -14,7 +14,7 @@ use super::{
     step::{self, Source, Stepped},
     store,
 };
-use crate::{db::deadline::within, error::Result, session::Session};
+use crate::{db::deadline::within, error::Result, schema::JOB_TABLE, session::Session};
 
 /// Runs the jobs of one database with the handlers of a [`Jobs`]. Cheap to clone: run as many
 /// workers as jobs should run at once, each on one connection of the session's pool while it
@@ -173,6 +173,56 @@ impl Worker {
                 return Ok(runs);
             }
             runs.extend(batch);
+        }
+    }
+
+    /// Runs every job of this worker's kinds that is due now **or within `horizon`** until none
+    /// is left, and returns the runs: as if that much time passed, a retry waiting out its
+    /// backoff or a job enqueued to run later is made due now (on the database: its due time
+    /// is set to now) and runs in the same call. A test controls time with `horizon` instead of
+    /// sleeping: `Duration::ZERO` runs only what is due (as
+    /// [`run_until_idle`](Self::run_until_idle)), a day runs every retry a policy allows.
+    /// Jobs of kinds without a handler here are left as they are.
+    ///
+    /// ```
+    /// # use freshlock::{ApplyError, Session, Tx, jobs::{self, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker}};
+    /// # use std::time::Duration;
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # let db = freshlock::testing::TestDatabase::with_migrator::<migration::Migrator>().await?;
+    /// # let db = db.connection().clone();
+    /// let flaky = async |_tx: &Tx, job: Job<()>| {
+    ///     if job.attempt < 3 {
+    ///         return Err(ApplyError::msg("not yet"));
+    ///     }
+    ///     Ok(())
+    /// };
+    /// // Retried after up to a minute, then up to two (full jitter).
+    /// let policy = RetryPolicy::default().with_backoff(Duration::from_secs(60), Duration::from_secs(3600));
+    /// jobs::enqueue(&db, NewJob::new("flaky", &())?).await?;
+    /// let worker = Worker::new(Session::new(db.clone()), Jobs::new().handle("flaky", policy, flaky));
+    /// let runs = worker.drain(Duration::from_secs(24 * 3600)).await?;
+    /// assert_eq!(runs.len(), 3);
+    /// assert_eq!(runs[2].outcome, JobOutcome::Completed);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// As [`run_one`](Self::run_one), at the first error.
+    pub async fn drain(&self, horizon: Duration) -> Result<Vec<JobRun>> {
+        let horizon = i64::try_from(horizon.as_millis()).unwrap_or(i64::MAX / 4);
+        let mut runs = Vec::new();
+        loop {
+            runs.extend(self.run_until_idle().await?);
+            let db = self.cx.session.pool();
+            let advance = store::advance(db, self.cx.jobs.names(), horizon);
+            let advanced = within(self.cx.reply(), advance)
+                .await
+                .map_err(|e| crate::error::database("moving due times in", &JOB_TABLE, e))?;
+            if advanced == 0 {
+                return Ok(runs);
+            }
         }
     }
 

@@ -69,15 +69,24 @@ pub fn at_once(attempts: u32) -> freshlock::jobs::RetryPolicy {
         .with_backoff(std::time::Duration::ZERO, std::time::Duration::ZERO)
 }
 
-/// A handler (or a leased kind's finish) that bumps the node its job names.
-pub fn bump_node(
+/// A handler (an `async fn`) that bumps the node its job names.
+pub async fn bump_node(
     tx: &freshlock::Tx,
     job: freshlock::jobs::Job<i32>,
-) -> freshlock::SectionWork<'_, ()> {
-    Box::pin(async move {
-        bump(tx, job.payload).await?;
-        Ok(())
-    })
+) -> Result<(), freshlock::ApplyError> {
+    bump(tx, job.payload).await?;
+    Ok(())
+}
+
+/// A leased kind's finish that bumps the node its work returned.
+#[allow(dead_code)]
+pub async fn bump_output<P: Send>(
+    tx: &freshlock::Tx,
+    _job: freshlock::jobs::Job<P>,
+    node: &i32,
+) -> Result<(), freshlock::ApplyError> {
+    bump(tx, *node).await?;
+    Ok(())
 }
 
 /// One multi-threaded test per line `name: scenario, database;`, running

@@ -256,29 +256,33 @@ pub fn jobs(
     work_ms: (u64, u64),
     processed: tokio::sync::mpsc::UnboundedSender<(i32, Instant)>,
 ) -> Jobs {
-    Jobs::new().handle("spam", RetryPolicy::default(), move |tx, job: Job<i32>| {
-        let processed = processed.clone();
-        Box::pin(async move {
-            let spam = job.payload;
-            let Some(row) = spam::Entity::find_by_id(spam).one(tx).await? else {
-                return Ok(());
-            };
-            if row.state != "new" {
-                return Ok(());
-            }
-            tokio::time::sleep(heavy_work(spam, work_ms)).await;
-            spam::Entity::update(spam::ActiveModel {
-                id: Set(spam),
-                state: Set("done".into()),
-                updated_at: Set(row.updated_at + 1),
-                ..Default::default()
+    Jobs::new().handle(
+        "spam",
+        RetryPolicy::default(),
+        jobs::handler(move |tx, job: Job<i32>| {
+            let processed = processed.clone();
+            Box::pin(async move {
+                let spam = job.payload;
+                let Some(row) = spam::Entity::find_by_id(spam).one(tx).await? else {
+                    return Ok(());
+                };
+                if row.state != "new" {
+                    return Ok(());
+                }
+                tokio::time::sleep(heavy_work(spam, work_ms)).await;
+                spam::Entity::update(spam::ActiveModel {
+                    id: Set(spam),
+                    state: Set("done".into()),
+                    updated_at: Set(row.updated_at + 1),
+                    ..Default::default()
+                })
+                .exec(tx)
+                .await?;
+                let _ = processed.send((spam, Instant::now()));
+                Ok(())
             })
-            .exec(tx)
-            .await?;
-            let _ = processed.send((spam, Instant::now()));
-            Ok(())
-        })
-    })
+        }),
+    )
 }
 
 /// How many Spams were processed more than once by [`jobs()`]' handler (from the database).

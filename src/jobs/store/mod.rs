@@ -1,11 +1,13 @@
 //! The job table's statements, per dialect (the table itself: `schema/job.rs`).
 
+mod advance;
 mod finish;
 mod insert;
 mod lease;
 mod sweep;
 mod take;
 
+pub(crate) use advance::advance;
 pub(crate) use finish::{complete, failed, promote};
 pub(crate) use insert::{Insert, holder_of, insert};
 pub(crate) use lease::{claim, extend, hold, reclaim};

@@ -43,12 +43,14 @@ impl Taken {
 }
 
 /// Locks the next `limit` jobs to run, in `txn`: the first by priority, then enqueue order,
-/// among those due whose key has no earlier unfinished job (so never two jobs of one key). Rows other workers locked are skipped
+/// among those of `kinds` (the worker's) due whose key has no earlier unfinished job (so never
+/// two jobs of one key). Rows other workers locked are skipped
 /// (`SKIP LOCKED`; SQLite's `BEGIN IMMEDIATE` already made this the only writer), so a busy
 /// key — its head locked by the worker running it — hands out nothing, and a worker is never
 /// given a job it would wait for. With `chain`, each job's `followed` is read too.
 pub(crate) async fn take(
     txn: &impl ConnectionTrait,
+    kinds: &[Vec<u8>],
     limit: u32,
     chain: bool,
 ) -> Result<Vec<Taken>, DbErr> {
@@ -61,14 +63,15 @@ pub(crate) async fn take(
         limit,
         chain,
     };
-    lock_due(txn, &scan, Vec::new()).await
+    lock_due(txn, &scan, kinds, Vec::new()).await
 }
 
 /// Locks the next job of key `key_hash` (its SHA-256) to run, if it is due and its key's head:
 /// the worker that just finished the key's job follows the key with it, so that a hot key's
-/// chain never waits for a free worker (`Worker::run`). `chain` as for [`take`].
+/// chain never waits for a free worker (`Worker::run`). `kinds` and `chain` as for [`take`].
 pub(crate) async fn take_key(
     txn: &impl ConnectionTrait,
+    kinds: &[Vec<u8>],
     key_hash: &[u8],
     chain: bool,
 ) -> Result<Vec<Taken>, DbErr> {
@@ -79,26 +82,33 @@ pub(crate) async fn take_key(
         limit: 1,
         chain,
     };
-    lock_due(txn, &scan, vec![Value::Bytes(Some(key_hash.to_vec()))]).await
+    let values = vec![Value::Bytes(Some(key_hash.to_vec()))];
+    lock_due(txn, &scan, kinds, values).await
 }
 
 /// Locks the jobs of key `key_hash` (its SHA-256) that come right after job `after` — up to
 /// `limit`, in id order, each due and queued — for the transaction that holds `after` (the
 /// key's head, completed in it) to run them one after another: a chain (`Source::Take`). Only
 /// an unbroken run is returned: it ends before the first unfinished job of the key that is not
-/// queued and due, or that another transaction locked (skipped, never waited for). Their
+/// queued and due, not of `kinds`, or that another transaction locked (skipped, never waited
+/// for). Their
 /// states are left as they are: the completion that marks them done readies the key's next
 /// job after them (`complete`'s exclusion), and one the transaction does not get to stays
 /// queued, first in line.
 pub(crate) async fn take_after(
     txn: &impl ConnectionTrait,
+    kinds: &[Vec<u8>],
     key_hash: &[u8],
     after: i64,
     limit: u32,
 ) -> Result<Vec<Taken>, DbErr> {
+    if kinds.is_empty() {
+        return Ok(Vec::new());
+    }
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let skip = for_update_skip_locked(backend);
+    let of_kinds = of_kinds(kinds);
     // InnoDB locks every row the scan reads: it follows the key's index, in id order.
     let index = if backend == DbBackend::MySql {
         " FORCE INDEX (freshlock_job_key)"
@@ -113,13 +123,14 @@ pub(crate) async fn take_after(
          AND h.state IN ({UNFINISHED}) AND h.id > ? AND h.id < j.id) AS ahead \
          FROM {JOB_TABLE} j{index} \
          WHERE j.key_hash = ? AND j.state = {Queued} AND j.id > ? AND j.run_at <= {now} \
-         ORDER BY j.id LIMIT {limit}{skip}"
+         AND {of_kinds} ORDER BY j.id LIMIT {limit}{skip}"
     );
-    let values = vec![
+    let mut values = vec![
         after.into(),
         Value::Bytes(Some(key_hash.to_vec())),
         after.into(),
     ];
+    values.extend(kinds.iter().map(|kind| Value::Bytes(Some(kind.clone()))));
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
     let mut run = Vec::with_capacity(rows.len());
     for row in &rows {
@@ -143,12 +154,19 @@ struct Scan {
     chain: bool,
 }
 
-/// Locks the due jobs `scan` finds (`values` fill its placeholders), skipping locked rows.
+/// Locks the due jobs of `kinds` that `scan` finds (`values` fill its placeholders), skipping
+/// locked rows. A worker with no kinds takes nothing.
 async fn lock_due(
     txn: &impl ConnectionTrait,
     scan: &Scan,
-    values: Vec<Value>,
+    kinds: &[Vec<u8>],
+    mut values: Vec<Value>,
 ) -> Result<Vec<Taken>, DbErr> {
+    if kinds.is_empty() {
+        return Ok(Vec::new());
+    }
+    values.extend(kinds.iter().map(|kind| Value::Bytes(Some(kind.clone()))));
+    let of_kinds = of_kinds(kinds);
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let skip = for_update_skip_locked(backend);
@@ -178,7 +196,7 @@ async fn lock_due(
     let sql = format!(
         "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited\
          {followed} FROM {JOB_TABLE} j{index} \
-         WHERE j.state = {Pending} AND j.run_at <= {now} AND {filter} \
+         WHERE j.state = {Pending} AND j.run_at <= {now} AND {filter} AND {of_kinds} \
          ORDER BY {order} LIMIT {limit}{skip}"
     );
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
@@ -201,4 +219,12 @@ fn head() -> String {
         "NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
          AND h.state IN ({UNFINISHED}) AND h.id < j.id)"
     )
+}
+
+/// Job `j` is of one of `kinds` (one placeholder each): a worker takes only the kinds it has
+/// handlers for, so services and versions with different kinds share the table, and a kind no
+/// worker handles waits.
+fn of_kinds(kinds: &[Vec<u8>]) -> String {
+    let marks = vec!["?"; kinds.len()].join(", ");
+    format!("j.kind IN ({marks})")
 }
