@@ -341,7 +341,7 @@ async fn skewed(db: &DatabaseConnection) {
         })
         .collect();
     for worker in workers {
-        worker.await.expect("worker");
+        worker.await.expect("worker").expect("the worker stopped");
     }
     // Every worker returned: the last chain's commit is in.
     let committed = start.elapsed().as_secs_f64();

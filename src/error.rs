@@ -208,6 +208,19 @@ impl Error {
         }
     }
 
+    /// Whether a table freshlock needs does not exist (its migrations were not run): no retry
+    /// helps until they are.
+    pub(crate) fn is_missing_table(&self) -> bool {
+        match self {
+            Self::Database { source, .. } => {
+                source.downcast_ref::<sea_orm::DbErr>().is_some_and(|e| {
+                    crate::db::failure::classify(e) == crate::db::failure::Failure::MissingTable
+                })
+            }
+            _ => false,
+        }
+    }
+
     /// Whether a round trip got no reply within its deadline (`deadline.rs`): its connection
     /// is gone silent, and nothing more is to be sent on it, a rollback included.
     pub(crate) fn is_no_reply(&self) -> bool {

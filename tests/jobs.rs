@@ -996,6 +996,20 @@ async fn a_graceful_shutdown_finishes_the_running_job_and_takes_no_other() {
 }
 
 /// `worker.run` in a task of its own: the sender stops it, the task returns how many ran.
+/// A worker whose database has no job table (migrations not run) stops and says why, rather
+/// than logging the same failure forever.
+#[tokio::test]
+async fn a_worker_stops_when_the_job_table_is_missing() {
+    let empty = freshlock::testing::TestDatabase::empty().await.unwrap();
+    let worker = Worker::new(
+        Session::new(empty.connection().clone()),
+        bump_jobs(at_once(1)),
+    );
+    let stopped = worker.run(std::future::pending()).await;
+    let error = stopped.expect_err("no job table");
+    assert!(error.to_string().contains("freshlock_job"), "{error}");
+}
+
 fn run_in_background(
     worker: Worker,
 ) -> (
@@ -1009,11 +1023,90 @@ fn run_in_background(
                 let _ = stop.await;
             })
             .await
+            .unwrap()
     });
     (stop_tx, running)
 }
 
 // ------------------------------------------------------------------------- the operator
+
+/// A filter by kind, key and state reads in a transaction too (a test's own, before it
+/// commits), with the jobs' timestamps.
+async fn jobs_are_listed_by_kind_key_and_state_on_any_connection(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let bump_one = |seq| NewJob::new("bump", &Bump { node: 1, seq }).unwrap();
+    add(&db, bump_one(0).key("a")).await.unwrap();
+    let worker = Worker::new(Session::new(&handle), bump_jobs(at_once(1)));
+    assert_eq!(worker.run_until_idle().await.unwrap().len(), 1);
+    let txn = db.begin().await.unwrap();
+    for job in [bump_one(1).key("a"), bump_one(2).key("b"), bump_one(3)] {
+        jobs::enqueue(&txn, job).await.unwrap();
+    }
+    jobs::enqueue(&txn, NewJob::new("other", &()).unwrap().key("a"))
+        .await
+        .unwrap();
+    let filter = jobs::JobFilter::new;
+    let ids = |jobs: Vec<jobs::JobInfo>| {
+        jobs.iter()
+            .map(|j| (j.kind.clone(), j.key.clone()))
+            .collect::<Vec<_>>()
+    };
+    let a = Some("a".to_owned());
+    let bump_a = filter().kind("bump").key("a").list(&txn, 10).await.unwrap();
+    assert_eq!(bump_a.len(), 2, "{bump_a:#?}");
+    let (done, waiting) = (&bump_a[0], &bump_a[1]);
+    assert_eq!(
+        (done.state, waiting.state),
+        (jobs::JobState::Done, jobs::JobState::Waiting)
+    );
+    assert!(done.created_at_ms <= done.run_at_ms);
+    assert!(done.finished_at_ms.is_some_and(|at| at >= done.run_at_ms));
+    assert_eq!(waiting.finished_at_ms, None);
+    let waiting_a = filter()
+        .key("a")
+        .state(jobs::JobState::Waiting)
+        .list(&txn, 10)
+        .await
+        .unwrap();
+    assert_eq!(
+        ids(waiting_a),
+        [
+            ("bump".to_owned(), a.clone()),
+            ("other".to_owned(), a.clone())
+        ]
+    );
+    let bumps = filter()
+        .kind("bump")
+        .state(jobs::JobState::Waiting)
+        .list(&txn, 10)
+        .await
+        .unwrap();
+    assert_eq!(bumps.len(), 3);
+    assert_eq!(filter().list(&txn, 2).await.unwrap().len(), 2, "the limit");
+    let depth = filter().kind("bump").depth(&txn).await.unwrap();
+    let waiting: Vec<(Option<String>, u64)> =
+        depth.iter().map(|d| (d.key.clone(), d.waiting)).collect();
+    assert_eq!(waiting.len(), 3, "{depth:#?}");
+    assert_eq!(waiting.iter().map(|w| w.1).sum::<u64>(), 3);
+    assert!(depth.iter().all(|d| d.kind == "bump"));
+    txn.rollback().await.unwrap();
+    assert!(
+        filter()
+            .state(jobs::JobState::Waiting)
+            .list(&db, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
+}
+
+on_databases! {
+    filtered_list_sqlite: jobs_are_listed_by_kind_key_and_state_on_any_connection, sqlite;
+    filtered_list_postgres: jobs_are_listed_by_kind_key_and_state_on_any_connection, postgres;
+    filtered_list_mysql: jobs_are_listed_by_kind_key_and_state_on_any_connection, mysql;
+}
 
 async fn depth_list_retry_and_discard(db: Option<TestDb>) {
     let Some(db) = db else { return };

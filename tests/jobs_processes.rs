@@ -107,7 +107,7 @@ fn job_worker_process() {
             .await
             .unwrap();
         };
-        let ran = worker.run(shutdown).await;
+        let ran = worker.run(shutdown).await.unwrap();
         say(&format!("stopped after {ran}"));
     });
 }

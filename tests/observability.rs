@@ -182,6 +182,55 @@ async fn a_span_per_locked_update_with_entity_key_backend_wait_attempts_and_outc
     assert_eq!(spans[2]["key"], "99");
 }
 
+/// A handler's panic is a failed attempt reported through `tracing` — an `error` event with the
+/// panic's message and where it happened — not printed by the default hook on every attempt.
+#[tokio::test]
+async fn a_handler_panic_is_a_tracing_event() {
+    use freshlock::jobs::{self, Job, JobFailure, JobOutcome, Jobs, NewJob, RetryPolicy, Worker};
+    let seen = Seen::default();
+    let _guard = seen.install();
+    let db = test_db().await;
+    let zero = std::time::Duration::ZERO;
+    let policy = RetryPolicy::default()
+        .with_max_attempts(2)
+        .with_backoff(zero, zero);
+    let handlers = Jobs::new().handle(
+        "boom",
+        policy,
+        async |_tx: &freshlock::Tx, job: Job<u32>| {
+            assert!(job.payload > 100, "payload {} too small", job.payload);
+            Ok(())
+        },
+    );
+    jobs::enqueue(db.connection(), NewJob::new("boom", &7_u32).unwrap())
+        .await
+        .unwrap();
+    let runs = Worker::new(db.session(), handlers)
+        .drain(zero)
+        .await
+        .unwrap();
+    assert_eq!(runs.len(), 2, "{runs:#?}");
+    assert!(
+        matches!(&runs[1].outcome, JobOutcome::Failed(JobFailure::Panicked(m)) if m == "payload 7 too small")
+    );
+    let events = seen.events.lock().unwrap();
+    let panics: Vec<&Fields> = (events.iter())
+        .filter(|(level, f)| {
+            *level == tracing::Level::ERROR
+                && f.get("message")
+                    .is_some_and(|m| m == "a job's handler panicked")
+        })
+        .map(|(_, f)| f)
+        .collect();
+    assert_eq!(panics.len(), 2, "one per attempt: {events:#?}");
+    assert_eq!(panics[0]["panic"], "payload 7 too small");
+    assert!(
+        panics[0]["location"].contains("observability.rs"),
+        "{:?}",
+        panics[0]
+    );
+}
+
 /// The span's `lock_wait_ms` is the time spent waiting for a held lock: a writer queued behind a
 /// holder that keeps the lock 40 ms longer waited at least that long (a lower bound: never
 /// flaky), and its report says the same.
@@ -531,7 +580,7 @@ mod metrics_facade {
                     // A running worker records it by itself (every 10 s, first at its start).
                     let later = NewJob::new("d", &()).unwrap().delay(hour);
                     jobs::enqueue(db.connection(), later).await.unwrap();
-                    assert_eq!(worker.run(tokio::task::yield_now()).await, 0);
+                    assert_eq!(worker.run(tokio::task::yield_now()).await.unwrap(), 0);
                     (before, after, Recorded::of(&recorder))
                 })
         });

@@ -59,6 +59,37 @@ async fn down_and_up(db: Option<TestDb>) {
         assert!(exists(conn, table).await, "{table} after the steps up");
     }
     assert_eq!(floor_rows(conn).await, 1, "one fence floor");
+
+    // `schema::migrate`, for an application without a migrator of its own: on a database whose
+    // migrator already built the tables it fails on nothing and builds nothing more, and it
+    // records its steps in a table of its own (the application's `seaql_migrations` untouched).
+    let applied = |table: &str| format!("SELECT COUNT(*) AS n FROM {table}");
+    let count = async |sql: String| {
+        conn.query_one_raw(Statement::from_string(conn.get_database_backend(), sql))
+            .await
+            .expect("count")
+            .expect("a row")
+            .try_get::<i64>("", "n")
+            .expect("n")
+    };
+    let theirs = count(applied("seaql_migrations")).await;
+    freshlock::schema::migrate(conn).await.expect("migrate");
+    freshlock::schema::migrate(conn)
+        .await
+        .expect("migrate again");
+    let ours = count(applied(freshlock::schema::MIGRATIONS_TABLE)).await;
+    assert_eq!(ours, freshlock::schema::migrations().len() as i64);
+    assert_eq!(count(applied("seaql_migrations")).await, theirs);
+    assert_eq!(floor_rows(conn).await, 1, "one fence floor");
+    for table in TABLES {
+        assert!(exists(conn, table).await, "{table} after migrate");
+    }
+    conn.execute_unprepared(&format!(
+        "DROP TABLE {}",
+        freshlock::schema::MIGRATIONS_TABLE
+    ))
+    .await
+    .expect("drop freshlock_migrations");
 }
 
 #[tokio::test]

@@ -106,6 +106,12 @@ enum JobsAction {
         /// At most this many.
         #[arg(long, default_value_t = 50)]
         limit: u64,
+        /// Only jobs of this kind.
+        #[arg(long)]
+        kind: Option<String>,
+        /// Only jobs of this serialization key.
+        #[arg(long)]
+        key: Option<String>,
     },
     /// Make a failed job wait again, due now, its attempts counted from zero.
     Retry {
@@ -184,6 +190,8 @@ struct JobRow<'a> {
     attempts: i32,
     priority: i32,
     run_at_ms: i64,
+    created_at_ms: i64,
+    finished_at_ms: Option<i64>,
     last_error: Option<&'a str>,
 }
 
@@ -424,8 +432,20 @@ async fn jobs(
             }
             println!("{table}");
         }
-        Some(JobsAction::List { state, limit }) => {
-            let listed = jobs::list(db, state, limit).await?;
+        Some(JobsAction::List {
+            state,
+            limit,
+            kind,
+            key,
+        }) => {
+            let mut filter = jobs::JobFilter::new().state(state);
+            if let Some(kind) = kind {
+                filter = filter.kind(kind);
+            }
+            if let Some(key) = key {
+                filter = filter.key(key);
+            }
+            let listed = filter.list(db, limit).await?;
             let rows: Vec<_> = (listed.iter())
                 .map(|j| JobRow {
                     id: j.id,
@@ -436,6 +456,8 @@ async fn jobs(
                     attempts: j.attempts,
                     priority: j.priority,
                     run_at_ms: j.run_at_ms,
+                    created_at_ms: j.created_at_ms,
+                    finished_at_ms: j.finished_at_ms,
                     last_error: j.last_error.as_deref(),
                 })
                 .collect();

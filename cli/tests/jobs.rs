@@ -82,6 +82,19 @@ async fn inspect_retry_discard(url: &str) {
     };
     assert_eq!(of("spam", "ham:1"), Some(2), "{depth}");
     assert_eq!(of("spam", "ham:2"), Some(1), "{depth}");
+    let ham1 = json(
+        url,
+        &[
+            "jobs", "list", "--state", "waiting", "--kind", "spam", "--key", "ham:1",
+        ],
+    );
+    let ham1 = ham1.as_array().unwrap();
+    assert_eq!(ham1.len(), 2, "{ham1:?}");
+    assert!(
+        ham1.iter()
+            .all(|job| job["key"] == "ham:1" && job["finished_at_ms"].is_null())
+    );
+    assert!(ham1[0]["created_at_ms"].as_i64().unwrap() > 0);
     let waiting = json(url, &["jobs", "list", "--state", "waiting"]);
     for job in waiting.as_array().unwrap() {
         if job["kind"] == "spam" {

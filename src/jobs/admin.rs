@@ -1,11 +1,11 @@
-//! What an operator does with the queue (`freshlock jobs`): its depth per kind and key, the
-//! jobs in a state, retrying or discarding one, and pruning finished ones.
+//! What an operator does to the queue (`freshlock jobs`): retrying or discarding one job, and
+//! pruning finished ones (what the queue holds: `query.rs`).
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, Value};
 
-use super::{JobId, state::Stored, store};
+use super::{JobId, query::text, state::Stored, store};
 use crate::{
     database::Db,
     db::{
@@ -17,233 +17,6 @@ use crate::{
     lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
 };
-
-/// A job's state as stored.
-#[derive(Copy, Clone, Debug, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum JobState {
-    /// Waiting to run (also while it runs in a worker's transaction, its row locked there, and
-    /// while it waits for a retry).
-    Waiting,
-    /// Claimed by a worker under a lease, its work running outside any transaction
-    /// ([`Jobs::handle_leased`](super::Jobs::handle_leased)); it waits again if the lease
-    /// expires.
-    Leased,
-    /// Completed: its handler's writes committed with it.
-    Done,
-    /// Failed for good, its error kept ([`retry`] makes it wait again).
-    Failed,
-    /// Discarded by an operator before it ran ([`discard`]).
-    Discarded,
-}
-
-impl JobState {
-    fn stored(self) -> Stored {
-        match self {
-            Self::Waiting => Stored::Pending,
-            Self::Leased => Stored::Leased,
-            Self::Done => Stored::Done,
-            Self::Failed => Stored::Failed,
-            Self::Discarded => Stored::Discarded,
-        }
-    }
-
-    fn from_stored(code: i16) -> Option<Self> {
-        Some(match Stored::from_code(code)? {
-            Stored::Pending | Stored::Queued => Self::Waiting,
-            Stored::Leased => Self::Leased,
-            Stored::Done => Self::Done,
-            Stored::Failed => Self::Failed,
-            Stored::Discarded => Self::Discarded,
-        })
-    }
-
-    /// The state's name: `waiting`, `leased`, `done`, `failed`, `discarded`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Waiting => "waiting",
-            Self::Leased => "leased",
-            Self::Done => "done",
-            Self::Failed => "failed",
-            Self::Discarded => "discarded",
-        }
-    }
-}
-
-/// The queue's depth for one kind and key.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Depth {
-    /// The jobs' kind.
-    pub kind: String,
-    /// Their serialization key (`None`: jobs without one).
-    pub key: Option<String>,
-    /// Jobs waiting to run (due or not, running included, leased ones too).
-    pub waiting: u64,
-    /// Of those, the ones that can run now: due, and not behind an earlier job of their key.
-    pub due: u64,
-    /// Jobs failed for good.
-    pub failed: u64,
-}
-
-/// One job, as [`list`] shows it.
-#[derive(Clone, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct JobInfo {
-    /// The job's id.
-    pub id: JobId,
-    /// Its kind.
-    pub kind: String,
-    /// Its serialization key.
-    pub key: Option<String>,
-    /// Its unique key.
-    pub unique: Option<String>,
-    /// Its state.
-    pub state: JobState,
-    /// Attempts made.
-    pub attempts: i32,
-    /// Its priority.
-    pub priority: i32,
-    /// When it is (or was) due, in milliseconds since the Unix epoch (database clock).
-    pub run_at_ms: i64,
-    /// The error of its last failed attempt.
-    pub last_error: Option<String>,
-}
-
-fn text(bytes: Option<Vec<u8>>) -> Option<String> {
-    bytes.map(|b| String::from_utf8_lossy(&b).into_owned())
-}
-
-fn count(row: &QueryResult, column: &str) -> std::result::Result<u64, DbErr> {
-    let n: Option<i64> = row.try_get("", column)?;
-    Ok(u64::try_from(n.unwrap_or(0)).unwrap_or(0))
-}
-
-/// The depth of the queue per kind and key: jobs waiting (and due) and failed, by kind, then
-/// by key. Kinds and keys are told apart byte for byte, at any length.
-///
-/// # Errors
-/// [`crate::Error::Database`] when the query fails.
-pub async fn depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
-    // One statement of its own (in a transaction behind a transaction pooler).
-    let db = db.into();
-    let pool = db.pool();
-    let db = &autocommit(pool);
-    let backend = db.get_database_backend();
-    let now = now_ms(backend);
-    let bigint = if backend == DbBackend::MySql {
-        "SIGNED"
-    } else {
-        "BIGINT"
-    };
-    let (pending, queued, failed) = (Stored::Pending, Stored::Queued, Stored::Failed);
-    let leased = Stored::Leased;
-    let sum =
-        |condition: &str| format!("CAST(SUM(CASE WHEN {condition} THEN 1 ELSE 0 END) AS {bigint})");
-    // MySQL/MariaDB group and sort a long binary value by its first `max_sort_length` bytes
-    // (1,024) only: the kind's SHA-256 keeps two kinds that share those apart, and next to
-    // their own rows in the order (`record_depth` sums adjacent rows). Keys go by `key_hash`.
-    let kind = if backend == DbBackend::MySql {
-        "kind, SHA2(kind, 256)"
-    } else {
-        "kind"
-    };
-    let sql = format!(
-        "SELECT kind, job_key, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
-         FROM {JOB_TABLE} WHERE state IN ({pending}, {leased}, {queued}, {failed}) \
-         GROUP BY {kind}, key_hash, job_key ORDER BY {kind}, key_hash",
-        waiting = sum(&format!("state IN ({pending}, {leased}, {queued})")),
-        due = sum(&format!("state = {pending} AND run_at <= {now}")),
-        failed_n = sum(&format!("state = {failed}")),
-    );
-    let fail = |e| database("reading the depth of", &JOB_TABLE, e);
-    let rows = db
-        .query_all_raw(statement(backend, &sql, Vec::new()))
-        .await
-        .map_err(fail)?;
-    rows.iter()
-        .map(|row| {
-            Ok(Depth {
-                kind: text(row.try_get("", "kind")?).unwrap_or_default(),
-                key: text(row.try_get("", "job_key")?),
-                waiting: count(row, "waiting")?,
-                due: count(row, "due")?,
-                failed: count(row, "failed")?,
-            })
-        })
-        .collect::<std::result::Result<_, DbErr>>()
-        .map_err(fail)
-}
-
-/// Reads the queue's [`depth`] and sets the `freshlock_job_depth` gauge per kind and state
-/// (`waiting`, `due`, `failed`; summed over keys; a kind no longer in the queue goes to 0) —
-/// with the `metrics` feature; without it, this only reads. [`Worker::run`](super::Worker::run)
-/// calls it every 10 s (one of a worker's clones), so a service that runs workers need not.
-///
-/// # Errors
-/// As [`depth`].
-pub async fn record_depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
-    let depths = depth(db).await?;
-    let mut per_kind: Vec<(String, u64, u64, u64)> = Vec::new();
-    for d in &depths {
-        match per_kind.last_mut() {
-            // `depth` is ordered by kind.
-            Some(last) if last.0 == d.kind => {
-                last.1 += d.waiting;
-                last.2 += d.due;
-                last.3 += d.failed;
-            }
-            _ => per_kind.push((d.kind.clone(), d.waiting, d.due, d.failed)),
-        }
-    }
-    crate::metrics::job_depth(&per_kind);
-    Ok(depths)
-}
-
-/// Up to `limit` jobs in `state`, oldest first.
-///
-/// # Errors
-/// [`crate::Error::Database`] when the query fails.
-pub async fn list(db: impl Into<Db>, state: JobState, limit: u64) -> Result<Vec<JobInfo>> {
-    let db = db.into();
-    let pool = db.pool();
-    let db = &autocommit(pool);
-    let backend = db.get_database_backend();
-    let sql = format!(
-        "SELECT id, kind, job_key, unique_key, state, attempts, priority, run_at, last_error \
-         FROM {JOB_TABLE} WHERE state IN (?, ?) ORDER BY id LIMIT ?"
-    );
-    let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-    // A waiting job may be queued behind another of its key.
-    let also = if state == JobState::Waiting {
-        Stored::Queued
-    } else {
-        state.stored()
-    };
-    let values = vec![state.stored().into(), also.into(), limit.into()];
-    let fail = |e| database("listing", &JOB_TABLE, e);
-    let rows = db
-        .query_all_raw(statement(backend, &sql, values))
-        .await
-        .map_err(fail)?;
-    rows.iter()
-        .map(|row| {
-            let stored: i16 = row.try_get("", "state")?;
-            Ok(JobInfo {
-                id: row.try_get("", "id")?,
-                kind: text(row.try_get("", "kind")?).unwrap_or_default(),
-                key: text(row.try_get("", "job_key")?),
-                unique: text(row.try_get("", "unique_key")?),
-                state: JobState::from_stored(stored).unwrap_or(state),
-                attempts: row.try_get("", "attempts")?,
-                priority: row.try_get("", "priority")?,
-                run_at_ms: row.try_get("", "run_at")?,
-                last_error: row.try_get("", "last_error")?,
-            })
-        })
-        .collect::<std::result::Result<_, DbErr>>()
-        .map_err(fail)
-}
 
 /// What [`retry`] did.
 #[derive(Copy, Clone, Debug, PartialEq, Eq)]
@@ -361,7 +134,7 @@ const PRUNE_BATCH: u32 = 1_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Prune {
-    /// Done and discarded jobs; failed ones keep their error for [`list`] and can be
+    /// Done and discarded jobs; failed ones keep their error for [`list`](super::list) and can be
     /// [`retry`]-ed.
     Finished,
     /// Done, discarded and failed jobs.

@@ -116,7 +116,7 @@ async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) ->
             let kind = kind_name.to_owned();
             Err((JobFailure::BadPayload { kind, reason }, Retry::Never, None))
         }
-        Ok(work) => match (CatchUnwind { inner: work }).await {
+        Ok(work) => match CatchUnwind::new(work).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(error)) => {
                 let retries = kind.policy.retries(&error);

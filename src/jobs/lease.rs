@@ -119,7 +119,7 @@ async fn work(cx: &Context, claim: &Claimed) -> std::result::Result<Output, (Job
             return Err((failure, Retry::Never));
         }
     };
-    let mut future = CatchUnwind { inner: future };
+    let mut future = CatchUnwind::new(future);
     let period = claim.lease / 3;
     let mut beat = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
     beat.set_missed_tick_behavior(MissedTickBehavior::Delay);

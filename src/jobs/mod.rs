@@ -79,6 +79,7 @@ mod job;
 mod kinds;
 mod lease;
 mod leased;
+mod query;
 mod record;
 mod retry;
 mod state;
@@ -93,13 +94,12 @@ use std::time::Duration;
 use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
-pub use admin::{
-    Depth, JobInfo, JobState, Prune, Retried, depth, discard, list, prune, record_depth, retry,
-};
+pub use admin::{Prune, Retried, discard, prune, retry};
 pub use handler::{BoxedHandler, Finish, FinishFn, Handler, HandlerFn, handler};
 pub use job::{Job, JobFailure, JobOutcome, JobRun};
 pub use kinds::Jobs;
 pub use leased::Lease;
+pub use query::{Depth, JobFilter, JobInfo, JobState, depth, list, record_depth};
 pub use retry::RetryPolicy;
 pub use worker::Worker;
 

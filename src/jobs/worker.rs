@@ -4,7 +4,7 @@
 use std::{future::Future, sync::Arc, time::Duration};
 
 use tokio::sync::Notify;
-use tracing::{debug, warn};
+use tracing::{debug, error, warn};
 
 use super::{
     JobRun, Jobs,
@@ -231,8 +231,44 @@ impl Worker {
     /// due, the worker waits as [`with_poll`](Self::with_poll) says (20 ms doubling to 1 s) —
     /// on PostgreSQL an enqueue wakes it at once (`LISTEN` on a connection of its own, shared
     /// by the worker's clones; not behind a transaction pooler, where it polls). A database
-    /// error is logged and waited out the same way: a worker never stops on its own.
-    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> u64 {
+    /// error is logged and waited out the same way (a lost connection, a restart, a deadlock:
+    /// the worker goes on when the database does).
+    ///
+    /// A graceful shutdown on `SIGTERM` or Ctrl-C (tokio's `signal` feature), with as many
+    /// workers as jobs may run at once:
+    ///
+    /// ```no_run
+    /// # use freshlock::{Session, jobs::{Jobs, Worker}};
+    /// # async fn serve(session: Session, handlers: Jobs) -> Result<(), Box<dyn std::error::Error>> {
+    /// let (stop, stopped) = tokio::sync::watch::channel(false);
+    /// let mut workers = tokio::task::JoinSet::new();
+    /// for _ in 0..4 {
+    ///     let worker = Worker::new(session.clone(), handlers.clone());
+    ///     let mut stopped = stopped.clone();
+    ///     workers.spawn(async move {
+    ///         worker.run(async move { let _ = stopped.wait_for(|stop| *stop).await; }).await
+    ///     });
+    /// }
+    /// let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    /// tokio::select! {
+    ///     _ = term.recv() => {}
+    ///     _ = tokio::signal::ctrl_c() => {}
+    /// }
+    /// // Each worker finishes the job it is running (its commit included) and takes no other.
+    /// let _ = stop.send(true);
+    /// while let Some(ran) = workers.join_next().await {
+    ///     let ran = ran.expect("a worker task panicked")?;
+    ///     tracing::info!(ran, "worker stopped");
+    /// }
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// A failure it cannot wait out: [`crate::Error::Database`] when the job table does not
+    /// exist (freshlock's migrations were not run), so a misdeployed worker stops and says why
+    /// instead of logging forever.
+    pub async fn run(&self, shutdown: impl Future<Output = ()>) -> Result<u64> {
         tokio::pin!(shutdown);
         let wakeup = self.wakeup.notify(self.cx.session.pool()).await;
         let (first, longest) = self.poll;
@@ -243,7 +279,7 @@ impl Worker {
             // Looked at between jobs only: a running job is never cut short.
             tokio::select! {
                 biased;
-                () = &mut shutdown => return ran,
+                () = &mut shutdown => return Ok(ran),
                 () = std::future::ready(()) => {}
             }
             if cfg!(feature = "metrics") && due_every(&self.gauged, GAUGE_EVERY) {
@@ -267,6 +303,10 @@ impl Worker {
                     continue;
                 }
                 Ok(_) => {}
+                Err(error) if error.is_missing_table() => {
+                    error!(%error, "the job table is missing: the worker stops");
+                    return Err(error);
+                }
                 Err(error) => warn!(%error, "running a job failed; waiting before the next"),
             }
             let woken = async {
@@ -277,7 +317,7 @@ impl Worker {
             };
             tokio::select! {
                 biased;
-                () = &mut shutdown => return ran,
+                () = &mut shutdown => return Ok(ran),
                 () = woken => {
                     idle = first;
                     continue;

@@ -1,4 +1,5 @@
-//! freshlock's own tables, as a sea-orm migration to add to your `Migrator`.
+//! freshlock's own tables: [`migrate`] applies them on its own, or add [`migrations()`] to your
+//! `Migrator`.
 //!
 //! - `freshlock_lock` — one row per lock name: owner token, lease expiry (database clock,
 //!   milliseconds since the Unix epoch), fence counter, and who holds it (host, pid, label,
@@ -86,6 +87,7 @@ mod job;
 mod lease_row;
 mod locks;
 mod marker_age;
+mod migrate;
 mod statements;
 
 pub use claim::{CLAIM_MIGRATION_NAME, ClaimMigration};
@@ -96,6 +98,7 @@ pub use incarnation::{INCARNATION_MIGRATION_NAME, IncarnationMigration};
 pub use job::{JOB_MIGRATION_NAME, JobMigration};
 pub use locks::{MIGRATION_NAME, Migration};
 pub use marker_age::{MARKER_AGE_MIGRATION_NAME, MarkerAgeMigration};
+pub use migrate::{MIGRATIONS_TABLE, migrate};
 pub(crate) use statements::insert_ignore;
 
 use sea_orm::{ConnectionTrait, DbErr};
