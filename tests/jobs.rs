@@ -818,6 +818,104 @@ on_databases! {
     drain_mysql: a_drain_runs_what_is_due_within_its_horizon, mysql;
 }
 
+// ------------------------------------------------------------------------------ bulk enqueue
+
+/// `enqueue_many` (1,100 jobs: two statements): every unique key honoured (against unfinished
+/// jobs and within the call), rolled back with its transaction, and each added job's effect in
+/// the database exactly once, a key's jobs in the order given.
+async fn many_jobs_enqueued_at_once_run_once_each_in_order(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    const N: u32 = 1_100;
+    add(
+        &db,
+        NewJob::new("ordered", &Bump { node: 1, seq: 0 })
+            .unwrap()
+            .unique("u:0"),
+    )
+    .await
+    .unwrap();
+    let batch = || {
+        (1..=N).map(|seq| {
+            let job = NewJob::new("ordered", &Bump { node: 1, seq }).unwrap();
+            // Three keys, hot ones; every 100th job's unique key repeats the one before it;
+            // job 1 repeats the waiting job's.
+            let job = job.key(format!("k{}", seq % 3));
+            match seq {
+                1 => job.unique("u:0"),
+                s if s % 100 == 0 => job.unique(format!("u:{}", s - 1)),
+                s if s % 100 == 99 => job.unique(format!("u:{s}")),
+                _ => job,
+            }
+        })
+    };
+    let txn = db.begin().await.unwrap();
+    jobs::enqueue_many(&txn, batch()).await.unwrap();
+    txn.rollback().await.unwrap();
+    assert_eq!(
+        number(&db, "SELECT COUNT(*) FROM freshlock_job").await,
+        1,
+        "rolled back"
+    );
+    let txn = db.begin().await.unwrap();
+    let done = jobs::enqueue_many(&txn, batch()).await.unwrap();
+    txn.commit().await.unwrap();
+    let duplicates = 1 + u64::from(N / 100);
+    assert_eq!(
+        (done.added, done.duplicates),
+        (u64::from(N) - duplicates, duplicates)
+    );
+    assert_eq!(
+        number(&db, "SELECT COUNT(*) FROM freshlock_job").await,
+        1 + i64::try_from(done.added).unwrap(),
+        "every acknowledged job is a row, once"
+    );
+    // Each key's jobs run in the order given (`seq` grows), each once.
+    let seen: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
+    let order = Arc::clone(&seen);
+    let handlers = Jobs::new().handle(
+        "ordered",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let order = Arc::clone(&order);
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                let key = job.key.unwrap_or_default();
+                order
+                    .lock()
+                    .unwrap()
+                    .entry(key)
+                    .or_default()
+                    .push(job.payload.seq);
+                Ok(())
+            })
+        }),
+    );
+    let worker = Worker::new(Session::new(&handle), handlers).with_batch(8);
+    let runs = worker.run_until_idle().await.unwrap();
+    assert_eq!(runs.len() as u64, done.added + 1);
+    assert!(runs.iter().all(|run| run.outcome == JobOutcome::Completed));
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(
+        seen.values().map(Vec::len).sum::<usize>() as u64,
+        done.added + 1
+    );
+    for (key, seqs) in seen.iter() {
+        assert!(seqs.windows(2).all(|w| w[0] < w[1]), "key {key}: {seqs:?}");
+    }
+    assert_eq!(
+        total_score(&db).await,
+        i64::try_from(done.added).unwrap() + 1
+    );
+}
+
+on_databases! {
+    enqueue_many_sqlite: many_jobs_enqueued_at_once_run_once_each_in_order, sqlite;
+    enqueue_many_postgres: many_jobs_enqueued_at_once_run_once_each_in_order, postgres;
+    enqueue_many_mysql: many_jobs_enqueued_at_once_run_once_each_in_order, mysql;
+}
+
 // ------------------------------------------------------------------------- unique jobs
 
 async fn a_pending_unique_key_is_a_duplicate(db: Option<TestDb>) {

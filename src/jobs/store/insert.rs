@@ -34,66 +34,7 @@ pub(crate) async fn insert(
     job: &Insert<'_>,
 ) -> Result<Option<i64>, DbErr> {
     let backend = db.get_database_backend();
-    let now = now_ms(backend);
-    // On PostgreSQL the statement also wakes idle workers (`wake.rs`): `NOTIFY` is
-    // transactional, so they hear of the job when it commits, and never of a duplicate.
-    let tail = match backend {
-        DbBackend::Postgres => format!(
-            " ON CONFLICT DO NOTHING RETURNING id, pg_notify('{}', '') AS woke",
-            crate::jobs::wake::CHANNEL
-        ),
-        _ => " ON CONFLICT DO NOTHING RETURNING id".to_owned(),
-    };
-    let verb = match backend {
-        DbBackend::MySql => "INSERT IGNORE",
-        _ => "INSERT",
-    };
-    let tail = if backend == DbBackend::MySql {
-        ""
-    } else {
-        &tail
-    };
-    // Behind an unfinished job of its key: queued, not ready (see `Stored::Queued`). Decided by the
-    // INSERT itself where the database lets it read the table it inserts into (not MySQL): one
-    // statement, and on SQLite a write from the start — a deferred transaction that read first
-    // could not take the write lock once another process wrote (`SQLITE_BUSY_SNAPSHOT`).
-    let behind = format!(
-        "EXISTS (SELECT 1 FROM {JOB_TABLE} WHERE key_hash = ? AND state IN ({UNFINISHED}))"
-    );
-    let mut state = Pending.to_string();
-    let mut state_values = Vec::new();
-    if let Some(key) = job.key {
-        if backend == DbBackend::MySql {
-            let sql = format!(
-                "SELECT 1 AS one FROM {JOB_TABLE} WHERE key_hash = ? AND state IN ({UNFINISHED}) \
-                 LIMIT 1"
-            );
-            let found = db
-                .query_one_raw(statement(backend, &sql, vec![hashed(key)]))
-                .await?;
-            state = if found.is_some() { Queued } else { Pending }.to_string();
-        } else {
-            state = format!("CASE WHEN {behind} THEN {Queued} ELSE {Pending} END");
-            state_values.push(hashed(key));
-        }
-    }
-    let sql = format!(
-        "{verb} INTO {JOB_TABLE} (kind, payload, job_key, key_hash, unique_key, unique_hash, \
-         priority, run_at, created_at, state) \
-         VALUES (?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}, {state}){tail}"
-    );
-    let mut values = vec![
-        bytes(Some(job.kind)),
-        job.payload.into(),
-        bytes(job.key),
-        Value::Bytes(job.key.map(hash)),
-        bytes(job.unique),
-        Value::Bytes(job.unique.map(hash)),
-        job.priority.into(),
-        millis(job.delay).into(),
-    ];
-    values.extend(state_values);
-    let stmt = statement(backend, &sql, values);
+    let stmt = statement(backend, &insert_sql(backend, 1), rows(db, &[job]).await?);
     if backend == DbBackend::MySql {
         let done = db.execute_raw(stmt).await?;
         return Ok((done.rows_affected() == 1)
@@ -105,6 +46,108 @@ pub(crate) async fn insert(
     }
 }
 
+/// Inserts the jobs with one statement, each unless its unique key is taken by a job that has
+/// not finished (nor by an earlier one of `jobs`): how many were added.
+pub(crate) async fn insert_many(
+    db: &impl ConnectionTrait,
+    jobs: &[&Insert<'_>],
+) -> Result<u64, DbErr> {
+    if jobs.is_empty() {
+        return Ok(0);
+    }
+    let backend = db.get_database_backend();
+    let stmt = statement(
+        backend,
+        &insert_sql(backend, jobs.len()),
+        rows(db, jobs).await?,
+    );
+    if backend == DbBackend::MySql {
+        return Ok(db.execute_raw(stmt).await?.rows_affected());
+    }
+    Ok(db.query_all_raw(stmt).await?.len() as u64)
+}
+
+/// The `INSERT` of `n` jobs (each row's values from [`rows`]). On PostgreSQL the statement also
+/// wakes idle workers (`wake.rs`): `NOTIFY` is transactional, so they hear of the jobs when they
+/// commit, and never of a duplicate.
+fn insert_sql(backend: DbBackend, n: usize) -> String {
+    let now = now_ms(backend);
+    let (verb, tail) = match backend {
+        DbBackend::MySql => ("INSERT IGNORE", String::new()),
+        DbBackend::Postgres => (
+            "INSERT",
+            format!(
+                " ON CONFLICT DO NOTHING RETURNING id, pg_notify('{}', '') AS woke",
+                crate::jobs::wake::CHANNEL
+            ),
+        ),
+        _ => ("INSERT", " ON CONFLICT DO NOTHING RETURNING id".to_owned()),
+    };
+    let row = format!(
+        "(?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}, {})",
+        state_sql(backend)
+    );
+    let values = vec![row; n].join(", ");
+    format!(
+        "{verb} INTO {JOB_TABLE} (kind, payload, job_key, key_hash, unique_key, unique_hash, \
+         priority, run_at, created_at, state) VALUES {values}{tail}"
+    )
+}
+
+/// A row's state in [`insert_sql`]: on MySQL a value (known before the statement: MySQL cannot
+/// read the table an `INSERT` writes); elsewhere queued when the first value says so or an
+/// unfinished job has the second, the key's hash (or `NULL`).
+fn state_sql(backend: DbBackend) -> String {
+    if backend == DbBackend::MySql {
+        return "?".to_owned();
+    }
+    format!(
+        "CASE WHEN ? = 1 OR EXISTS (SELECT 1 FROM {JOB_TABLE} WHERE key_hash = ? \
+         AND state IN ({UNFINISHED})) THEN {Queued} ELSE {Pending} END"
+    )
+}
+
+/// The values of each job's row. A keyed job behind an unfinished job of its key is queued,
+/// not ready (see `Stored::Queued`): decided by the `INSERT` itself where the database lets it
+/// read the table it inserts into (not MySQL, where one read of the keys comes first) — on
+/// SQLite a write from the start: a deferred transaction that read first could not take the
+/// write lock once another process wrote (`SQLITE_BUSY_SNAPSHOT`). A job behind an earlier one
+/// of its key among `jobs` is queued at once.
+async fn rows(db: &impl ConnectionTrait, jobs: &[&Insert<'_>]) -> Result<Vec<Value>, DbErr> {
+    let backend = db.get_database_backend();
+    let busy = if backend == DbBackend::MySql {
+        busy_keys(db, jobs).await?
+    } else {
+        Vec::new()
+    };
+    let mut seen = Vec::new();
+    let mut values = Vec::with_capacity(jobs.len() * 10);
+    for job in jobs {
+        let key = job.key.map(hash);
+        let behind_earlier = key.as_ref().is_some_and(|k| seen.contains(k));
+        let known = behind_earlier || (key.as_ref()).is_some_and(|k| busy.contains(k));
+        values.extend([
+            bytes(Some(job.kind)),
+            job.payload.into(),
+            bytes(job.key),
+            Value::Bytes(key.clone()),
+            bytes(job.unique),
+            Value::Bytes(job.unique.map(hash)),
+            job.priority.into(),
+            millis(job.delay).into(),
+        ]);
+        if backend == DbBackend::MySql {
+            let state = if known { Queued } else { Pending };
+            values.push(state.into());
+        } else {
+            values.extend([Value::from(i32::from(known)), Value::Bytes(key.clone())]);
+        }
+        if let Some(key) = key {
+            seen.push(key);
+        }
+    }
+    Ok(values)
+}
 /// The id of the unfinished job that holds unique key `unique`, if any.
 pub(crate) async fn holder_of(
     db: &impl ConnectionTrait,
@@ -116,4 +159,23 @@ pub(crate) async fn holder_of(
         .query_one_raw(statement(backend, &sql, vec![hashed(unique)]))
         .await?;
     row.map(|row| row.try_get::<i64>("", "id")).transpose()
+}
+
+/// The keys among `jobs`' that have an unfinished job (their hashes): one read, for MySQL.
+async fn busy_keys(db: &impl ConnectionTrait, jobs: &[&Insert<'_>]) -> Result<Vec<Vec<u8>>, DbErr> {
+    let keys: Vec<Value> = (jobs.iter())
+        .filter_map(|job| job.key)
+        .map(hashed)
+        .collect();
+    if keys.is_empty() {
+        return Ok(Vec::new());
+    }
+    let backend = db.get_database_backend();
+    let sql = format!(
+        "SELECT DISTINCT key_hash FROM {JOB_TABLE} WHERE key_hash IN ({}) \
+         AND state IN ({UNFINISHED})",
+        vec!["?"; keys.len()].join(", ")
+    );
+    let rows = db.query_all_raw(statement(backend, &sql, keys)).await?;
+    rows.iter().map(|row| row.try_get("", "key_hash")).collect()
 }

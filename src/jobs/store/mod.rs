@@ -9,7 +9,7 @@ mod take;
 
 pub(crate) use advance::advance;
 pub(crate) use finish::{complete, failed, promote};
-pub(crate) use insert::{Insert, holder_of, insert};
+pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 pub(crate) use lease::{claim, extend, hold, reclaim};
 pub(crate) use sweep::sweep;
 pub(crate) use take::{Taken, take, take_after, take_key};
