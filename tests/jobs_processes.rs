@@ -45,6 +45,8 @@ const ENV_SCHEMA: &str = "FRESHLOCK_JOB_WORKER_SCHEMA";
 const ENV_MARKS: &str = "FRESHLOCK_JOB_WORKER_MARKS";
 /// Set (to anything) for a worker whose kind is leased.
 const ENV_LEASED: &str = "FRESHLOCK_JOB_WORKER_LEASED";
+/// Set (to anything) for a worker that runs the periodic kind `tick`.
+const ENV_PERIODIC: &str = "FRESHLOCK_JOB_WORKER_PERIODIC";
 const JOBS: i32 = 60;
 const HANG_EVERY: i32 = 15;
 /// The unique jobs every enqueuer process enqueues.
@@ -73,7 +75,9 @@ fn job_worker_process() {
         .unwrap();
     runtime.block_on(async move {
         let db = servers::connect(&url, schema.as_deref(), 4).await;
-        let handlers = if std::env::var(ENV_LEASED).is_ok() {
+        let handlers = if std::env::var(ENV_PERIODIC).is_ok() {
+            periodic_handlers()
+        } else if std::env::var(ENV_LEASED).is_ok() {
             leased_handlers()
         } else {
             Jobs::new().handle(
@@ -186,6 +190,23 @@ fn leased_handlers() -> Jobs {
     )
 }
 
+/// `tick` every second, missed slots caught up: each run bumps node 1.
+fn periodic_handlers() -> Jobs {
+    let every_second = jobs::Periodic::new("tick", "* * * * * *")
+        .unwrap()
+        .missed(jobs::Missed::CatchUp);
+    Jobs::new()
+        .handle(
+            "tick",
+            RetryPolicy::default(),
+            async |tx: &freshlock::Tx, _job: Job<()>| {
+                bump(tx, 1).await?;
+                Ok(())
+            },
+        )
+        .periodic(every_second)
+}
+
 /// Whether `job` is one that hangs (every 15th), on the first run that reaches this point.
 fn hangs(job: &Job<Bump>) -> bool {
     job.payload.seq % HANG_EVERY == HANG_EVERY - 1 && !already_hung(job.id)
@@ -245,10 +266,15 @@ impl Process {
         events: tokio::sync::mpsc::UnboundedSender<(usize, String)>,
     ) -> Self {
         let mut command = Command::new(std::env::current_exe().unwrap());
+        let test = if role == "periodic" {
+            "job_worker_process"
+        } else {
+            role
+        };
         command
             .args([
                 "--exact",
-                role,
+                test,
                 "--ignored",
                 "--nocapture",
                 "--test-threads=1",
@@ -260,8 +286,14 @@ impl Process {
         if let Some(schema) = &db.schema {
             command.env(ENV_SCHEMA, schema);
         }
-        if leased {
-            command.env(ENV_LEASED, "1");
+        match role {
+            _ if leased => {
+                command.env(ENV_LEASED, "1");
+            }
+            "periodic" => {
+                command.env(ENV_PERIODIC, "1");
+            }
+            _ => {}
         }
         let mut child = command.spawn().unwrap();
         let stdout = BufReader::new(child.stdout.take().unwrap());
@@ -473,6 +505,87 @@ async fn duplicate_enqueues_across_processes(db: Option<TestDb>) {
         i64::from(UNIQUE_JOBS),
         "every unique job's effect is in the database exactly once"
     );
+}
+
+/// Three worker processes race for the slots of `tick` (every second, missed slots caught up):
+/// each slot is enqueued once and runs once. Then all three are killed with `-9`, slots pass
+/// with no worker, and three fresh processes catch up on them: still each slot once, none
+/// missing — the slot table survives the restart.
+async fn periodic_slots_run_once_across_processes_and_restarts(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let marks = std::env::temp_dir();
+    let (events_tx, mut events) = tokio::sync::mpsc::unbounded_channel();
+    let spawn = |tag| Process::spawn_as("periodic", &db, &marks, false, tag, events_tx.clone());
+    let done_sql = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    // Waits (polling the database, at most a minute) until at least `n` ticks are done.
+    let until_done = async |n: i64| {
+        for _ in 0..600 {
+            if number(&db, done_sql).await >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        panic!("fewer than {n} ticks done in a minute");
+    };
+    let first: Vec<Process> = (0..3).map(spawn).collect();
+    let mut ready = 0;
+    while ready < 3 {
+        ready += usize::from(events.recv().await.unwrap().1 == "ready");
+    }
+    until_done(3).await;
+    for process in first {
+        process.kill();
+    }
+    let before = number(&db, done_sql).await;
+    // Slots pass with no worker running.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let second: Vec<Process> = (3..6).map(spawn).collect();
+    until_done(before + 4).await;
+    for process in second {
+        process.stop().await;
+    }
+    // Every tick enqueued is a distinct slot, and the slots are consecutive seconds.
+    let backend = db.db.get_database_backend();
+    let sql = "SELECT unique_key, state FROM freshlock_job ORDER BY id";
+    let rows = (db.db)
+        .query_all_raw(Statement::from_string(backend, sql))
+        .await
+        .unwrap();
+    let mut slots: Vec<i64> = Vec::new();
+    let mut done = 0;
+    for row in &rows {
+        let key: Vec<u8> = row.try_get("", "unique_key").unwrap();
+        let key = String::from_utf8(key).unwrap();
+        let slot = key.rsplit(':').next().unwrap().parse::<i64>().unwrap();
+        slots.push(slot);
+        let state: i16 = row.try_get("", "state").unwrap();
+        done += i64::from(state == 2);
+    }
+    let mut distinct = slots.clone();
+    distinct.sort_unstable();
+    distinct.dedup();
+    assert_eq!(
+        distinct.len(),
+        slots.len(),
+        "a slot enqueued twice: {slots:?}"
+    );
+    assert!(
+        distinct.windows(2).all(|w| w[1] - w[0] == 1_000),
+        "a slot missing: {distinct:?}"
+    );
+    let sum = if backend == sea_orm::DbBackend::MySql {
+        "SELECT CAST(SUM(score) AS SIGNED) FROM node"
+    } else {
+        "SELECT CAST(SUM(score) AS BIGINT) FROM node"
+    };
+    assert_eq!(number(&db, sum).await, done, "each done tick's write once");
+}
+
+on_databases! {
+    periodic_across_processes_sqlite: periodic_slots_run_once_across_processes_and_restarts, sqlite;
+    periodic_across_processes_postgres: periodic_slots_run_once_across_processes_and_restarts, postgres;
+    periodic_across_processes_mysql: periodic_slots_run_once_across_processes_and_restarts, mysql;
 }
 
 on_databases! {

@@ -9,12 +9,13 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, Statement};
 use servers::{TestDb, databases};
 
 /// freshlock's tables, as the migrations leave them.
-const TABLES: [&str; 5] = [
+const TABLES: [&str; 6] = [
     "freshlock_lock",
     "freshlock_row_lock",
     "freshlock_claim",
     "freshlock_commit",
     "freshlock_job",
+    "freshlock_periodic",
 ];
 
 async fn exists(db: &DatabaseConnection, table: &str) -> bool {

@@ -10,6 +10,7 @@ use super::{
     handler::{Finish, Handler},
     job::Raw,
     leased::{self, Lease, Leased, Output},
+    periodic::Periodic,
 };
 use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
 
@@ -68,6 +69,8 @@ pub struct Jobs {
     kinds: HashMap<Vec<u8>, Arc<Kind>>,
     /// The kinds' names, sorted: what a worker's take asks for.
     names: Vec<Vec<u8>>,
+    /// The periodic kinds' schedules.
+    periodic: Vec<Periodic>,
 }
 
 impl fmt::Debug for Jobs {
@@ -226,6 +229,21 @@ impl Jobs {
         };
         self.insert(kind.into(), runner);
         self
+    }
+
+    /// Enqueues `periodic`'s kind on its schedule, each slot once across every worker that
+    /// has it ([`Periodic`]); its kind still needs a handler ([`handle`](Self::handle) or
+    /// [`handle_leased`](Self::handle_leased)). A schedule for a kind that had one replaces it.
+    #[must_use]
+    pub fn periodic(mut self, periodic: Periodic) -> Self {
+        self.periodic.retain(|p| p.kind() != periodic.kind());
+        self.periodic.push(periodic);
+        self
+    }
+
+    /// The periodic kinds' schedules.
+    pub(super) fn schedules(&self) -> &[Periodic] {
+        &self.periodic
     }
 
     /// Registers `kind`'s handler, replacing one it had.

@@ -42,6 +42,9 @@
 //! - **Bad input never stops a worker.** A payload that does not deserialize fails the job at
 //!   once ([`JobFailure`]); a handler that errors or panics is a failed attempt. The worker goes
 //!   on with the next job.
+//! - **Periodic jobs** ([`Periodic`], [`Jobs::periodic`]): a kind on a cron schedule, each
+//!   slot enqueued once across every worker and process (its slot row moved forward in the
+//!   enqueue's transaction), restarts included.
 //! - **Unique jobs** ([`NewJob::unique`]): enqueuing while a job with the same unique key has
 //!   not finished adds nothing and reports [`Enqueued::Duplicate`].
 //! - **Batches** ([`Worker::with_batch`]): up to N jobs of distinct keys share a transaction and
@@ -79,6 +82,7 @@ mod job;
 mod kinds;
 mod lease;
 mod leased;
+mod periodic;
 mod query;
 mod record;
 mod retry;
@@ -99,6 +103,7 @@ pub use handler::{BoxedHandler, Finish, FinishFn, Handler, HandlerFn, handler};
 pub use job::{Job, JobFailure, JobOutcome, JobRun};
 pub use kinds::Jobs;
 pub use leased::Lease;
+pub use periodic::{Missed, Periodic};
 pub use query::{Depth, JobFilter, JobInfo, JobState, depth, list, record_depth};
 pub use retry::RetryPolicy;
 pub use worker::Worker;

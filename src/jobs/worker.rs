@@ -10,7 +10,7 @@ use super::{
     JobRun, Jobs,
     chores::{GAUGE_EVERY, due, due_every},
     context::Context,
-    lease,
+    lease, periodic,
     step::{self, Source, Stepped},
     store,
 };
@@ -29,6 +29,8 @@ pub struct Worker {
     reclaimed: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// When this worker (or a clone) last recorded the queue's depth (`metrics` feature).
     gauged: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// When this worker (or a clone) last enqueued the periodic kinds' due slots.
+    scheduled: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// The first and the longest wait of [`run`](Self::run) with nothing due.
     poll: (Duration, Duration),
     /// What wakes [`run`](Self::run) when a job is enqueued (PostgreSQL), shared by clones.
@@ -37,6 +39,8 @@ pub struct Worker {
 
 /// The longest a worker with nothing to do waits before it looks again.
 const MAX_IDLE: Duration = Duration::from_secs(1);
+/// How often a running worker (one of its clones) enqueues the periodic kinds' due slots.
+const SCHEDULE_EVERY: Duration = Duration::from_secs(1);
 /// The first wait of a worker that found nothing to do.
 const MIN_IDLE: Duration = Duration::from_millis(20);
 
@@ -54,6 +58,7 @@ impl Worker {
             swept: Arc::default(),
             reclaimed: Arc::default(),
             gauged: Arc::default(),
+            scheduled: Arc::default(),
             poll: (MIN_IDLE, MAX_IDLE),
             wakeup: Arc::default(),
         }
@@ -176,6 +181,17 @@ impl Worker {
         }
     }
 
+    /// Enqueues the periodic kinds' due slots (see [`super::Periodic`]); a failure is only
+    /// logged, the next pass tries again.
+    async fn enqueue_periodic(&self) {
+        for periodic in self.cx.jobs.schedules() {
+            let db = self.cx.session.pool();
+            if let Err(error) = periodic::enqueue_due(db, periodic, self.cx.reply()).await {
+                warn!(%error, kind = periodic.kind(), "enqueuing a periodic kind's slots failed");
+            }
+        }
+    }
+
     /// Runs every job of this worker's kinds that is due now **or within `horizon`** until none
     /// is left, and returns the runs: as if that much time passed, a retry waiting out its
     /// backoff or a job enqueued to run later is made due now (on the database: its due time
@@ -289,6 +305,9 @@ impl Worker {
                     Ok(Err(error)) => warn!(%error, "recording the queue's depth failed"),
                     Err(_) => warn!("recording the queue's depth timed out"),
                 }
+            }
+            if due_every(&self.scheduled, SCHEDULE_EVERY) {
+                self.enqueue_periodic().await;
             }
             // Listening before the take: a job enqueued after it looked wakes the wait below.
             let notified = wakeup.as_deref().map(Notify::notified);

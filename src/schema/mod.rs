@@ -22,6 +22,8 @@
 //! - `freshlock_job` — the keyed job queue ([`crate::jobs`], [`JobMigration`]): kinds, keys and
 //!   unique keys are stored as bytes (with a SHA-256 of each key for its index), so they compare
 //!   byte for byte on every database.
+//! - `freshlock_periodic` — the last slot enqueued of each periodic kind
+//!   ([`crate::jobs::Periodic`], [`PeriodicMigration`]).
 //!
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
@@ -88,6 +90,7 @@ mod lease_row;
 mod locks;
 mod marker_age;
 mod migrate;
+mod periodic;
 mod statements;
 
 pub use claim::{CLAIM_MIGRATION_NAME, ClaimMigration};
@@ -99,6 +102,7 @@ pub use job::{JOB_MIGRATION_NAME, JobMigration};
 pub use locks::{MIGRATION_NAME, Migration};
 pub use marker_age::{MARKER_AGE_MIGRATION_NAME, MarkerAgeMigration};
 pub use migrate::{MIGRATIONS_TABLE, migrate};
+pub use periodic::{PERIODIC_MIGRATION_NAME, PeriodicMigration};
 pub(crate) use statements::insert_ignore;
 
 use sea_orm::{ConnectionTrait, DbErr};
@@ -121,6 +125,8 @@ pub const INCARNATION_TABLE: &str = "freshlock_incarnation";
 
 /// The name of the job table (see [`JobMigration`]).
 pub const JOB_TABLE: &str = "freshlock_job";
+/// The name of the periodic-slot table (see [`PeriodicMigration`]).
+pub const PERIODIC_TABLE: &str = "freshlock_periodic";
 
 /// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
 pub(crate) const FLOOR_NAME: &str = "";
@@ -138,6 +144,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(IncarnationMigration),
         Box::new(JobMigration),
         Box::new(MarkerAgeMigration),
+        Box::new(PeriodicMigration),
     ]
 }
 
@@ -153,5 +160,6 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     insert_floor(db).await?;
     incarnation::create_incarnation_table(db).await?;
     job::create_job_table(db).await?;
-    marker_age::create_age_index(db).await
+    marker_age::create_age_index(db).await?;
+    periodic::create_periodic_table(db).await
 }

@@ -1,0 +1,33 @@
+//! `freshlock_periodic`: the last slot of each periodic kind that was enqueued
+//! ([`crate::jobs::Periodic`]).
+
+use sea_orm::{ConnectionTrait, DbBackend, DbErr};
+
+use super::PERIODIC_TABLE;
+
+super::freshlock_migration! {
+    /// The name of the migration that adds the periodic-slot table.
+    const PERIODIC_MIGRATION_NAME = "m20261205_000800_freshlock_periodic";
+    /// The migration that creates `freshlock_periodic`: one row per periodic kind (its SHA-256,
+    /// and the kind as bytes), holding the last slot enqueued, in milliseconds since the Unix
+    /// epoch. A worker enqueues a slot's job only by moving that row forward, in the transaction
+    /// of the enqueue: so each slot is enqueued once across every process, and across restarts.
+    struct PeriodicMigration { up: create_periodic_table, drops: [PERIODIC_TABLE] }
+}
+
+/// `CREATE TABLE IF NOT EXISTS freshlock_periodic`, per dialect.
+pub(super) async fn create_periodic_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
+    let (bytes, hash, tail) = match db.get_database_backend() {
+        DbBackend::Postgres => ("BYTEA", "BYTEA", ""),
+        DbBackend::MySql => ("LONGBLOB", "BINARY(32)", " ENGINE=InnoDB"),
+        _ => ("BLOB", "BLOB", ""),
+    };
+    db.execute_unprepared(&format!(
+        "CREATE TABLE IF NOT EXISTS {PERIODIC_TABLE} (\
+         kind_hash {hash} NOT NULL PRIMARY KEY, \
+         kind {bytes} NOT NULL, \
+         slot BIGINT NOT NULL){tail}"
+    ))
+    .await
+    .map(drop)
+}
