@@ -582,6 +582,48 @@ on_databases! {
     unknown_kind_waits_mysql: a_kind_a_worker_does_not_know_waits_for_one_that_does, mysql;
 }
 
+/// Named queues: workers from one `Jobs` narrowed to some kinds take only those, so each
+/// queue runs with workers of its own; a kind without a handler is refused.
+async fn a_worker_narrowed_to_a_queue_takes_only_its_kinds(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let jobs = Jobs::new()
+        .handle("email", at_once(1), bump_by_fn)
+        .handle("sms", at_once(1), bump_by_fn)
+        .handle("report", at_once(1), bump_by_fn);
+    for (seq, kind) in ["email", "report", "sms", "report", "email"]
+        .iter()
+        .enumerate()
+    {
+        let seq = u32::try_from(seq).unwrap();
+        add(&db, NewJob::new(*kind, &Bump { node: 1, seq }).unwrap())
+            .await
+            .unwrap();
+    }
+    let session = Session::new(&handle);
+    let refused = Worker::new(session.clone(), jobs.clone()).only(["email", "fax"]);
+    assert!(matches!(refused, Err(freshlock::Error::InvalidJob { kind, .. }) if kind == "fax"));
+    let reports = Worker::new(session.clone(), jobs.clone())
+        .only(["report"])
+        .unwrap();
+    let runs = reports.drain(Duration::ZERO).await.unwrap();
+    let kinds: Vec<&str> = runs.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(kinds, ["report", "report"]);
+    assert_eq!(total_score(&db).await, 2);
+    let messages = Worker::new(session, jobs).only(["sms", "email"]).unwrap();
+    let runs = messages.run_until_idle().await.unwrap();
+    let kinds: Vec<&str> = runs.iter().map(|r| r.kind.as_str()).collect();
+    assert_eq!(kinds, ["email", "sms", "email"]);
+    assert_eq!(total_score(&db).await, 5, "every job's write once");
+}
+
+on_databases! {
+    queues_sqlite: a_worker_narrowed_to_a_queue_takes_only_its_kinds, sqlite;
+    queues_postgres: a_worker_narrowed_to_a_queue_takes_only_its_kinds, postgres;
+    queues_mysql: a_worker_narrowed_to_a_queue_takes_only_its_kinds, mysql;
+}
+
 // ------------------------------------------------------------------ retries and bad input
 
 async fn failures_retry_then_fail_and_roll_back_their_writes(db: Option<TestDb>) {

@@ -11,9 +11,17 @@ use crate::session::Session;
 pub(super) struct Context {
     pub(super) session: Session,
     pub(super) jobs: Arc<Jobs>,
+    /// The kinds this worker takes, sorted: all of `jobs`' unless narrowed
+    /// ([`Worker::only`](super::Worker::only)).
+    pub(super) kinds: Arc<[Vec<u8>]>,
 }
 
 impl Context {
+    /// The kinds this worker takes.
+    pub(super) fn kinds(&self) -> &[Vec<u8>] {
+        &self.kinds
+    }
+
     /// The handler of `kind`, if this worker has one.
     pub(super) fn kind(&self, kind: &[u8]) -> Option<Arc<Kind>> {
         self.jobs.kind(kind)

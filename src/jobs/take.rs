@@ -38,7 +38,7 @@ impl JobStep<'_> {
         // double), and left queued if that job fails.
         let chains = chain && limit == 1;
         let bounded = Bounded::new(&txn, reply);
-        let kinds = self.cx.jobs.names();
+        let kinds = self.cx.kinds();
         let mut taken = Ok(Vec::new());
         if let Some(key) = follow.filter(|_| limit == 1) {
             taken = store::take_key(&bounded, kinds, key, chains).await;

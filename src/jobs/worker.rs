@@ -52,6 +52,7 @@ impl Worker {
         Self {
             cx: Context {
                 session,
+                kinds: jobs.names().into(),
                 jobs: Arc::new(jobs),
             },
             batch: 1,
@@ -73,6 +74,47 @@ impl Worker {
         let first = first.max(Duration::from_millis(1));
         self.poll = (first, longest.max(first));
         self
+    }
+
+    /// Takes only the jobs of `kinds` (each with a handler in this worker's [`Jobs`]): a named
+    /// queue with a concurrency of its own. Workers made from one [`Jobs`] run the kinds of a
+    /// queue with as many workers as that queue should run jobs at once — say ten for `email`
+    /// and `sms`, two for `report` — so a burst of one queue never takes the workers of another.
+    ///
+    /// ```
+    /// # use freshlock::{ApplyError, Session, Tx, jobs::{Job, Jobs, RetryPolicy, Worker}};
+    /// # async fn send(_tx: &Tx, _job: Job<String>) -> Result<(), ApplyError> { Ok(()) }
+    /// # fn serve(session: Session) -> freshlock::Result<()> {
+    /// let jobs = Jobs::new()
+    ///     .handle("email", RetryPolicy::default(), send)
+    ///     .handle("sms", RetryPolicy::default(), send)
+    ///     .handle("report", RetryPolicy::default(), send);
+    /// let messages = Worker::new(session.clone(), jobs.clone()).only(["email", "sms"])?;
+    /// let reports = Worker::new(session, jobs).only(["report"])?;
+    /// // Spawn `messages.run(…)` ten times (clones) and `reports.run(…)` twice.
+    /// # let _ = (messages, reports);
+    /// # Ok(())
+    /// # }
+    /// ```
+    ///
+    /// # Errors
+    /// [`crate::Error::InvalidJob`] when a kind has no handler in this worker's [`Jobs`].
+    pub fn only<K: AsRef<str>>(mut self, kinds: impl IntoIterator<Item = K>) -> Result<Self> {
+        let mut only = Vec::new();
+        for kind in kinds {
+            let kind = kind.as_ref();
+            if self.cx.jobs.kind(kind.as_bytes()).is_none() {
+                return Err(crate::Error::InvalidJob {
+                    kind: kind.to_owned(),
+                    reason: "this worker has no handler for the kind".to_owned(),
+                });
+            }
+            only.push(kind.as_bytes().to_vec());
+        }
+        only.sort();
+        only.dedup();
+        self.cx.kinds = only.into();
+        Ok(self)
     }
 
     /// Takes up to `jobs` jobs at a time (default 1, at least 1) and commits them together:
@@ -232,7 +274,7 @@ impl Worker {
         loop {
             runs.extend(self.run_until_idle().await?);
             let db = self.cx.session.pool();
-            let advance = store::advance(db, self.cx.jobs.names(), horizon);
+            let advance = store::advance(db, self.cx.kinds(), horizon);
             let advanced = within(self.cx.reply(), advance)
                 .await
                 .map_err(|e| crate::error::database("moving due times in", &JOB_TABLE, e))?;
