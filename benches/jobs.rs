@@ -91,7 +91,8 @@ async fn main() {
             }
         }
         if only("w3") {
-            skewed(&db).await;
+            skewed(&db, false).await;
+            skewed(&db, true).await;
         }
     }
 }
@@ -111,13 +112,18 @@ async fn fill(db: &DatabaseConnection, n: usize, job: impl Fn(usize) -> NewJob) 
     db.execute_unprepared("TRUNCATE TABLE freshlock_job")
         .await
         .expect("empty the queue");
+    // One transaction and one statement per 1,000 jobs (`enqueue_many`).
+    let began = Instant::now();
     for start in (0..n).step_by(1000) {
         let txn = db.begin().await.expect("begin");
-        for i in start..(start + 1000).min(n) {
-            jobs::enqueue(&txn, job(i)).await.expect("enqueue");
-        }
+        let batch = (start..(start + 1000).min(n)).map(&job);
+        jobs::enqueue_many(&txn, batch).await.expect("enqueue");
         txn.commit().await.expect("commit");
     }
+    println!(
+        "filled {n} jobs in {:.3} s (enqueue_many)",
+        began.elapsed().as_secs_f64()
+    );
     let analyze = match db.get_database_backend() {
         sea_orm::DbBackend::MySql => "ANALYZE TABLE freshlock_job",
         _ => "ANALYZE freshlock_job",
@@ -264,8 +270,9 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, 
     );
 }
 
-/// W3: the skewed workload.
-async fn skewed(db: &DatabaseConnection) {
+/// W3: the skewed workload, in the job's transaction or (`leased`) in the field report's
+/// shape: claimed, worked outside any transaction, finished fenced.
+async fn skewed(db: &DatabaseConnection, leased: bool) {
     const WORKERS: usize = 10;
     let n = scaled(2_000);
     // Even ids are the hot key's; odd ones spread over 50 keys.
@@ -288,37 +295,59 @@ async fn skewed(db: &DatabaseConnection) {
     let started: Arc<Mutex<HashMap<i64, Duration>>> = Arc::default();
     let (stop_tx, stop) = tokio::sync::watch::channel(false);
     let start = Instant::now();
-    let handlers = {
+    // One job's work, the same in both forms.
+    let track = {
         let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
         let (finished, started) = (Arc::clone(&finished), Arc::clone(&started));
+        move |id: i64, key: String| {
+            let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
+            let (finished, stop_tx) = (Arc::clone(&finished), stop_tx.clone());
+            started.lock().unwrap().insert(id, start.elapsed());
+            async move {
+                {
+                    let mut running = running.lock().unwrap();
+                    let now = running.entry(key.clone()).or_default();
+                    if *now > 0 {
+                        overlaps.fetch_add(1, Ordering::SeqCst);
+                    }
+                    *now += 1;
+                }
+                // 10 ms of work off the runtime: tokio's timer rounds a 10 ms sleep up to
+                // about 11.2 ms here, which would move the floor.
+                tokio::task::spawn_blocking(|| std::thread::sleep(Duration::from_millis(10)))
+                    .await
+                    .expect("the work");
+                *running.lock().unwrap().get_mut(&key).unwrap() -= 1;
+                let mut finished = finished.lock().unwrap();
+                finished.insert(id, start.elapsed());
+                if finished.len() == n {
+                    let _ = stop_tx.send(true);
+                }
+            }
+        }
+    };
+    let handlers = if leased {
+        Jobs::new().handle_leased(
+            "work",
+            RetryPolicy::default(),
+            Duration::from_secs(30),
+            move |job: Job<bool>, _lease| {
+                let work = track(job.id, job.key.unwrap_or_default());
+                async move {
+                    work.await;
+                    Ok(())
+                }
+            },
+            async |_tx: &Tx, _job: Job<bool>, _: &()| Ok(()),
+        )
+    } else {
         Jobs::new().handle(
             "work",
             RetryPolicy::default(),
             jobs::handler(move |_tx, job: Job<bool>| {
-                let (running, overlaps) = (Arc::clone(&running), Arc::clone(&overlaps));
-                let (finished, stop_tx) = (Arc::clone(&finished), stop_tx.clone());
-                started.lock().unwrap().insert(job.id, start.elapsed());
+                let work = track(job.id, job.key.unwrap_or_default());
                 Box::pin(async move {
-                    let key = job.key.unwrap_or_default();
-                    {
-                        let mut running = running.lock().unwrap();
-                        let now = running.entry(key.clone()).or_default();
-                        if *now > 0 {
-                            overlaps.fetch_add(1, Ordering::SeqCst);
-                        }
-                        *now += 1;
-                    }
-                    // 10 ms of work off the runtime: tokio's timer rounds a 10 ms sleep up to
-                    // about 11.2 ms here, which would move the floor.
-                    tokio::task::spawn_blocking(|| std::thread::sleep(Duration::from_millis(10)))
-                        .await
-                        .expect("the work");
-                    *running.lock().unwrap().get_mut(&key).unwrap() -= 1;
-                    let mut finished = finished.lock().unwrap();
-                    finished.insert(job.id, start.elapsed());
-                    if finished.len() == n {
-                        let _ = stop_tx.send(true);
-                    }
+                    work.await;
                     Ok(())
                 })
             }),
@@ -368,7 +397,7 @@ async fn skewed(db: &DatabaseConnection) {
         .map(|(_, at)| *at)
         .collect();
     println!(
-        "\nW3 ({n} jobs of 10 ms, half on one key, {WORKERS} workers): wall {seconds:.2} s \
+        "\nW3 {form} ({n} jobs of 10 ms, half on one key, {WORKERS} workers): wall {seconds:.2} s \
          to the last job's end, {committed:.2} s to its commit (the hot key's floor {:.1} s); \
          other keys' p50 {} ms, p99 {} ms; the hot key's gap \
          from one job's end to the next's start p50 {} ms, p99 {} ms; same-key overlaps {}; \
@@ -379,5 +408,10 @@ async fn skewed(db: &DatabaseConnection) {
         percentile_ms(&mut gaps, 50),
         percentile_ms(&mut gaps, 99),
         overlaps.load(Ordering::SeqCst),
+        form = if leased {
+            "leased"
+        } else {
+            "in the job's transaction"
+        },
     );
 }

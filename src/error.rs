@@ -6,6 +6,8 @@
 
 use std::{fmt, sync::Arc, time::Duration};
 
+use crate::db::failure::Failure;
+
 /// A boxed foreign error (driver, server), kept as the `source` of ours.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync + 'static>;
 
@@ -212,11 +214,7 @@ impl Error {
     /// helps until they are.
     pub(crate) fn is_missing_table(&self) -> bool {
         match self {
-            Self::Database { source, .. } => {
-                source.downcast_ref::<sea_orm::DbErr>().is_some_and(|e| {
-                    crate::db::failure::classify(e) == crate::db::failure::Failure::MissingTable
-                })
-            }
+            Self::Database { source, .. } => is_failure(source, Failure::MissingTable),
             _ => false,
         }
     }
@@ -230,6 +228,13 @@ impl Error {
             _ => false,
         }
     }
+}
+
+/// Whether `source` is a database error that [`classify`](crate::db::failure::classify)
+/// reads as `failure`.
+fn is_failure(source: &BoxError, failure: Failure) -> bool {
+    (source.downcast_ref::<sea_orm::DbErr>())
+        .is_some_and(|e| crate::db::failure::classify(e) == failure)
 }
 
 /// Whether `source` is a round trip cut by its deadline (see `deadline.rs`).
@@ -431,11 +436,7 @@ impl LockError {
     /// behind a transaction pooler: a misconfiguration, never a busy lock.
     pub(crate) fn is_pooler_clash(&self) -> bool {
         match self {
-            LockError::Backend { source, .. } => {
-                source.downcast_ref::<sea_orm::DbErr>().is_some_and(|e| {
-                    crate::db::failure::classify(e) == crate::db::failure::Failure::PoolerClash
-                })
-            }
+            LockError::Backend { source, .. } => is_failure(source, Failure::PoolerClash),
             _ => false,
         }
     }

@@ -3,14 +3,14 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr, Value};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Value};
 
 use super::{JobId, query::text, state::Stored, store};
 use crate::{
     database::Db,
     db::{
         autocommit::{autocommit, upkeep},
-        deadline::DEFAULT_REPLY,
+        deadline::{Bounded, DEFAULT_REPLY, Work},
         own::{Own, rollback},
     },
     error::{Result, database},
@@ -30,21 +30,38 @@ pub enum Retried {
     Duplicate,
 }
 
+/// What [`retry`] and [`discard`] do, as their errors say.
+const RETRYING: &str = "retrying a job of";
+const DISCARDING: &str = "discarding a job of";
+
 /// Makes failed job `id` wait again, due now, its attempts counted from zero (its last error
 /// is kept until it runs). Its unique key is taken back, unless another unfinished job holds it.
 ///
 /// # Errors
 /// [`crate::Error::Database`] when the database fails.
 pub async fn retry(db: impl Into<Db>, id: JobId) -> Result<Retried> {
+    let keep = |retried: &Retried| *retried == Retried::Waiting;
+    decided(db, RETRYING, |txn| Box::pin(retry_in(txn, id)), keep).await
+}
+
+/// Runs `work` in a transaction of its own on `db`, committed when `keep` says so of its value
+/// and rolled back otherwise.
+async fn decided<T>(
+    db: impl Into<Db>,
+    operation: &'static str,
+    work: impl for<'t> FnMut(&'t Bounded<'t, DatabaseTransaction>) -> Work<'t, T>,
+    keep: impl FnOnce(&T) -> bool,
+) -> Result<T> {
     let db = db.into();
     let own = Own::new(db.pool(), DEFAULT_REPLY);
-    let fail = |e| database("retrying a job of", &JOB_TABLE, e);
-    let (txn, retried) = (own.open(|txn| Box::pin(retry_in(txn, id))).await).map_err(fail)?;
-    match retried {
-        Retried::Waiting => own.commit(txn).await.map_err(fail)?,
-        _ => rollback(txn, own.reply()).await,
+    let fail = |e| database(operation, &JOB_TABLE, e);
+    let (txn, value) = own.open(work).await.map_err(fail)?;
+    if keep(&value) {
+        own.commit(txn).await.map_err(fail)?;
+    } else {
+        rollback(txn, own.reply()).await;
     }
-    Ok(retried)
+    Ok(value)
 }
 
 /// [`retry`] in `db`'s transaction.
@@ -84,16 +101,8 @@ async fn retry_in(db: &impl ConnectionTrait, id: JobId) -> std::result::Result<R
 /// # Errors
 /// [`crate::Error::Database`] when the database fails.
 pub async fn discard(db: impl Into<Db>, id: JobId) -> Result<bool> {
-    let db = db.into();
-    let own = Own::new(db.pool(), DEFAULT_REPLY);
-    let fail = |e| database("discarding a job of", &JOB_TABLE, e);
-    let (txn, discarded) = (own.open(|txn| Box::pin(discard_in(txn, id))).await).map_err(fail)?;
-    if discarded {
-        own.commit(txn).await.map_err(fail)?;
-    } else {
-        rollback(txn, own.reply()).await;
-    }
-    Ok(discarded)
+    let keep = |discarded: &bool| *discarded;
+    decided(db, DISCARDING, |txn| Box::pin(discard_in(txn, id)), keep).await
 }
 
 /// [`discard`] in `db`'s transaction.

@@ -19,26 +19,6 @@ pub(super) type Runner = dyn for<'t> Fn(&'t Tx, Raw<'_>) -> std::result::Result<
     + Send
     + Sync;
 
-/// Makes a closure's future borrow the `Tx` it is given (inference alone does not).
-fn runner<F>(run: F) -> F
-where
-    F: for<'t> Fn(&'t Tx, Raw<'_>) -> std::result::Result<SectionWork<'t, ()>, String>
-        + Send
-        + Sync,
-{
-    run
-}
-
-/// Makes a closure's future borrow the `Tx` it is given, for a leased kind's finish.
-fn finisher<F>(finish: F) -> F
-where
-    F: for<'t> Fn(&'t Tx, Raw<'_>, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
-        + Send
-        + Sync,
-{
-    finish
-}
-
 /// A kind's handler and retry policy.
 pub(super) struct Kind {
     pub(super) handler: Runs,
@@ -127,17 +107,13 @@ impl Jobs {
         H: Handler<P>,
     {
         let handler = Arc::new(handler);
-        let run = runner(move |tx, raw| {
+        let run: Box<Runner> = Box::new(move |tx: &Tx, raw: Raw<'_>| {
             let job = raw.job::<P>()?;
             let handler = Arc::clone(&handler);
             let work: SectionWork<'_, ()> = Box::pin(async move { handler.run(tx, job).await });
             Ok(work)
         });
-        let runner = Kind {
-            handler: Runs::InTx(Box::new(run)),
-            policy,
-        };
-        self.insert(kind.into(), runner);
+        self.insert(kind.into(), Runs::InTx(run), policy);
         self
     }
 
@@ -207,27 +183,24 @@ impl Jobs {
             Ok(future)
         };
         let finish = Arc::new(finish);
-        let finish = finisher(move |tx, raw, output| {
-            let job = raw.job::<P>()?;
-            // The output was made by this kind's `work`, so it is an `R`.
-            let output = Arc::clone(output)
-                .downcast::<R>()
-                .map_err(|_| "the work's output is not the finish's type".to_owned())?;
-            let finish = Arc::clone(&finish);
-            let work: SectionWork<'_, ()> =
-                Box::pin(async move { finish.finish(tx, job, &output).await });
-            Ok(work)
-        });
+        let finish: Box<leased::FinishRunner> =
+            Box::new(move |tx: &Tx, raw: Raw<'_>, output: &Output| {
+                let job = raw.job::<P>()?;
+                // The output was made by this kind's `work`, so it is an `R`.
+                let output = Arc::clone(output)
+                    .downcast::<R>()
+                    .map_err(|_| "the work's output is not the finish's type".to_owned())?;
+                let finish = Arc::clone(&finish);
+                let work: SectionWork<'_, ()> =
+                    Box::pin(async move { finish.finish(tx, job, &output).await });
+                Ok(work)
+            });
         let leased = Leased {
             lease: lease.max(leased::MIN_LEASE),
             work: Box::new(work),
-            finish: Box::new(finish),
+            finish,
         };
-        let runner = Kind {
-            handler: Runs::Leased(leased),
-            policy,
-        };
-        self.insert(kind.into(), runner);
+        self.insert(kind.into(), Runs::Leased(leased), policy);
         self
     }
 
@@ -247,12 +220,12 @@ impl Jobs {
     }
 
     /// Registers `kind`'s handler, replacing one it had.
-    fn insert(&mut self, kind: String, runner: Kind) {
+    fn insert(&mut self, kind: String, handler: Runs, policy: RetryPolicy) {
         let kind = kind.into_bytes();
         if let Err(at) = self.names.binary_search(&kind) {
             self.names.insert(at, kind.clone());
         }
-        self.kinds.insert(kind, Arc::new(runner));
+        self.kinds.insert(kind, Arc::new(Kind { handler, policy }));
     }
 
     /// The kinds there are handlers for, sorted: a worker takes only these.

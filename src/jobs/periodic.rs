@@ -1,7 +1,7 @@
 //! Periodic jobs: a kind enqueued on a cron schedule, each slot once across every worker and
 //! process (River's periodic jobs, Oban's Cron, Celery beat).
 
-use std::{fmt, str::FromStr, sync::Arc};
+use std::{str::FromStr, sync::Arc};
 
 use chrono::{DateTime, Utc};
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, Value};
@@ -62,23 +62,12 @@ pub enum Missed {
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct Periodic {
     kind: String,
-    expression: String,
     schedule: Arc<cron::Schedule>,
     payload: String,
     missed: Missed,
-}
-
-impl fmt::Debug for Periodic {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Periodic")
-            .field("kind", &self.kind)
-            .field("schedule", &self.expression)
-            .field("missed", &self.missed)
-            .finish_non_exhaustive()
-    }
 }
 
 impl Periodic {
@@ -105,7 +94,6 @@ impl Periodic {
         }
         Ok(Self {
             kind,
-            expression: schedule.to_owned(),
             schedule: Arc::new(parsed),
             payload: "null".to_owned(),
             missed: Missed::Skip,

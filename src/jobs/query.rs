@@ -178,30 +178,23 @@ impl JobFilter {
              ORDER BY id LIMIT ?"
         );
         values.push(i64::try_from(limit).unwrap_or(i64::MAX).into());
-        let fail = |e| database("listing", &JOB_TABLE, e);
-        let rows = db
-            .query_all_raw(statement(backend, &sql, values))
-            .await
-            .map_err(fail)?;
-        rows.iter()
-            .map(|row| {
-                let stored: i16 = row.try_get("", "state")?;
-                Ok(JobInfo {
-                    id: row.try_get("", "id")?,
-                    kind: text(row.try_get("", "kind")?).unwrap_or_default(),
-                    key: text(row.try_get("", "job_key")?),
-                    unique: text(row.try_get("", "unique_key")?),
-                    state: JobState::from_stored(stored).unwrap_or(JobState::Waiting),
-                    attempts: row.try_get("", "attempts")?,
-                    priority: row.try_get("", "priority")?,
-                    created_at_ms: row.try_get("", "created_at")?,
-                    run_at_ms: row.try_get("", "run_at")?,
-                    finished_at_ms: row.try_get("", "finished_at")?,
-                    last_error: row.try_get("", "last_error")?,
-                })
+        read_all(db, "listing", statement(backend, &sql, values), |row| {
+            let stored: i16 = row.try_get("", "state")?;
+            Ok(JobInfo {
+                id: row.try_get("", "id")?,
+                kind: text(row.try_get("", "kind")?).unwrap_or_default(),
+                key: text(row.try_get("", "job_key")?),
+                unique: text(row.try_get("", "unique_key")?),
+                attempts: row.try_get("", "attempts")?,
+                priority: row.try_get("", "priority")?,
+                state: JobState::from_stored(stored).unwrap_or(JobState::Waiting),
+                created_at_ms: row.try_get("", "created_at")?,
+                run_at_ms: row.try_get("", "run_at")?,
+                finished_at_ms: row.try_get("", "finished_at")?,
+                last_error: row.try_get("", "last_error")?,
             })
-            .collect::<std::result::Result<_, DbErr>>()
-            .map_err(fail)
+        })
+        .await
     }
 
     /// The depth of the queue per kind and key, of the jobs that match (unfinished and failed
@@ -242,13 +235,11 @@ impl JobFilter {
             due = sum(&format!("state = {pending} AND run_at <= {now}")),
             failed_n = sum(&format!("state = {failed}")),
         );
-        let fail = |e| database("reading the depth of", &JOB_TABLE, e);
-        let rows = db
-            .query_all_raw(statement(backend, &sql, values))
-            .await
-            .map_err(fail)?;
-        rows.iter()
-            .map(|row| {
+        read_all(
+            db,
+            "reading the depth of",
+            statement(backend, &sql, values),
+            |row| {
                 Ok(Depth {
                     kind: text(row.try_get("", "kind")?).unwrap_or_default(),
                     key: text(row.try_get("", "job_key")?),
@@ -256,9 +247,9 @@ impl JobFilter {
                     due: count(row, "due")?,
                     failed: count(row, "failed")?,
                 })
-            })
-            .collect::<std::result::Result<_, DbErr>>()
-            .map_err(fail)
+            },
+        )
+        .await
     }
 
     /// The filter's condition and its values: the state's codes (else `states`, or any state
@@ -287,6 +278,21 @@ impl JobFilter {
         }
         (parts.join(" AND "), values)
     }
+}
+
+/// The rows of `query`, each read by `read` (a failure is `operation`'s on the job table).
+async fn read_all<T>(
+    db: &impl ConnectionTrait,
+    operation: &'static str,
+    query: sea_orm::Statement,
+    read: impl Fn(&QueryResult) -> std::result::Result<T, DbErr>,
+) -> Result<Vec<T>> {
+    let fail = |e| database(operation, &JOB_TABLE, e);
+    let rows = db.query_all_raw(query).await.map_err(fail)?;
+    rows.iter()
+        .map(read)
+        .collect::<std::result::Result<_, _>>()
+        .map_err(fail)
 }
 
 pub(super) fn text(bytes: Option<Vec<u8>>) -> Option<String> {
