@@ -104,7 +104,7 @@ impl Worker {
         for kind in kinds {
             let kind = kind.as_ref();
             if self.cx.jobs.kind(kind.as_bytes()).is_none() {
-                return Err(crate::Error::InvalidJob {
+                return Err(crate::error::Error::InvalidJob {
                     kind: kind.to_owned(),
                     reason: "this worker has no handler for the kind".to_owned(),
                 });
