@@ -26,12 +26,14 @@
 //!   written, said once), `row.rs` (how a row is named, and the one
 //!   primary-key check), `decision.rs`, `save.rs`, and `row_sql/` (the SQL of a row write:
 //!   columns, the guarded UPDATE, DELETE, hooks, keys). It may not name a front end.
-//! - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`), retry policy
-//!   (`retry.rs`), handlers by kind (`kinds.rs`), what running needs (`context.rs`), the engine
-//!   step (`step.rs` with `take.rs`, `attempt.rs`, `finish.rs`, `record.rs`), leased jobs
+//! - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`), what a handler
+//!   is (`handler.rs`), retry policy (`retry.rs`), handlers by kind (`kinds.rs`), periodic
+//!   kinds (`periodic.rs`), what running needs (`context.rs`), the engine step (`step.rs` with
+//!   `take.rs`, `attempt.rs`, `finish.rs`, `record.rs`, `catch.rs` for panics), leased jobs
 //!   (`leased.rs`, `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`),
-//!   wake-ups, admin, stored states (`state.rs`) and the table's statements (`store/`). It runs
-//!   on `write/`'s engine.
+//!   wake-ups, what the queue holds (`query.rs`) and what an operator does to it (`admin.rs`),
+//!   stored states (`state.rs`) and the table's statements (`store/`). It runs on `write/`'s
+//!   engine.
 //! - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
 //!   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or
 //!   writes a marker), markers and their sweep (`marker.rs`), resolving a lost reply
