@@ -475,3 +475,40 @@ on_databases! {
     leased_failures_postgres: leased_failures_retry_and_roll_back, postgres;
     leased_failures_mysql: leased_failures_retry_and_roll_back, mysql;
 }
+
+/// A worker that finished a leased job of a key follows the key: the key's next job, readied by
+/// the finish, is the next it claims — before an older job of no key — so a hot key's chain
+/// does not wait for a take that meets it first.
+async fn a_finished_leased_job_is_followed_by_its_keys_next(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let analyze = |seq| NewJob::new("analyze", &Analyze { node: 1, seq }).unwrap();
+    add(&db, analyze(1).key("hot")).await.unwrap();
+    add(&db, analyze(2)).await.unwrap();
+    add(&db, analyze(3).key("hot")).await.unwrap();
+    let handlers = Jobs::new().handle_leased(
+        "analyze",
+        at_once(1),
+        Duration::from_secs(30),
+        async |job: Job<Analyze>, _lease: Lease| Ok(job.payload.node),
+        bump_output,
+    );
+    let worker = Worker::new(Session::new(&handle), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let ids: Vec<i64> = runs.iter().map(|run| run.id).collect();
+    let first = ids[0];
+    assert_eq!(
+        ids,
+        [first, first + 2, first + 1],
+        "the key followed: {runs:#?}"
+    );
+    assert!(runs.iter().all(|run| run.outcome == JobOutcome::Completed));
+    assert_eq!(total_score(&db).await, 3);
+}
+
+on_databases! {
+    leased_key_followed_sqlite: a_finished_leased_job_is_followed_by_its_keys_next, sqlite;
+    leased_key_followed_postgres: a_finished_leased_job_is_followed_by_its_keys_next, postgres;
+    leased_key_followed_mysql: a_finished_leased_job_is_followed_by_its_keys_next, mysql;
+}

@@ -7,7 +7,7 @@ use tokio::sync::Notify;
 use tracing::{debug, error, warn};
 
 use super::{
-    JobRun, Jobs,
+    JobOutcome, JobRun, Jobs,
     chores::{GAUGE_EVERY, due, due_every},
     context::Context,
     lease, periodic,
@@ -185,7 +185,21 @@ impl Worker {
         } = step::run_step(&self.cx, take).await?;
         *follow = next;
         if !claimed.is_empty() {
-            runs.extend(lease::run_all(&self.cx, claimed).await?);
+            // A single leased job of a key, finished, readied its key's next job: this worker
+            // follows the key with it, as after an in-transaction job (a hot key's chain never
+            // waits for a worker whose take meets it first).
+            let key = match claimed.as_slice() {
+                [only] if chain => only.key.as_ref().map(store::hash),
+                _ => None,
+            };
+            let finished = lease::run_all(&self.cx, claimed).await?;
+            if finished
+                .iter()
+                .all(|run| run.outcome == JobOutcome::Completed)
+            {
+                *follow = key;
+            }
+            runs.extend(finished);
             return Ok(runs);
         }
         if runs.is_empty() && due(&self.swept) {
