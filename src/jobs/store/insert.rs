@@ -70,40 +70,39 @@ pub(crate) async fn insert_many(
 /// The `INSERT` of `n` jobs (each row's values from [`rows`]). On PostgreSQL the statement also
 /// wakes idle workers (`wake.rs`): `NOTIFY` is transactional, so they hear of the jobs when they
 /// commit, and never of a duplicate.
+///
+/// A keyed job behind an unfinished job of its key is queued, not ready (see `Stored::Queued`):
+/// on MySQL the state is a value, known before the statement (MySQL cannot read the table an
+/// `INSERT` writes); elsewhere the `INSERT` reads it itself, with **one** subquery over the
+/// rows given as a `WITH … AS (VALUES …)` — a subquery per row cost PostgreSQL's planner about
+/// 0.1 ms a row (137 ms for 1,000 rows against 40 ms). The rows keep the order given.
 fn insert_sql(backend: DbBackend, n: usize) -> String {
     let now = now_ms(backend);
-    let (verb, tail) = match backend {
-        DbBackend::MySql => ("INSERT IGNORE", String::new()),
-        DbBackend::Postgres => (
-            "INSERT",
-            format!(
-                " ON CONFLICT DO NOTHING RETURNING id, pg_notify('{}', '') AS woke",
-                crate::jobs::wake::CHANNEL
-            ),
-        ),
-        _ => ("INSERT", " ON CONFLICT DO NOTHING RETURNING id".to_owned()),
-    };
-    let row = format!(
-        "(?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}, {})",
-        state_sql(backend)
-    );
-    let values = vec![row; n].join(", ");
-    format!(
-        "{verb} INTO {JOB_TABLE} (kind, payload, job_key, key_hash, unique_key, unique_hash, \
-         priority, run_at, created_at, state) VALUES {values}{tail}"
-    )
-}
-
-/// A row's state in [`insert_sql`]: on MySQL a value (known before the statement: MySQL cannot
-/// read the table an `INSERT` writes); elsewhere queued when the first value says so or an
-/// unfinished job has the second, the key's hash (or `NULL`).
-fn state_sql(backend: DbBackend) -> String {
+    let columns = "kind, payload, job_key, key_hash, unique_key, unique_hash, priority, run_at, \
+                   created_at, state";
     if backend == DbBackend::MySql {
-        return "?".to_owned();
+        let row = format!("(?, ?, ?, ?, ?, ?, ?, {now} + ?, {now}, ?)");
+        let values = vec![row; n].join(", ");
+        return format!("INSERT IGNORE INTO {JOB_TABLE} ({columns}) VALUES {values}");
     }
+    let returning = match backend {
+        DbBackend::Postgres => format!(
+            "id, pg_notify('{}', '') AS woke",
+            crate::jobs::wake::CHANNEL
+        ),
+        _ => "id".to_owned(),
+    };
+    let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?)"; n].join(", ");
+    // `WHERE 1 = 1`: SQLite reads `ON CONFLICT` after a bare `FROM` as a join's.
     format!(
-        "CASE WHEN ? = 1 OR EXISTS (SELECT 1 FROM {JOB_TABLE} WHERE key_hash = ? \
-         AND state IN ({UNFINISHED})) THEN {Queued} ELSE {Pending} END"
+        "WITH v (kind, payload, job_key, key_hash, unique_key, unique_hash, priority, delay, \
+         behind) AS (VALUES {values}) \
+         INSERT INTO {JOB_TABLE} ({columns}) \
+         SELECT v.kind, v.payload, v.job_key, v.key_hash, v.unique_key, v.unique_hash, \
+         v.priority, {now} + v.delay, {now}, \
+         CASE WHEN v.behind = 1 OR EXISTS (SELECT 1 FROM {JOB_TABLE} h \
+         WHERE h.key_hash = v.key_hash AND h.state IN ({UNFINISHED})) THEN {Queued} ELSE {Pending} END \
+         FROM v WHERE 1 = 1 ON CONFLICT DO NOTHING RETURNING {returning}"
     )
 }
 
@@ -140,7 +139,7 @@ async fn rows(db: &impl ConnectionTrait, jobs: &[&Insert<'_>]) -> Result<Vec<Val
             let state = if known { Queued } else { Pending };
             values.push(state.into());
         } else {
-            values.extend([Value::from(i32::from(known)), Value::Bytes(key.clone())]);
+            values.push(Value::from(i32::from(known)));
         }
         if let Some(key) = key {
             seen.push(key);
