@@ -1232,14 +1232,12 @@ async fn jobs_are_listed_by_kind_key_and_state_on_any_connection(db: Option<Test
     assert_eq!(waiting.iter().map(|w| w.1).sum::<u64>(), 3);
     assert!(depth.iter().all(|d| d.kind == "bump"));
     txn.rollback().await.unwrap();
-    assert!(
-        filter()
-            .state(jobs::JobState::Waiting)
-            .list(&db, 10)
-            .await
-            .unwrap()
-            .is_empty()
-    );
+    // Outside a transaction through the application's handle: marked when a transaction pooler
+    // stands in front, where a plain pool's lone statement would be the caller's own.
+    let left = jobs::list(&handle, jobs::JobState::Waiting, 10)
+        .await
+        .unwrap();
+    assert!(left.is_empty(), "{left:#?}");
 }
 
 on_databases! {
