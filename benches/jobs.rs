@@ -12,7 +12,9 @@
 //!
 //! `cargo bench --bench jobs --all-features` with `DATABASE_URL_POSTGRES` and/or
 //! `DATABASE_URL_MYSQL`; `FRESHLOCK_BENCH_QUICK=1` runs a tenth of each workload,
-//! `FRESHLOCK_BENCH_ONLY=w1` (or `w2`, `w3`) only that one, `FRESHLOCK_BENCH_PING=1` with sqlx's
+//! `FRESHLOCK_BENCH_ONLY=w1` (or `w2`, `w3`) only that one, `FRESHLOCK_BENCH_ROWS=100` W2 on
+//! that many rows (default 1,000; count deadlocks in the server's log or `Innodb_deadlocks`),
+//! `FRESHLOCK_BENCH_RUNS=10` W2 that many times, `FRESHLOCK_BENCH_PING=1` with sqlx's
 //! checkout ping on (off by default, as README's *Reliability* recommends). The
 //! databases' `node` and `freshlock_job` tables are emptied first.
 
@@ -45,6 +47,22 @@ fn only(name: &str) -> bool {
 
 fn quick() -> bool {
     std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
+}
+
+/// W2's counter rows: `FRESHLOCK_BENCH_ROWS` (the peers' harness uses 100), else 1,000.
+fn rows() -> usize {
+    std::env::var("FRESHLOCK_BENCH_ROWS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1000)
+}
+
+/// How many times W2 runs: `FRESHLOCK_BENCH_RUNS`, else once.
+fn runs() -> usize {
+    std::env::var("FRESHLOCK_BENCH_RUNS")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(1)
 }
 
 fn scaled(n: usize) -> usize {
@@ -84,9 +102,11 @@ async fn main() {
             }
         }
         if only("w2") {
-            for locked in [false, true] {
-                for batch in [1, 32] {
-                    updates(&db, scaled(5_000), 8, batch, locked).await;
+            for _ in 0..runs() {
+                for locked in [false, true] {
+                    for batch in [1, 32] {
+                        updates(&db, scaled(5_000), 8, batch, locked).await;
+                    }
                 }
             }
         }
@@ -209,8 +229,9 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, 
     db.execute_unprepared("UPDATE node SET score = 0")
         .await
         .expect("reset");
+    let rows = rows();
     fill(db, n, |i| {
-        NewJob::new("bump", &((i % 1000) as i32 + 1)).unwrap()
+        NewJob::new("bump", &((i % rows) as i32 + 1)).unwrap()
     })
     .await;
     let handlers = Jobs::new().handle(
@@ -252,6 +273,7 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, 
         "W2 one update each"
     };
     row(name, workers, batch, n, seconds);
+    println!("  (on {rows} rows)");
     let sum = if db.get_database_backend() == sea_orm::DbBackend::MySql {
         "SELECT CAST(SUM(score) AS SIGNED) AS n FROM node"
     } else {

@@ -122,8 +122,7 @@ async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) ->
                 let retries = kind.policy.retries(&error);
                 let error = error.into_inner();
                 let failure = JobFailure::Handler(error.to_string());
-                let handler = error.downcast::<DbErr>().ok().map(|e| *e);
-                Err((failure, retries, handler))
+                Err((failure, retries, database_error(error)))
             }
             Err(panic) => Err((
                 JobFailure::Panicked(panic_message(&*panic)),
@@ -131,6 +130,23 @@ async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) ->
                 None,
             )),
         },
+    }
+}
+
+/// The database error a handler failed with: its own `DbErr`, or the one inside freshlock's
+/// error (a `Tx` repository's call), so a deadlock is run again as one whichever way it came
+/// (a deadlock on MySQL/MariaDB that came through a repository, in a savepoint, once failed the
+/// worker: its rollback to the savepoint the deadlock had ended was all that was seen).
+fn database_error(error: crate::error::BoxError) -> Option<DbErr> {
+    let error = match error.downcast::<DbErr>() {
+        Ok(e) => return Some(*e),
+        Err(error) => error,
+    };
+    match error.downcast::<crate::error::Error>().map(|e| *e) {
+        Ok(crate::error::Error::Database { source, .. }) => {
+            source.downcast::<DbErr>().ok().map(|e| *e)
+        }
+        _ => None,
     }
 }
 

@@ -116,7 +116,7 @@ pub struct JobInfo {
 /// Which jobs [`JobFilter::list`] and [`JobFilter::depth`] read: any kind, key and state unless
 /// set. Reads on any connection — a pool, a transaction (your test's, your handler's `Tx`) —
 /// each round trip bounded by 10 s. Behind a transaction pooler a read on the pool itself is a
-/// statement of yours outside a transaction (see [`crate::transaction_pooler`]): read in a
+/// statement of yours outside a transaction (see `freshlock::transaction_pooler`): read in a
 /// transaction, or through [`list`](super::list) and [`depth`](super::depth) with the adopted
 /// handle, which wrap their statement.
 ///

@@ -122,7 +122,11 @@ impl Worker {
     /// back alone: its failure spoils the transaction, which runs again at once with a savepoint
     /// per handler — the failed job's failure recorded, not its handler run again; the jobs
     /// before it in the batch run again (their writes commit once). Never two jobs of one key
-    /// in a batch. The price: a batch's jobs run one after another in one transaction, so
+    /// in a batch, and its jobs run in one order every worker shares (kind, key, then payload),
+    /// so handlers whose writes are named by their job's key or payload lock those rows in one
+    /// order and two batches that share rows do not deadlock each other (writes named otherwise
+    /// still can: the database then rolls one batch back and it runs again).
+    /// The price: a batch's jobs run one after another in one transaction, so
     /// each job's completion (and its key's next job) waits for the whole batch — keep batches
     /// small for slow jobs or hot keys, large for many short independent ones.
     pub fn with_batch(mut self, jobs: u32) -> Self {
