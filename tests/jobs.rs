@@ -917,31 +917,17 @@ async fn many_jobs_enqueued_at_once_run_once_each_in_order(db: Option<TestDb>) {
         "every acknowledged job is a row, once"
     );
     // Each key's jobs run in the order given (`seq` grows), each once.
-    let seen: Arc<Mutex<HashMap<String, Vec<u32>>>> = Arc::default();
-    let order = Arc::clone(&seen);
-    let handlers = Jobs::new().handle(
-        "ordered",
-        at_once(1),
-        jobs::handler(move |tx, job: Job<Bump>| {
-            let order = Arc::clone(&order);
-            Box::pin(async move {
-                bump(tx, job.payload.node).await?;
-                let key = job.key.unwrap_or_default();
-                order
-                    .lock()
-                    .unwrap()
-                    .entry(key)
-                    .or_default()
-                    .push(job.payload.seq);
-                Ok(())
-            })
-        }),
-    );
+    let (handlers, ran) = recorded_bumps();
     let worker = Worker::new(Session::new(&handle), handlers).with_batch(8);
     let runs = worker.run_until_idle().await.unwrap();
     assert_eq!(runs.len() as u64, done.added + 1);
     assert!(runs.iter().all(|run| run.outcome == JobOutcome::Completed));
-    let seen = seen.lock().unwrap().clone();
+    let mut seen: HashMap<String, Vec<u32>> = HashMap::new();
+    for (key, bump) in ran.lock().unwrap().iter() {
+        seen.entry(key.clone().unwrap_or_default())
+            .or_default()
+            .push(bump.seq);
+    }
     assert_eq!(
         seen.values().map(Vec::len).sum::<usize>() as u64,
         done.added + 1
@@ -963,6 +949,28 @@ on_databases! {
 
 // ------------------------------------------------------------------------- batch order
 
+/// Each job's key and payload, in the order the handlers ran them.
+type Ran = Arc<Mutex<Vec<(Option<String>, Bump)>>>;
+
+/// Handlers of kind `ordered` that bump the job's node and record it in [`Ran`].
+fn recorded_bumps() -> (Jobs, Ran) {
+    let ran: Ran = Arc::default();
+    let record = Arc::clone(&ran);
+    let handlers = Jobs::new().handle(
+        "ordered",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let record = Arc::clone(&record);
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                record.lock().unwrap().push((job.key, job.payload));
+                Ok(())
+            })
+        }),
+    );
+    (handlers, ran)
+}
+
 /// A batch runs its jobs in one order every worker shares (kind, key, payload), not the order
 /// it took them in: jobs enqueued for rows 9, 8, …, 1 lock rows 1 … 9, as every other batch
 /// does, so batches that share rows wait for each other instead of deadlocking (W2 with
@@ -976,25 +984,13 @@ async fn a_batch_runs_its_jobs_in_one_shared_order(db: Option<TestDb>) {
             .await
             .unwrap();
     }
-    let seen: Arc<Mutex<Vec<i32>>> = Arc::default();
-    let order = Arc::clone(&seen);
-    let handlers = Jobs::new().handle(
-        "ordered",
-        at_once(1),
-        jobs::handler(move |tx, job: Job<Bump>| {
-            let order = Arc::clone(&order);
-            Box::pin(async move {
-                bump(tx, job.payload.node).await?;
-                order.lock().unwrap().push(job.payload.node);
-                Ok(())
-            })
-        }),
-    );
+    let (handlers, ran) = recorded_bumps();
     let worker = Worker::new(Session::new(&handle), handlers).with_batch(9);
     let runs = worker.run_batch().await.unwrap();
     assert_eq!(runs.len(), 9, "one batch took them all");
     assert!(runs.iter().all(|run| run.outcome == JobOutcome::Completed));
-    assert_eq!(*seen.lock().unwrap(), (1..=9).collect::<Vec<_>>());
+    let nodes: Vec<i32> = ran.lock().unwrap().iter().map(|(_, b)| b.node).collect();
+    assert_eq!(nodes, (1..=9).collect::<Vec<_>>());
     assert_eq!(total_score(&db).await, 9, "each job's write once");
 }
 
