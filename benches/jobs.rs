@@ -49,20 +49,22 @@ fn quick() -> bool {
     std::env::var_os("FRESHLOCK_BENCH_QUICK").is_some()
 }
 
-/// W2's counter rows: `FRESHLOCK_BENCH_ROWS` (the peers' harness uses 100), else 1,000.
-fn rows() -> usize {
-    std::env::var("FRESHLOCK_BENCH_ROWS")
+/// The number in environment variable `name`, else `default`.
+fn env_number(name: &str, default: usize) -> usize {
+    std::env::var(name)
         .ok()
         .and_then(|n| n.parse().ok())
-        .unwrap_or(1000)
+        .unwrap_or(default)
+}
+
+/// W2's counter rows: `FRESHLOCK_BENCH_ROWS` (the peers' harness uses 100), else 1,000.
+fn rows() -> usize {
+    env_number("FRESHLOCK_BENCH_ROWS", 1000)
 }
 
 /// How many times W2 runs: `FRESHLOCK_BENCH_RUNS`, else once.
 fn runs() -> usize {
-    std::env::var("FRESHLOCK_BENCH_RUNS")
-        .ok()
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(1)
+    env_number("FRESHLOCK_BENCH_RUNS", 1)
 }
 
 fn scaled(n: usize) -> usize {
