@@ -383,8 +383,9 @@ fn other_hams(done: &[(i32, Duration)]) -> Vec<Duration> {
 
 /// The Django workload as keyed jobs: every delivery enqueued as a job keyed by its Ham and
 /// unique per Spam (a second delivery of a waiting Spam adds nothing), run by 8 workers that
-/// skip a busy Ham instead of waiting for it; the handler works in the job's transaction, which
-/// locks the job's row, never the Ham's.
+/// skip a busy Ham instead of waiting for it. Each job is the report's shape: claimed under a
+/// lease, its heavy work outside any transaction, a short finish fenced by the claim; nothing
+/// locks the Ham's row.
 async fn django_jobs(
     db: &DatabaseConnection,
     options: &Options,
@@ -399,7 +400,11 @@ async fn django_jobs(
     let stop = Arc::new(AtomicBool::new(false));
     let prober = tokio::spawn(django::probe_hot_ham(db.clone(), Arc::clone(&stop)));
     let (processed, mut ends) = tokio::sync::mpsc::unbounded_channel();
-    let handlers = django::jobs(options.task_ms, processed);
+    let task_ms = options.task_ms;
+    let handlers = django::jobs(
+        move |spam| tokio::time::sleep(django::heavy_work(spam, task_ms)),
+        processed,
+    );
     let started = Instant::now();
     let counted = {
         let bar = bar.clone();
@@ -504,7 +509,7 @@ async fn scenarios(space: &Space, options: &Options) -> Result<bool, Box<dyn std
     if options.json {
         println!("{}", serde_json::to_string(&report)?);
     } else {
-        print_tables(&report);
+        print_tables(&report, (options.nodes * 2) as u64);
     }
     Ok(fresh_lost == 0 && twice == 0)
 }
@@ -524,16 +529,72 @@ fn table(header: &[&str], rows: Vec<Vec<String>>) -> Table {
     table
 }
 
-fn print_tables(report: &Report) {
+/// The Drupal table's verdict: freshlock's lost fields beside the others'.
+fn drupal_verdict(rows: &[DrupalRow]) -> String {
+    let ours = drupal::Strategy::Freshlock.name();
+    let others: Vec<String> = (rows.iter())
+        .filter(|r| r.name != ours)
+        .map(|r| format!("{} lost {}", r.name, r.lost_fields))
+        .collect();
+    let fresh = rows.iter().find(|r| r.name == ours);
+    format!(
+        "{ours}: {} of {} fields lost; {}.",
+        fresh.map_or(0, |r| r.lost_fields),
+        fresh.map_or(0, |r| r.expected_fields),
+        others.join(", ")
+    )
+}
+
+/// The Django table's verdict: freshlock's tasks done and done twice, the Ham updater's p99 per
+/// strategy, and — when keyed jobs took longer than `lock-row` — why, and when to choose which.
+fn django_verdict(rows: &[DjangoRow], tasks: u64) -> Vec<String> {
+    let row = |s: django::Strategy| rows.iter().find(|r| r.name == s.name());
+    let ours = [django::Strategy::LockRow, django::Strategy::KeyedJobs];
+    let done: Vec<String> = (ours.iter())
+        .filter_map(|s| row(*s))
+        .map(|r| {
+            format!(
+                "{} {} of {tasks} done, {} twice",
+                r.name, r.tasks, r.processed_twice
+            )
+        })
+        .collect();
+    let p99: Vec<String> = (rows.iter())
+        .map(|r| format!("{} {:.0} ms", r.name, r.parent_p99_ms))
+        .collect();
+    let mut lines = vec![
+        format!("freshlock: {}.", done.join("; ")),
+        format!("The Ham updater's p99: {}.", p99.join(", ")),
+    ];
+    if let (Some(rows), Some(jobs)) = (
+        row(django::Strategy::LockRow),
+        row(django::Strategy::KeyedJobs),
+    ) && jobs.wall_ms > rows.wall_ms
+    {
+        lines.push(format!(
+            "keyed-jobs took longer ({} ms against {} ms): a key runs one job at a time, so the hot \
+             Ham's heavy work runs end to end,",
+            jobs.wall_ms, rows.wall_ms
+        ));
+        lines.push(format!(
+            "while the other Hams drain first (others p50 {:.0} against {:.0} ms). Choose keyed jobs \
+             when a key's tasks must run one at a time, in order; lock-row when only their writes must.",
+            jobs.other_p50_ms, rows.other_p50_ms
+        ));
+    }
+    lines
+}
+
+fn print_tables(report: &Report, tasks: u64) {
     println!(
         "\nfreshlock demo — {}, lock backend: {}\n",
         report.database, report.lock
     );
     for scenario in &report.scenarios {
         match scenario {
-            Scenario::Drupal(rows) => {
+            Scenario::Drupal(drupal_rows) => {
                 println!("Drupal report: 4 workers write their own field of the same nodes");
-                let rows = rows
+                let rows = drupal_rows
                     .iter()
                     .map(|r| {
                         vec![
@@ -547,12 +608,13 @@ fn print_tables(report: &Report) {
                     .collect();
                 let header = ["strategy", "expected", "lost", "wall ms", "lock wait ms"];
                 println!("{}", table(&header, rows));
+                println!("  {}", drupal_verdict(drupal_rows));
             }
-            Scenario::Django(rows) => {
+            Scenario::Django(django_rows) => {
                 println!(
                     "\nDjango report: Spam tasks serialized per Ham while another connection locks and updates the hot Ham"
                 );
-                let rows = rows
+                let rows = django_rows
                     .iter()
                     .map(|r| {
                         vec![
@@ -584,31 +646,18 @@ fn print_tables(report: &Report) {
                     "Ham refused",
                 ];
                 println!("{}", table(&header, rows));
+                for line in django_verdict(django_rows, tasks) {
+                    println!("  {line}");
+                }
             }
         }
     }
-    println!(
-        "  keyed-jobs runs each Ham's tasks one at a time, heavy work included, and never makes a\n  \
-         worker wait for a busy Ham (it takes another Ham's task); lock-row serializes only the two\n  \
-         short writes of a task, so a Ham's heavy work overlaps and its wall time is shorter."
-    );
     if report.database == "sqlite" {
         println!(
-            "\n  SQLite has no row locks: one writer at a time holds the whole database (BEGIN IMMEDIATE)."
+            "  SQLite has no row locks: a writer holds the whole database (BEGIN IMMEDIATE), so\n  \
+             parent-row-lock's transaction around the heavy work stalls every writer, the Ham updater\n  \
+             included. On PostgreSQL and MariaDB (--database-url) it locks the Ham row: Ham refused."
         );
-        println!(
-            "  parent-row-lock keeps its transaction open around the heavy work, so it stalls every"
-        );
-        println!(
-            "  writer, the Ham updater included; lock-row keeps the work outside any transaction. On"
-        );
-        println!(
-            "  PostgreSQL and MariaDB (--database-url) the Ham row itself is what parent-row-lock locks:"
-        );
-        println!(
-            "  the Ham updater is refused (Ham refused). keyed-jobs runs its handler in the job's write"
-        );
-        println!("  transaction, which on SQLite excludes every other writer too.");
     }
     println!();
 }

@@ -51,7 +51,7 @@ enum Command {
         #[arg(long, env = "REDIS_URL")]
         redis_url: Option<String>,
         /// Nodes per run (the Django scenario runs twice as many Spam tasks).
-        #[arg(long, default_value_t = 200)]
+        #[arg(long, default_value_t = 100)]
         nodes: i32,
         /// Workers per field kind.
         #[arg(long, default_value_t = 1)]

@@ -20,8 +20,8 @@ use entity::{ham, spam};
 use freshlock::claim::{ClaimOutcome, Claims, FinishOutcome};
 use freshlock::lock::LockName;
 use freshlock::{
-    ApplyError, Session,
-    jobs::{self, Enqueued, Job, Jobs, NewJob, RetryPolicy},
+    ApplyError, Session, Tx,
+    jobs::{self, Enqueued, Finish, Job, Jobs, NewJob, RetryPolicy},
     lock_name,
 };
 use sea_orm::{
@@ -119,8 +119,9 @@ pub enum Strategy {
     /// freshlock: claim the task (a lease), new → processing under the Ham's key, heavy work
     /// with nothing held, processing → done under the Ham's key, finish the claim.
     LockRow,
-    /// freshlock's keyed jobs: each task a job keyed by its Ham and unique per Spam, run by
-    /// [`jobs()`]' handler in the job's transaction (see [`enqueue`]; not run by [`task`]).
+    /// freshlock's keyed jobs: each task a job keyed by its Ham and unique per Spam, claimed
+    /// under a lease, worked outside any transaction and finished fenced by the claim
+    /// ([`jobs()`]; see [`enqueue`]; not run by [`task`]).
     KeyedJobs,
 }
 
@@ -248,41 +249,58 @@ pub async fn enqueue(db: &DatabaseConnection, spams: i32) -> Result<u32, Failure
     Ok(added)
 }
 
-/// The handler of the `"spam"` jobs: in the job's transaction, a Spam still `new` gets its heavy
-/// work (`work_ms`) and is `done`, its `updated_at` counting the times it was processed (a
-/// Spam processed twice would show 2). Each processed Spam is sent to `processed` with the
-/// moment its work ended.
-pub fn jobs(
-    work_ms: (u64, u64),
-    processed: tokio::sync::mpsc::UnboundedSender<(i32, Instant)>,
-) -> Jobs {
-    Jobs::new().handle(
+/// The `"spam"` jobs in the report's own shape: the job is claimed under a 60 s lease (its Ham's
+/// key stays busy), the Spam's heavy work (`work`, given the Spam's id; the demo sleeps for
+/// [`heavy_work`]) runs outside any transaction while a heartbeat extends the lease, and a short
+/// finish, fenced by the claim, marks a Spam still `new` as `done`, its `updated_at` counting
+/// the times it was finished (a Spam processed twice would show 2). Each finished Spam is sent
+/// to `processed` with the moment its finish ran.
+pub fn jobs<W, Fut>(work: W, processed: tokio::sync::mpsc::UnboundedSender<(i32, Instant)>) -> Jobs
+where
+    W: Fn(i32) -> Fut + Send + Sync + 'static,
+    Fut: Future<Output = ()> + Send + 'static,
+{
+    Jobs::new().handle_leased(
         "spam",
         RetryPolicy::default(),
-        jobs::handler(move |tx, job: Job<i32>| {
-            let processed = processed.clone();
-            Box::pin(async move {
-                let spam = job.payload;
-                let Some(row) = spam::Entity::find_by_id(spam).one(tx).await? else {
-                    return Ok(());
-                };
-                if row.state != "new" {
-                    return Ok(());
-                }
-                tokio::time::sleep(heavy_work(spam, work_ms)).await;
-                spam::Entity::update(spam::ActiveModel {
-                    id: Set(spam),
-                    state: Set("done".into()),
-                    updated_at: Set(row.updated_at + 1),
-                    ..Default::default()
-                })
-                .exec(tx)
-                .await?;
-                let _ = processed.send((spam, Instant::now()));
+        Duration::from_secs(60),
+        move |job: Job<i32>, _lease| {
+            // No transaction, no connection and no lock held: nobody waits on this.
+            let worked = work(job.payload);
+            async move {
+                worked.await;
                 Ok(())
-            })
-        }),
+            }
+        },
+        Finished { processed },
     )
+}
+
+/// The finish of a `"spam"` job (see [`jobs()`]): new → done, in the fenced transaction.
+struct Finished {
+    processed: tokio::sync::mpsc::UnboundedSender<(i32, Instant)>,
+}
+
+impl Finish<i32, ()> for Finished {
+    async fn finish(&self, tx: &Tx, job: Job<i32>, _: &()) -> Result<(), ApplyError> {
+        let spam = job.payload;
+        let Some(row) = spam::Entity::find_by_id(spam).one(tx).await? else {
+            return Ok(());
+        };
+        if row.state != "new" {
+            return Ok(());
+        }
+        spam::Entity::update(spam::ActiveModel {
+            id: Set(spam),
+            state: Set("done".into()),
+            updated_at: Set(row.updated_at + 1),
+            ..Default::default()
+        })
+        .exec(tx)
+        .await?;
+        let _ = self.processed.send((spam, Instant::now()));
+        Ok(())
+    }
 }
 
 /// How many Spams were processed more than once by [`jobs()`]' handler (from the database).
