@@ -985,13 +985,11 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
     );
     println!("|---|---|---|---|---|---|");
     let (mut local, mut django, mut optimistic) = (f64::NAN, f64::NAN, f64::NAN);
+    let mut rows = Vec::new();
     for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
         // No ping column for a row that does not use our pool (Django).
-        let pinged = if pinged.is_empty() {
-            "—".to_owned()
-        } else {
-            format!("{:.0}", median(pinged))
-        };
+        let pinged = (!pinged.is_empty()).then(|| median(pinged));
+        let pinged_text = pinged.map_or_else(|| "—".to_owned(), |p| format!("{p:.0}"));
         let unpinged = median(unpinged);
         let base = if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
             floor16
@@ -1012,8 +1010,12 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         } else {
             String::new()
         };
+        rows.push(serde_json::json!({
+            "row": what.label(), "pinged": pinged.and_then(finite), "no_ping": finite(unpinged),
+            "floor": finite(base), "ratio": finite(unpinged / base),
+        }));
         println!(
-            "| {} | {pinged} | {unpinged:.0} | {base:.0}{} | {:.2}×{extra} | {} |",
+            "| {} | {pinged_text} | {unpinged:.0} | {base:.0}{} | {:.2}×{extra} | {} |",
             what.label(),
             if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
                 " (16 clients)"
@@ -1033,6 +1035,12 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         multi / floor
     );
     let single = median(&mut single);
+    write_json(serde_json::json!({
+        "scenario": "floor", "database": "postgres", "rounds": rounds,
+        "pgbench_alone": alone, "pgbench": finite(floor), "pgbench_16": finite(floor16),
+        "pgbench_pipelined": finite(pipelined), "pgbench_one_statement": finite(single),
+        "rows": rows,
+    }));
     println!(
         "\npgbench, one `UPDATE … RETURNING` in autocommit (the one-statement floor, \
          medians of {rounds}): {single:.0} tps; `locked_update` optimistic-first (no ping) ÷ it: \
@@ -1048,6 +1056,27 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         println!(
             "\n(Django: skipped; set FRESHLOCK_BENCH_DJANGO to a Python with Django 5.2 and psycopg)"
         );
+    }
+}
+
+/// A measured rate for JSON: `null` when it was not measured (NaN).
+fn finite(rate: f64) -> Option<f64> {
+    rate.is_finite().then_some((rate * 100.0).round() / 100.0)
+}
+
+/// Writes `report` to the file `FRESHLOCK_BENCH_JSON` names, when set (`benches/chart.py`
+/// draws `BENCHMARKS.svg` from it).
+fn write_json(report: serde_json::Value) {
+    let Ok(path) = std::env::var("FRESHLOCK_BENCH_JSON") else {
+        return;
+    };
+    match serde_json::to_string_pretty(&report) {
+        Ok(text) => {
+            if let Err(e) = std::fs::write(&path, text + "\n") {
+                println!("(could not write {path}: {e})");
+            }
+        }
+        Err(e) => println!("(could not encode the results: {e})"),
     }
 }
 
