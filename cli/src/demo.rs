@@ -560,7 +560,10 @@ fn django_verdict(rows: &[DjangoRow], tasks: u64) -> Vec<String> {
         })
         .collect();
     let p99: Vec<String> = (rows.iter())
-        .map(|r| format!("{} {:.0} ms", r.name, r.parent_p99_ms))
+        .map(|r| match r.parent_refused {
+            0 => format!("{} {:.0} ms", r.name, r.parent_p99_ms),
+            n => format!("{} {:.0} ms (refused {n} times)", r.name, r.parent_p99_ms),
+        })
         .collect();
     let mut lines = vec![
         format!("freshlock: {}.", done.join("; ")),
