@@ -230,7 +230,7 @@ impl SessionBuilder {
         /// `locked_update`'s own UPDATE: nothing written, no round trip. An id alone is not enough
         /// (one can be handed out again after a crash): a write whose server recovered from a crash
         /// before its lost reply was resolved, and whose id then reads `committed`, returns
-        /// [`crate::Error::CommitUnknown`]. See the README's *Guarantees*.
+        /// [`crate::Error::CommitUnknown`]. See [guarantees](crate::guide::guarantees).
         ///
         /// Default: on for PostgreSQL and MySQL/MariaDB (needs [`crate::schema::CommitMigration`]
         /// and, on PostgreSQL, [`crate::schema::IncarnationMigration`] — without it markers are

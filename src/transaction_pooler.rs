@@ -50,7 +50,7 @@
 //! (no cache): a load is four round trips instead of one. A `locked_update` keeps its ratio to
 //! the same statements written by hand in sea-orm through the pooler (0.80–0.92×, against 0.82×
 //! directly); the `table` lease loses most, since its statements outside the write's
-//! transaction each become one. Measured numbers: `BENCHMARKS.md`, section 9.
+//! transaction each become one. Measured numbers: `BENCHMARKS.md`, *Through PgBouncer*.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

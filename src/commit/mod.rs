@@ -23,7 +23,7 @@
 //! marker row is durable exactly when the write is: it is in the same transaction, so crash
 //! recovery keeps both or neither. On PostgreSQL it rides in the guarded UPDATE's own statement
 //! (a data-modifying CTE): no round trip, but a second row, index entry and later deletion per
-//! write (7–14 % of a `locked_update`'s rate, BENCHMARKS.md §7).
+//! write (7–14 % of a `locked_update`'s rate, measured when it was chosen; history in git).
 //!
 //! **The transaction id within a server incarnation** (PostgreSQL with `freshlock_incarnation`):
 //! `txid_current()`, returned by the guarded UPDATE beside the row (or one `SELECT` before the

@@ -153,7 +153,7 @@ pub enum Prune {
 /// Deletes the jobs that finished `older_than` ago or earlier (database clock; `Duration::ZERO`:
 /// every finished job), as `which` says. Returns how many it deleted.
 ///
-/// Finished jobs stay in the table until pruned (README, *Keyed jobs*). Waiting and leased jobs
+/// Finished jobs stay in the table until pruned ([operations](crate::guide::operations)). Waiting and leased jobs
 /// are never touched, and neither a key's order nor a unique key depends on finished jobs, so a
 /// prune may run while workers do: it locks only the jobs it deletes. It deletes in batches of
 /// 1,000, each a read of the batch and a `DELETE` of its rows, statements of their own (each in a

@@ -60,7 +60,7 @@ const MAX_NAME: usize = 64;
 ///
 /// Not a cluster lock: on a MariaDB Galera cluster `GET_LOCK` is local to the node that ran
 /// it, so writers on two nodes would both hold one name. [`crate::LockKind::connect`] refuses
-/// such a cluster; use `local`, `row` or `table` there (see the README's "Topologies").
+/// such a cluster; use `local` or `table` there (see [topologies](crate::guide::topologies)).
 #[derive(Clone, Debug)]
 pub struct MySqlNamedLock {
     locks: DatabaseConnection,

@@ -13,7 +13,7 @@
 //! theirs in one canonical order; `locked_update`'s driver takes its row's lock while seated in
 //! the row's room, where commit combining (`combine.rs`) may serve it instead.
 //!
-//! The rule for cancellation is one too (`detach.rs`, stated in the README's Guarantees): a
+//! The rule for cancellation is one too (`detach.rs`, stated in the guide's guarantees page): a
 //! locked write whose caller is dropped is polled to its end in a task of its own, never cut in
 //! half — it rolls back if the caller had not yet said what to write, and commits otherwise;
 //! either way its locks are released after its transaction ended. The one exception is a
