@@ -73,7 +73,7 @@ enum Command {
         expired: bool,
     },
     /// The job queue (`freshlock::jobs`): its depth per kind and key; `list`, `retry`,
-    /// `discard` for single jobs; `prune` for finished ones.
+    /// `discard`, `cancel` for single jobs; `prune` for finished ones.
     Jobs {
         #[command(subcommand)]
         action: Option<JobsAction>,
@@ -100,7 +100,7 @@ enum Command {
 enum JobsAction {
     /// The jobs in one state, oldest first.
     List {
-        /// waiting, leased, done, failed or discarded.
+        /// waiting, leased, done, failed, discarded or cancelled.
         #[arg(long, default_value = "failed", value_parser = parse_state)]
         state: freshlock::jobs::JobState,
         /// At most this many.
@@ -123,7 +123,13 @@ enum JobsAction {
         /// The job's id.
         id: i64,
     },
-    /// Delete done and discarded jobs (and failed ones with `--failed`) that finished
+    /// Cancel a job: at once when it waits or is leased (its finish is refused); a job running
+    /// in a worker's transaction is asked to stop, rolled back and not run again.
+    Cancel {
+        /// The job's id.
+        id: i64,
+    },
+    /// Delete done, discarded and cancelled jobs (and failed ones with `--failed`) that finished
     /// `--older-than` ago or earlier (`0s`: all of them); waiting and leased jobs are never
     /// touched.
     Prune {
@@ -163,10 +169,13 @@ fn parse_state(text: &str) -> Result<freshlock::jobs::JobState, String> {
         JobState::Done,
         JobState::Failed,
         JobState::Discarded,
+        JobState::Cancelled,
     ]
     .into_iter()
     .find(|s| s.as_str() == text)
-    .ok_or_else(|| format!("{text:?}: expected waiting, leased, done, failed or discarded"))
+    .ok_or_else(|| {
+        format!("{text:?}: expected waiting, leased, done, failed, discarded or cancelled")
+    })
 }
 
 /// `jobs --json`: the depth per kind and key.
@@ -507,6 +516,13 @@ async fn jobs(
             }
             println!("job {id}: discarded");
         }
+        Some(JobsAction::Cancel { id }) => match jobs::cancel(db, id).await? {
+            jobs::Cancel::Cancelled => println!("job {id}: cancelled"),
+            jobs::Cancel::Requested => {
+                println!("job {id}: running; asked to stop (it is rolled back when it returns)");
+            }
+            _ => return Err(format!("no unfinished job has id {id}").into()),
+        },
         Some(JobsAction::Prune { older_than, failed }) => {
             let which = if failed {
                 jobs::Prune::FinishedAndFailed

@@ -136,7 +136,7 @@ async fn inspect_retry_discard(url: &str) {
     assert!(!bad.status.success());
     assert!(
         String::from_utf8_lossy(&bad.stderr)
-            .contains("expected waiting, leased, done, failed or discarded")
+            .contains("expected waiting, leased, done, failed, discarded or cancelled")
     );
     // Pruning: the three discarded jobs go, the waiting one stays.
     let pruned = json(url, &["jobs", "prune", "--older-than", "0s"]);
@@ -145,6 +145,18 @@ async fn inspect_retry_discard(url: &str) {
     assert!(discarded.as_array().unwrap().is_empty());
     let waiting = json(url, &["jobs", "list", "--state", "waiting"]);
     assert_eq!(waiting.as_array().unwrap().len(), 1);
+    // The retried job is cancelled before it runs, once.
+    let cancelled = freshlock(url, &["jobs", "cancel", &id]);
+    assert!(cancelled.status.success());
+    assert!(String::from_utf8_lossy(&cancelled.stdout).contains("cancelled"));
+    let cancelled = json(url, &["jobs", "list", "--state", "cancelled"]);
+    assert_eq!(cancelled.as_array().unwrap().len(), 1);
+    let again = freshlock(url, &["jobs", "cancel", &id]);
+    assert!(
+        !again.status.success(),
+        "a cancelled job is not cancelled again"
+    );
+    assert!(String::from_utf8_lossy(&again.stderr).contains("no unfinished job has id"));
     json_or_text(url, &["jobs", "prune", "--older-than", "7d", "--failed"]);
     let bad = freshlock(url, &["jobs", "prune", "--older-than", "7x"]);
     assert!(!bad.status.success());

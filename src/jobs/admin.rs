@@ -46,7 +46,7 @@ pub async fn retry(db: impl Into<Db>, id: JobId) -> Result<Retried> {
 
 /// Runs `work` in a transaction of its own on `db`, committed when `keep` says so of its value
 /// and rolled back otherwise.
-async fn decided<T>(
+pub(super) async fn decided<T>(
     db: impl Into<Db>,
     operation: &'static str,
     work: impl for<'t> FnMut(&'t Bounded<'t, DatabaseTransaction>) -> Work<'t, T>,
@@ -143,22 +143,23 @@ const PRUNE_BATCH: u32 = 1_000;
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
 pub enum Prune {
-    /// Done and discarded jobs; failed ones keep their error for [`list`](super::list) and can be
-    /// [`retry`]-ed.
+    /// Done, discarded and cancelled jobs; failed ones keep their error for
+    /// [`list`](super::list) and can be [`retry`]-ed.
     Finished,
-    /// Done, discarded and failed jobs.
+    /// Done, discarded, cancelled and failed jobs.
     FinishedAndFailed,
 }
 
 /// Deletes the jobs that finished `older_than` ago or earlier (database clock; `Duration::ZERO`:
 /// every finished job), as `which` says. Returns how many it deleted.
 ///
-/// Finished jobs stay in the table until pruned ([operations](crate::guide::operations)). Waiting and leased jobs
-/// are never touched, and neither a key's order nor a unique key depends on finished jobs, so a
-/// prune may run while workers do: it locks only the jobs it deletes. It deletes in batches of
-/// 1,000, each a read of the batch and a `DELETE` of its rows, statements of their own (each in a
-/// transaction of its own behind a transaction pooler); a prune that fails part-way keeps what
-/// its earlier batches deleted.
+/// Finished jobs stay in the table until pruned ([operations](crate::guide::operations)).
+/// Waiting and leased jobs are never touched, and neither a key's order nor a unique key
+/// depends on finished jobs, so a prune may run while workers do: it locks only the jobs it
+/// deletes. It deletes in batches of 1,000, each a read of the batch and a `DELETE` of its rows,
+/// statements of their own (each in a transaction of its own behind a transaction pooler); a
+/// prune that fails part-way keeps what its earlier batches deleted. It also forgets requests to
+/// stop jobs ([`cancel`](super::cancel)) that finished first.
 ///
 /// # Errors
 /// [`crate::Error::Database`] when a statement fails.
@@ -169,7 +170,9 @@ pub async fn prune(db: impl Into<Db>, older_than: Duration, which: Prune) -> Res
     let db = &autocommit(pool);
     let backend = db.get_database_backend();
     let now = now_ms(backend);
-    let mut states = vec![Stored::Done, Stored::Discarded];
+    // Requests to stop jobs that finished first (they committed before the request was seen).
+    store::forget_finished(db).await.map_err(fail)?;
+    let mut states = vec![Stored::Done, Stored::Discarded, Stored::Cancelled];
     if which == Prune::FinishedAndFailed {
         states.push(Stored::Failed);
     }

@@ -31,10 +31,17 @@ impl JobStep<'_> {
             Err(e) => return (txn, Err(("checking the claim on a job of", e))),
         };
         if !held {
-            warn!("the job's lease expired and was taken over: its finish is refused");
+            let outcome = match store::is_cancelled(&bounded, claim.id).await {
+                Ok(true) => JobOutcome::Cancelled,
+                Ok(false) => {
+                    warn!("the job's lease expired and was taken over: its finish is refused");
+                    JobOutcome::LeaseLost
+                }
+                Err(e) => return (txn, Err(("checking the claim on a job of", e))),
+            };
             self.measured.push(Measured {
                 kind: kind_name.clone(),
-                outcome: JobOutcome::LeaseLost.name(),
+                outcome: outcome.name(),
                 waited: waited(claim.waited),
                 ran: finishing.ran,
                 ended_on: None,
@@ -43,7 +50,7 @@ impl JobStep<'_> {
                 id: claim.id,
                 kind: kind_name,
                 attempt: claim.attempt,
-                outcome: JobOutcome::LeaseLost,
+                outcome,
             }];
             return (txn, Ok(Did::Nothing(runs)));
         }

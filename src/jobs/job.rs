@@ -72,6 +72,9 @@ pub enum JobOutcome {
     /// reclaimed the job, which runs (or ran) again there. This attempt's finish was refused
     /// and rolled back; what its work did outside the database is not undone.
     LeaseLost,
+    /// The job was cancelled ([`cancel`](super::cancel)) while this attempt ran: its writes
+    /// were rolled back (a leased job's finish was refused), and it does not run again.
+    Cancelled,
 }
 
 /// One job a worker ran.
@@ -117,6 +120,7 @@ impl JobOutcome {
             JobOutcome::Retrying { .. } => "retrying",
             JobOutcome::Failed(_) => "failed",
             JobOutcome::LeaseLost => "lease_lost",
+            JobOutcome::Cancelled => "cancelled",
         }
     }
 }

@@ -60,8 +60,8 @@
 //! - **Wakeups** (PostgreSQL): an enqueue notifies idle workers when its transaction commits
 //!   (`LISTEN`/`NOTIFY`); elsewhere, and behind a transaction pooler, they poll
 //!   ([`Worker::with_poll`]).
-//! - **Operators** ([`depth`], [`list`], [`retry`], [`discard`], [`prune`]; the CLI's
-//!   `freshlock jobs`).
+//! - **Operators** ([`depth`], [`list`], [`retry`], [`discard`], [`cancel`], [`prune`]; the
+//!   CLI's `freshlock jobs`).
 //!
 //! Kinds, keys and unique keys are arbitrary strings (quotes, NUL, emoji, 10 kB), stored whole
 //! as bytes; keys and unique keys are matched through their SHA-256 (a collision is
@@ -73,6 +73,7 @@
 
 mod admin;
 mod attempt;
+mod cancel;
 mod catch;
 mod chores;
 mod context;
@@ -99,6 +100,7 @@ use sea_orm::ConnectionTrait;
 use serde::Serialize;
 
 pub use admin::{Prune, Retried, discard, prune, retry};
+pub use cancel::{Cancel, cancel};
 pub use handler::{BoxedHandler, Finish, FinishFn, Handler, HandlerFn, handler};
 pub use job::{Job, JobFailure, JobOutcome, JobRun};
 pub use kinds::Jobs;

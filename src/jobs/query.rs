@@ -32,6 +32,9 @@ pub enum JobState {
     Failed,
     /// Discarded by an operator before it ran ([`discard`](super::discard)).
     Discarded,
+    /// Cancelled ([`cancel`](super::cancel)) before it ran, or while it ran: its writes rolled
+    /// back, or its leased work's finish refused.
+    Cancelled,
 }
 
 impl JobState {
@@ -43,6 +46,7 @@ impl JobState {
             Self::Done => &[Stored::Done],
             Self::Failed => &[Stored::Failed],
             Self::Discarded => &[Stored::Discarded],
+            Self::Cancelled => &[Stored::Cancelled],
         }
     }
 
@@ -53,10 +57,11 @@ impl JobState {
             Stored::Done => Self::Done,
             Stored::Failed => Self::Failed,
             Stored::Discarded => Self::Discarded,
+            Stored::Cancelled => Self::Cancelled,
         })
     }
 
-    /// The state's name: `waiting`, `leased`, `done`, `failed`, `discarded`.
+    /// The state's name: `waiting`, `leased`, `done`, `failed`, `discarded`, `cancelled`.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Waiting => "waiting",
@@ -64,6 +69,7 @@ impl JobState {
             Self::Done => "done",
             Self::Failed => "failed",
             Self::Discarded => "discarded",
+            Self::Cancelled => "cancelled",
         }
     }
 }

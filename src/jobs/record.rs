@@ -11,7 +11,7 @@ use super::{
 use crate::{
     commit::{Evidence, Plan},
     db::deadline::Bounded,
-    write::engine::{Fence, Worked},
+    write::engine::{Fence, Tried, Worked},
 };
 
 impl JobStep<'_> {
@@ -43,8 +43,8 @@ impl JobStep<'_> {
                     let error = failure.to_string();
                     store::failed(txn, ended.id, stored_attempts, &error, None).await
                 }
-                // Reported without recording (`Did::Nothing`).
-                JobOutcome::LeaseLost => Ok(()),
+                // Reported without recording (`Did::Nothing`), or recorded already (`cancel`).
+                JobOutcome::LeaseLost | JobOutcome::Cancelled => Ok(()),
             };
             recorded.map_err(|e| ("recording how a job ended in", e))?;
             let name = ended.outcome.name();
@@ -87,7 +87,11 @@ impl JobStep<'_> {
                 .map_err(|e| ("readying the next jobs of", e))?;
             (None, readied)
         } else {
-            self.complete(txn, &completed, finished_keys).await?
+            match self.complete(txn, &completed, finished_keys).await? {
+                Some(done) => done,
+                // Asked to stop while they ran: roll back; the next attempt cancels them.
+                None => return Ok(Worked::Undone(Tried::Uncounted)),
+            }
         };
         if single.is_some() {
             self.follow = single.filter(|_| readied == 1);
@@ -103,32 +107,41 @@ impl JobStep<'_> {
     /// Marks the `completed` jobs done and readies the next job of each key in `promote` (see
     /// `store::complete`): the commit's evidence when the statement took it (on PostgreSQL with
     /// `freshlock_incarnation`, by returning the transaction's id: no round trip of its own),
-    /// `None` for the engine to take at the commit; and how many jobs it readied.
+    /// `None` for the engine to take at the commit; and how many jobs it readied. `None` when
+    /// some of the jobs were asked to stop ([`crate::jobs::cancel`]): they are left in
+    /// `self.cancelling` for the next attempt, and this one must roll back.
     pub(super) async fn complete(
-        &self,
+        &mut self,
         txn: &Bounded<'_, DatabaseTransaction>,
         completed: &[JobId],
         promote: Vec<Vec<u8>>,
-    ) -> std::result::Result<(Option<Evidence>, u64), Failed> {
+    ) -> std::result::Result<Option<(Option<Evidence>, u64)>, Failed> {
         const OPERATION: &str = "completing jobs in";
         let db = self.cx.session.pool();
         let plan = match self.cx.session.commit_markers() {
             true => Plan::of(db, txn).await,
             false => Plan::Marker,
         };
-        let Plan::Stamped(stamped) = plan else {
+        let stamped = match plan {
+            Plan::Stamped(stamped) => Some(stamped),
             // A marker (or nothing) is taken by the engine at the commit.
-            let (_, readied) = (store::complete(txn, completed, None, promote).await)
-                .map_err(|e| (OPERATION, e))?;
-            return Ok((None, readied));
+            _ => None,
         };
-        let (row, readied) = store::complete(txn, completed, Some(stamped.exprs()), promote)
-            .await
-            .map_err(|e| (OPERATION, e))?;
-        let row =
-            row.ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
+        let stamps = stamped.as_ref().map(|s| s.exprs());
+        let done =
+            (store::complete(txn, completed, stamps, promote).await).map_err(|e| (OPERATION, e))?;
+        if done.done < completed.len() as u64 {
+            self.cancelling = (store::requested(txn, completed).await)
+                .map_err(|e| ("reading the requests to stop jobs of", e))?;
+            return Ok(None);
+        }
+        let Some(stamped) = stamped else {
+            return Ok(Some((None, done.readied)));
+        };
+        let row = (done.row)
+            .ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
         (stamped.evidence(txn, db, &row).await)
-            .map(|evidence| (Some(evidence), readied))
+            .map(|evidence| Some((Some(evidence), done.readied)))
             .map_err(|e| ("marking the commit of", e))
     }
 }

@@ -24,17 +24,21 @@ pub(crate) enum Stored {
     Discarded,
     /// Waiting behind an unfinished job of its key.
     Queued,
+    /// Cancelled ([`crate::jobs::cancel`]): before it ran, or while it ran (its writes rolled
+    /// back, or its leased work's finish refused).
+    Cancelled,
 }
 
 impl Stored {
     /// Every state, in code order.
-    const ALL: [Self; 6] = [
+    const ALL: [Self; 7] = [
         Self::Pending,
         Self::Leased,
         Self::Done,
         Self::Failed,
         Self::Discarded,
         Self::Queued,
+        Self::Cancelled,
     ];
 
     /// The code stored in the `state` column. Never change one: rows in users' databases hold
@@ -47,6 +51,7 @@ impl Stored {
             Self::Failed => 3,
             Self::Discarded => 4,
             Self::Queued => 5,
+            Self::Cancelled => 6,
         }
     }
 
@@ -96,11 +101,11 @@ mod tests {
     fn codes_are_pinned_and_read_back() {
         // Stored in users' databases: these must never change.
         let codes: Vec<i16> = Stored::ALL.iter().map(|s| s.code()).collect();
-        assert_eq!(codes, [0, 1, 2, 3, 4, 5]);
+        assert_eq!(codes, [0, 1, 2, 3, 4, 5, 6]);
         for state in Stored::ALL {
             assert_eq!(Stored::from_code(state.code()), Some(state));
         }
-        assert_eq!(Stored::from_code(6), None);
+        assert_eq!(Stored::from_code(7), None);
         assert_eq!(UNFINISHED.to_string(), "0, 1, 5");
     }
 }

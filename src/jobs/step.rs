@@ -1,7 +1,7 @@
 //! One attempt of the engine for jobs: take jobs (or a leased job to finish), run them, record
 //! how they ended — so the commit carries the evidence of locked writes and a transient failure
 //! runs the attempt again. The parts of the step: `take.rs`, `finish.rs`, `attempt.rs`,
-//! `record.rs`.
+//! `record.rs`, `cancel.rs`.
 
 use std::{collections::HashMap, time::Duration};
 
@@ -52,6 +52,7 @@ pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped
         follow: None,
         savepoints: false,
         spoiled: HashMap::new(),
+        cancelling: Vec::new(),
     };
     let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
     Ok(Stepped {
@@ -99,6 +100,9 @@ pub(super) struct JobStep<'w> {
     /// with the attempt and how it failed: when the next attempt takes the job again at that
     /// attempt, it records the failure instead of running the handler twice.
     pub(super) spoiled: HashMap<JobId, (u32, JobFailure, Retry)>,
+    /// Jobs whose completion found a request to stop them ([`crate::jobs::cancel`]): the
+    /// transaction that ran them rolled back, and the next attempt cancels them (`cancel.rs`).
+    pub(super) cancelling: Vec<JobId>,
 }
 
 pub(super) type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
@@ -106,7 +110,7 @@ pub(super) type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
 /// The database failed doing `.0` (the attempt rolls back and may run again).
 pub(super) type Failed = (&'static str, DbErr);
 
-fn undone(txn: DatabaseTransaction, (operation, e): Failed) -> Attempted {
+pub(super) fn undone(txn: DatabaseTransaction, (operation, e): Failed) -> Attempted {
     let error = database(operation, &JOB_TABLE, e);
     (txn, Worked::Undone(Tried::failed(error)))
 }
@@ -144,6 +148,9 @@ impl Step for JobStep<'_> {
         self.measured.clear();
         self.claimed.clear();
         self.follow = None;
+        if !self.cancelling.is_empty() {
+            return self.cancel_requested(txn).await;
+        }
         let (txn, did) = match self.source {
             Source::Take {
                 limit,

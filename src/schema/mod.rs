@@ -24,6 +24,8 @@
 //!   byte for byte on every database.
 //! - `freshlock_periodic` — the last slot enqueued of each periodic kind
 //!   ([`crate::jobs::Periodic`], [`PeriodicMigration`]).
+//! - `freshlock_job_cancel` — requests to stop jobs running in their transaction
+//!   ([`crate::jobs::cancel`], [`JobCancelMigration`]).
 //!
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
@@ -86,6 +88,7 @@ mod commit;
 mod floor;
 mod incarnation;
 mod job;
+mod job_cancel;
 mod lease_row;
 mod locks;
 mod marker_age;
@@ -99,6 +102,7 @@ pub(crate) use floor::insert_floor;
 pub use floor::{FLOOR_MIGRATION_NAME, FloorMigration};
 pub use incarnation::{INCARNATION_MIGRATION_NAME, IncarnationMigration};
 pub use job::{JOB_MIGRATION_NAME, JobMigration};
+pub use job_cancel::{JOB_CANCEL_MIGRATION_NAME, JobCancelMigration};
 pub use locks::{MIGRATION_NAME, Migration};
 pub use marker_age::{MARKER_AGE_MIGRATION_NAME, MarkerAgeMigration};
 pub use migrate::{MIGRATIONS_TABLE, migrate};
@@ -127,6 +131,8 @@ pub const INCARNATION_TABLE: &str = "freshlock_incarnation";
 pub const JOB_TABLE: &str = "freshlock_job";
 /// The name of the periodic-slot table (see [`PeriodicMigration`]).
 pub const PERIODIC_TABLE: &str = "freshlock_periodic";
+/// The name of the table of requests to stop running jobs (see [`JobCancelMigration`]).
+pub const JOB_CANCEL_TABLE: &str = "freshlock_job_cancel";
 
 /// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
 pub(crate) const FLOOR_NAME: &str = "";
@@ -145,6 +151,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(JobMigration),
         Box::new(MarkerAgeMigration),
         Box::new(PeriodicMigration),
+        Box::new(JobCancelMigration),
     ]
 }
 
@@ -161,5 +168,6 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     incarnation::create_incarnation_table(db).await?;
     job::create_job_table(db).await?;
     marker_age::create_age_index(db).await?;
-    periodic::create_periodic_table(db).await
+    periodic::create_periodic_table(db).await?;
+    job_cancel::create_job_cancel_table(db).await
 }

@@ -13,18 +13,30 @@ use crate::{
 
 use super::MAX_ERROR;
 
+/// What [`complete`] did.
+pub(crate) struct Completed {
+    /// The first row the statement returned (its `stamps`), if it returned any.
+    pub(crate) row: Option<QueryResult>,
+    /// How many queued jobs it readied.
+    pub(crate) readied: u64,
+    /// How many of the jobs it marked done: fewer than asked when some were asked to stop
+    /// ([`crate::jobs::cancel`]), and the transaction must then roll back.
+    pub(crate) done: u64,
+}
+
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
-/// unique keys free, a leased one's claim ended), and makes the first queued job of each key in
-/// `promote` ready (see [`promote`]): how many it readied. With `stamps` (PostgreSQL), the
-/// statement also returns those expressions — the commit's evidence, taken by this statement
-/// rather than one of its own: the first row. On PostgreSQL the promotion rides in the same
-/// statement (a `WITH` of its own: the two touch different rows), elsewhere it is one more.
+/// unique keys free, a leased one's claim ended), unless a job was asked to stop, and makes the
+/// first queued job of each key in `promote` ready (see [`promote`]). With `stamps`
+/// (PostgreSQL), the statement also returns those expressions — the commit's evidence, taken by
+/// this statement rather than one of its own: the first row. On PostgreSQL the promotion rides
+/// in the same statement (a `WITH` of its own: the two touch different rows), elsewhere it is
+/// one more.
 pub(crate) async fn complete(
     txn: &impl ConnectionTrait,
     ids: &[i64],
     stamps: Option<&[&str]>,
     promote: Vec<Vec<u8>>,
-) -> Result<(Option<QueryResult>, u64), DbErr> {
+) -> Result<Completed, DbErr> {
     let backend = txn.get_database_backend();
     let folds = backend == DbBackend::Postgres && !promote.is_empty();
     let mut readied = 0;
@@ -50,7 +62,8 @@ pub(crate) async fn complete(
         "UPDATE {JOB_TABLE} SET \
          attempts = attempts + CASE WHEN state = {Leased} THEN 0 ELSE 1 END, state = {Done}, \
          finished_at = {now}, owner = NULL, lease_until = NULL, unique_hash = NULL \
-         WHERE id IN ({placeholders})"
+         WHERE id IN ({placeholders}){}",
+        super::cancel::not_requested()
     ));
     values.extend(ids.iter().map(|&id| Value::from(id)));
     let mut returning: Vec<&str> = stamps.unwrap_or_default().to_vec();
@@ -58,17 +71,26 @@ pub(crate) async fn complete(
         returning.push("(SELECT COUNT(*) FROM promoted) AS readied");
     }
     if returning.is_empty() {
-        txn.execute_raw(statement(backend, &sql, values)).await?;
-        return Ok((None, readied));
+        let done = txn.execute_raw(statement(backend, &sql, values)).await?;
+        return Ok(Completed {
+            row: None,
+            readied,
+            done: done.rows_affected(),
+        });
     }
     sql.push_str(" RETURNING ");
     sql.push_str(&returning.join(", "));
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    let done = rows.len() as u64;
     let first = rows.into_iter().next();
     if folds && let Some(row) = &first {
         readied = u64::try_from(row.try_get::<i64>("", "readied")?).unwrap_or(0);
     }
-    Ok((first.filter(|_| stamps.is_some()), readied))
+    Ok(Completed {
+        row: first.filter(|_| stamps.is_some()),
+        readied,
+        done,
+    })
 }
 
 /// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error

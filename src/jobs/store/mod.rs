@@ -1,6 +1,7 @@
 //! The job table's statements, per dialect (the table itself: `schema/job.rs`).
 
 mod advance;
+mod cancel;
 mod finish;
 mod insert;
 mod lease;
@@ -8,6 +9,7 @@ mod sweep;
 mod take;
 
 pub(crate) use advance::advance;
+pub(crate) use cancel::{Found, cancel, forget_finished, is_cancelled, look, request, requested};
 pub(crate) use finish::{complete, failed, promote};
 pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 pub(crate) use lease::{claim, extend, hold, reclaim};
