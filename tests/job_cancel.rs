@@ -119,6 +119,15 @@ async fn waiting_jobs_are_cancelled_at_once(db: Option<TestDb>) {
 /// A job running in a worker's transaction when it is cancelled: asked to stop; its handler's
 /// write rolls back, it runs no more (three attempts allowed), and its key's next job runs.
 async fn running_job_is_rolled_back_and_not_run_again(db: Option<TestDb>) {
+    running_job_is_cancelled(db, false).await;
+}
+
+/// The same when the handler then fails: cancelled, not retried.
+async fn failing_running_job_is_not_retried(db: Option<TestDb>) {
+    running_job_is_cancelled(db, true).await;
+}
+
+async fn running_job_is_cancelled(db: Option<TestDb>, fails: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(2).await;
     let first = job(&db.db, "slow", 1, "k").await;
@@ -136,6 +145,9 @@ async fn running_job_is_rolled_back_and_not_run_again(db: Option<TestDb>) {
             bump(tx, job.payload).await?;
             let _ = started.send(job.id);
             let _ = gate.wait_for(|open| *open).await;
+            if fails && job.id == first {
+                return Err(freshlock::ApplyError::msg("the service said no"));
+            }
             Ok(())
         })
     });
@@ -238,6 +250,8 @@ on_databases! {
     // SQLite has one writer: a job running in its transaction holds it, and `cancel` waits.
     cancel_running_postgres: running_job_is_rolled_back_and_not_run_again, postgres;
     cancel_running_mysql: running_job_is_rolled_back_and_not_run_again, mysql;
+    cancel_failing_postgres: failing_running_job_is_not_retried, postgres;
+    cancel_failing_mysql: failing_running_job_is_not_retried, mysql;
     cancel_leased_sqlite: leased_job_is_told_and_its_finish_refused, sqlite;
     cancel_leased_postgres: leased_job_is_told_and_its_finish_refused, postgres;
     cancel_leased_mysql: leased_job_is_told_and_its_finish_refused, mysql;

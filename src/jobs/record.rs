@@ -28,7 +28,19 @@ impl JobStep<'_> {
         let mut all_effects = Vec::new();
         let mut completed = Vec::new();
         let mut finished_keys = Vec::new();
-        for ended in ended {
+        // A job asked to stop ([`crate::jobs::cancel`]) whose attempt failed is cancelled
+        // instead of retried (read only when an attempt failed: no round trip otherwise).
+        let retrying: Vec<JobId> = (ended.iter())
+            .filter(|e| matches!(e.outcome, JobOutcome::Retrying { .. }))
+            .map(|e| e.id)
+            .collect();
+        let stop = (store::requested(txn, &retrying).await)
+            .map_err(|e| ("reading the requests to stop jobs of", e))?;
+        for mut ended in ended {
+            if stop.contains(&ended.id) {
+                (store::cancel(txn, ended.id).await).map_err(|e| ("cancelling a job of", e))?;
+                ended.outcome = JobOutcome::Cancelled;
+            }
             let stored_attempts = i32::try_from(ended.attempt).unwrap_or(i32::MAX);
             let recorded = match &ended.outcome {
                 JobOutcome::Completed => {
