@@ -163,21 +163,30 @@ mod record {
     static DEPTH_KINDS: std::sync::Mutex<std::collections::BTreeSet<String>> =
         std::sync::Mutex::new(std::collections::BTreeSet::new());
 
-    /// Sets the depth gauges to `depths` (kind, waiting, due, failed), and to 0 for the kinds
-    /// recorded before that are not among them.
-    pub(crate) fn job_depth(depths: &[(String, u64, u64, u64)]) {
+    /// Sets the depth gauges to `depths`, and to 0 for the kinds recorded before that are not
+    /// among them.
+    pub(crate) fn job_depth(depths: &[super::KindDepth]) {
         let mut known = DEPTH_KINDS
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let now: std::collections::BTreeSet<String> =
-            depths.iter().map(|(kind, ..)| kind.clone()).collect();
-        let gone: Vec<(String, u64, u64, u64)> = (known.difference(&now))
-            .map(|kind| (kind.clone(), 0, 0, 0))
+            depths.iter().map(|d| d.kind.clone()).collect();
+        let gone: Vec<super::KindDepth> = (known.difference(&now))
+            .map(|kind| super::KindDepth {
+                kind: kind.clone(),
+                ..Default::default()
+            })
             .collect();
-        for (kind, waiting, due, failed) in depths.iter().chain(&gone) {
-            for (state, n) in [("waiting", waiting), ("due", due), ("failed", failed)] {
-                metrics::gauge!(super::JOB_DEPTH, "kind" => kind.clone(), "state" => state)
-                    .set(*n as f64);
+        for d in depths.iter().chain(&gone) {
+            let states = [
+                ("waiting", d.waiting),
+                ("due", d.due),
+                ("failed", d.failed),
+                ("no_worker", d.no_worker),
+            ];
+            for (state, n) in states {
+                metrics::gauge!(super::JOB_DEPTH, "kind" => d.kind.clone(), "state" => state)
+                    .set(n as f64);
             }
         }
         *known = now;
@@ -213,7 +222,18 @@ mod record {
     #[inline(always)]
     pub(crate) fn job_ended(_: &str, _: u32) {}
     #[inline(always)]
-    pub(crate) fn job_depth(_: &[(String, u64, u64, u64)]) {}
+    pub(crate) fn job_depth(_: &[super::KindDepth]) {}
 }
 
 pub(crate) use record::*;
+
+/// One kind's depth, summed over its keys, for the `freshlock_job_depth` gauge.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct KindDepth {
+    pub(crate) kind: String,
+    pub(crate) waiting: u64,
+    pub(crate) due: u64,
+    pub(crate) failed: u64,
+    /// Waiting jobs of a kind that no running worker takes.
+    pub(crate) no_worker: u64,
+}

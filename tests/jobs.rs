@@ -579,8 +579,76 @@ async fn a_kind_a_worker_does_not_know_waits_for_one_that_does(db: Option<TestDb
     assert_eq!(jobs_in(&db, 0).await, 1);
 }
 
+/// Once a worker runs (`Worker::run`), the queue's depth says which kinds it takes: a kind
+/// that no running worker takes shows as waiting for one, its job untouched.
+async fn a_kind_no_running_worker_takes_shows_in_depth(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let job = |seq| Bump { node: 1, seq };
+    add(&db, NewJob::new("orphan", &job(0)).unwrap())
+        .await
+        .unwrap();
+    add(&db, NewJob::new("bump", &job(1)).unwrap())
+        .await
+        .unwrap();
+    // Waits an hour: still in the depth while the worker runs.
+    let later = NewJob::new("bump", &job(2)).unwrap();
+    add(&db, later.delay(std::time::Duration::from_secs(3600)))
+        .await
+        .unwrap();
+    let (ran, mut done) = tokio::sync::mpsc::unbounded_channel();
+    let handlers = Jobs::new().handle(
+        "bump",
+        at_once(1),
+        jobs::handler(move |tx, job: Job<Bump>| {
+            let ran = ran.clone();
+            Box::pin(async move {
+                bump(tx, job.payload.node).await?;
+                let _ = ran.send(());
+                Ok(())
+            })
+        }),
+    );
+    let worker = Worker::new(Session::new(&handle), handlers);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    // The worker says which kinds it takes before its first take; it ran the due bump. A kind
+    // counts as taken for 30 s after a running worker last said so.
+    done.recv().await.expect("the bump ran");
+    let _ = stop.send(());
+    assert_eq!(running.await.unwrap().unwrap(), 1);
+    let depth = jobs::depth(&handle).await.unwrap();
+    let orphan = depth
+        .iter()
+        .find(|d| d.kind == "orphan")
+        .expect("the orphan waits");
+    assert!(!orphan.handled, "no running worker takes it: {orphan:?}");
+    assert_eq!(orphan.waiting, 1);
+    let later = depth
+        .iter()
+        .find(|d| d.kind == "bump")
+        .expect("the later bump waits");
+    assert!(later.handled, "the running worker takes it: {later:?}");
+    assert_eq!((later.waiting, later.due), (1, 0));
+    assert_eq!(
+        total_score(&db).await,
+        1,
+        "the bump's write once, the orphan untouched"
+    );
+}
+
 on_databases! {
     unknown_kind_waits_sqlite: a_kind_a_worker_does_not_know_waits_for_one_that_does, sqlite;
+    no_worker_sqlite: a_kind_no_running_worker_takes_shows_in_depth, sqlite;
+    no_worker_postgres: a_kind_no_running_worker_takes_shows_in_depth, postgres;
+    no_worker_mysql: a_kind_no_running_worker_takes_shows_in_depth, mysql;
     unknown_kind_waits_postgres: a_kind_a_worker_does_not_know_waits_for_one_that_does, postgres;
     unknown_kind_waits_mysql: a_kind_a_worker_does_not_know_waits_for_one_that_does, mysql;
 }

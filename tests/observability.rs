@@ -596,6 +596,7 @@ mod metrics_facade {
         assert_eq!(g(&before, "a", "due"), Some(2.0));
         assert_eq!(g(&before, "b", "waiting"), Some(1.0));
         assert_eq!(g(&before, "c", "waiting"), Some(1.0));
+        assert_eq!(g(&before, "a", "no_worker"), Some(3.0), "no worker ran yet");
         assert_eq!(g(&after, "a", "waiting"), Some(1.0), "{:#?}", after.gauges);
         assert_eq!(g(&after, "a", "due"), Some(0.0));
         assert_eq!(g(&after, "b", "waiting"), Some(0.0), "b left the queue");
@@ -610,6 +611,10 @@ mod metrics_facade {
             "{:#?}",
             running.gauges
         );
+        // The running worker said it takes a and b: c and d wait for a worker.
+        assert_eq!(g(&running, "a", "no_worker"), Some(0.0));
+        assert_eq!(g(&running, "c", "no_worker"), Some(1.0));
+        assert_eq!(g(&running, "d", "no_worker"), Some(1.0));
     }
 
     async fn jobs_workload() {

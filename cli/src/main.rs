@@ -186,6 +186,8 @@ struct DepthRow<'a> {
     waiting: u64,
     due: u64,
     failed: u64,
+    /// Whether a running worker takes the kind (false: its jobs wait for one).
+    handled: bool,
 }
 
 /// `jobs list --json`: one job.
@@ -420,6 +422,7 @@ async fn jobs(
                     waiting: d.waiting,
                     due: d.due,
                     failed: d.failed,
+                    handled: d.handled,
                 })
                 .collect();
             if json {
@@ -429,7 +432,7 @@ async fn jobs(
             let mut table = Table::new();
             table
                 .load_preset(NOTHING)
-                .set_header(["KIND", "KEY", "WAITING", "DUE", "FAILED"]);
+                .set_header(["KIND", "KEY", "WAITING", "DUE", "FAILED", "WORKER"]);
             for r in &rows {
                 table.add_row([
                     r.kind.to_owned(),
@@ -437,6 +440,7 @@ async fn jobs(
                     r.waiting.to_string(),
                     r.due.to_string(),
                     r.failed.to_string(),
+                    (if r.handled { "yes" } else { "none" }).to_owned(),
                 ]);
             }
             println!("{table}");

@@ -10,6 +10,10 @@ pub(super) const SWEEP_EVERY: Duration = Duration::from_secs(1);
 /// depth gauge, with the `metrics` feature.
 pub(super) const GAUGE_EVERY: Duration = Duration::from_secs(10);
 
+/// How often [`Worker::run`](super::Worker::run) (one of a worker's clones) says which kinds it
+/// takes (`freshlock_worker_kind`; a kind counts as taken for three of these).
+pub(super) const ADVERTISE_EVERY: Duration = Duration::from_secs(10);
+
 /// Whether a worker's periodic chore in `slot` is due (at most once per [`SWEEP_EVERY`]),
 /// marking it done now if so.
 pub(super) fn due(slot: &Mutex<Option<tokio::time::Instant>>) -> bool {

@@ -88,6 +88,10 @@ pub struct Depth {
     pub due: u64,
     /// Jobs failed for good.
     pub failed: u64,
+    /// Whether a running worker ([`Worker::run`](super::Worker::run)) takes this kind: it said
+    /// so within the last 30 s. `false`: the kind's jobs wait for a worker that has its handler
+    /// (a service not deployed yet, a queue without workers).
+    pub handled: bool,
 }
 
 /// One job, as [`list`] and [`JobFilter::list`] show it.
@@ -244,13 +248,17 @@ impl JobFilter {
             due = sum(&format!("state = {pending} AND run_at <= {now}")),
             failed_n = sum(&format!("state = {failed}")),
         );
+        let taken = (store::taken(db).await)
+            .map_err(|e| database("reading the kinds workers take from", &JOB_TABLE, e))?;
         read_all(
             db,
             "reading the depth of",
             statement(backend, &sql, values),
             |row| {
+                let kind: Option<Vec<u8>> = row.try_get("", "kind")?;
                 Ok(Depth {
-                    kind: text(row.try_get("", "kind")?).unwrap_or_default(),
+                    handled: kind.as_ref().is_some_and(|kind| taken.contains(kind)),
+                    kind: text(kind).unwrap_or_default(),
                     key: text(row.try_get("", "job_key")?),
                     waiting: count(row, "waiting")?,
                     due: count(row, "due")?,
@@ -325,7 +333,8 @@ pub async fn depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
 }
 
 /// Reads the queue's [`depth`] and sets the `freshlock_job_depth` gauge per kind and state
-/// (`waiting`, `due`, `failed`; summed over keys; a kind no longer in the queue goes to 0) —
+/// (`waiting`, `due`, `failed`, and `no_worker`: waiting jobs of a kind no running worker takes;
+/// summed over keys; a kind no longer in the queue goes to 0) —
 /// with the `metrics` feature; without it, this only reads. [`Worker::run`](super::Worker::run)
 /// calls it every 10 s (one of a worker's clones), so a service that runs workers need not.
 ///
@@ -333,16 +342,24 @@ pub async fn depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
 /// As [`depth`].
 pub async fn record_depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
     let depths = depth(db).await?;
-    let mut per_kind: Vec<(String, u64, u64, u64)> = Vec::new();
+    let mut per_kind: Vec<crate::metrics::KindDepth> = Vec::new();
     for d in &depths {
+        let no_worker = if d.handled { 0 } else { d.waiting };
         match per_kind.last_mut() {
             // `depth` is ordered by kind.
-            Some(last) if last.0 == d.kind => {
-                last.1 += d.waiting;
-                last.2 += d.due;
-                last.3 += d.failed;
+            Some(last) if last.kind == d.kind => {
+                last.waiting += d.waiting;
+                last.due += d.due;
+                last.failed += d.failed;
+                last.no_worker += no_worker;
             }
-            _ => per_kind.push((d.kind.clone(), d.waiting, d.due, d.failed)),
+            _ => per_kind.push(crate::metrics::KindDepth {
+                kind: d.kind.clone(),
+                waiting: d.waiting,
+                due: d.due,
+                failed: d.failed,
+                no_worker,
+            }),
         }
     }
     crate::metrics::job_depth(&per_kind);

@@ -8,7 +8,7 @@ use tracing::{debug, error, warn};
 
 use super::{
     JobOutcome, JobRun, Jobs,
-    chores::{GAUGE_EVERY, due, due_every},
+    chores::{ADVERTISE_EVERY, GAUGE_EVERY, due, due_every},
     context::Context,
     lease, periodic,
     step::{self, Source, Stepped},
@@ -31,6 +31,8 @@ pub struct Worker {
     gauged: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// When this worker (or a clone) last enqueued the periodic kinds' due slots.
     scheduled: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
+    /// When this worker (or a clone) last said which kinds it takes.
+    advertised: Arc<std::sync::Mutex<Option<tokio::time::Instant>>>,
     /// The first and the longest wait of [`run`](Self::run) with nothing due.
     poll: (Duration, Duration),
     /// What wakes [`run`](Self::run) when a job is enqueued (PostgreSQL), shared by clones.
@@ -60,6 +62,7 @@ impl Worker {
             reclaimed: Arc::default(),
             gauged: Arc::default(),
             scheduled: Arc::default(),
+            advertised: Arc::default(),
             poll: (MIN_IDLE, MAX_IDLE),
             wakeup: Arc::default(),
         }
@@ -357,6 +360,15 @@ impl Worker {
                 biased;
                 () = &mut shutdown => return Ok(ran),
                 () = std::future::ready(()) => {}
+            }
+            // First, before the depth and the first take: a kind shows as handled once its worker runs.
+            if due_every(&self.advertised, ADVERTISE_EVERY) {
+                let advertised = store::advertise(self.cx.session.pool(), self.cx.kinds());
+                match tokio::time::timeout(self.cx.reply(), advertised).await {
+                    Ok(Ok(_)) => {}
+                    Ok(Err(error)) => warn!(%error, "saying which kinds this worker takes failed"),
+                    Err(_) => warn!("saying which kinds this worker takes timed out"),
+                }
             }
             if cfg!(feature = "metrics") && due_every(&self.gauged, GAUGE_EVERY) {
                 let db = self.cx.session.connection();

@@ -26,6 +26,8 @@
 //!   ([`crate::jobs::Periodic`], [`PeriodicMigration`]).
 //! - `freshlock_job_cancel` — requests to stop jobs running in their transaction
 //!   ([`crate::jobs::cancel`], [`JobCancelMigration`]).
+//! - `freshlock_worker_kind` — the kinds running workers take, and when they last said so
+//!   ([`crate::jobs::Depth::handled`], [`WorkerKindMigration`]).
 //!
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
@@ -95,6 +97,7 @@ mod marker_age;
 mod migrate;
 mod periodic;
 mod statements;
+mod worker_kind;
 
 pub use claim::{CLAIM_MIGRATION_NAME, ClaimMigration};
 pub use commit::{COMMIT_MIGRATION_NAME, CommitMigration};
@@ -108,6 +111,7 @@ pub use marker_age::{MARKER_AGE_MIGRATION_NAME, MarkerAgeMigration};
 pub use migrate::{MIGRATIONS_TABLE, migrate};
 pub use periodic::{PERIODIC_MIGRATION_NAME, PeriodicMigration};
 pub(crate) use statements::insert_ignore;
+pub use worker_kind::{WORKER_KIND_MIGRATION_NAME, WorkerKindMigration};
 
 use sea_orm::{ConnectionTrait, DbErr};
 use sea_orm_migration::MigrationTrait;
@@ -133,6 +137,8 @@ pub const JOB_TABLE: &str = "freshlock_job";
 pub const PERIODIC_TABLE: &str = "freshlock_periodic";
 /// The name of the table of requests to stop running jobs (see [`JobCancelMigration`]).
 pub const JOB_CANCEL_TABLE: &str = "freshlock_job_cancel";
+/// The name of the table of the kinds running workers take (see [`WorkerKindMigration`]).
+pub const WORKER_KIND_TABLE: &str = "freshlock_worker_kind";
 
 /// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
 pub(crate) const FLOOR_NAME: &str = "";
@@ -152,6 +158,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(MarkerAgeMigration),
         Box::new(PeriodicMigration),
         Box::new(JobCancelMigration),
+        Box::new(WorkerKindMigration),
     ]
 }
 
@@ -169,5 +176,6 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     job::create_job_table(db).await?;
     marker_age::create_age_index(db).await?;
     periodic::create_periodic_table(db).await?;
-    job_cancel::create_job_cancel_table(db).await
+    job_cancel::create_job_cancel_table(db).await?;
+    worker_kind::create_worker_kind_table(db).await
 }

@@ -7,6 +7,7 @@ mod insert;
 mod lease;
 mod sweep;
 mod take;
+mod workers;
 
 pub(crate) use advance::advance;
 pub(crate) use cancel::{Found, cancel, forget_finished, is_cancelled, look, request, requested};
@@ -15,6 +16,7 @@ pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 pub(crate) use lease::{claim, extend, hold, reclaim};
 pub(crate) use sweep::sweep;
 pub(crate) use take::{Taken, take, take_after, take_key};
+pub(crate) use workers::{advertise, taken};
 
 use sea_orm::Value;
 use sha2::{Digest, Sha256};
