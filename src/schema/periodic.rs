@@ -1,7 +1,7 @@
 //! `freshlock_periodic`: the last slot of each periodic kind that was enqueued
 //! ([`crate::jobs::Periodic`]).
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr};
+use sea_orm::{ConnectionTrait, DbErr};
 
 use super::PERIODIC_TABLE;
 
@@ -17,17 +17,5 @@ super::freshlock_migration! {
 
 /// `CREATE TABLE IF NOT EXISTS freshlock_periodic`, per dialect.
 pub(super) async fn create_periodic_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
-    let (bytes, hash, tail) = match db.get_database_backend() {
-        DbBackend::Postgres => ("BYTEA", "BYTEA", ""),
-        DbBackend::MySql => ("LONGBLOB", "BINARY(32)", " ENGINE=InnoDB"),
-        _ => ("BLOB", "BLOB", ""),
-    };
-    db.execute_unprepared(&format!(
-        "CREATE TABLE IF NOT EXISTS {PERIODIC_TABLE} (\
-         kind_hash {hash} NOT NULL PRIMARY KEY, \
-         kind {bytes} NOT NULL, \
-         slot BIGINT NOT NULL){tail}"
-    ))
-    .await
-    .map(drop)
+    super::statements::create_kind_table(db, PERIODIC_TABLE, "slot").await
 }

@@ -54,3 +54,26 @@ pub(super) async fn drop_tables(db: &impl ConnectionTrait, tables: &[&str]) -> R
     }
     Ok(())
 }
+
+/// `CREATE TABLE IF NOT EXISTS table` of one row per job kind: the kind's SHA-256 (the key),
+/// the kind as bytes, and one `BIGINT` `column` (the periodic table's last slot, the worker-kind
+/// table's last say), per dialect.
+pub(super) async fn create_kind_table(
+    db: &impl ConnectionTrait,
+    table: &str,
+    column: &str,
+) -> Result<(), DbErr> {
+    let (bytes, hash, tail) = match db.get_database_backend() {
+        sea_orm::DbBackend::Postgres => ("BYTEA", "BYTEA", ""),
+        sea_orm::DbBackend::MySql => ("LONGBLOB", "BINARY(32)", " ENGINE=InnoDB"),
+        _ => ("BLOB", "BLOB", ""),
+    };
+    db.execute_unprepared(&format!(
+        "CREATE TABLE IF NOT EXISTS {table} (\
+         kind_hash {hash} NOT NULL PRIMARY KEY, \
+         kind {bytes} NOT NULL, \
+         {column} BIGINT NOT NULL){tail}"
+    ))
+    .await
+    .map(drop)
+}

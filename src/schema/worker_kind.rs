@@ -1,7 +1,7 @@
 //! `freshlock_worker_kind`: the kinds running workers handle, and when a worker last said so
 //! (what [`crate::jobs::Depth::handled`] reads).
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr};
+use sea_orm::{ConnectionTrait, DbErr};
 
 use super::WORKER_KIND_TABLE;
 
@@ -17,17 +17,5 @@ super::freshlock_migration! {
 
 /// `CREATE TABLE IF NOT EXISTS freshlock_worker_kind`, per dialect.
 pub(super) async fn create_worker_kind_table(db: &impl ConnectionTrait) -> Result<(), DbErr> {
-    let (bytes, hash, tail) = match db.get_database_backend() {
-        DbBackend::Postgres => ("BYTEA", "BYTEA", ""),
-        DbBackend::MySql => ("LONGBLOB", "BINARY(32)", " ENGINE=InnoDB"),
-        _ => ("BLOB", "BLOB", ""),
-    };
-    db.execute_unprepared(&format!(
-        "CREATE TABLE IF NOT EXISTS {WORKER_KIND_TABLE} (\
-         kind_hash {hash} NOT NULL PRIMARY KEY, \
-         kind {bytes} NOT NULL, \
-         seen_at BIGINT NOT NULL){tail}"
-    ))
-    .await
-    .map(drop)
+    super::statements::create_kind_table(db, WORKER_KIND_TABLE, "seen_at").await
 }
