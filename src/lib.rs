@@ -47,9 +47,9 @@ users need."]
 //   kinds (`periodic.rs`), what running needs (`context.rs`), the engine step (`step.rs` with
 //   `take.rs`, `attempt.rs`, `finish.rs`, `record.rs`, `catch.rs` for panics), leased jobs
 //   (`leased.rs`, `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`),
-//   wake-ups, what the queue holds (`query.rs`) and what an operator does to it (`admin.rs`),
-//   stored states (`state.rs`) and the table's statements (`store/`). It runs on `write/`'s
-//   engine.
+//   wake-ups, what the queue holds (`query.rs`), what an operator does to it (`admin.rs`) and
+//   cancelling (`cancel.rs`: the call, and the step's half), stored states (`state.rs`) and the
+//   table's statements (`store/`). It runs on `write/`'s engine.
 // - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
 //   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or
 //   writes a marker), markers and their sweep (`marker.rs`), resolving a lost reply
