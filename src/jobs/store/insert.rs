@@ -93,16 +93,19 @@ fn insert_sql(backend: DbBackend, n: usize) -> String {
         _ => "id".to_owned(),
     };
     let values = vec!["(?, ?, ?, ?, ?, ?, ?, ?, ?)"; n].join(", ");
-    // `WHERE 1 = 1`: SQLite reads `ON CONFLICT` after a bare `FROM` as a join's.
+    // `WHERE 1 = 1`: SQLite reads `ON CONFLICT` after a bare `FROM` as a join's. The clock is
+    // read once (`t`): PostgreSQL's `clock_timestamp()` moves within a statement, and a job due
+    // at once must not show a `created_at` after its `run_at`.
     format!(
-        "WITH v (kind, payload, job_key, key_hash, unique_key, unique_hash, priority, delay, \
+        "WITH t (now) AS (SELECT {now}), \
+         v (kind, payload, job_key, key_hash, unique_key, unique_hash, priority, delay, \
          behind) AS (VALUES {values}) \
          INSERT INTO {JOB_TABLE} ({columns}) \
          SELECT v.kind, v.payload, v.job_key, v.key_hash, v.unique_key, v.unique_hash, \
-         v.priority, {now} + v.delay, {now}, \
+         v.priority, t.now + v.delay, t.now, \
          CASE WHEN v.behind = 1 OR EXISTS (SELECT 1 FROM {JOB_TABLE} h \
          WHERE h.key_hash = v.key_hash AND h.state IN ({UNFINISHED})) THEN {Queued} ELSE {Pending} END \
-         FROM v WHERE 1 = 1 ON CONFLICT DO NOTHING RETURNING {returning}"
+         FROM v, t WHERE 1 = 1 ON CONFLICT DO NOTHING RETURNING {returning}"
     )
 }
 
