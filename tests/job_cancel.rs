@@ -20,9 +20,7 @@ use std::{
 
 use freshlock::{
     Session,
-    jobs::{
-        self, Cancel, Enqueued, Job, JobFilter, JobOutcome, JobState, Jobs, Lease, NewJob, Worker,
-    },
+    jobs::{self, Cancel, Enqueued, Job, JobOutcome, JobState, Jobs, Lease, NewJob, Worker},
 };
 use job_support::{add, at_once, bigint, bump, bump_node, bump_output, number, total_score};
 use sea_orm::DatabaseConnection;
@@ -51,13 +49,10 @@ async fn requests(db: &DatabaseConnection) -> i64 {
     number(db, "SELECT COUNT(*) FROM freshlock_job_cancel").await
 }
 
-/// The ids of the jobs in `state`.
+/// The ids of the jobs in `state` (through the application's handle: behind a transaction
+/// pooler a plain pool's lone statement is the caller's own).
 async fn in_state(db: &TestDb, state: JobState) -> Vec<i64> {
-    let jobs = JobFilter::new()
-        .state(state)
-        .list(&db.db, 100)
-        .await
-        .unwrap();
+    let jobs = jobs::list(&db.handle, state, 100).await.unwrap();
     jobs.iter().map(|job| job.id).collect()
 }
 
