@@ -109,7 +109,7 @@ type HandlerRan = std::result::Result<(), (JobFailure, Retry, Option<DbErr>)>;
 async fn run_handler(tx: &Tx, kind: &Kind, kind_name: &str, start: Start<'_>) -> HandlerRan {
     let started = match start {
         Start::InTx(run, raw) => run(tx, raw),
-        Start::Finish(finish, raw, output) => finish(tx, raw, output),
+        Start::Finish(raw, output) => output.finish(tx, raw),
     };
     match started {
         Err(reason) => {

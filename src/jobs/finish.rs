@@ -58,14 +58,14 @@ impl JobStep<'_> {
         let kind = self.cx.kind(&claim.kind);
         let leased = kind.as_deref().and_then(Kind::leased);
         let (txn, (outcome, effects)) = match (&finishing.worked, kind.as_deref(), leased) {
-            (Ok(output), Some(kind), Some((leased, _))) => {
+            (Ok(output), Some(kind), Some(_)) => {
                 let raw = Raw {
                     id: claim.id,
                     attempt: claim.attempt,
                     key: claim.key_text(),
                     payload: &claim.payload,
                 };
-                let start = Start::Finish(&leased.finish, raw, output);
+                let start = Start::Finish(raw, output);
                 let (txn, ran) = self
                     .attempt(txn, kind, &kind_name, claim.id, claim.attempt, start)
                     .await;

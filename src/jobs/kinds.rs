@@ -1,7 +1,10 @@
 //! The handlers of a worker, by kind ([`Jobs`]): how each kind runs — in the job's
 //! transaction, or leased — type-erased behind a runner.
 
-use std::{collections::HashMap, fmt, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    collections::HashMap, fmt, future::Future, marker::PhantomData, pin::Pin, sync::Arc,
+    time::Duration,
+};
 
 use serde::de::DeserializeOwned;
 
@@ -176,29 +179,24 @@ impl Jobs {
         Fut: Future<Output = std::result::Result<R, ApplyError>> + Send + 'static,
         F: Finish<P, R>,
     {
+        let finish = Arc::new(finish);
         let work = move |raw: Raw<'_>, lease: Lease| {
             let worked = work(raw.job::<P>()?, lease);
-            let future: Pin<Box<dyn Future<Output = _> + Send>> =
-                Box::pin(async move { worked.await.map(|output| Arc::new(output) as Output) });
+            let finish = Arc::clone(&finish);
+            let future: Pin<Box<dyn Future<Output = _> + Send>> = Box::pin(async move {
+                let output = worked.await?;
+                let done = WorkDone {
+                    output,
+                    finish,
+                    payload: PhantomData::<fn() -> P>,
+                };
+                Ok(Arc::new(done) as Output)
+            });
             Ok(future)
         };
-        let finish = Arc::new(finish);
-        let finish: Box<leased::FinishRunner> =
-            Box::new(move |tx: &Tx, raw: Raw<'_>, output: &Output| {
-                let job = raw.job::<P>()?;
-                // The output was made by this kind's `work`, so it is an `R`.
-                let output = Arc::clone(output)
-                    .downcast::<R>()
-                    .map_err(|_| "the work's output is not the finish's type".to_owned())?;
-                let finish = Arc::clone(&finish);
-                let work: SectionWork<'_, ()> =
-                    Box::pin(async move { finish.finish(tx, job, &output).await });
-                Ok(work)
-            });
         let leased = Leased {
             lease: lease.max(leased::MIN_LEASE),
             work: Box::new(work),
-            finish,
         };
         self.insert(kind.into(), Runs::Leased(leased), policy);
         self
@@ -241,5 +239,28 @@ impl Jobs {
     /// Whether any kind is leased (then a worker reclaims expired leases).
     pub(super) fn any_leased(&self) -> bool {
         (self.kinds.values()).any(|kind| kind.leased().is_some())
+    }
+}
+
+/// A leased job's work's output with its kind's finish ([`leased::Finishable`]).
+struct WorkDone<P, R, F> {
+    output: R,
+    finish: Arc<F>,
+    payload: PhantomData<fn() -> P>,
+}
+
+impl<P, R, F> leased::Finishable for WorkDone<P, R, F>
+where
+    P: DeserializeOwned + Send + 'static,
+    R: Send + Sync + 'static,
+    F: Finish<P, R>,
+{
+    fn finish<'t>(
+        &'t self,
+        tx: &'t Tx,
+        raw: Raw<'_>,
+    ) -> std::result::Result<SectionWork<'t, ()>, String> {
+        let job = raw.job::<P>()?;
+        Ok(Box::pin(self.finish.finish(tx, job, &self.output)))
     }
 }

@@ -1,7 +1,7 @@
 //! A leased kind's parts: the [`Lease`] its work watches, its type-erased work and finish,
 //! and a claimed job on its way from the take to its finish (see `lease.rs`, which runs them).
 
-use std::{any::Any, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use tokio::sync::watch;
 
@@ -44,8 +44,21 @@ impl Lease {
     }
 }
 
-/// What a leased kind's work gives its finish, type-erased (the kind's `R`).
-pub(super) type Output = Arc<dyn Any + Send + Sync>;
+/// What a leased kind's work gives its finish: the work's output together with the kind's
+/// finish, behind one trait object, so the output keeps its type (the kind's `R`) and nothing
+/// is downcast.
+pub(super) trait Finishable: Send + Sync {
+    /// Starts the kind's finish of job `raw` with the work's output, in `tx`: `Err` when the
+    /// payload does not read as the kind's.
+    fn finish<'t>(
+        &'t self,
+        tx: &'t Tx,
+        raw: Raw<'_>,
+    ) -> std::result::Result<SectionWork<'t, ()>, String>;
+}
+
+/// A leased job's work's output, ready to be finished.
+pub(super) type Output = Arc<dyn Finishable>;
 
 /// A kind's work: deserializes the payload (or says why not) and starts the work.
 pub(super) type WorkRunner = dyn Fn(
@@ -57,16 +70,10 @@ pub(super) type WorkRunner = dyn Fn(
     > + Send
     + Sync;
 
-/// A kind's finish, given the job and the work's output (or why it cannot start).
-pub(super) type FinishRunner = dyn for<'t> Fn(&'t Tx, Raw<'_>, &Output) -> std::result::Result<SectionWork<'t, ()>, String>
-    + Send
-    + Sync;
-
-/// A leased kind's handlers.
+/// A leased kind's handlers (its finish travels with the work's output: [`Finishable`]).
 pub(super) struct Leased {
     pub(super) lease: Duration,
     pub(super) work: Box<WorkRunner>,
-    pub(super) finish: Box<FinishRunner>,
 }
 
 /// A job claimed under a lease by a take that committed.

@@ -12,7 +12,7 @@ use super::{
     context::Context,
     job::Raw,
     kinds::Runner,
-    leased::{Claimed, FinishRunner, Finishing, Output},
+    leased::{Claimed, Finishing, Output},
     retry::Retry,
 };
 use crate::{
@@ -228,8 +228,8 @@ pub(super) struct Measured {
 pub(super) enum Start<'a> {
     /// A kind that runs in the transaction.
     InTx(&'a Runner, Raw<'a>),
-    /// A leased kind's finish, with its work's output.
-    Finish(&'a FinishRunner, Raw<'a>, &'a Output),
+    /// A leased kind's finish, with its work's output (which carries the finish).
+    Finish(Raw<'a>, &'a Output),
 }
 
 /// How a handler's run in the job's transaction ended, for `take` and `finish`.
