@@ -20,9 +20,11 @@ use std::{
 
 use freshlock::{
     Session,
-    jobs::{self, Cancel, Enqueued, Job, JobOutcome, JobState, Jobs, Lease, NewJob, Worker},
+    jobs::{
+        self, Cancel, Enqueued, Job, JobOutcome, JobRun, JobState, Jobs, Lease, NewJob, Worker,
+    },
 };
-use job_support::{add, at_once, bigint, bump, bump_node, bump_output, number, total_score};
+use job_support::{add, at_once, bump, bump_node, bump_output, number, total_score};
 use sea_orm::DatabaseConnection;
 use servers::{TestDb, databases};
 use tokio::sync::{mpsc, watch};
@@ -38,10 +40,12 @@ async fn job(db: &DatabaseConnection, kind: &str, node: i32, key: &str) -> i64 {
     }
 }
 
-/// The score of node `node`.
-async fn score(db: &DatabaseConnection, node: i32) -> i64 {
-    let score = bigint(db, "score");
-    number(db, &format!("SELECT {score} FROM node WHERE id = {node}")).await
+/// How job `id` last ended among `runs`.
+fn outcome(runs: &[JobRun], id: i64) -> Option<&JobOutcome> {
+    (runs.iter())
+        .filter(|run| run.id == id)
+        .map(|run| &run.outcome)
+        .next_back()
 }
 
 /// Requests to stop jobs that are still kept.
@@ -101,7 +105,7 @@ async fn waiting_jobs_are_cancelled_at_once(db: Option<TestDb>) {
         2,
         "every acknowledged job's effect, once"
     );
-    assert_eq!(score(&db.db, 1).await, 0);
+    assert_eq!(db.score(1).await, None);
     assert_eq!(in_state(&db, JobState::Cancelled).await, vec![first]);
     // A finished job is not cancelled.
     assert_eq!(
@@ -160,22 +164,16 @@ async fn running_job_is_cancelled(db: Option<TestDb>, fails: bool) {
     let_go.send(true).unwrap();
     let runs = working.await.unwrap().unwrap();
 
-    let outcome = |id| {
-        (runs.iter())
-            .filter(|run| run.id == id)
-            .map(|run| &run.outcome)
-            .next_back()
-    };
-    assert_eq!(outcome(first), Some(&JobOutcome::Cancelled));
-    assert_eq!(outcome(second), Some(&JobOutcome::Completed));
+    assert_eq!(outcome(&runs, first), Some(&JobOutcome::Cancelled));
+    assert_eq!(outcome(&runs, second), Some(&JobOutcome::Completed));
     // (The key's next job may have run in the same transaction, a chain, and again after it.)
     assert_eq!(ran.load(Ordering::SeqCst), 1, "the cancelled job ran once");
     assert_eq!(
-        score(&db.db, 1).await,
-        0,
+        db.score(1).await,
+        None,
         "the cancelled job's write rolled back"
     );
-    assert_eq!(score(&db.db, 2).await, 1);
+    assert_eq!(db.score(2).await, Some(1));
     assert_eq!(in_state(&db, JobState::Cancelled).await, vec![first]);
     assert_eq!(
         requests(&db.db).await,
@@ -221,20 +219,10 @@ async fn leased_job_is_told_and_its_finish_refused(db: Option<TestDb>) {
     );
     let runs = running.await.unwrap().unwrap();
 
-    let outcome = |id| {
-        (runs.iter())
-            .filter(|run| run.id == id)
-            .map(|run| &run.outcome)
-            .next_back()
-    };
-    assert_eq!(outcome(first), Some(&JobOutcome::Cancelled));
-    assert_eq!(outcome(second), Some(&JobOutcome::Completed));
-    assert_eq!(
-        score(&db.db, 1).await,
-        0,
-        "the refused finish wrote nothing"
-    );
-    assert_eq!(score(&db.db, 2).await, 1);
+    assert_eq!(outcome(&runs, first), Some(&JobOutcome::Cancelled));
+    assert_eq!(outcome(&runs, second), Some(&JobOutcome::Completed));
+    assert_eq!(db.score(1).await, None, "the refused finish wrote nothing");
+    assert_eq!(db.score(2).await, Some(1));
     assert_eq!(in_state(&db, JobState::Cancelled).await, vec![first]);
 }
 

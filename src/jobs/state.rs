@@ -81,6 +81,13 @@ pub(crate) struct States(&'static [Stored]);
 /// Every state of a job that has not finished: its key is still busy, or it still waits.
 pub(crate) const UNFINISHED: States = States(&[Stored::Pending, Stored::Leased, Stored::Queued]);
 
+impl States {
+    /// Whether `state` is one of these.
+    pub(crate) fn contains(&self, state: Stored) -> bool {
+        self.0.contains(&state)
+    }
+}
+
 impl fmt::Display for States {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         for (i, state) in self.0.iter().enumerate() {

@@ -6,7 +6,7 @@
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, Value};
 
 use crate::jobs::state::{
-    Stored::{self, Cancelled, Leased, Pending, Queued},
+    Stored::{self, Cancelled},
     UNFINISHED,
 };
 use crate::{
@@ -28,34 +28,39 @@ pub(crate) enum Found {
 /// Looks at job `id` in `txn`, locking its row when nobody else holds it (`SKIP LOCKED`;
 /// SQLite has one writer, so there nobody else holds it).
 pub(crate) async fn look(txn: &impl ConnectionTrait, id: i64) -> Result<Found, DbErr> {
-    let backend = txn.get_database_backend();
-    let lock = match backend {
+    let lock = match txn.get_database_backend() {
         DbBackend::Sqlite => "",
         _ => " FOR UPDATE SKIP LOCKED",
     };
-    let read = |lock: &str| format!("SELECT state FROM {JOB_TABLE} WHERE id = ?{lock}");
-    let unfinished = |state: i16| {
-        Stored::from_code(state).is_some_and(|s| matches!(s, Pending | Queued | Leased))
-    };
-    let locked = txn
-        .query_one_raw(statement(backend, &read(lock), vec![id.into()]))
-        .await?;
-    if let Some(row) = locked {
-        let state: i16 = row.try_get("", "state")?;
-        return Ok(if unfinished(state) {
-            Found::Free
-        } else {
-            Found::Finished
+    if let Some(state) = state_of(txn, id, lock).await? {
+        return Ok(match UNFINISHED.contains(state) {
+            true => Found::Free,
+            false => Found::Finished,
         });
     }
     // Skipped, or missing: a plain read tells the two apart.
-    let seen = txn
-        .query_one_raw(statement(backend, &read(""), vec![id.into()]))
-        .await?;
-    Ok(match seen {
-        Some(row) if unfinished(row.try_get("", "state")?) => Found::Busy,
+    Ok(match state_of(txn, id, "").await? {
+        Some(state) if UNFINISHED.contains(state) => Found::Busy,
         _ => Found::Finished,
     })
+}
+
+/// The stored state of job `id`, read with `lock` (a locking clause, or `""`): `None` when there
+/// is no such job, or when the lock skipped it.
+async fn state_of(
+    txn: &impl ConnectionTrait,
+    id: i64,
+    lock: &str,
+) -> Result<Option<Stored>, DbErr> {
+    let backend = txn.get_database_backend();
+    let read = format!("SELECT state FROM {JOB_TABLE} WHERE id = ?{lock}");
+    let row = txn
+        .query_one_raw(statement(backend, &read, vec![id.into()]))
+        .await?;
+    match row {
+        Some(row) => Ok(Stored::from_code(row.try_get("", "state")?)),
+        None => Ok(None),
+    }
 }
 
 /// A job [`cancel`] cancelled.
@@ -104,15 +109,7 @@ pub(crate) async fn cancel(
 
 /// Whether job `id` was cancelled.
 pub(crate) async fn is_cancelled(txn: &impl ConnectionTrait, id: i64) -> Result<bool, DbErr> {
-    let backend = txn.get_database_backend();
-    let read = format!("SELECT state FROM {JOB_TABLE} WHERE id = ?");
-    let row = txn
-        .query_one_raw(statement(backend, &read, vec![id.into()]))
-        .await?;
-    match row {
-        Some(row) => Ok(row.try_get::<i16>("", "state")? == Cancelled.code()),
-        None => Ok(false),
-    }
+    Ok(state_of(txn, id, "").await? == Some(Cancelled))
 }
 
 /// Asks the worker running job `id` in its transaction to stop: its completion will find this
