@@ -48,7 +48,8 @@ users need."]
 //   `take.rs`, `attempt.rs`, `finish.rs`, `record.rs`, `catch.rs` for panics), leased jobs
 //   (`leased.rs`, `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`),
 //   wake-ups, what the queue holds (`query.rs`), what an operator does to it (`admin.rs`) and
-//   cancelling (`cancel.rs`: the call, and the step's half), stored states (`state.rs`) and the
+//   cancelling (`cancel.rs`: the call, and the step's half), limits (`limit.rs`: what a
+//   limit is, and the take's admission of jobs under them), stored states (`state.rs`) and the
 //   table's statements (`store/`). It runs on `write/`'s engine.
 // - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
 //   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or

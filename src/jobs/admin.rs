@@ -159,7 +159,9 @@ pub enum Prune {
 /// deletes. It deletes in batches of 1,000, each a read of the batch and a `DELETE` of its rows,
 /// statements of their own (each in a transaction of its own behind a transaction pooler); a
 /// prune that fails part-way keeps what its earlier batches deleted. It also forgets requests to
-/// stop jobs ([`cancel`](super::cancel)) that finished first.
+/// stop jobs ([`cancel`](super::cancel)) that finished first, and the tokens of rate limits
+/// ([`Limit`](super::Limit)) that have been free for `older_than` (a per-key rate keeps a few
+/// rows per key it met).
 ///
 /// # Errors
 /// [`crate::Error::Database`] when a statement fails.
@@ -172,6 +174,9 @@ pub async fn prune(db: impl Into<Db>, older_than: Duration, which: Prune) -> Res
     let now = now_ms(backend);
     // Requests to stop jobs that finished first (they committed before the request was seen).
     store::forget_finished(db).await.map_err(fail)?;
+    store::forget_unused(db.0, millis(older_than))
+        .await
+        .map_err(fail)?;
     let mut states = vec![Stored::Done, Stored::Discarded, Stored::Cancelled];
     if which == Prune::FinishedAndFailed {
         states.push(Stored::Failed);

@@ -3,7 +3,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use super::{Jobs, kinds::Kind};
+use super::{Jobs, kinds::Kind, limit::Limit};
 use crate::session::Session;
 
 /// A worker's session and handlers. Cheap to clone.
@@ -14,6 +14,8 @@ pub(super) struct Context {
     /// The kinds this worker takes, sorted: all of `jobs`' unless narrowed
     /// ([`Worker::only`](super::Worker::only)).
     pub(super) kinds: Arc<[Vec<u8>]>,
+    /// Whether the tokens of the kinds' limits were made (`limit::prepare`).
+    pub(super) limits_ready: Arc<tokio::sync::OnceCell<()>>,
 }
 
 impl Context {
@@ -25,6 +27,11 @@ impl Context {
     /// The handler of `kind`, if this worker has one.
     pub(super) fn kind(&self, kind: &[u8]) -> Option<Arc<Kind>> {
         self.jobs.kind(kind)
+    }
+
+    /// The limits of `kind` here.
+    pub(super) fn limits(&self, kind: &[u8]) -> &[Limit] {
+        self.jobs.limits(kind)
     }
 
     /// Whether `kind` is a leased kind here.

@@ -13,6 +13,7 @@ use super::{
     handler::{Finish, Handler},
     job::Raw,
     leased::{self, Lease, Leased, Output},
+    limit::Limit,
     periodic::Periodic,
 };
 use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
@@ -54,6 +55,8 @@ pub struct Jobs {
     names: Vec<Vec<u8>>,
     /// The periodic kinds' schedules.
     periodic: Vec<Periodic>,
+    /// The kinds' limits.
+    limits: HashMap<Vec<u8>, Vec<Limit>>,
 }
 
 impl fmt::Debug for Jobs {
@@ -210,6 +213,23 @@ impl Jobs {
         self.periodic.retain(|p| p.kind() != periodic.kind());
         self.periodic.push(periodic);
         self
+    }
+
+    /// Limits the jobs of `kind` across every worker ([`Limit`]): a job over the limit stays
+    /// waiting while the worker takes others. A kind has one limit of each sort (running, rate,
+    /// rate per key): a second of the same sort replaces the first. A limit may be set before
+    /// or after the kind's handler.
+    #[must_use]
+    pub fn limit(mut self, kind: impl Into<String>, limit: Limit) -> Self {
+        let limits = self.limits.entry(kind.into().into_bytes()).or_default();
+        limits.retain(|l| !l.same_sort(&limit));
+        limits.push(limit);
+        self
+    }
+
+    /// The limits of `kind`.
+    pub(super) fn limits(&self, kind: &[u8]) -> &[Limit] {
+        self.limits.get(kind).map_or(&[], Vec::as_slice)
     }
 
     /// The periodic kinds' schedules.

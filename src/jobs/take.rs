@@ -6,6 +6,7 @@ use super::{
     job::Raw,
     kinds::Runs,
     leased::Claimed,
+    limit,
     step::{Did, Ended, Failed, JobStep, Ran, Start},
     store,
 };
@@ -17,6 +18,9 @@ use tracing::{Instrument, info_span, warn};
 pub(super) const CHAIN_JOBS: usize = 16;
 /// How long a chain may grow: no job of a key is chained into a transaction older than this.
 pub(super) const CHAIN_FOR: std::time::Duration = std::time::Duration::from_millis(100);
+/// How many times one take looks for jobs when every job it found was over a limit (each look
+/// passes over the kinds and keys refused before it).
+const TAKE_ROUNDS: usize = 3;
 
 impl JobStep<'_> {
     /// Takes due jobs and runs those of in-transaction kinds; claims those of leased kinds.
@@ -38,19 +42,37 @@ impl JobStep<'_> {
         // double), and left queued if that job fails.
         let chains = chain && limit == 1;
         let bounded = Bounded::new(&txn, reply);
-        let kinds = self.cx.kinds();
-        let mut taken = Ok(Vec::new());
-        if let Some(key) = follow.filter(|_| limit == 1) {
-            taken = store::take_key(&bounded, kinds, key, chains).await;
+        let mut kinds = std::borrow::Cow::Borrowed(self.cx.kinds());
+        let mut skip_keys = Vec::new();
+        let mut taken = Vec::new();
+        for round in 0..TAKE_ROUNDS {
+            let mut found = Ok(Vec::new());
+            if let Some(key) = follow.filter(|_| limit == 1 && round == 0) {
+                found = store::take_key(&bounded, &kinds, key, chains).await;
+            }
+            if matches!(&found, Ok(found) if found.is_empty()) {
+                found = store::take(&bounded, &kinds, limit, chains, &skip_keys).await;
+            }
+            taken = match found {
+                Ok(found) if found.is_empty() => break,
+                Ok(found) => found,
+                Err(e) => return (txn, Err(fail(e))),
+            };
+            // Jobs over a limit stay waiting (`limit.rs`); when none is left the take looks
+            // again, passing over the kinds and keys at their limits, instead of waiting.
+            let refused = match limit::admit(&bounded, self.cx, &mut taken).await {
+                Ok(refused) => refused,
+                Err(e) => return (txn, Err(("taking the limits' tokens for", e))),
+            };
+            if !taken.is_empty() || refused.is_empty() {
+                break;
+            }
+            kinds.to_mut().retain(|kind| !refused.kinds.contains(kind));
+            skip_keys.extend(refused.keys);
         }
-        if matches!(&taken, Ok(taken) if taken.is_empty()) {
-            taken = store::take(&bounded, kinds, limit, chains).await;
+        if taken.is_empty() {
+            return (txn, Ok(Did::Nothing(Vec::new())));
         }
-        let mut taken = match taken {
-            Ok(taken) if taken.is_empty() => return (txn, Ok(Did::Nothing(Vec::new()))),
-            Ok(taken) => taken,
-            Err(e) => return (txn, Err(fail(e))),
-        };
         // A batch runs its jobs in one order shared by every worker — kind, key, payload — not
         // in the order it took them: handlers whose writes are named by the job (a row per key
         // or per payload) then lock rows in one global order, and two batches that share rows
@@ -63,10 +85,10 @@ impl JobStep<'_> {
         if let [first] = taken.as_slice()
             && first.followed
             && let Some(key) = first.key.as_ref().map(store::hash)
-            && !self.cx.is_leased(&first.kind)
+            && self.chains(&first.kind)
         {
             let more = u32::try_from(CHAIN_JOBS - 1).unwrap_or(1);
-            ahead = match store::take_after(&bounded, kinds, &key, first.id, more).await {
+            ahead = match store::take_after(&bounded, &kinds, &key, first.id, more).await {
                 Ok(next) => next.into(),
                 Err(e) => return (txn, Err(fail(e))),
             };
@@ -92,14 +114,19 @@ impl JobStep<'_> {
             let Some(next) = ahead.pop_front() else {
                 break;
             };
-            // A leased kind's job is claimed by a take of its own, once the key's promotion
-            // made it ready: a chain runs in-transaction kinds only.
-            if self.cx.is_leased(&next.kind) {
+            if !self.chains(&next.kind) {
                 break;
             }
             taken = vec![next];
         }
         (txn, Ok(Did::Ended(ended)))
+    }
+
+    /// Whether a job of `kind` may run in a chain. A leased kind's job is claimed by a take of
+    /// its own, once the key's promotion made it ready; a limited kind's job takes its tokens
+    /// in a take of its own: a chain runs in-transaction kinds without limits only.
+    fn chains(&self, kind: &[u8]) -> bool {
+        !self.cx.is_leased(kind) && self.cx.limits(kind).is_empty()
     }
 
     /// Runs the `taken` jobs of in-transaction kinds in `txn` and claims those of leased kinds,

@@ -56,6 +56,7 @@ impl Worker {
                 session,
                 kinds: jobs.names().into(),
                 jobs: Arc::new(jobs),
+                limits_ready: Arc::default(),
             },
             batch: 1,
             swept: Arc::default(),

@@ -28,6 +28,8 @@
 //!   ([`crate::jobs::cancel`], [`JobCancelMigration`]).
 //! - `freshlock_worker_kind` — the kinds running workers take, and when they last said so
 //!   ([`crate::jobs::Depth::handled`], [`WorkerKindMigration`]).
+//! - `freshlock_job_slot` — the tokens of job limits ([`crate::jobs::Limit`],
+//!   [`JobSlotMigration`]).
 //!
 //! On MySQL/MariaDB every name and token column compares byte for byte ([`CommitMigration`]).
 
@@ -91,6 +93,7 @@ mod floor;
 mod incarnation;
 mod job;
 mod job_cancel;
+mod job_slot;
 mod lease_row;
 mod locks;
 mod marker_age;
@@ -106,6 +109,7 @@ pub use floor::{FLOOR_MIGRATION_NAME, FloorMigration};
 pub use incarnation::{INCARNATION_MIGRATION_NAME, IncarnationMigration};
 pub use job::{JOB_MIGRATION_NAME, JobMigration};
 pub use job_cancel::{JOB_CANCEL_MIGRATION_NAME, JobCancelMigration};
+pub use job_slot::{JOB_SLOT_MIGRATION_NAME, JobSlotMigration};
 pub use locks::{MIGRATION_NAME, Migration};
 pub use marker_age::{MARKER_AGE_MIGRATION_NAME, MarkerAgeMigration};
 pub use migrate::{MIGRATIONS_TABLE, migrate};
@@ -139,6 +143,8 @@ pub const PERIODIC_TABLE: &str = "freshlock_periodic";
 pub const JOB_CANCEL_TABLE: &str = "freshlock_job_cancel";
 /// The name of the table of the kinds running workers take (see [`WorkerKindMigration`]).
 pub const WORKER_KIND_TABLE: &str = "freshlock_worker_kind";
+/// The name of the table of job limits' tokens (see [`JobSlotMigration`]).
+pub const JOB_SLOT_TABLE: &str = "freshlock_job_slot";
 
 /// The stored name of the fence-floor row of `freshlock_lock` (see the module docs).
 pub(crate) const FLOOR_NAME: &str = "";
@@ -159,6 +165,7 @@ pub fn migrations() -> Vec<Box<dyn MigrationTrait>> {
         Box::new(PeriodicMigration),
         Box::new(JobCancelMigration),
         Box::new(WorkerKindMigration),
+        Box::new(JobSlotMigration),
     ]
 }
 
@@ -177,5 +184,6 @@ pub async fn create_tables(db: &impl ConnectionTrait) -> Result<(), DbErr> {
     marker_age::create_age_index(db).await?;
     periodic::create_periodic_table(db).await?;
     job_cancel::create_job_cancel_table(db).await?;
-    worker_kind::create_worker_kind_table(db).await
+    worker_kind::create_worker_kind_table(db).await?;
+    job_slot::create_job_slot_table(db).await
 }

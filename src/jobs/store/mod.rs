@@ -5,6 +5,7 @@ mod cancel;
 mod finish;
 mod insert;
 mod lease;
+mod slot;
 mod sweep;
 mod take;
 mod workers;
@@ -14,6 +15,7 @@ pub(crate) use cancel::{Found, cancel, forget_finished, is_cancelled, look, requ
 pub(crate) use finish::{complete, failed, promote};
 pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 pub(crate) use lease::{claim, extend, hold, reclaim};
+pub(crate) use slot::{Tokens, acquire, forget_unused, leased_now, make_missing};
 pub(crate) use sweep::sweep;
 pub(crate) use take::{Taken, take, take_after, take_key};
 pub(crate) use workers::{advertise, taken};

@@ -47,12 +47,14 @@ impl Taken {
 /// two jobs of one key). Rows other workers locked are skipped
 /// (`SKIP LOCKED`; SQLite's `BEGIN IMMEDIATE` already made this the only writer), so a busy
 /// key — its head locked by the worker running it — hands out nothing, and a worker is never
-/// given a job it would wait for. With `chain`, each job's `followed` is read too.
+/// given a job it would wait for. With `chain`, each job's `followed` is read too. Jobs of the
+/// keys hashed in `skip_keys` are passed over (over a limit of their key: `jobs/limit.rs`).
 pub(crate) async fn take(
     txn: &impl ConnectionTrait,
     kinds: &[Vec<u8>],
     limit: u32,
     chain: bool,
+    skip_keys: &[Vec<u8>],
 ) -> Result<Vec<Taken>, DbErr> {
     // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
     // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
@@ -63,7 +65,7 @@ pub(crate) async fn take(
         limit,
         chain,
     };
-    lock_due(txn, &scan, kinds, Vec::new()).await
+    lock_due(txn, &scan, kinds, Vec::new(), skip_keys).await
 }
 
 /// Locks the next job of key `key_hash` (its SHA-256) to run, if it is due and its key's head:
@@ -83,7 +85,7 @@ pub(crate) async fn take_key(
         chain,
     };
     let values = vec![Value::Bytes(Some(key_hash.to_vec()))];
-    lock_due(txn, &scan, kinds, values).await
+    lock_due(txn, &scan, kinds, values, &[]).await
 }
 
 /// Locks the jobs of key `key_hash` (its SHA-256) that come right after job `after` — up to
@@ -155,18 +157,26 @@ struct Scan {
 }
 
 /// Locks the due jobs of `kinds` that `scan` finds (`values` fill its placeholders), skipping
-/// locked rows. A worker with no kinds takes nothing.
+/// locked rows and the keys hashed in `skip_keys`. A worker with no kinds takes nothing.
 async fn lock_due(
     txn: &impl ConnectionTrait,
     scan: &Scan,
     kinds: &[Vec<u8>],
     mut values: Vec<Value>,
+    skip_keys: &[Vec<u8>],
 ) -> Result<Vec<Taken>, DbErr> {
     if kinds.is_empty() {
         return Ok(Vec::new());
     }
     values.extend(kinds.iter().map(|kind| Value::Bytes(Some(kind.clone()))));
-    let of_kinds = of_kinds(kinds);
+    let mut of_kinds = of_kinds(kinds);
+    if !skip_keys.is_empty() {
+        let marks = vec!["?"; skip_keys.len()].join(", ");
+        of_kinds.push_str(&format!(
+            " AND (j.key_hash IS NULL OR j.key_hash NOT IN ({marks}))"
+        ));
+        values.extend(skip_keys.iter().map(|key| Value::Bytes(Some(key.clone()))));
+    }
     let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let skip = for_update_skip_locked(backend);
