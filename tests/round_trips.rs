@@ -685,6 +685,56 @@ async fn a_hot_keys_chain_sends_nothing_between_its_jobs() {
     );
 }
 
+/// A hot key's leased jobs: each finish claims the key's next job in its own transaction and
+/// completes its job under the claim (no look at the claim first), so the key's jobs send one
+/// transaction each — `BEGIN`, the completion, the next job's take and claim, `COMMIT` —
+/// instead of a take's four and a finish's four.
+#[tokio::test]
+async fn a_hot_keys_leased_jobs_send_one_transaction_each() {
+    use freshlock::jobs::{self, Job, Jobs, Lease, NewJob, RetryPolicy, Worker};
+    let Some(db) = servers::postgres("round_trips_leased_chain").await else {
+        return;
+    };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let handlers = Jobs::new().handle_leased(
+        "render",
+        RetryPolicy::default(),
+        Duration::from_secs(30),
+        |job: Job<u32>, _lease: Lease| async move { Ok(job.payload) },
+        async |_tx: &freshlock::Tx, _job: Job<u32>, _: &u32| Ok(()),
+    );
+    let worker = Worker::new(Session::new(pool.clone()), handlers);
+    let mut sent = Vec::new();
+    for _ in 0..2 {
+        for i in 0..8u32 {
+            let job = NewJob::new("render", &i).unwrap().key("hot");
+            jobs::enqueue(&db.db, job).await.unwrap();
+        }
+        let before = proxy.round_trips();
+        let runs = worker.run_until_idle().await.unwrap();
+        assert_eq!(runs.len(), 8);
+        assert!(
+            runs.iter()
+                .all(|r| r.outcome == jobs::JobOutcome::Completed)
+        );
+        let mut ids: Vec<i64> = runs.iter().map(|r| r.id).collect();
+        let in_order = ids.windows(2).all(|pair| pair[0] < pair[1]);
+        ids.dedup();
+        assert!(in_order && ids.len() == 8, "each job once, in order");
+        sent.push(proxy.round_trips() - before);
+    }
+    // The second time: the first take's four, seven finishes that claim the next job (five
+    // each), the last finish's three, then the last looks (three or four, and the sweep's and
+    // the lease reclaim's one each when a second went by). A take and a finish per job sent
+    // eight per job: 64.
+    let chained = 4 + 7 * 5 + 3;
+    assert!(
+        (chained + 3..=chained + 6).contains(&sent[1]),
+        "{sent:?} statements for 8 leased jobs of one key"
+    );
+}
+
 /// The statements of a job's run, as a guard on the queue's hot path: `BEGIN`, the take, the
 /// completion (which also returns the commit's evidence) and `COMMIT` — the handler runs in the
 /// job's transaction itself, with no `SAVEPOINT`/`RELEASE` pair; a keyed job readies its key's

@@ -7,12 +7,12 @@ use super::{
     JobFailure, JobOutcome, JobRun,
     job::Raw,
     kinds::Kind,
-    leased::Finishing,
+    leased::{Claimed, Finishing},
     retry::decide,
     step::{Did, Ended, Failed, JobStep, Measured, Ran, Start, waited},
     store,
 };
-use crate::db::deadline::Bounded;
+use crate::{db::deadline::Bounded, lock::holder::new_token};
 
 impl JobStep<'_> {
     /// Finishes a leased job whose work ended, if its claim still holds: runs its finish (when
@@ -25,34 +25,13 @@ impl JobStep<'_> {
         let claim = &finishing.claim;
         let kind_name = claim.kind_name();
         let bounded = Bounded::new(&txn, self.cx.reply());
-        let held = store::hold(&bounded, claim.id, &claim.owner).await;
-        let held = match held {
-            Ok(held) => held,
-            Err(e) => return (txn, Err(("checking the claim on a job of", e))),
-        };
-        if !held {
-            let outcome = match store::is_cancelled(&bounded, claim.id).await {
-                Ok(true) => JobOutcome::Cancelled,
-                Ok(false) => {
-                    warn!("the job's lease expired and was taken over: its finish is refused");
-                    JobOutcome::LeaseLost
-                }
-                Err(e) => return (txn, Err(("checking the claim on a job of", e))),
-            };
-            self.measured.push(Measured {
-                kind: kind_name.clone(),
-                outcome: outcome.name(),
-                waited: waited(claim.waited),
-                ran: finishing.ran,
-                ended_on: None,
-            });
-            let runs = vec![JobRun {
-                id: claim.id,
-                kind: kind_name,
-                attempt: claim.attempt,
-                outcome,
-            }];
-            return (txn, Ok(Did::Nothing(runs)));
+        // A work that succeeded is finished without a look at the claim first: the completion
+        // itself requires it (`owner`), and a finish that finds it gone rolls back and runs
+        // again with this look (`JobStep::recheck`) — one round trip less per job. A failed
+        // work records its failure only after the look.
+        let checked = self.recheck || finishing.worked.is_err();
+        if checked && let Some(unheld) = self.unheld(&bounded, finishing).await {
+            return (txn, unheld);
         }
         let started = tokio::time::Instant::now();
         let kind = self.cx.kind(&claim.kind);
@@ -90,6 +69,15 @@ impl JobStep<'_> {
                 (txn, (JobOutcome::Failed(failure), Vec::new()))
             }
         };
+        // A failure is recorded only under the claim (see above).
+        if !checked && outcome != JobOutcome::Completed {
+            let bounded = Bounded::new(&txn, self.cx.reply());
+            match store::hold(&bounded, claim.id, &claim.owner).await {
+                Ok(true) => {}
+                Ok(false) => return (txn, Ok(Did::Unheld)),
+                Err(e) => return (txn, Err(("checking the claim on a job of", e))),
+            }
+        }
         let ended = Ended {
             id: claim.id,
             kind: kind_name,
@@ -102,5 +90,93 @@ impl JobStep<'_> {
             span: None,
         };
         (txn, Ok(Did::Ended(vec![ended])))
+    }
+
+    /// Claims the next job of key `key` (its SHA-256), which this finish readied, when it is of
+    /// a leased kind this worker runs (without limits, which a take of its own admits) and has
+    /// attempts left: in the finish's transaction, so a hot key's next work starts as soon as
+    /// this commits — one commit per job instead of a finish's and a take's. Its work runs after
+    /// the commit (`lease.rs`); a finish that rolls back takes its claim with it.
+    pub(super) async fn claim_following(
+        &mut self,
+        txn: &DatabaseTransaction,
+        key: &[u8],
+    ) -> std::result::Result<(), Failed> {
+        let kinds: Vec<Vec<u8>> = (self.cx.kinds().iter())
+            .filter(|kind| self.cx.is_leased(kind) && self.cx.limits(kind).is_empty())
+            .cloned()
+            .collect();
+        if kinds.is_empty() {
+            return Ok(());
+        }
+        let db = Bounded::new(txn, self.cx.reply());
+        let taken = (store::take_key(&db, &kinds, key, false).await)
+            .map_err(|e| ("taking the next job of a key in", e))?;
+        for taken in taken {
+            let Some(kind) = self.cx.kind(&taken.kind) else {
+                continue;
+            };
+            let Some((leased, policy)) = kind.leased() else {
+                continue;
+            };
+            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
+            if attempt > policy.max_attempts {
+                // Left for a take, which fails it (its lease expired on every attempt).
+                continue;
+            }
+            let owner = new_token();
+            let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
+            (store::claim(&db, taken.id, attempts, &owner, leased.lease).await)
+                .map_err(|e| ("claiming a job of", e))?;
+            self.claimed.push(Claimed {
+                id: taken.id,
+                kind: taken.kind,
+                key: taken.key,
+                payload: taken.payload,
+                attempt,
+                owner,
+                lease: leased.lease,
+                waited: taken.waited,
+            });
+        }
+        Ok(())
+    }
+
+    /// Looks at the claim of `finishing`'s job (locking its row while it holds): `None` while
+    /// it holds, else what the finish reports — its lease lost, or the job cancelled.
+    async fn unheld(
+        &mut self,
+        db: &Bounded<'_, DatabaseTransaction>,
+        finishing: &Finishing,
+    ) -> Option<std::result::Result<Did, Failed>> {
+        let claim = &finishing.claim;
+        match store::hold(db, claim.id, &claim.owner).await {
+            Ok(true) => return None,
+            Ok(false) => {}
+            Err(e) => return Some(Err(("checking the claim on a job of", e))),
+        }
+        let outcome = match store::is_cancelled(db, claim.id).await {
+            Ok(true) => JobOutcome::Cancelled,
+            Ok(false) => {
+                warn!("the job's lease expired and was taken over: its finish is refused");
+                JobOutcome::LeaseLost
+            }
+            Err(e) => return Some(Err(("checking the claim on a job of", e))),
+        };
+        let kind = claim.kind_name();
+        self.measured.push(Measured {
+            kind: kind.clone(),
+            outcome: outcome.name(),
+            waited: waited(claim.waited),
+            ran: finishing.ran,
+            ended_on: None,
+        });
+        let runs = vec![JobRun {
+            id: claim.id,
+            kind,
+            attempt: claim.attempt,
+            outcome,
+        }];
+        Some(Ok(Did::Nothing(runs)))
     }
 }

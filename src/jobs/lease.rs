@@ -3,10 +3,14 @@
 //!
 //! The claim commits with the take (`store::claim`): the job is `LEASED`, its key busy. The
 //! work runs with no transaction and no connection held; every third of the lease a heartbeat
-//! moves the expiry on (`store::extend`). The finish runs on the engine like any job: it locks
-//! the job's row only if the claim still holds (`store::hold`), runs the kind's finish and
-//! completes the job in the same commit (a failing finish rolls back, as any handler). A worker that stops, hangs or loses the
-//! database lets its lease expire; any worker then makes the job wait again (`store::reclaim`,
+//! moves the expiry on (`store::extend`). The finish runs on the engine like any job: it runs
+//! the kind's finish and completes the job in the same commit only under the claim (the
+//! completing `UPDATE` requires the claim's owner; a finish that finds it gone rolls back and
+//! reports why after a look at the claim, `store::hold`; a failed work or finish looks first),
+//! and a failing finish rolls back, as any handler. In a worker's run loop the finish also
+//! claims the key's next job when it is leased (`JobStep::claim_following`): a hot key's
+//! leased jobs cost one transaction each, and this task runs the next one's work at once.
+//! A worker that stops, hangs or loses the database lets its lease expire; any worker then makes the job wait again (`store::reclaim`,
 //! at most once a second per worker) and it runs again — a late finish of the old claim is
 //! refused ([`JobOutcome::LeaseLost`]) and rolled back, so the effects committed are those of
 //! one attempt. What the work does outside the database runs at least once per attempt.
@@ -27,25 +31,30 @@ use super::{
 use crate::{db::deadline::within, error::Result};
 
 /// Runs claimed jobs' work, then their finishes: one after another for one job, side by side
-/// (a task each) for several.
-pub(super) async fn run_all(cx: &Context, claimed: Vec<Claimed>) -> Result<Vec<JobRun>> {
+/// (a task each) for several. With `chain`, each goes on with the next jobs of its key that its
+/// finishes claim.
+pub(super) async fn run_all(
+    cx: &Context,
+    claimed: Vec<Claimed>,
+    chain: bool,
+) -> Result<Vec<JobRun>> {
     if claimed.len() <= 1 {
         let mut runs = Vec::new();
         for claim in claimed {
-            runs.push(run(cx, claim).await?);
+            runs.extend(run(cx, claim, chain).await?);
         }
         return Ok(runs);
     }
     let mut tasks = tokio::task::JoinSet::new();
     for claim in claimed {
         let cx = cx.clone();
-        tasks.spawn(async move { run(&cx, claim).await });
+        tasks.spawn(async move { run(&cx, claim, chain).await });
     }
     let mut runs = Vec::new();
     let mut failed = None;
     while let Some(joined) = tasks.join_next().await {
         match joined {
-            Ok(Ok(run)) => runs.push(run),
+            Ok(Ok(ran)) => runs.extend(ran),
             Ok(Err(error)) => failed = failed.or(Some(error)),
             // A finish is never cut short by a panic (handlers' panics are caught); a task can
             // only end so with the runtime shutting down. The job's lease expires.
@@ -61,8 +70,22 @@ pub(super) async fn run_all(cx: &Context, claimed: Vec<Claimed>) -> Result<Vec<J
     }
 }
 
-/// Works claimed job `claim` with a heartbeat, then finishes it.
-async fn run(cx: &Context, claim: Claimed) -> Result<JobRun> {
+/// Works claimed job `claim` with a heartbeat, then finishes it; and so on with the next job
+/// of its key while each finish claims it (`JobStep::claim_following`): their runs, in order.
+async fn run(cx: &Context, claim: Claimed, chain: bool) -> Result<Vec<JobRun>> {
+    let mut runs = Vec::new();
+    let mut next = Some(claim);
+    while let Some(claim) = next {
+        let (run, claimed) = run_one(cx, claim, chain).await?;
+        runs.push(run);
+        next = claimed;
+    }
+    Ok(runs)
+}
+
+/// Works claimed job `claim` with a heartbeat, then finishes it: its run, and the job its
+/// finish claimed next.
+async fn run_one(cx: &Context, claim: Claimed, chain: bool) -> Result<(JobRun, Option<Claimed>)> {
     let kind = claim.kind_name();
     let span = info_span!("freshlock.job", id = claim.id, kind = %kind, attempt = claim.attempt, outcome = tracing::field::Empty);
     let started = tokio::time::Instant::now();
@@ -71,11 +94,12 @@ async fn run(cx: &Context, claim: Claimed) -> Result<JobRun> {
         claim,
         worked,
         ran: started.elapsed(),
+        chain,
     };
-    let run = step::run_step(cx, Source::Finish(&finishing))
+    let stepped = step::run_step(cx, Source::Finish(&finishing))
         .instrument(span.clone())
-        .await?
-        .runs;
+        .await?;
+    let run = stepped.runs;
     // The finish always reports its job; this only guards that.
     let run = run.into_iter().next().ok_or_else(|| {
         let missing = sea_orm::DbErr::Custom("the finish reported no job".to_owned());
@@ -86,7 +110,7 @@ async fn run(cx: &Context, claim: Claimed) -> Result<JobRun> {
         )
     })?;
     span.record("outcome", run.outcome.name());
-    Ok(run)
+    Ok((run, stepped.claimed.into_iter().next()))
 }
 
 /// Runs `claim`'s work, beating its heartbeat every third of the lease.

@@ -89,9 +89,10 @@ impl JobStep<'_> {
             });
         }
         // The next job of each key whose job finished here may run once this commits; a
-        // worker that ran one job follows its key (see `Source::Take`).
+        // worker that ran one job follows its key (see `Source::Take`), a leased job's finish
+        // claims it when it is leased too (`finish.rs`).
         let single = match (&self.source, finished_keys.as_slice()) {
-            (Source::Take { limit: 1, .. }, [key]) => Some(key.clone()),
+            (Source::Take { limit: 1, .. } | Source::Finish(_), [key]) => Some(key.clone()),
             _ => None,
         };
         let (evidence, readied) = if completed.is_empty() {
@@ -140,8 +141,18 @@ impl JobStep<'_> {
             _ => None,
         };
         let stamps = stamped.as_ref().map(|s| s.exprs());
-        let done =
-            (store::complete(txn, completed, stamps, promote).await).map_err(|e| (OPERATION, e))?;
+        // A leased job's finish completes it only under its claim (see `finish.rs`).
+        let owner = match &self.source {
+            Source::Finish(finishing) => Some(finishing.claim.owner.as_str()),
+            Source::Take { .. } => None,
+        };
+        let done = (store::complete(txn, completed, stamps, promote, owner).await)
+            .map_err(|e| (OPERATION, e))?;
+        if done.done < completed.len() as u64 && owner.is_some() {
+            // The claim is gone: roll back; the next attempt looks at it first and says why.
+            self.recheck = true;
+            return Ok(None);
+        }
         if done.done < completed.len() as u64 {
             self.cancelling = (store::requested(txn, completed).await)
                 .map_err(|e| ("reading the requests to stop jobs of", e))?;

@@ -54,6 +54,7 @@ pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped
         savepoints: false,
         spoiled: HashMap::new(),
         cancelling: Vec::new(),
+        recheck: false,
     };
     let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
     Ok(Stepped {
@@ -104,6 +105,9 @@ pub(super) struct JobStep<'w> {
     /// Jobs whose completion found a request to stop them ([`crate::jobs::cancel`]): the
     /// transaction that ran them rolled back, and the next attempt cancels them (`cancel.rs`).
     pub(super) cancelling: Vec<JobId>,
+    /// A leased job's finish found its claim gone at the completion (`finish.rs`): the
+    /// transaction rolled back, and the next attempt checks the claim first and reports why.
+    pub(super) recheck: bool,
 }
 
 pub(super) type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
@@ -125,6 +129,9 @@ pub(super) enum Did {
     /// A handler that ran without a savepoint failed (see `JobStep::spoiled`): the
     /// transaction rolls back and the attempt runs again.
     Spoiled,
+    /// A leased job's claim did not hold when its finish wrote (see `JobStep::recheck`): the
+    /// transaction rolls back and the attempt runs again, checking the claim first.
+    Unheld,
 }
 
 /// A job whose attempt ended in this transaction, to record there.
@@ -168,6 +175,10 @@ impl Step for JobStep<'_> {
                 self.savepoints = true;
                 return (txn, Worked::Undone(Tried::Uncounted));
             }
+            Ok(Did::Unheld) => {
+                self.recheck = true;
+                return (txn, Worked::Undone(Tried::Uncounted));
+            }
             Ok(Did::Ended(ended)) if !ended.is_empty() || !self.claimed.is_empty() => ended,
             Ok(Did::Ended(_)) => Vec::new(),
             Ok(Did::Nothing(runs)) => {
@@ -180,10 +191,19 @@ impl Step for JobStep<'_> {
             }
             Err(failed) => return undone(txn, failed),
         };
-        match self.record(&txn, ended).await {
-            Ok(worked) => (txn, worked),
-            Err(failed) => undone(txn, failed),
+        let worked = match self.record(&txn, ended).await {
+            Ok(worked) => worked,
+            Err(failed) => return undone(txn, failed),
+        };
+        // A leased job's finish that readied its key's next job claims it when it can.
+        if matches!(self.source, Source::Finish(finishing) if finishing.chain)
+            && matches!(worked, Worked::Write { .. })
+            && let Some(key) = self.follow.take()
+            && let Err(failed) = self.claim_following(&txn, &key).await
+        {
+            return undone(txn, failed);
         }
+        (txn, worked)
     }
 
     fn lease_lost(&mut self) -> Vec<JobRun> {

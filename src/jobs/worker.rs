@@ -200,7 +200,7 @@ impl Worker {
                 [only] if chain => only.key.as_ref().map(store::hash),
                 _ => None,
             };
-            let finished = lease::run_all(&self.cx, claimed).await?;
+            let finished = lease::run_all(&self.cx, claimed, chain).await?;
             if finished
                 .iter()
                 .all(|run| run.outcome == JobOutcome::Completed)
