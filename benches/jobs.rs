@@ -100,14 +100,19 @@ async fn main() {
                 (4, 256, 20_000),
                 (8, 256, 20_000),
             ] {
-                no_ops(&db, scaled(n), workers, batch).await;
+                no_ops(&db, scaled(n), workers, batch, false).await;
+            }
+            // Leased: claimed in the take's transaction, worked outside any, finished in one
+            // of its own each.
+            for (workers, batch, n) in [(8, 1, 5_000), (4, 64, 20_000)] {
+                no_ops(&db, scaled(n), workers, batch, true).await;
             }
         }
         if only("w2") {
             for _ in 0..runs() {
-                for locked in [false, true] {
+                for form in [Form::Update, Form::Locked, Form::Leased] {
                     for batch in [1, 32] {
-                        updates(&db, scaled(5_000), 8, batch, locked).await;
+                        updates(&db, scaled(5_000), 8, batch, form).await;
                     }
                 }
             }
@@ -212,22 +217,58 @@ fn row(workload: &str, workers: usize, batch: u32, n: usize, seconds: f64) {
     );
 }
 
-/// W1: no-op jobs.
-async fn no_ops(db: &DatabaseConnection, n: usize, workers: usize, batch: u32) {
+/// W1: no-op jobs, in the take's transaction or (`leased`) claimed, worked and finished.
+async fn no_ops(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, leased: bool) {
     fill(db, n, |_| NewJob::new("noop", &()).unwrap()).await;
-    let handlers = Jobs::new().handle(
-        "noop",
-        RetryPolicy::default(),
-        async |_tx: &Tx, _job: Job<()>| Ok(()),
-    );
+    let policy = RetryPolicy::default();
+    let handlers = if leased {
+        Jobs::new().handle_leased(
+            "noop",
+            policy,
+            Duration::from_secs(30),
+            |_job: Job<()>, _lease| async { Ok(()) },
+            async |_tx: &Tx, _job: Job<()>, _: &()| Ok(()),
+        )
+    } else {
+        Jobs::new().handle("noop", policy, async |_tx: &Tx, _job: Job<()>| Ok(()))
+    };
     let (seconds, _) = drain(db, handlers, workers, batch, n).await;
-    row("W1 no-op", workers, batch, n, seconds);
+    let name = if leased {
+        "W1 no-op, leased"
+    } else {
+        "W1 no-op"
+    };
+    row(name, workers, batch, n, seconds);
+}
+
+/// How a W2 job adds its one.
+#[derive(Clone, Copy, PartialEq)]
+enum Form {
+    /// A plain `UPDATE` in the job's transaction.
+    Update,
+    /// As a locked update does it, in the job's transaction.
+    Locked,
+    /// A leased job's finish runs the `UPDATE` (its work does nothing).
+    Leased,
+}
+
+/// The `UPDATE` of W2: node `node`'s score plus one.
+async fn bump(tx: &Tx, node: i32) -> Result<(), freshlock::ApplyError> {
+    let backend = tx.get_database_backend();
+    let sql = if backend == sea_orm::DbBackend::Postgres {
+        "UPDATE node SET score = score + 1 WHERE id = $1"
+    } else {
+        "UPDATE node SET score = score + 1 WHERE id = ?"
+    };
+    tx.execute_raw(Statement::from_sql_and_values(backend, sql, [node.into()]))
+        .await?;
+    Ok(())
 }
 
 /// W2: each job adds one to a row, in the job's transaction: by a plain `UPDATE`, or (`locked`)
 /// as a locked update does it — the row read locked and only its changed column saved, guarded
 /// (`TxRepository::load_locked`, then `save`).
-async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, locked: bool) {
+async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, form: Form) {
     db.execute_unprepared("UPDATE node SET score = 0")
         .await
         .expect("reset");
@@ -236,43 +277,42 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, 
         NewJob::new("bump", &((i % rows) as i32 + 1)).unwrap()
     })
     .await;
-    let handlers = Jobs::new().handle(
-        "bump",
-        RetryPolicy::default(),
-        jobs::handler(move |tx, job: Job<i32>| {
-            Box::pin(async move {
-                if locked {
+    let handlers = match form {
+        Form::Leased => Jobs::new().handle_leased(
+            "bump",
+            RetryPolicy::default(),
+            Duration::from_secs(30),
+            |job: Job<i32>, _lease| async move { Ok(job.payload) },
+            async |tx: &Tx, _job: Job<i32>, node: &i32| bump(tx, *node).await,
+        ),
+        Form::Update => Jobs::new().handle(
+            "bump",
+            RetryPolicy::default(),
+            async |tx: &Tx, job: Job<i32>| bump(tx, job.payload).await,
+        ),
+        Form::Locked => Jobs::new().handle(
+            "bump",
+            RetryPolicy::default(),
+            jobs::handler(move |tx, job: Job<i32>| {
+                Box::pin(async move {
                     let nodes = tx.repository::<node::Entity>();
                     let found = nodes.load_locked(job.payload, ForUpdate::Wait).await?;
                     let found = found.ok_or_else(|| freshlock::ApplyError::msg("no such node"))?;
                     let mut model = (*found).clone().into_active_model();
                     model.score = Set(Some(found.score.unwrap_or(0) + 1));
-                    return match nodes.save(model).await? {
+                    match nodes.save(model).await? {
                         SaveOutcome::Updated(_) => Ok(()),
                         other => Err(freshlock::ApplyError::msg(format!("not saved: {other:?}"))),
-                    };
-                }
-                let backend = tx.get_database_backend();
-                let sql = if backend == sea_orm::DbBackend::Postgres {
-                    "UPDATE node SET score = score + 1 WHERE id = $1"
-                } else {
-                    "UPDATE node SET score = score + 1 WHERE id = ?"
-                };
-                tx.execute_raw(Statement::from_sql_and_values(
-                    backend,
-                    sql,
-                    [job.payload.into()],
-                ))
-                .await?;
-                Ok(())
-            })
-        }),
-    );
+                    }
+                })
+            }),
+        ),
+    };
     let (seconds, _) = drain(db, handlers, workers, batch, n).await;
-    let name = if locked {
-        "W2 one locked update each"
-    } else {
-        "W2 one update each"
+    let name = match form {
+        Form::Update => "W2 one update each",
+        Form::Locked => "W2 one locked update each",
+        Form::Leased => "W2 one update each, leased (in the finish)",
     };
     row(name, workers, batch, n, seconds);
     println!("  (on {rows} rows)");
