@@ -54,6 +54,8 @@ static ALLOCATOR: Counting = Counting;
 // ---------------------------------------------------------------- helpers
 
 mod common;
+#[path = "../tests/common/delay.rs"]
+mod delay;
 
 use common::{database, four_statements, hand_written, increment};
 use workload::{drupal, percentile_ms};
@@ -573,7 +575,21 @@ async fn main() {
     }
     if wants("floor") {
         match postgres.as_deref() {
-            Some(url) => pgbench_floor(url, redis.as_deref()).await,
+            Some(url) => match link_delays() {
+                None => pgbench_floor(url, redis.as_deref()).await,
+                // The same floor through a link with latency, pgbench and every row alike.
+                Some(delays) => {
+                    for one_way in delays {
+                        let proxy = delay::DelayProxy::start(delay::target(url), one_way)
+                            .expect("the delay proxy");
+                        println!(
+                            "\n### Through a link of {} µs each way (`FRESHLOCK_BENCH_DELAY_US`)",
+                            one_way.as_micros()
+                        );
+                        pgbench_floor(&proxy.url(url), redis.as_deref()).await;
+                    }
+                }
+            },
             None => println!(
                 "\n(pgbench floor: skipped: DATABASE_URL_POSTGRES is not set, or the bench was \
                  built without the postgres feature)"
@@ -587,6 +603,19 @@ async fn main() {
 }
 
 // ---------------------------------------------------------------- 7. the pgbench floor
+
+/// `FRESHLOCK_BENCH_DELAY_US=0,1000`: run the floor through a delay proxy (`tests/common/delay.rs`)
+/// adding each of these one-way delays in turn, pgbench included; unset, straight to the server.
+/// (Redis, for the `redis` row, is reached directly.)
+fn link_delays() -> Option<Vec<Duration>> {
+    let list = std::env::var("FRESHLOCK_BENCH_DELAY_US").ok()?;
+    let delays = list
+        .split(',')
+        .filter_map(|us| us.trim().parse::<u64>().ok())
+        .map(Duration::from_micros)
+        .collect::<Vec<_>>();
+    (!delays.is_empty()).then_some(delays)
+}
 
 /// The four statements of the floor, as pgbench runs them (`-M prepared`, one client or 16).
 const FLOOR_SCRIPT: &str = "\\set id 2\n\
