@@ -7,12 +7,12 @@ use super::{
     JobFailure, JobOutcome, JobRun,
     job::Raw,
     kinds::Kind,
-    leased::{Claimed, Finishing},
+    leased::Finishing,
     retry::decide,
     step::{Did, Ended, Failed, JobStep, Measured, Ran, Start, waited},
     store,
 };
-use crate::{db::deadline::Bounded, lock::holder::new_token};
+use crate::db::deadline::Bounded;
 
 impl JobStep<'_> {
     /// Finishes a leased job whose work ended, if its claim still holds: runs its finish (when
@@ -124,20 +124,8 @@ impl JobStep<'_> {
                 // Left for a take, which fails it (its lease expired on every attempt).
                 continue;
             }
-            let owner = new_token();
-            let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
-            (store::claim(&db, taken.id, attempts, &owner, leased.lease).await)
+            (self.claim(&db, taken, attempt, leased.lease).await)
                 .map_err(|e| ("claiming a job of", e))?;
-            self.claimed.push(Claimed {
-                id: taken.id,
-                kind: taken.kind,
-                key: taken.key,
-                payload: taken.payload,
-                attempt,
-                owner,
-                lease: leased.lease,
-                waited: taken.waited,
-            });
         }
         Ok(())
     }

@@ -122,6 +122,31 @@ impl JobStep<'_> {
         (txn, Ok(Did::Ended(ended)))
     }
 
+    /// Claims `taken` (its row locked by this transaction) for `attempt` under a lease of
+    /// `lease`: its work runs once the transaction commits (`self.claimed`).
+    pub(super) async fn claim(
+        &mut self,
+        db: &impl sea_orm::ConnectionTrait,
+        taken: store::Taken,
+        attempt: u32,
+        lease: std::time::Duration,
+    ) -> std::result::Result<(), sea_orm::DbErr> {
+        let owner = new_token();
+        let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
+        store::claim(db, taken.id, attempts, &owner, lease).await?;
+        self.claimed.push(Claimed {
+            id: taken.id,
+            kind: taken.kind,
+            key: taken.key,
+            payload: taken.payload,
+            attempt,
+            owner,
+            lease,
+            waited: taken.waited,
+        });
+        Ok(())
+    }
+
     /// Whether a job of `kind` may run in a chain. A leased kind's job is claimed by a take of
     /// its own, once the key's promotion made it ready; a limited kind's job takes its tokens
     /// in a take of its own: a chain runs in-transaction kinds without limits only.
@@ -165,24 +190,11 @@ impl JobStep<'_> {
                         (JobOutcome::Failed(failure), Vec::new())
                     }
                     Runs::Leased(leased) => {
-                        let owner = new_token();
-                        let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
                         let bounded = Bounded::new(&txn, reply);
-                        let claim =
-                            store::claim(&bounded, taken.id, attempts, &owner, leased.lease);
+                        let claim = self.claim(&bounded, taken, attempt, leased.lease);
                         if let Err(e) = claim.await {
                             return (txn, Err(("claiming a job of", e)));
                         }
-                        self.claimed.push(Claimed {
-                            id: taken.id,
-                            kind: taken.kind,
-                            key: taken.key,
-                            payload: taken.payload,
-                            attempt,
-                            owner,
-                            lease: leased.lease,
-                            waited: taken.waited,
-                        });
                         continue;
                     }
                     Runs::InTx(run) => {
