@@ -49,7 +49,7 @@ users need."]
 //   (`leased.rs`, `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`),
 //   wake-ups, what the queue holds (`query.rs`), what an operator does to it (`admin.rs`) and
 //   cancelling (`cancel.rs`: the call, and the step's half), limits (`limit.rs`: what a
-//   limit is, and the take's admission of jobs under them), stored states (`state.rs`) and the
+//   limit is; `admit.rs`: the take's admission of jobs under them), stored states (`state.rs`) and the
 //   table's statements (`store/`). It runs on `write/`'s engine.
 // - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
 //   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or

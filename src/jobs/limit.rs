@@ -1,16 +1,9 @@
 //! Limits on a kind's jobs ([`Limit`]): how many run at once, how many start per period — per
-//! kind, or per key — enforced by the take without ever making a worker wait.
+//! kind, or per key. The take enforces them (`admit.rs`) without ever making a worker wait.
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DbErr};
-use tracing::{debug, warn};
-
-use super::{
-    context::Context,
-    store::{self, Taken, Tokens},
-};
-use crate::{db::autocommit::autocommit, lock::sql::millis};
+use super::store;
 
 /// A limit on the jobs of one kind, across every worker and process that shares the job table
 /// ([`Jobs::limit`](super::Jobs::limit)). A job over its kind's limit **stays waiting** and the
@@ -50,10 +43,10 @@ use crate::{db::autocommit::autocommit, lock::sql::millis};
 /// # let _ = jobs;
 /// ```
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Limit(Bound);
+pub struct Limit(pub(super) Bound);
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum Bound {
+pub(super) enum Bound {
     Running(u32),
     Rate {
         jobs: u32,
@@ -97,12 +90,12 @@ impl Limit {
 
     /// Whether the limit holds tokens for as long as a job runs (taken before the rates, which
     /// use theirs up).
-    fn held(&self) -> bool {
+    pub(super) fn held(&self) -> bool {
         matches!(self.0, Bound::Running(_))
     }
 
     /// The limit's scope for a job of `kind` with key `key`: the SHA-256 of what it counts.
-    fn scope(&self, kind: &[u8], key: Option<&[u8]>) -> Vec<u8> {
+    pub(super) fn scope(&self, kind: &[u8], key: Option<&[u8]>) -> Vec<u8> {
         let (tag, key) = match self.0 {
             Bound::Running(_) => (b'r', None),
             Bound::Rate { per_key: false, .. } => (b't', None),
@@ -120,116 +113,7 @@ impl Limit {
     }
 
     /// Whether a refusal by this limit concerns the job's key only.
-    fn per_key(&self, key: Option<&[u8]>) -> bool {
+    pub(super) fn per_key(&self, key: Option<&[u8]>) -> bool {
         matches!(self.0, Bound::Rate { per_key: true, .. }) && key.is_some()
     }
-}
-
-/// Makes the tokens of the limits of the worker's kinds that every job of a kind shares (all
-/// but a per-key rate's keys), in statements of their own: so no take's transaction makes a
-/// row that another take would wait for until the first job's transaction ends. Once per worker
-/// (`Context`); a failure is logged and tried again by the next step.
-pub(super) async fn prepare(cx: &Context) {
-    let made = cx
-        .limits_ready
-        .get_or_try_init(|| async {
-            let db = autocommit(cx.session.pool());
-            for kind in cx.kinds() {
-                for limit in cx.limits(kind) {
-                    let (n, tokens) = match limit.0 {
-                        Bound::Running(n) if cx.is_leased(kind) => (n.min(1), Tokens::Held),
-                        Bound::Running(n) => (n, Tokens::Held),
-                        Bound::Rate { jobs, per, .. } => (jobs, Tokens::Rate(millis(per))),
-                    };
-                    let scope = limit.scope(kind, None);
-                    store::make_missing(&db, &scope, n, tokens).await?;
-                }
-            }
-            Ok::<_, DbErr>(())
-        })
-        .await;
-    if let Err(e) = made {
-        warn!(error = %e, "making the tokens of job limits failed; the next take tries again");
-    }
-}
-
-/// What [`admit`] refused: kinds, and key hashes, that the take passes over when it takes again.
-#[derive(Debug, Default)]
-pub(super) struct Refused {
-    pub(super) kinds: Vec<Vec<u8>>,
-    pub(super) keys: Vec<Vec<u8>>,
-}
-
-impl Refused {
-    pub(super) fn is_empty(&self) -> bool {
-        self.kinds.is_empty() && self.keys.is_empty()
-    }
-}
-
-/// Gets the tokens the limits of the `taken` jobs ask for, in `txn` (the transaction that runs
-/// or claims them), and drops from `taken` the jobs over a limit: they stay waiting, their rows
-/// unchanged. Limits that hold tokens come first, then rates, so a job refused by one does not
-/// use up a rate's token. Jobs without limits cost nothing.
-pub(super) async fn admit(
-    txn: &impl ConnectionTrait,
-    cx: &Context,
-    taken: &mut Vec<Taken>,
-) -> Result<Refused, DbErr> {
-    let mut refused = Refused::default();
-    if taken.iter().all(|job| cx.limits(&job.kind).is_empty()) {
-        return Ok(refused);
-    }
-    let mut ok = vec![true; taken.len()];
-    for held in [true, false] {
-        // Each scope once, with the jobs that want one of its tokens, in take order.
-        let mut scopes: Vec<(Vec<u8>, Limit, Vec<usize>)> = Vec::new();
-        for (i, job) in taken.iter().enumerate() {
-            for limit in cx.limits(&job.kind).iter().filter(|l| l.held() == held) {
-                let scope = limit.scope(&job.kind, job.key.as_deref());
-                match scopes.iter_mut().find(|(s, _, _)| *s == scope) {
-                    Some((_, _, jobs)) => jobs.push(i),
-                    None => scopes.push((scope, *limit, vec![i])),
-                }
-            }
-        }
-        for (scope, limit, jobs) in scopes {
-            let jobs: Vec<usize> = jobs.into_iter().filter(|&i| ok[i]).collect();
-            let Some(&first) = jobs.first() else { continue };
-            let kind = &taken[first].kind;
-            let wanted = u32::try_from(jobs.len()).unwrap_or(u32::MAX);
-            let granted = match limit.0 {
-                Bound::Running(n) if cx.is_leased(kind) => {
-                    // Claims of the kind count the live leases one at a time: the gate token.
-                    if n == 0 || store::acquire(txn, &scope, 1, 1, Tokens::Held).await? == 0 {
-                        0
-                    } else {
-                        n.saturating_sub(store::leased_now(txn, kind).await?)
-                    }
-                }
-                Bound::Running(n) => store::acquire(txn, &scope, n, wanted, Tokens::Held).await?,
-                Bound::Rate { jobs: n, per, .. } => {
-                    let rate = Tokens::Rate(millis(per));
-                    store::acquire(txn, &scope, n, wanted, rate).await?
-                }
-            };
-            for &i in jobs.iter().skip(granted as usize) {
-                ok[i] = false;
-                let job = &taken[i];
-                debug!(id = job.id, limit = ?limit, "job left waiting: over its kind's limit");
-                match job.key.as_deref() {
-                    Some(key) if limit.per_key(Some(key)) => {
-                        refused.keys.push(store::hash(key));
-                    }
-                    _ => refused.kinds.push(job.kind.clone()),
-                }
-            }
-        }
-    }
-    let mut i = 0;
-    taken.retain(|_| {
-        i += 1;
-        ok[i - 1]
-    });
-    refused.kinds.dedup();
-    Ok(refused)
 }

@@ -72,6 +72,7 @@
 //! [`ForUpdate`](crate::ForUpdate) reads).
 
 mod admin;
+mod admit;
 mod attempt;
 mod cancel;
 mod catch;

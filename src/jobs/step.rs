@@ -36,7 +36,7 @@ pub(super) struct Stepped {
 
 /// One attempt of the engine from `source`, run again on a transient failure.
 pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped> {
-    super::limit::prepare(cx).await;
+    super::admit::prepare(cx).await;
     let session = &cx.session;
     let engine = Engine {
         db: session.pool(),

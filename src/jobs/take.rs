@@ -2,11 +2,10 @@
 //! leased kinds claimed; a keyed job's key followed by its next jobs (a chain).
 
 use super::{
-    JobFailure, JobOutcome,
+    JobFailure, JobOutcome, admit,
     job::Raw,
     kinds::Runs,
     leased::Claimed,
-    limit,
     step::{Did, Ended, Failed, JobStep, Ran, Start},
     store,
 };
@@ -58,9 +57,9 @@ impl JobStep<'_> {
                 Ok(found) => found,
                 Err(e) => return (txn, Err(fail(e))),
             };
-            // Jobs over a limit stay waiting (`limit.rs`); when none is left the take looks
+            // Jobs over a limit stay waiting (`admit.rs`); when none is left the take looks
             // again, passing over the kinds and keys at their limits, instead of waiting.
-            let refused = match limit::admit(&bounded, self.cx, &mut taken).await {
+            let refused = match admit::admit(&bounded, self.cx, &mut taken).await {
                 Ok(refused) => refused,
                 Err(e) => return (txn, Err(("taking the limits' tokens for", e))),
             };
