@@ -251,6 +251,25 @@ async fn starts(db: &TestDb) -> Vec<(Option<String>, i64)> {
         .collect()
 }
 
+/// Runs `handlers` on two workers until the `total` jobs enqueued completed (their effects
+/// in the rows) and each ran once: their committed starts, in time order.
+async fn starts_of(db: &TestDb, handlers: &Jobs, total: i64) -> Vec<(Option<String>, i64)> {
+    let (stopper, _) = watch::channel(false);
+    let workers = start(db, handlers, 2, &stopper);
+    until("every job completed", || async {
+        total_score(&db.db).await == total
+    })
+    .await;
+    assert_eq!(
+        stop(workers, &stopper).await,
+        total as u64,
+        "every job ran once"
+    );
+    let starts = starts(db).await;
+    assert_eq!(starts.len() as i64, total, "each job committed once");
+    starts
+}
+
 /// The period of the rates below, and how much earlier than it a start may be seen (the time
 /// between a take's token and its handler's first step).
 const PER: Duration = Duration::from_millis(1000);
@@ -267,15 +286,9 @@ async fn rate_spaces_starts(db: Option<TestDb>) {
     }
     make_starts_table(&db.db).await;
     let handlers = noting(Jobs::new(), "rated").limit("rated", Limit::rate(3, PER));
-    let (stopper, _) = watch::channel(false);
-    let workers = start(&db, &handlers, 2, &stopper);
-    until("every rated job completed", || async {
-        total_score(&db.db).await == 9
-    })
-    .await;
-    assert_eq!(stop(workers, &stopper).await, 9);
-    let at: Vec<i64> = starts(&db).await.into_iter().map(|(_, at)| at).collect();
-    assert_eq!(at.len(), 9, "each job committed once");
+    let at: Vec<i64> = (starts_of(&db, &handlers, 9).await.into_iter())
+        .map(|(_, at)| at)
+        .collect();
     for window in at.windows(4) {
         let span = window[3] - window[0];
         assert!(
@@ -299,15 +312,7 @@ async fn rate_per_key_leaves_other_keys_draining(db: Option<TestDb>) {
     }
     make_starts_table(&db.db).await;
     let handlers = noting(Jobs::new(), "sync").limit("sync", Limit::rate_per_key(1, PER));
-    let (stopper, _) = watch::channel(false);
-    let workers = start(&db, &handlers, 2, &stopper);
-    until("every job completed", || async {
-        total_score(&db.db).await == 13
-    })
-    .await;
-    assert_eq!(stop(workers, &stopper).await, 13);
-    let starts = starts(&db).await;
-    assert_eq!(starts.len(), 13, "each job committed once");
+    let starts = starts_of(&db, &handlers, 13).await;
     let hot: Vec<i64> = (starts.iter())
         .filter(|(key, _)| key.as_deref() == Some("hot"))
         .map(|(_, at)| *at)

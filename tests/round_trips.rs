@@ -632,6 +632,30 @@ async fn job_round_trips(
     sent
 }
 
+/// Enqueues `n` jobs of `kind` keyed `hot` and runs them with `worker` until idle, twice: the
+/// statements each time sent through `proxy`, and the second time's runs (the first prepares
+/// the statements).
+async fn hot_key_round_trips(
+    db: &TestDb,
+    proxy: &Proxy,
+    worker: &freshlock::jobs::Worker,
+    kind: &str,
+    n: u32,
+) -> (Vec<u32>, Vec<freshlock::jobs::JobRun>) {
+    use freshlock::jobs::{self, NewJob};
+    let (mut sent, mut last) = (Vec::new(), Vec::new());
+    for _ in 0..2 {
+        for i in 0..n {
+            let job = NewJob::new(kind, &i).unwrap().key("hot");
+            jobs::enqueue(&db.db, job).await.unwrap();
+        }
+        let before = proxy.round_trips();
+        last = worker.run_until_idle().await.unwrap();
+        sent.push(proxy.round_trips() - before);
+    }
+    (sent, last)
+}
+
 /// A hot key's chain sends nothing between its jobs: 16 jobs of one key, run by a worker that
 /// follows the key, lock the key's next jobs in one statement after the first job and complete
 /// together — `BEGIN`, the take, the chain's take, the completion, `COMMIT` — where a chain
@@ -651,17 +675,8 @@ async fn a_hot_keys_chain_sends_nothing_between_its_jobs() {
         jobs::handler(|_tx, _job: jobs::Job<u32>| Box::pin(async { Ok(()) })),
     );
     let worker = Worker::new(Session::new(pool.clone()), handlers);
-    let mut sent = Vec::new();
-    for _ in 0..2 {
-        for i in 0..16u32 {
-            let job = NewJob::new("noop", &i).unwrap().key("hot");
-            jobs::enqueue(&db.db, job).await.unwrap();
-        }
-        let before = proxy.round_trips();
-        let runs = worker.run_until_idle().await.unwrap();
-        assert_eq!(runs.len(), 16);
-        sent.push(proxy.round_trips() - before);
-    }
+    let (sent, runs) = hot_key_round_trips(&db, &proxy, &worker, "noop", 16).await;
+    assert_eq!(runs.len(), 16);
     // The second time (the first prepares the statements): the chain's five, then the last
     // look's three (and the sweep's one, when a second went by since the first time's). A
     // chain that a slow machine cut at its 100 ms goes on with a transaction of its own: five
@@ -691,7 +706,7 @@ async fn a_hot_keys_chain_sends_nothing_between_its_jobs() {
 /// instead of a take's four and a finish's four.
 #[tokio::test]
 async fn a_hot_keys_leased_jobs_send_one_transaction_each() {
-    use freshlock::jobs::{self, Job, Jobs, Lease, NewJob, RetryPolicy, Worker};
+    use freshlock::jobs::{self, Job, Jobs, Lease, RetryPolicy, Worker};
     let Some(db) = servers::postgres("round_trips_leased_chain").await else {
         return;
     };
@@ -705,25 +720,17 @@ async fn a_hot_keys_leased_jobs_send_one_transaction_each() {
         async |_tx: &freshlock::Tx, _job: Job<u32>, _: &u32| Ok(()),
     );
     let worker = Worker::new(Session::new(pool.clone()), handlers);
-    let mut sent = Vec::new();
-    for _ in 0..2 {
-        for i in 0..8u32 {
-            let job = NewJob::new("render", &i).unwrap().key("hot");
-            jobs::enqueue(&db.db, job).await.unwrap();
-        }
-        let before = proxy.round_trips();
-        let runs = worker.run_until_idle().await.unwrap();
-        assert_eq!(runs.len(), 8);
-        assert!(
-            runs.iter()
-                .all(|r| r.outcome == jobs::JobOutcome::Completed)
-        );
-        let mut ids: Vec<i64> = runs.iter().map(|r| r.id).collect();
-        let in_order = ids.windows(2).all(|pair| pair[0] < pair[1]);
-        ids.dedup();
-        assert!(in_order && ids.len() == 8, "each job once, in order");
-        sent.push(proxy.round_trips() - before);
-    }
+    let (sent, runs) = hot_key_round_trips(&db, &proxy, &worker, "render", 8).await;
+    assert_eq!(runs.len(), 8);
+    assert!(
+        runs.iter()
+            .all(|r| r.outcome == jobs::JobOutcome::Completed)
+    );
+    let ids: Vec<i64> = runs.iter().map(|r| r.id).collect();
+    assert!(
+        ids.windows(2).all(|pair| pair[0] < pair[1]),
+        "each job once, in order"
+    );
     // The second time: the first take's four, seven finishes that claim the next job (five
     // each), the last finish's three, then the last looks (three or four, and the sweep's and
     // the lease reclaim's one each when a second went by). A take and a finish per job sent

@@ -7,9 +7,9 @@ use tracing::{debug, warn};
 use super::{
     context::Context,
     limit::{Bound, Limit},
-    store::{self, Taken, Tokens},
+    store::{self, Taken},
 };
-use crate::{db::autocommit::autocommit, lock::sql::millis};
+use crate::db::autocommit::autocommit;
 
 /// Makes the tokens of the limits of the worker's kinds that every job of a kind shares (all
 /// but a per-key rate's keys), in statements of their own: so no take's transaction makes a
@@ -22,11 +22,7 @@ pub(super) async fn prepare(cx: &Context) {
             let db = autocommit(cx.session.pool());
             for kind in cx.kinds() {
                 for limit in cx.limits(kind) {
-                    let (n, tokens) = match limit.0 {
-                        Bound::Running(n) if cx.is_leased(kind) => (n.min(1), Tokens::Held),
-                        Bound::Running(n) => (n, Tokens::Held),
-                        Bound::Rate { jobs, per, .. } => (jobs, Tokens::Rate(millis(per))),
-                    };
+                    let (n, tokens) = limit.tokens(cx.is_leased(kind));
                     let scope = limit.scope(kind, None);
                     store::make_missing(&db, &scope, n, tokens).await?;
                 }
@@ -83,27 +79,25 @@ pub(super) async fn admit(
             let Some(&first) = jobs.first() else { continue };
             let kind = &taken[first].kind;
             let wanted = u32::try_from(jobs.len()).unwrap_or(u32::MAX);
+            let leased = cx.is_leased(kind);
+            let (n, tokens) = limit.tokens(leased);
             let granted = match limit.0 {
-                Bound::Running(n) if cx.is_leased(kind) => {
-                    // Claims of the kind count the live leases one at a time: the gate token.
-                    if n == 0 || store::acquire(txn, &scope, 1, 1, Tokens::Held).await? == 0 {
+                // A leased kind's claims count the live leases behind the gate token.
+                Bound::Running(most) if leased => {
+                    if store::acquire(txn, &scope, n, 1, tokens).await? == 0 {
                         0
                     } else {
-                        n.saturating_sub(store::leased_now(txn, kind).await?)
+                        most.saturating_sub(store::leased_now(txn, kind).await?)
                     }
                 }
-                Bound::Running(n) => store::acquire(txn, &scope, n, wanted, Tokens::Held).await?,
-                Bound::Rate { jobs: n, per, .. } => {
-                    let rate = Tokens::Rate(millis(per));
-                    store::acquire(txn, &scope, n, wanted, rate).await?
-                }
+                _ => store::acquire(txn, &scope, n, wanted, tokens).await?,
             };
             for &i in jobs.iter().skip(granted as usize) {
                 ok[i] = false;
                 let job = &taken[i];
                 debug!(id = job.id, limit = ?limit, "job left waiting: over its kind's limit");
                 match job.key.as_deref() {
-                    Some(key) if limit.per_key(Some(key)) => {
+                    Some(key) if limit.per_key() => {
                         refused.keys.push(store::hash(key));
                     }
                     _ => refused.kinds.push(job.kind.clone()),

@@ -3,7 +3,8 @@
 
 use std::time::Duration;
 
-use super::store;
+use super::store::{self, Tokens};
+use crate::lock::sql::millis;
 
 /// A limit on the jobs of one kind, across every worker and process that shares the job table
 /// ([`Jobs::limit`](super::Jobs::limit)). A job over its kind's limit **stays waiting** and the
@@ -112,8 +113,19 @@ impl Limit {
         store::hash(named)
     }
 
-    /// Whether a refusal by this limit concerns the job's key only.
-    pub(super) fn per_key(&self, key: Option<&[u8]>) -> bool {
-        matches!(self.0, Bound::Rate { per_key: true, .. }) && key.is_some()
+    /// Whether the limit counts each key on its own (a refusal then concerns the job's key).
+    pub(super) fn per_key(&self) -> bool {
+        matches!(self.0, Bound::Rate { per_key: true, .. })
+    }
+
+    /// How many tokens the limit's scope has and how they are used. A leased kind's running
+    /// limit has one, its gate: claims of the kind count the live leases one at a time
+    /// (`admit.rs`).
+    pub(super) fn tokens(&self, leased: bool) -> (u32, Tokens) {
+        match self.0 {
+            Bound::Running(n) if leased => (n.min(1), Tokens::Held),
+            Bound::Running(n) => (n, Tokens::Held),
+            Bound::Rate { jobs, per, .. } => (jobs, Tokens::Rate(millis(per))),
+        }
     }
 }

@@ -148,12 +148,12 @@ impl JobStep<'_> {
         };
         let done = (store::complete(txn, completed, stamps, promote, owner).await)
             .map_err(|e| (OPERATION, e))?;
-        if done.done < completed.len() as u64 && owner.is_some() {
-            // The claim is gone: roll back; the next attempt looks at it first and says why.
-            self.recheck = true;
-            return Ok(None);
-        }
         if done.done < completed.len() as u64 {
+            if owner.is_some() {
+                // The claim is gone: roll back; the next attempt looks at it first and says why.
+                self.recheck = true;
+                return Ok(None);
+            }
             self.cancelling = (store::requested(txn, completed).await)
                 .map_err(|e| ("reading the requests to stop jobs of", e))?;
             return Ok(None);
