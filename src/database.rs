@@ -1,15 +1,11 @@
 //! [`Db`]: the handle an application keeps of one database, as it keeps the pool.
 
-use std::{
-    any::{Any, TypeId},
-    fmt,
-    sync::Arc,
-};
+use std::{any::TypeId, fmt, sync::Arc};
 
 use dashmap::DashMap;
 use sea_orm::DatabaseConnection;
 
-use crate::db::pool::Pool;
+use crate::{db::pool::Pool, erased::Erased};
 
 /// A database as freshlock uses it: a sea-orm connection pool, and what freshlock learns of
 /// and keeps for it — the pool's default isolation level, whether it runs behind a transaction
@@ -115,4 +111,4 @@ pub(crate) struct Which {
 /// see `write/room.rs`), so the map is a type map: each entry is found by a key holding the
 /// entity's `TypeId` and read back as that entity's room.
 #[derive(Default)]
-pub(crate) struct Rooms(pub(crate) DashMap<Which, Arc<dyn Any + Send + Sync>>);
+pub(crate) struct Rooms(pub(crate) DashMap<Which, Erased>);

@@ -3,7 +3,7 @@
 //! It knows nothing about SQL or locks: repositories decide when to read, write and evict.
 
 use std::{
-    any::{Any, TypeId},
+    any::TypeId,
     sync::{
         Arc,
         atomic::{AtomicU64, Ordering},
@@ -12,6 +12,8 @@ use std::{
 
 use dashmap::DashMap;
 use sea_orm::{Value, sea_query::ValueTuple};
+
+use crate::erased::Erased;
 
 /// Entity type + primary key.
 pub(crate) type Key = (TypeId, PkKey);
@@ -69,22 +71,22 @@ pub struct CacheStats {
 /// committed (never before: a rolled-back write leaves the cache as it was).
 pub(crate) enum Change {
     /// The row as the write stored it (or, for a write that changed nothing, as it read it).
-    Cache(Key, Arc<dyn Any + Send + Sync>),
+    Cache(Key, Erased),
     /// The row is gone, or what the write left is unknown.
     Evict(Key),
 }
 
 impl Change {
     /// Caches `model` under `key`.
-    pub(crate) fn cache<M: Any + Send + Sync>(key: Key, model: Arc<M>) -> Self {
-        Self::Cache(key, model)
+    pub(crate) fn cache<M: Send + Sync + 'static>(key: Key, model: Arc<M>) -> Self {
+        Self::Cache(key, Erased::new(model))
     }
 }
 
 /// Models shared as `Arc<Model>`, keyed by entity type and primary key.
 #[derive(Debug, Default)]
 pub(crate) struct IdentityMap {
-    entries: DashMap<Key, Arc<dyn Any + Send + Sync>>,
+    entries: DashMap<Key, Erased>,
     /// `None`: unbounded.
     capacity: Option<usize>,
     hits: AtomicU64,
@@ -101,11 +103,11 @@ impl IdentityMap {
     }
 
     /// The cached model, counting a hit or a miss. A hit is a map lookup and an `Arc` clone.
-    pub(crate) fn get<M: Any + Send + Sync>(&self, key: &Key) -> Option<Arc<M>> {
+    pub(crate) fn get<M: Send + Sync + 'static>(&self, key: &Key) -> Option<Arc<M>> {
         let found = self
             .entries
             .get(key)
-            .and_then(|entry| Arc::clone(entry.value()).downcast::<M>().ok());
+            .and_then(|entry| entry.value().get::<M>());
         let counter = if found.is_some() {
             crate::metrics::cache_hit();
             &self.hits
@@ -120,12 +122,12 @@ impl IdentityMap {
     /// Caches `model` under `key`, replacing what was there. When the map is bounded and full, an
     /// arbitrary other entry is evicted first (not the least recently used: the bound is a memory
     /// cap, not a cache policy).
-    pub(crate) fn insert<M: Any + Send + Sync>(&self, key: Key, model: Arc<M>) {
-        self.insert_erased(key, model);
+    pub(crate) fn insert<M: Send + Sync + 'static>(&self, key: Key, model: Arc<M>) {
+        self.insert_erased(key, Erased::new(model));
     }
 
     /// [`insert`](Self::insert) of a model whose type is erased.
-    fn insert_erased(&self, key: Key, model: Arc<dyn Any + Send + Sync>) {
+    fn insert_erased(&self, key: Key, model: Erased) {
         if let Some(capacity) = self.capacity {
             if capacity == 0 {
                 return;

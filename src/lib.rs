@@ -30,7 +30,9 @@ users need."]
 //   transaction and its repositories), `claim.rs` ([`Claims`]), `inspect.rs`,
 //   `transaction_pooler.rs` (feature `postgres`), `identity_map.rs` (the session's cache, which
 //   knows nothing of locks or SQL), `outcome.rs`, `error.rs`, `metrics.rs`, `setters.rs` (the
-//   builders' setters, written once).
+//   builders' setters, written once), `erased.rs` (the one type erasure: the cache, a
+//   section's snapshots and combining's rooms hold any entity's values through it, each keyed
+//   by the value type's `TypeId`; why a type map and not column values is said there).
 // - **`write/`** — the engine and its steps: `engine.rs` (the one attempt loop: begin, step,
 //   fence checks, commit with evidence, cache effects, retries), `locking.rs` (a section's lock
 //   under the policy), `fold.rs` (what a lock adds to a row step's statement, in one place),
@@ -99,6 +101,7 @@ pub mod claim;
 mod commit;
 mod database;
 pub mod db;
+mod erased;
 mod error;
 pub mod guide;
 mod identity_map;

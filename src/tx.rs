@@ -13,7 +13,6 @@
 //! the cache as it was.
 
 use std::{
-    any::Any,
     collections::HashMap,
     sync::{
         Arc, Mutex, PoisonError,
@@ -28,6 +27,7 @@ use sea_orm::{
 
 use crate::{
     db::deadline::Bounded,
+    erased::Erased,
     identity_map::{Change, Key},
     session::Session,
 };
@@ -64,7 +64,7 @@ pub struct Tx {
     pub(crate) txn: DatabaseTransaction,
     pub(crate) session: Session,
     /// Rows this transaction read or wrote, by cache key: the snapshots of its guarded saves.
-    seen: Mutex<HashMap<Key, Arc<dyn Any + Send + Sync>>>,
+    seen: Mutex<HashMap<Key, Erased>>,
     /// What the commit does to the session's cache, in order.
     effects: Mutex<Vec<Change>>,
     /// Whether a guarded write of this attempt was refused (a retrying section runs again).
@@ -127,11 +127,11 @@ impl Tx {
     }
 
     /// `model` is what the row holds now in this transaction; with `cache`, the commit caches it.
-    pub(crate) fn seen<M: Any + Send + Sync>(&self, key: &Key, model: &Arc<M>, cache: bool) {
+    pub(crate) fn seen<M: Send + Sync + 'static>(&self, key: &Key, model: &Arc<M>, cache: bool) {
         self.seen
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .insert(key.clone(), Arc::clone(model) as Arc<dyn Any + Send + Sync>);
+            .insert(key.clone(), Erased::new(Arc::clone(model)));
         if cache {
             self.effect(Change::cache(key.clone(), Arc::clone(model)));
         }
@@ -155,7 +155,7 @@ impl Tx {
 
     /// The snapshot of a row for a guarded save: as this transaction last saw it, else as the
     /// session has it cached.
-    pub(crate) fn snapshot<M: Any + Send + Sync>(&self, key: &Key) -> Option<Arc<M>> {
+    pub(crate) fn snapshot<M: Send + Sync + 'static>(&self, key: &Key) -> Option<Arc<M>> {
         let seen = self
             .seen
             .lock()
@@ -163,7 +163,7 @@ impl Tx {
             .get(key)
             .cloned();
         match seen {
-            Some(model) => model.downcast::<M>().ok(),
+            Some(model) => model.get::<M>(),
             None => self.session.map().get::<M>(key),
         }
     }

@@ -13,6 +13,7 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::{
     database::{Rooms, Which},
+    erased::Erased,
     error::Result,
     lock::LockName,
     outcome::LockReport,
@@ -117,17 +118,17 @@ where
     pub(crate) fn sit(key: RoomKey) -> Self {
         let room = {
             let entry = key.rooms.0.entry(key.which.clone()).or_insert_with(|| {
-                Arc::new(Room::<E> {
+                Erased::new(Arc::new(Room::<E> {
                     seats: Mutex::new(Seats {
                         next: 0,
                         queue: VecDeque::new(),
                     }),
-                })
+                }))
             });
-            match Arc::clone(entry.value()).downcast::<Room<E>>() {
-                Ok(room) => room,
+            match entry.value().get::<Room<E>>() {
+                Some(room) => room,
                 // The key holds the entity's `TypeId`: another type cannot be found here.
-                Err(_) => unreachable!("a room keyed by one entity type holds another"),
+                None => unreachable!("a room keyed by one entity type holds another"),
             }
         };
         let (sender, calls) = mpsc::unbounded_channel();
@@ -171,7 +172,7 @@ impl<E: EntityTrait> Drop for Seat<E> {
         let key = &self.key;
         key.rooms
             .0
-            .remove_if(&key.which, |_, room| Arc::strong_count(room) == 2);
+            .remove_if(&key.which, |_, room| room.holders() == 2);
     }
 }
 
@@ -188,11 +189,8 @@ where
         .rooms
         .0
         .get(&key.which)
-        .map(|entry| Arc::clone(entry.value()))
+        .and_then(|entry| entry.value().get::<Room<E>>())
     else {
-        return Vec::new();
-    };
-    let Ok(room) = room.downcast::<Room<E>>() else {
         return Vec::new();
     };
     let taken: Vec<_> = {
@@ -204,6 +202,6 @@ where
     // As in `Seat::drop`: a seat that left while we held the room could not remove it.
     key.rooms
         .0
-        .remove_if(&key.which, |_, room| Arc::strong_count(room) == 1);
+        .remove_if(&key.which, |_, room| room.holders() == 1);
     taken
 }
