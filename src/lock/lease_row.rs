@@ -137,83 +137,45 @@ impl LeaseTable {
         deadlock_is_busy: bool,
     ) -> Result<Option<Grant>, DbErr> {
         let backend = conn.get_database_backend();
-        if backend == DbBackend::MySql {
-            return self.grant_mysql(conn, name, holder, deadlock_is_busy).await;
-        }
+        let mysql = backend == DbBackend::MySql;
         let (first, takeovers) = self
             .takes
             .split_first()
             .ok_or_else(|| DbErr::Custom(format!("{}: no grant condition", self.table)))?;
-        let returned = |row: Option<sea_orm::QueryResult>, taken_over| {
-            row.map(|r| {
-                r.try_get::<i64>("", "fence")
-                    .map(|fence| Grant { fence, taken_over })
-            })
-            .transpose()
+        // Elsewhere one upsert returns the fence it wrote. MySQL has no `RETURNING`: take the
+        // row in the first takeable state, else insert it; each a single autocommit-sized
+        // statement on one row, whose own reply carries the fence it wrote
+        // (`LAST_INSERT_ID(expr)`: no statement more to read it). Then, on both, each
+        // takeover, until one statement wrote the row.
+        let head = match mysql {
+            true => vec![
+                self.take(backend, name, holder, *first),
+                self.insert_mysql(name, holder),
+            ],
+            false => vec![self.upsert(backend, name, holder, *first)],
         };
-        let row = conn
-            .query_one_raw(self.upsert(backend, name, holder, *first))
-            .await?;
-        if let Some(grant) = returned(row, false)? {
-            return Ok(Some(grant));
-        }
-        for takeable in takeovers {
-            let row = conn
-                .query_one_raw(self.take(backend, name, holder, *takeable))
-                .await?;
-            if let Some(grant) = returned(row, true)? {
-                return Ok(Some(grant));
+        let takeovers =
+            (takeovers.iter()).map(|takeable| (self.take(backend, name, holder, *takeable), true));
+        let tries = head.into_iter().map(|statement| (statement, false));
+        for (statement, taken_over) in tries.chain(takeovers) {
+            let fence = match mysql {
+                true => match conn.execute_raw(statement).await {
+                    Ok(done) if done.rows_affected() == 1 => {
+                        Some(i64::try_from(done.last_insert_id()).unwrap_or(i64::MAX))
+                    }
+                    Ok(_) => None,
+                    Err(e) if deadlock_is_busy && classify(&e) == Failure::Deadlock => None,
+                    Err(e) => return Err(e),
+                },
+                false => (conn.query_one_raw(statement).await?)
+                    .map(|row| row.try_get::<i64>("", "fence"))
+                    .transpose()?,
+            };
+            if let Some(fence) = fence {
+                return Ok(Some(Grant { fence, taken_over }));
             }
         }
         Ok(None)
-    }
-
-    /// MySQL: take the row in the first takeable state, else insert it, else take it over; each
-    /// a single autocommit-sized statement on one row, whose own reply carries the fence it
-    /// wrote (`LAST_INSERT_ID(expr)`: no statement more to read it).
-    async fn grant_mysql<C: ConnectionTrait>(
-        &self,
-        conn: &C,
-        name: &str,
-        holder: &Holder<'_>,
-        deadlock_is_busy: bool,
-    ) -> Result<Option<Grant>, DbErr> {
-        let backend = DbBackend::MySql;
-        // The fence a statement wrote, when it changed the row.
-        let granted = |done: Result<sea_orm::ExecResult, DbErr>| match done {
-            Ok(done) if done.rows_affected() == 1 => Ok(Some(done.last_insert_id())),
-            Ok(_) => Ok(None),
-            Err(e) if deadlock_is_busy && classify(&e) == Failure::Deadlock => Ok(None),
-            Err(e) => Err(e),
-        };
-        let (first, takeovers) = self
-            .takes
-            .split_first()
-            .ok_or_else(|| DbErr::Custom(format!("{}: no grant condition", self.table)))?;
-        let mut taken_over = false;
-        let mut fence = granted(
-            conn.execute_raw(self.take(backend, name, holder, *first))
-                .await,
-        )?;
-        if fence.is_none() {
-            fence = granted(conn.execute_raw(self.insert_mysql(name, holder)).await)?;
-        }
-        if fence.is_none() {
-            for takeable in takeovers {
-                fence = granted(
-                    conn.execute_raw(self.take(backend, name, holder, *takeable))
-                        .await,
-                )?;
-                if fence.is_some() {
-                    taken_over = true;
-                    break;
-                }
-            }
-        }
-        Ok(fence.map(|fence| Grant {
-            fence: i64::try_from(fence).unwrap_or(i64::MAX),
-            taken_over,
-        }))
     }
 
     /// `takeable` as a condition on the row, its columns qualified with the table's name (as an

@@ -1,7 +1,7 @@
 //! The take: due jobs locked by one statement (`FOR UPDATE SKIP LOCKED`), each the head of
 //! its key; a key followed by its next jobs.
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, FromQueryResult, QueryResult, Value};
 
 use crate::jobs::state::{
     Stored::{Pending, Queued},
@@ -13,9 +13,11 @@ use crate::{
 };
 
 /// A job taken by [`take`], its row locked by the transaction.
+#[derive(FromQueryResult)]
 pub(crate) struct Taken {
     pub(crate) id: i64,
     pub(crate) kind: Vec<u8>,
+    #[sea_orm(from_alias = "job_key")]
     pub(crate) key: Option<Vec<u8>>,
     pub(crate) payload: String,
     /// Attempts before this one.
@@ -24,21 +26,15 @@ pub(crate) struct Taken {
     pub(crate) waited: i64,
     /// A queued job of its key comes after it (read by a take that may start a chain, else
     /// `false`): a chain may follow it (`take_after`).
+    #[sea_orm(skip)]
     pub(crate) followed: bool,
 }
 
 impl Taken {
     /// The job a take's `row` holds (`followed` read by the caller).
     fn read(row: &QueryResult, followed: bool) -> Result<Self, DbErr> {
-        Ok(Self {
-            id: row.try_get("", "id")?,
-            kind: row.try_get("", "kind")?,
-            key: row.try_get("", "job_key")?,
-            payload: row.try_get("", "payload")?,
-            attempts: row.try_get("", "attempts")?,
-            waited: row.try_get("", "waited")?,
-            followed,
-        })
+        let taken = Self::from_query_result(row, "")?;
+        Ok(Self { followed, ..taken })
     }
 }
 
