@@ -774,6 +774,43 @@ async fn a_job_sends_four_statements_keyed_or_not_and_a_batch_too() {
     }
 }
 
+/// On MySQL/MariaDB a job sends the same four as on PostgreSQL (on a pool at READ COMMITTED:
+/// no `SET TRANSACTION`): `BEGIN`, the take, the completion with the commit marker's INSERT in
+/// its message, `COMMIT` — the marker is not a statement of its own before `COMMIT`. A keyed
+/// job's promotion of its key's next job is one more there (no `WITH … UPDATE`); a batch sends
+/// the four for all its jobs.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn a_job_sends_four_statements_on_mysql_too() {
+    let Some(db) = servers::mysql("round_trips_jobs").await else {
+        return;
+    };
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied_with(&db, &proxy, |options| {
+        freshlock::db::mysql_read_committed(options);
+    })
+    .await;
+    let one = job_round_trips(&db, &pool, &proxy, 10, 1, |_| None).await;
+    assert_eq!(one, 10 * 4, "keyless jobs, one at a time");
+    let keyed = job_round_trips(&db, &pool, &proxy, 10, 1, |i| Some(format!("k{i}"))).await;
+    assert_eq!(
+        keyed,
+        10 * 5,
+        "keyed jobs, one at a time: the promotion too"
+    );
+    let batched = job_round_trips(&db, &pool, &proxy, 32, 8, |_| None).await;
+    assert_eq!(batched, 4 * 4, "keyless jobs, 8 at a time");
+    let markers = db
+        .query_one("SELECT COUNT(*) AS n FROM freshlock_commit")
+        .await
+        .try_get::<i64>("", "n")
+        .unwrap();
+    assert!(
+        markers >= 2 * (10 + 10 + 4),
+        "every job transaction left its marker: {markers}"
+    );
+}
+
 /// A lease whose fence lives in `freshlock_lock` (as `redis`'s does), told
 /// through [`freshlock::lock::backend::Fencing::fence_row`], granted `behind` fences behind the stored one
 /// (1: a grant that another holder has since overtaken). Its own check, a statement of its

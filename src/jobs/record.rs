@@ -1,7 +1,7 @@
 //! How the attempt's jobs ended, recorded in its transaction: failures and retries, the next
 //! job of each finished key readied, and the completion with the commit's evidence.
 
-use sea_orm::{DatabaseTransaction, DbErr};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
 
 use super::{
     JobId, JobOutcome, JobRun,
@@ -9,7 +9,7 @@ use super::{
     store,
 };
 use crate::{
-    commit::{Evidence, Plan},
+    commit::{Evidence, Marker, Plan},
     db::deadline::Bounded,
     write::engine::{Fence, Tried, Worked},
 };
@@ -131,7 +131,8 @@ impl JobStep<'_> {
     ) -> std::result::Result<Option<(Option<Evidence>, u64)>, Failed> {
         const OPERATION: &str = "completing jobs in";
         let db = self.cx.session.pool();
-        let plan = match self.cx.session.commit_markers() {
+        let markers = self.cx.session.commit_markers();
+        let plan = match markers {
             true => Plan::of(db, txn).await,
             false => Plan::Marker,
         };
@@ -141,12 +142,17 @@ impl JobStep<'_> {
             _ => None,
         };
         let stamps = stamped.as_ref().map(|s| s.exprs());
+        // On MySQL/MariaDB the marker rides in the completion's message (one round trip less
+        // than the engine's INSERT before `COMMIT`); elsewhere the engine takes it.
+        let backend = txn.get_database_backend();
+        let marker =
+            (backend == DbBackend::MySql && stamped.is_none() && markers).then(Marker::new);
         // A leased job's finish completes it only under its claim (see `finish.rs`).
         let owner = match &self.source {
             Source::Finish(finishing) => Some(finishing.claim.owner.as_str()),
             Source::Take { .. } => None,
         };
-        let done = (store::complete(txn, completed, stamps, promote, owner).await)
+        let done = (store::complete(txn, completed, stamps, promote, owner, marker.as_ref()).await)
             .map_err(|e| (OPERATION, e))?;
         if done.done < completed.len() as u64 {
             if owner.is_some() {
@@ -159,7 +165,7 @@ impl JobStep<'_> {
             return Ok(None);
         }
         let Some(stamped) = stamped else {
-            return Ok(Some((None, done.readied)));
+            return Ok(Some((marker.map(Evidence::Marker), done.readied)));
         };
         let row = (done.row)
             .ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;

@@ -7,6 +7,7 @@ use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
 
 use crate::jobs::state::Stored::{Done, Failed, Leased, Pending, Queued};
 use crate::{
+    commit::Marker,
     lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
 };
@@ -31,13 +32,15 @@ pub(crate) struct Completed {
 /// (PostgreSQL), the statement also returns those expressions — the commit's evidence, taken by
 /// this statement rather than one of its own: the first row. On PostgreSQL the promotion rides
 /// in the same statement (a `WITH` of its own: the two touch different rows), elsewhere it is
-/// one more.
+/// one more. With `marker` (MySQL/MariaDB), the commit marker's INSERT is sent in the
+/// completion's message (see [`marked`]).
 pub(crate) async fn complete(
     txn: &impl ConnectionTrait,
     ids: &[i64],
     stamps: Option<&[&str]>,
     promote: Vec<Vec<u8>>,
     owner: Option<&str>,
+    marker: Option<&Marker>,
 ) -> Result<Completed, DbErr> {
     let backend = txn.get_database_backend();
     let folds = backend == DbBackend::Postgres && !promote.is_empty();
@@ -74,11 +77,14 @@ pub(crate) async fn complete(
         returning.push("(SELECT COUNT(*) FROM promoted) AS readied");
     }
     if returning.is_empty() {
-        let done = txn.execute_raw(statement(backend, &sql, values)).await?;
+        let done = match marker {
+            Some(marker) => marked(txn, marker, &sql, values).await?,
+            None => (txn.execute_raw(statement(backend, &sql, values)).await?).rows_affected(),
+        };
         return Ok(Completed {
             row: None,
             readied,
-            done: done.rows_affected(),
+            done,
         });
     }
     sql.push_str(" RETURNING ");
@@ -94,6 +100,40 @@ pub(crate) async fn complete(
         readied,
         done,
     })
+}
+
+/// The completion `sql` (`?` placeholders for `values`) after `marker`'s INSERT, on
+/// MySQL/MariaDB in one message — the commit's evidence without a round trip of its own, as a locked
+/// write's UPDATE carries it (`write/row_sql/update.rs`) —, or, when a value cannot be written
+/// into the text (see `inline.rs`), the two as statements of their own. How many jobs it
+/// completed: the reply counts the marker's row and each job the UPDATE found.
+async fn marked(
+    txn: &impl ConnectionTrait,
+    marker: &Marker,
+    sql: &str,
+    values: Vec<Value>,
+) -> Result<u64, DbErr> {
+    let backend = txn.get_database_backend();
+    #[cfg(feature = "mysql")]
+    if backend == DbBackend::MySql
+        && let (Some(insert), Some(update)) = (
+            crate::db::inline::mysql(&marker.insert(backend, true)),
+            crate::db::inline::written(sql, values.clone()),
+        )
+    {
+        let rows = (txn
+            .execute_unprepared(&format!("{insert}; {update}"))
+            .await?)
+            .rows_affected();
+        return rows.checked_sub(1).ok_or_else(|| {
+            DbErr::Custom(format!(
+                "the commit marker and the completion reported {rows} rows"
+            ))
+        });
+    }
+    marker.write(txn).await?;
+    let done = txn.execute_raw(statement(backend, sql, values)).await?;
+    Ok(done.rows_affected())
 }
 
 /// Records a failed attempt of job `id`: due again after `retry`, or failed for good (its error
