@@ -512,3 +512,85 @@ on_databases! {
     leased_key_followed_postgres: a_finished_leased_job_is_followed_by_its_keys_next, postgres;
     leased_key_followed_mysql: a_finished_leased_job_is_followed_by_its_keys_next, mysql;
 }
+
+/// A worker's leased finish claims its key's next job in its own completion only as a take of
+/// the worker would: a job of a kind it runs in the transaction is readied for a take, a job
+/// not yet due is readied and left waiting, and every job runs once, in its key's order, its
+/// effect in the database once.
+async fn a_finish_claims_its_keys_next_job_only_as_a_take_would(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let job = |kind: &str, seq| {
+        NewJob::new(kind, &Analyze { node: 1, seq })
+            .unwrap()
+            .key("hot")
+    };
+    let added = async |job| match add(&db, job).await.unwrap() {
+        jobs::Enqueued::Added(id) => id,
+        other => panic!("{other:?}"),
+    };
+    let mut ids = Vec::new();
+    for (kind, seq) in [("render", 1), ("note", 2), ("render", 3), ("render", 4)] {
+        ids.push(added(job(kind, seq)).await);
+    }
+    let later = added(job("render", 5).delay(Duration::from_secs(3600))).await;
+    let (ran, mut runs) = mpsc::unbounded_channel::<u32>();
+    let noted = ran.clone();
+    let handlers = Jobs::new()
+        .handle_leased(
+            "render",
+            at_once(1),
+            Duration::from_secs(30),
+            move |job: Job<Analyze>, _lease: Lease| {
+                let ran = ran.clone();
+                async move {
+                    let _ = ran.send(job.payload.seq);
+                    Ok(job.payload.node)
+                }
+            },
+            bump_output,
+        )
+        .handle(
+            "note",
+            at_once(1),
+            jobs::handler(move |tx, job: Job<Analyze>| {
+                let noted = noted.clone();
+                Box::pin(async move {
+                    bump(tx, job.payload.node).await?;
+                    let _ = noted.send(job.payload.seq);
+                    Ok(())
+                })
+            }),
+        );
+    let worker = Worker::new(Session::new(&handle), handlers);
+    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run(async move {
+                let _ = stopped.await;
+            })
+            .await
+    });
+    let mut order = Vec::new();
+    while order.len() < 4 {
+        order.push(runs.recv().await.expect("a run"));
+    }
+    let _ = stop.send(());
+    running.await.unwrap().unwrap();
+    assert_eq!(order, [1, 2, 3, 4], "the key's order, each job once");
+    for id in ids {
+        assert_eq!(state_of(&db, id).await, i64::from(DONE), "job {id}");
+    }
+    assert_eq!(state_of(&db, later).await, 0, "the job not yet due waits");
+    let attempts = bigint(&db, "attempts");
+    let sql = format!("SELECT {attempts} AS n FROM freshlock_job WHERE id = {later}");
+    assert_eq!(number(&db, &sql).await, 0, "not claimed, not counted");
+    assert_eq!(total_score(&db).await, 4, "each effect once");
+}
+
+on_databases! {
+    finish_claims_sqlite: a_finish_claims_its_keys_next_job_only_as_a_take_would, sqlite;
+    finish_claims_postgres: a_finish_claims_its_keys_next_job_only_as_a_take_would, postgres;
+    finish_claims_mysql: a_finish_claims_its_keys_next_job_only_as_a_take_would, mysql;
+}

@@ -92,44 +92,6 @@ impl JobStep<'_> {
         (txn, Ok(Did::Ended(vec![ended])))
     }
 
-    /// Claims the next job of key `key` (its SHA-256), which this finish readied, when it is of
-    /// a leased kind this worker runs (without limits, which a take of its own admits) and has
-    /// attempts left: in the finish's transaction, so a hot key's next work starts as soon as
-    /// this commits — one commit per job instead of a finish's and a take's. Its work runs after
-    /// the commit (`lease.rs`); a finish that rolls back takes its claim with it.
-    pub(super) async fn claim_following(
-        &mut self,
-        txn: &DatabaseTransaction,
-        key: &[u8],
-    ) -> std::result::Result<(), Failed> {
-        let kinds: Vec<Vec<u8>> = (self.cx.kinds().iter())
-            .filter(|kind| self.cx.is_leased(kind) && self.cx.limits(kind).is_empty())
-            .cloned()
-            .collect();
-        if kinds.is_empty() {
-            return Ok(());
-        }
-        let db = Bounded::new(txn, self.cx.reply());
-        let taken = (store::take_key(&db, &kinds, key, false).await)
-            .map_err(|e| ("taking the next job of a key in", e))?;
-        for taken in taken {
-            let Some(kind) = self.cx.kind(&taken.kind) else {
-                continue;
-            };
-            let Some((leased, policy)) = kind.leased() else {
-                continue;
-            };
-            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
-            if attempt > policy.max_attempts {
-                // Left for a take, which fails it (its lease expired on every attempt).
-                continue;
-            }
-            (self.claim(&db, taken, attempt, leased.lease).await)
-                .map_err(|e| ("claiming a job of", e))?;
-        }
-        Ok(())
-    }
-
     /// Looks at the claim of `finishing`'s job (locking its row while it holds): `None` while
     /// it holds, else what the finish reports — its lease lost, or the job cancelled.
     async fn unheld(

@@ -8,7 +8,7 @@
 //! completing `UPDATE` requires the claim's owner; a finish that finds it gone rolls back and
 //! reports why after a look at the claim, `store::hold`; a failed work or finish looks first),
 //! and a failing finish rolls back, as any handler. In a worker's run loop the finish also
-//! claims the key's next job when it is leased (`JobStep::claim_following`): a hot key's
+//! claims the key's next job when it is leased (`store::Claiming`): a hot key's
 //! leased jobs cost one transaction each, and this task runs the next one's work at once.
 //! A worker that stops, hangs or loses the database lets its lease expire; any worker then makes the job wait again (`store::reclaim`,
 //! at most once a second per worker) and it runs again — a late finish of the old claim is
@@ -71,7 +71,7 @@ pub(super) async fn run_all(
 }
 
 /// Works claimed job `claim` with a heartbeat, then finishes it; and so on with the next job
-/// of its key while each finish claims it (`JobStep::claim_following`): their runs, in order.
+/// of its key while each finish claims it (`store::Claiming`): their runs, in order.
 async fn run(cx: &Context, claim: Claimed, chain: bool) -> Result<Vec<JobRun>> {
     let mut runs = Vec::new();
     let mut next = Some(claim);

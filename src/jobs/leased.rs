@@ -106,7 +106,7 @@ pub(super) struct Finishing {
     pub(super) worked: std::result::Result<Output, (JobFailure, Retry)>,
     /// How long the work ran.
     pub(super) ran: Duration,
-    /// Whether the finish claims its key's next job when it can (`JobStep::claim_following`):
+    /// Whether the finish claims its key's next job when it can (`store::Claiming`):
     /// a worker's run loop chains a key's leased jobs; `run_one` / `run_batch` never chain.
     pub(super) chain: bool,
 }

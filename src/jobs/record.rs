@@ -1,6 +1,8 @@
 //! How the attempt's jobs ended, recorded in its transaction: failures and retries, the next
 //! job of each finished key readied, and the completion with the commit's evidence.
 
+use std::time::Duration;
+
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
 
 use super::{
@@ -11,6 +13,7 @@ use super::{
 use crate::{
     commit::{Evidence, Marker, Plan},
     db::deadline::Bounded,
+    lock::holder::new_token,
     write::engine::{Fence, Tried, Worked},
 };
 
@@ -90,22 +93,38 @@ impl JobStep<'_> {
         }
         // The next job of each key whose job finished here may run once this commits; a
         // worker that ran one job follows its key (see `Source::Take`), a leased job's finish
-        // claims it when it is leased too (`finish.rs`).
+        // in a worker's loop claims it in the same statement when it is leased too
+        // (`store::Claiming`).
         let single = match (&self.source, finished_keys.as_slice()) {
             (Source::Take { limit: 1, .. } | Source::Finish(_), [key]) => Some(key.clone()),
             _ => None,
         };
-        let (evidence, readied) = if completed.is_empty() {
-            let readied = (store::promote(txn, finished_keys, &[]).await)
-                .map_err(|e| ("readying the next jobs of", e))?;
-            (None, readied)
+        let chaining = match &self.source {
+            Source::Finish(finishing) if finishing.chain && single.is_some() => self.chaining(),
+            _ => None,
+        };
+        let claiming = (chaining.as_ref()).map(|(owner, kinds)| store::Claiming { owner, kinds });
+        let (evidence, readied, claimed) = if completed.is_empty() {
+            let promoted = store::promote_claiming(txn, finished_keys, &[], claiming.as_ref());
+            let (readied, claimed) =
+                (promoted.await).map_err(|e| ("readying the next jobs of", e))?;
+            (None, readied, claimed)
         } else {
-            match self.complete(txn, &completed, finished_keys).await? {
+            match self
+                .complete(txn, &completed, finished_keys, claiming.as_ref())
+                .await?
+            {
                 Some(done) => done,
                 // Asked to stop while they ran: roll back; the next attempt cancels them.
                 None => return Ok(Worked::Undone(Tried::Uncounted)),
             }
         };
+        if let (Some(taken), Some((owner, kinds))) = (claimed, chaining) {
+            let lease = (kinds.iter()).find(|claimable| claimable.kind == taken.kind);
+            let lease = lease.map_or(Duration::ZERO, |claimable| claimable.lease);
+            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
+            self.claimed_as(taken, attempt, owner, lease);
+        }
         if single.is_some() {
             self.follow = single.filter(|_| readied == 1);
         }
@@ -128,7 +147,8 @@ impl JobStep<'_> {
         txn: &Bounded<'_, DatabaseTransaction>,
         completed: &[JobId],
         promote: Vec<Vec<u8>>,
-    ) -> std::result::Result<Option<(Option<Evidence>, u64)>, Failed> {
+        claiming: Option<&store::Claiming<'_>>,
+    ) -> std::result::Result<Option<Completed>, Failed> {
         const OPERATION: &str = "completing jobs in";
         let db = self.cx.session.pool();
         let markers = self.cx.session.commit_markers();
@@ -152,8 +172,16 @@ impl JobStep<'_> {
             Source::Finish(finishing) => Some(finishing.claim.owner.as_str()),
             Source::Take { .. } => None,
         };
-        let done = (store::complete(txn, completed, stamps, promote, owner, marker.as_ref()).await)
-            .map_err(|e| (OPERATION, e))?;
+        let completion = store::complete(
+            txn,
+            completed,
+            stamps,
+            promote,
+            owner,
+            marker.as_ref(),
+            claiming,
+        );
+        let done = (completion.await).map_err(|e| (OPERATION, e))?;
         if done.done < completed.len() as u64 {
             if owner.is_some() {
                 // The claim is gone: roll back; the next attempt looks at it first and says why.
@@ -165,12 +193,40 @@ impl JobStep<'_> {
             return Ok(None);
         }
         let Some(stamped) = stamped else {
-            return Ok(Some((marker.map(Evidence::Marker), done.readied)));
+            return Ok(Some((
+                marker.map(Evidence::Marker),
+                done.readied,
+                done.claimed,
+            )));
         };
         let row = (done.row)
             .ok_or_else(|| (OPERATION, DbErr::RecordNotFound("a job to complete".into())))?;
         (stamped.evidence(txn, db, &row).await)
-            .map(|evidence| Some((Some(evidence), done.readied)))
+            .map(|evidence| Some((Some(evidence), done.readied, done.claimed)))
             .map_err(|e| ("marking the commit of", e))
     }
+
+    /// What a leased job's finish may claim of its key's next job (see `store::Claiming`): a
+    /// new owner token, and the leased kinds this worker runs without limits (a limited kind's
+    /// job goes through a take's admission), each with its attempts and lease. `None` when it
+    /// runs none.
+    fn chaining(&self) -> Option<(String, Vec<store::Claimable>)> {
+        let kinds: Vec<_> = (self.cx.kinds().iter())
+            .filter(|kind| self.cx.limits(kind).is_empty())
+            .filter_map(|name| {
+                let kind = self.cx.kind(name)?;
+                let (leased, policy) = kind.leased()?;
+                Some(store::Claimable {
+                    kind: name.clone(),
+                    attempts: policy.max_attempts,
+                    lease: leased.lease,
+                })
+            })
+            .collect();
+        (!kinds.is_empty()).then(|| (new_token(), kinds))
+    }
 }
+
+/// What recording a completion gives: its commit's evidence (when its statement took it), how
+/// many jobs it readied, and the job its promotion claimed.
+type Completed = (Option<Evidence>, u64, Option<store::Taken>);

@@ -195,14 +195,6 @@ impl Step for JobStep<'_> {
             Ok(worked) => worked,
             Err(failed) => return undone(txn, failed),
         };
-        // A leased job's finish that readied its key's next job claims it when it can.
-        if matches!(self.source, Source::Finish(finishing) if finishing.chain)
-            && matches!(worked, Worked::Write { .. })
-            && let Some(key) = self.follow.take()
-            && let Err(failed) = self.claim_following(&txn, &key).await
-        {
-            return undone(txn, failed);
-        }
         (txn, worked)
     }
 

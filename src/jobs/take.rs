@@ -133,6 +133,20 @@ impl JobStep<'_> {
         let owner = new_token();
         let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
         store::claim(db, taken.id, attempts, &owner, lease).await?;
+        self.claimed_as(taken, attempt, owner, lease);
+        Ok(())
+    }
+
+    /// `taken`, claimed by `owner` for `attempt` under a lease of `lease` (by [`Self::claim`],
+    /// or by the promotion of a finish: `store::Claiming`): its work runs once the transaction
+    /// commits.
+    pub(super) fn claimed_as(
+        &mut self,
+        taken: store::Taken,
+        attempt: u32,
+        owner: String,
+        lease: std::time::Duration,
+    ) {
         self.claimed.push(Claimed {
             id: taken.id,
             kind: taken.kind,
@@ -143,7 +157,6 @@ impl JobStep<'_> {
             lease,
             waited: taken.waited,
         });
-        Ok(())
     }
 
     /// Whether a job of `kind` may run in a chain. A leased kind's job is claimed by a take of

@@ -5,14 +5,17 @@ use std::time::Duration;
 
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
 
-use crate::jobs::state::Stored::{Done, Failed, Leased, Pending, Queued};
+use crate::jobs::state::Stored::{Done, Failed, Leased, Pending};
 use crate::{
     commit::Marker,
     lock::sql::{millis, now_ms, statement},
     schema::JOB_TABLE,
 };
 
-use super::MAX_ERROR;
+use super::{
+    MAX_ERROR, Taken,
+    promote::{Claiming, claimed_in, promotion_within},
+};
 
 /// What [`complete`] did.
 pub(crate) struct Completed {
@@ -23,6 +26,8 @@ pub(crate) struct Completed {
     /// How many of the jobs it marked done: fewer than asked when some were asked to stop
     /// ([`crate::jobs::cancel`]), and the transaction must then roll back.
     pub(crate) done: u64,
+    /// The job its promotion claimed (see [`Claiming`]).
+    pub(crate) claimed: Option<Taken>,
 }
 
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
@@ -33,7 +38,8 @@ pub(crate) struct Completed {
 /// this statement rather than one of its own: the first row. On PostgreSQL the promotion rides
 /// in the same statement (a `WITH` of its own: the two touch different rows), elsewhere it is
 /// one more. With `marker` (MySQL/MariaDB), the commit marker's INSERT is sent in the
-/// completion's message (see [`marked`]).
+/// completion's message (see [`marked`]). With `claiming`, the promotion claims the job it
+/// readies when it can.
 pub(crate) async fn complete(
     txn: &impl ConnectionTrait,
     ids: &[i64],
@@ -41,20 +47,23 @@ pub(crate) async fn complete(
     promote: Vec<Vec<u8>>,
     owner: Option<&str>,
     marker: Option<&Marker>,
+    claiming: Option<&Claiming<'_>>,
 ) -> Result<Completed, DbErr> {
     let backend = txn.get_database_backend();
     let folds = backend == DbBackend::Postgres && !promote.is_empty();
-    let mut readied = 0;
+    let (mut readied, mut claimed) = (0, None);
     let mut values: Vec<Value> = Vec::with_capacity(promote.len() + ids.len());
     let mut sql = String::new();
+    let mut returning: Vec<&str> = stamps.unwrap_or_default().to_vec();
     // The promotion passes over the jobs completed here: a chain's later jobs are still
     // queued as stored (`take_after`).
     if folds {
-        let (promotion, promoted) = promotion(backend, promote, ids);
-        sql = format!("WITH promoted AS ({promotion} RETURNING 1) ");
+        let (with, returned, promoted) = promotion_within(promote, ids, claiming);
+        sql = with;
+        returning.extend(returned);
         values.extend(promoted);
     } else if !promote.is_empty() {
-        readied = self::promote(txn, promote, ids).await?;
+        (readied, claimed) = super::promote_claiming(txn, promote, ids, claiming).await?;
     }
     let now = now_ms(backend);
     let placeholders = vec!["?"; ids.len()].join(", ");
@@ -72,10 +81,6 @@ pub(crate) async fn complete(
         sql.push_str(&format!(" AND state = {Leased} AND owner = ?"));
         values.push(owner.into());
     }
-    let mut returning: Vec<&str> = stamps.unwrap_or_default().to_vec();
-    if folds {
-        returning.push("(SELECT COUNT(*) FROM promoted) AS readied");
-    }
     if returning.is_empty() {
         let done = match marker {
             Some(marker) => marked(txn, marker, &sql, values).await?,
@@ -85,6 +90,7 @@ pub(crate) async fn complete(
             row: None,
             readied,
             done,
+            claimed,
         });
     }
     sql.push_str(" RETURNING ");
@@ -94,11 +100,15 @@ pub(crate) async fn complete(
     let first = rows.into_iter().next();
     if folds && let Some(row) = &first {
         readied = u64::try_from(row.try_get::<i64>("", "readied")?).unwrap_or(0);
+        if claiming.is_some() {
+            claimed = claimed_in(row)?;
+        }
     }
     Ok(Completed {
         row: first.filter(|_| stamps.is_some()),
         readied,
         done,
+        claimed,
     })
 }
 
@@ -177,60 +187,4 @@ pub(crate) async fn failed(
     txn.execute_raw(statement(backend, &sql, values))
         .await
         .map(drop)
-}
-
-/// Makes the first queued job of each key in `key_hashes` ready (their heads finished in
-/// `txn`), passing over jobs `except` (finishing in `txn` too): how many.
-pub(crate) async fn promote(
-    txn: &impl ConnectionTrait,
-    key_hashes: Vec<Vec<u8>>,
-    except: &[i64],
-) -> Result<u64, DbErr> {
-    if key_hashes.is_empty() {
-        return Ok(0);
-    }
-    let backend = txn.get_database_backend();
-    let (sql, values) = promotion(backend, key_hashes, except);
-    txn.execute_raw(statement(backend, &sql, values))
-        .await
-        .map(|done| done.rows_affected())
-}
-
-/// The statement of [`promote`] for `key_hashes`, passing over jobs `except`, and its values.
-/// Off MySQL each key's first queued job is found by an index scan that stops at it (`ORDER BY
-/// id LIMIT 1` on `freshlock_job_key`): a `MIN(id) … GROUP BY` read every queued job of the
-/// key, and a hot key with a thousand waiting made each completion ten times slower. On MySQL
-/// the `UNION ALL` of such scans made 8 workers' completions deadlock one another (InnoDB locks
-/// what an `UPDATE`'s subquery reads), so it keeps the one grouped read.
-fn promotion(backend: DbBackend, key_hashes: Vec<Vec<u8>>, except: &[i64]) -> (String, Vec<Value>) {
-    let except_sql = match except.len() {
-        0 => String::new(),
-        n => format!(" AND id NOT IN ({})", vec!["?"; n].join(", ")),
-    };
-    let mut values = Vec::with_capacity(key_hashes.len() * (1 + except.len()));
-    let heads = if backend == DbBackend::MySql {
-        let placeholders = vec!["?"; key_hashes.len()].join(", ");
-        values.extend(key_hashes.into_iter().map(|h| Value::Bytes(Some(h))));
-        values.extend(except.iter().map(|&id| Value::from(id)));
-        format!(
-            "SELECT MIN(id) AS id FROM {JOB_TABLE} WHERE state = {Queued} \
-             AND key_hash IN ({placeholders}){except_sql} GROUP BY key_hash"
-        )
-    } else {
-        let mut heads = Vec::with_capacity(key_hashes.len());
-        for (i, hash) in key_hashes.into_iter().enumerate() {
-            heads.push(format!(
-                "SELECT id FROM (SELECT id FROM {JOB_TABLE} WHERE key_hash = ? \
-                 AND state = {Queued}{except_sql} ORDER BY id LIMIT 1) h{i}"
-            ));
-            values.push(Value::Bytes(Some(hash)));
-            values.extend(except.iter().map(|&id| Value::from(id)));
-        }
-        heads.join(" UNION ALL ")
-    };
-    // The derived table lets MySQL read the table it updates.
-    let sql = format!(
-        "UPDATE {JOB_TABLE} SET state = {Pending} WHERE id IN (SELECT id FROM ({heads}) heads)"
-    );
-    (sql, values)
 }
