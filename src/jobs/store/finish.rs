@@ -33,7 +33,7 @@ pub(crate) struct Completed {
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
 /// unique keys free, a leased one's claim ended), unless a job was asked to stop — or, with
 /// `owner`, unless the job is no longer leased by that claim — and makes the
-/// first queued job of each key in `promote` ready (see [`promote`]). With `stamps`
+/// first queued job of each key in `promote` ready (see [`fn@super::promote`]). With `stamps`
 /// (PostgreSQL), the statement also returns those expressions — the commit's evidence, taken by
 /// this statement rather than one of its own: the first row. On PostgreSQL the promotion rides
 /// in the same statement (a `WITH` of its own: the two touch different rows), elsewhere it is

@@ -19,8 +19,11 @@ use crate::{
 ///
 /// Why in the promotion: a hot key's leased jobs each end in a finish whose transaction then
 /// readied the next job, locked it again with a take and claimed it with an UPDATE of its own —
-/// three statements on one row where one does; on PostgreSQL the claimed row comes back in the
-/// completion's own reply (see [`super::complete`]).
+/// three statements on one row. On PostgreSQL the promotion rides in the completion's statement
+/// and claims in its `SET` ([`Claiming::set`]), the claimed row coming back in the completion's
+/// own reply (see [`super::complete`]): none of the three is left. Elsewhere the read that finds
+/// the key's next job says whether it can be claimed, and one `UPDATE` claims or readies it
+/// ([`read_then_ready`]).
 pub(crate) struct Claiming<'a> {
     /// The claim's owner token.
     pub(crate) owner: &'a str,
@@ -38,8 +41,8 @@ pub(crate) struct Claimable {
 }
 
 impl Claiming<'_> {
-    /// The promotion's `SET` and its values. Every assignment reads only columns assigned after
-    /// it or never (MySQL assigns left to right, each assignment seeing the ones before it).
+    /// The `SET` of a promotion in one statement (PostgreSQL's, in the completion) and its
+    /// values: `LEASED` by the owner where the job can be claimed, else readied.
     fn set(&self, backend: DbBackend) -> (String, Vec<Value>) {
         let now = now_ms(backend);
         let arms = "WHEN ? THEN ? ".repeat(self.kinds.len());
@@ -111,8 +114,10 @@ pub(crate) async fn promote_claiming(
 /// the key. A plain read locks nothing and passes over uncommitted rows (a job enqueued so is
 /// readied later by the workers' sweep of stranded jobs, `sweep.rs`); a head that stopped being
 /// queued between the two (cancelled) is not readied, and the sweep readies its key's next.
-/// Elsewhere for a claiming promotion outside a completion (a leased job failed for good):
-/// the read tells which job was claimed.
+/// That is two statements where one was when a job waits behind the key (one when none does).
+///
+/// Elsewhere for a claiming promotion that does not ride in a PostgreSQL completion (SQLite, or
+/// a leased job that failed for good): the read says which job it claimed.
 async fn read_then_ready(
     txn: &impl ConnectionTrait,
     key_hashes: Vec<Vec<u8>>,
