@@ -23,7 +23,9 @@ use freshlock::{
     Session, Tx,
     jobs::{self, Job, JobFailure, JobOutcome, JobState, Jobs, Lease, NewJob, RetryPolicy, Worker},
 };
-use job_support::{add, at_once, bigint, bump, bump_output, jobs_in, number, total_score};
+use job_support::{
+    add, at_once, bigint, bump, bump_output, jobs_in, number, run_in_background, total_score,
+};
 use sea_orm::{ConnectionTrait, DatabaseConnection};
 use serde::{Deserialize, Serialize};
 use servers::{TestDb, databases};
@@ -564,20 +566,13 @@ async fn a_finish_claims_its_keys_next_job_only_as_a_take_would(db: Option<TestD
             }),
         );
     let worker = Worker::new(Session::new(&handle), handlers);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run(async move {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, running) = run_in_background(worker);
     let mut order = Vec::new();
     while order.len() < 4 {
         order.push(runs.recv().await.expect("a run"));
     }
     let _ = stop.send(());
-    running.await.unwrap().unwrap();
+    running.await.unwrap();
     assert_eq!(order, [1, 2, 3, 4], "the key's order, each job once");
     for id in ids {
         assert_eq!(state_of(&db, id).await, i64::from(DONE), "job {id}");

@@ -21,7 +21,7 @@ use freshlock::{
     ApplyError, ForUpdate, Session, Tx,
     jobs::{self, Enqueued, Job, JobFailure, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
 };
-use job_support::{add, at_once, bigint, bump, jobs_in, number, total_score};
+use job_support::{add, at_once, bigint, bump, jobs_in, number, run_in_background, total_score};
 use sea_orm::{
     ActiveValue::Set, ConnectionTrait, DatabaseConnection, IntoActiveModel, Statement,
     TransactionTrait,
@@ -611,19 +611,12 @@ async fn a_kind_no_running_worker_takes_shows_in_depth(db: Option<TestDb>) {
         }),
     );
     let worker = Worker::new(Session::new(&handle), handlers);
-    let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run(async move {
-                let _ = stopped.await;
-            })
-            .await
-    });
+    let (stop, running) = run_in_background(worker);
     // The worker says which kinds it takes before its first take; it ran the due bump. A kind
     // counts as taken for 30 s after a running worker last said so.
     done.recv().await.expect("the bump ran");
     let _ = stop.send(());
-    assert_eq!(running.await.unwrap().unwrap(), 1);
+    assert_eq!(running.await.unwrap(), 1);
     let depth = jobs::depth(&handle).await.unwrap();
     let orphan = depth
         .iter()
@@ -1258,24 +1251,6 @@ async fn a_worker_stops_when_the_job_table_is_missing() {
     let stopped = worker.run(std::future::pending()).await;
     let error = stopped.expect_err("no job table");
     assert!(error.to_string().contains("freshlock_job"), "{error}");
-}
-
-fn run_in_background(
-    worker: Worker,
-) -> (
-    tokio::sync::oneshot::Sender<()>,
-    tokio::task::JoinHandle<u64>,
-) {
-    let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
-    let running = tokio::spawn(async move {
-        worker
-            .run(async move {
-                let _ = stop.await;
-            })
-            .await
-            .unwrap()
-    });
-    (stop_tx, running)
 }
 
 // ------------------------------------------------------------------------- the operator

@@ -100,3 +100,23 @@ macro_rules! on_databases {
         }
     )*};
 }
+
+/// Runs `worker` (`Worker::run`) in a task of its own until the returned sender is used (or
+/// dropped): the sender, and the task, which gives how many jobs the worker ran.
+pub fn run_in_background(
+    worker: freshlock::jobs::Worker,
+) -> (
+    tokio::sync::oneshot::Sender<()>,
+    tokio::task::JoinHandle<u64>,
+) {
+    let (stop_tx, stop) = tokio::sync::oneshot::channel::<()>();
+    let running = tokio::spawn(async move {
+        worker
+            .run(async move {
+                let _ = stop.await;
+            })
+            .await
+            .unwrap()
+    });
+    (stop_tx, running)
+}
