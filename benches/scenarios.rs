@@ -742,6 +742,8 @@ enum Floored {
     Backend(LockKind),
     /// `locked_update` (local) without commit markers.
     Unmarked,
+    /// `locked_update` (local) in two flights (`SessionBuilder::two_flights`, PostgreSQL).
+    TwoFlights,
     /// The four statements by hand in sea-orm.
     ByHand,
     /// `locked_update` optimistic-first (local).
@@ -763,11 +765,12 @@ enum Floored {
 }
 
 impl Floored {
-    const ALL: [Floored; 12] = [
+    const ALL: [Floored; 13] = [
         Floored::Sqlx,
         Floored::SqlxTwo,
         Floored::Django,
         Floored::Backend(LockKind::Local),
+        Floored::TwoFlights,
         Floored::Backend(LockKind::Row),
         Floored::Backend(LockKind::PgAdvisory),
         Floored::Backend(LockKind::Table),
@@ -782,6 +785,7 @@ impl Floored {
         match self {
             Self::Backend(kind) => format!("`locked_update` ({kind}), 1 task"),
             Self::Unmarked => "`locked_update` (local), commit markers off, 1 task".into(),
+            Self::TwoFlights => "`locked_update` (local), two flights, 1 task".into(),
             Self::ByHand => "the four statements by hand in sea-orm, 1 task".into(),
             Self::Optimistic => "`locked_update` optimistic-first (local), 1 task".into(),
             Self::Combined16 => "`locked_update` (local, combined), 16 tasks on one row".into(),
@@ -806,6 +810,7 @@ impl Floored {
             Self::Combined16 | Self::Combined16Sessions => "≥ 3× pgbench, 16 clients",
             Self::Sqlx => "(sqlx's own cost)",
             Self::SqlxTwo => "(two round trips, at best)",
+            Self::TwoFlights => "≥ 0.9× the two messages",
             _ => "",
         }
     }
@@ -899,6 +904,7 @@ impl Floored {
                 1,
             ),
             Self::Unmarked => (plain(local()).commit_markers(false), 1),
+            Self::TwoFlights => (plain(local()).two_flights(true), 1),
             Self::Optimistic => (
                 plain(local())
                     .version_column::<node::Entity>(node::Column::Changed)

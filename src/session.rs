@@ -46,6 +46,7 @@ struct Inner {
     commit_markers: bool,
     optimistic_first: bool,
     combine_commits: bool,
+    two_flights: bool,
     in_flight: AtomicUsize,
 }
 
@@ -79,6 +80,7 @@ impl Session {
             commit_markers: None,
             optimistic_first: false,
             combine_commits: false,
+            two_flights: false,
             replica: None,
         }
     }
@@ -165,6 +167,13 @@ impl Session {
         self.inner.combine_commits
     }
 
+    /// Whether `locked_update` writes in two flights where it can (see
+    /// [`SessionBuilder::two_flights`]).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn two_flights(&self) -> bool {
+        self.inner.two_flights
+    }
+
     pub(crate) fn commit_markers(&self) -> bool {
         self.inner.commit_markers
     }
@@ -192,6 +201,7 @@ pub struct SessionBuilder {
     commit_markers: Option<bool>,
     optimistic_first: bool,
     combine_commits: bool,
+    two_flights: bool,
     replica: Option<Pool>,
 }
 
@@ -282,6 +292,35 @@ impl SessionBuilder {
         /// combine. Default: off.
         combine_commits(on: bool) => combine_commits = on;
 
+        /// Makes `locked_update` / `locked_update_under` on **PostgreSQL** write in **two
+        /// round trips** instead of four: `BEGIN` and the reload (`SELECT … FOR UPDATE`, which
+        /// also reads the transaction's id for the commit's evidence) go as one message, the
+        /// guarded `UPDATE … RETURNING` and `COMMIT` as another. Across a network, round trips
+        /// are what a write costs: at 1 ms each way that is 4 ms instead of 8, and the row is
+        /// locked for one round trip instead of three (see BENCHMARKS.md).
+        ///
+        /// How: freshlock holds a connection of the pool for the write and sends each message
+        /// as a simple query, with the values written into its text as literals of the types
+        /// sqlx binds (strings as escaped `E'…'::text`, so `standard_conforming_strings` does not
+        /// matter; see the guide's *Topologies*). The guarantees are the same: the same
+        /// optimistic guard, the same commit evidence (a lost `COMMIT` reply is resolved), the
+        /// same retries; a failed `UPDATE` stops the message, so its `COMMIT` never runs.
+        ///
+        /// What changes, and when it falls back:
+        /// - **`after_save` runs after the `COMMIT`** (its statements, if any, commit on their
+        ///   own), since the `COMMIT` went with the `UPDATE`. When `before_save` sent a statement,
+        ///   or a value cannot be written in (JSON, UUID, decimal, …), the `UPDATE` goes alone
+        ///   and bound, `after_save` runs in the transaction, and `COMMIT` follows: three round
+        ///   trips.
+        /// - It applies under `local` (the default), `pg_advisory` and `row` (their lock tried by
+        ///   the reload; when the try fails — the lock is busy — the write goes on in four round
+        ///   trips, its lock taken by a statement of its own), with commits not combined. The
+        ///   lease backends, combined commits, `locked_delete`, `get_or_insert` and
+        ///   `update_or_insert` write as before, as do SQLite and MySQL/MariaDB.
+        ///
+        /// Default: off.
+        two_flights(on: bool) => two_flights = on;
+
         /// Reads rows the cache does not have from `replica` (a read replica of the same database:
         /// a PostgreSQL streaming replica, a MariaDB replica): [`Repository::load`](crate::Repository::load),
         /// [`load_many`](crate::Repository::load_many) and the existence check of
@@ -343,6 +382,7 @@ impl SessionBuilder {
                 commit_markers,
                 optimistic_first: self.optimistic_first,
                 combine_commits: self.combine_commits,
+                two_flights: self.two_flights,
                 versions: self.versions,
                 in_flight: AtomicUsize::new(0),
             }),

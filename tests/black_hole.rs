@@ -117,6 +117,16 @@ fn policy(reply: Duration) -> LockPolicy {
 }
 
 async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
+    black_holed_commits_with(db, kind, false).await;
+}
+
+/// The same with each `locked_update` in two flights (PostgreSQL, `local`): the black-holed
+/// message is the UPDATE's and its `COMMIT`'s, resolved by the transaction id its reload read.
+async fn black_holed_commits_in_two_flights(db: Option<TestDb>, kind: LockKind) {
+    black_holed_commits_with(db, kind, true).await;
+}
+
+async fn black_holed_commits_with(db: Option<TestDb>, kind: LockKind, two_flights: bool) {
     let Some(db) = db else { return };
     let redis = match kind {
         LockKind::Redis => match servers::url(servers::REDIS) {
@@ -144,7 +154,12 @@ async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     let tasks: Vec<_> = (0..TASKS)
         .map(|_| {
             let policy = policy(REPLY).with_on_failure(OnLockFailure::Proceed);
-            let session = session(&proxied, &backend, policy);
+            let session = Session::builder(proxied.clone())
+                .lock(Arc::clone(&backend))
+                .policy(policy)
+                .two_flights(two_flights)
+                .build()
+                .unwrap();
             let (acknowledged, unknown, slowest_ms) = (
                 Arc::clone(&acknowledged),
                 Arc::clone(&unknown),
@@ -739,6 +754,7 @@ async fn black_holed_job_admin(db: Option<TestDb>, _kind: LockKind) {
 servers::server_tests! {
     black_hole_local_postgres: black_holed_commits, LockKind::Local, postgres;
     black_hole_row_postgres: black_holed_commits, LockKind::Row, postgres;
+    black_hole_two_flights_postgres: black_holed_commits_in_two_flights, LockKind::Local, postgres;
     black_hole_pg_advisory_postgres: black_holed_commits, LockKind::PgAdvisory, postgres;
     black_hole_table_postgres: black_holed_commits, LockKind::Table, postgres;
     black_hole_local_mysql: black_holed_commits, LockKind::Local, mysql;

@@ -33,6 +33,41 @@ const TASKS: u32 = 8;
 const ROUNDS: u32 = 50;
 const RELOAD_ROUNDS: u32 = 15;
 
+/// How the storm writes: its lock backend, and whether `locked_update` goes in two flights
+/// (`SessionBuilder::two_flights`: PostgreSQL, `local`).
+#[derive(Clone, Copy, Debug)]
+struct How {
+    kind: LockKind,
+    two_flights: bool,
+}
+
+impl From<LockKind> for How {
+    fn from(kind: LockKind) -> Self {
+        Self {
+            kind,
+            two_flights: false,
+        }
+    }
+}
+
+/// `local`, each write in two flights.
+const TWO_FLIGHTS: How = How {
+    kind: LockKind::Local,
+    two_flights: true,
+};
+
+/// `pg_advisory`, each write in two flights (the lock tried by the reload).
+const TWO_FLIGHTS_ADVISORY: How = How {
+    kind: LockKind::PgAdvisory,
+    two_flights: true,
+};
+
+/// `row`, each write in two flights (the lock row tried by the reload).
+const TWO_FLIGHTS_ROW: How = How {
+    kind: LockKind::Row,
+    two_flights: true,
+};
+
 #[derive(Debug, Default)]
 struct Tally {
     acknowledged: AtomicU32,
@@ -41,13 +76,8 @@ struct Tally {
 }
 
 /// 8 tasks × `rounds` increments of node 1 through `db`; returns the tally.
-async fn storm(
-    db: &freshlock::Db,
-    url: &str,
-    kind: LockKind,
-    markers: bool,
-    rounds: u32,
-) -> Arc<Tally> {
+async fn storm(db: &freshlock::Db, url: &str, how: How, markers: bool, rounds: u32) -> Arc<Tally> {
+    let kind = how.kind;
     let redis = servers::url(servers::REDIS);
     let backend = kind.connect(db, url, redis.as_deref()).await.unwrap();
     let tally = Arc::new(Tally::default());
@@ -65,6 +95,7 @@ async fn storm(
                         .with_on_failure(OnLockFailure::Proceed),
                 )
                 .commit_markers(markers)
+                .two_flights(how.two_flights)
                 .build()
                 .unwrap();
             let (tally, start) = (Arc::clone(&tally), Arc::clone(&start));
@@ -146,8 +177,10 @@ async fn through(proxy: &Proxy, db: &TestDb, uncached: bool) -> (freshlock::Db, 
 
 /// Every 20th COMMIT's reply is lost: each one is resolved by its marker, so every call is
 /// acknowledged exactly once and the counter equals the acknowledgements.
-async fn lost_commit_replies(db: Option<TestDb>, kind: LockKind) {
+async fn lost_commit_replies(db: Option<TestDb>, how: impl Into<How>) {
     let Some(db) = db else { return };
+    let how = how.into();
+    let kind = how.kind;
     if kind == LockKind::Redis && servers::url(servers::REDIS).is_none() {
         return;
     }
@@ -155,7 +188,7 @@ async fn lost_commit_replies(db: Option<TestDb>, kind: LockKind) {
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let (proxied, url) = through(&proxy, &db, false).await;
     proxy.cut_every(20);
-    let tally = storm(&proxied, &url, kind, true, ROUNDS).await;
+    let tally = storm(&proxied, &url, how, true, ROUNDS).await;
     let (acknowledged, unknown, failed) = counts(&tally);
     let counter = db.score(1).await.unwrap_or(0) as u32;
     eprintln!(
@@ -174,13 +207,15 @@ async fn lost_commit_replies(db: Option<TestDb>, kind: LockKind) {
 
 /// Without markers a lost reply is reported as unknown, never run again: the counter holds
 /// every acknowledged increment and at most the unknown ones besides.
-async fn lost_commit_replies_without_markers(db: Option<TestDb>, kind: LockKind) {
+async fn lost_commit_replies_without_markers(db: Option<TestDb>, how: impl Into<How>) {
     let Some(db) = db else { return };
+    let how = how.into();
+    let kind = how.kind;
     db.seed_nodes(1).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let (proxied, url) = through(&proxy, &db, false).await;
     proxy.cut_every(20);
-    let tally = storm(&proxied, &url, kind, false, ROUNDS).await;
+    let tally = storm(&proxied, &url, how, false, ROUNDS).await;
     let (acknowledged, unknown, failed) = counts(&tally);
     let counter = db.score(1).await.unwrap_or(0) as u32;
     eprintln!(
@@ -198,14 +233,16 @@ async fn lost_commit_replies_without_markers(db: Option<TestDb>, kind: LockKind)
 
 /// Every 10th locked reload loses its connection: the transaction never reached its commit, so
 /// the call runs again, and every call is acknowledged once.
-async fn lost_reloads(db: Option<TestDb>, kind: LockKind) {
+async fn lost_reloads(db: Option<TestDb>, how: impl Into<How>) {
     let Some(db) = db else { return };
+    let how = how.into();
+    let kind = how.kind;
     db.seed_nodes(1).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Reload).await;
     let (proxied, url) = through(&proxy, &db, true).await;
     proxy.cut_every(10);
     // Uncached statements make every MariaDB call slow here: fewer rounds.
-    let tally = storm(&proxied, &url, kind, true, RELOAD_ROUNDS).await;
+    let tally = storm(&proxied, &url, how, true, RELOAD_ROUNDS).await;
     let (acknowledged, unknown, failed) = counts(&tally);
     let counter = db.score(1).await.unwrap_or(0) as u32;
     eprintln!(
@@ -220,8 +257,10 @@ async fn lost_reloads(db: Option<TestDb>, kind: LockKind) {
 
 /// A killer ends this test's database sessions every 20 ms while the storm runs: a kill may land
 /// anywhere, the commit included. Nothing acknowledged is lost or applied twice.
-async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
+async fn killed_backends(db: Option<TestDb>, how: impl Into<How>) {
     let Some(db) = db else { return };
+    let how = how.into();
+    let kind = how.kind;
     if kind == LockKind::Redis && servers::url(servers::REDIS).is_none() {
         return;
     }
@@ -278,7 +317,7 @@ async fn killed_backends(db: Option<TestDb>, kind: LockKind) {
             }
         })
     };
-    let tally = storm(&db.handle, &db.url, kind, true, ROUNDS).await;
+    let tally = storm(&db.handle, &db.url, how, true, ROUNDS).await;
     stop.store(true, Ordering::SeqCst);
     killer.await.unwrap();
     let (acknowledged, unknown, failed) = counts(&tally);
@@ -424,6 +463,13 @@ servers::server_tests! {
     commit_cut_row_mysql: lost_commit_replies, LockKind::Row, mysql;
     commit_cut_mysql_named_mysql: lost_commit_replies, LockKind::MySqlNamed, mysql;
     unmarked_local_postgres: lost_commit_replies_without_markers, LockKind::Local, postgres;
+    commit_cut_two_flights_postgres: lost_commit_replies, TWO_FLIGHTS, postgres;
+    unmarked_two_flights_postgres: lost_commit_replies_without_markers, TWO_FLIGHTS, postgres;
+    reload_cut_two_flights_postgres: lost_reloads, TWO_FLIGHTS, postgres;
+    killed_two_flights_postgres: killed_backends, TWO_FLIGHTS, postgres;
+    commit_cut_two_flights_pg_advisory_postgres: lost_commit_replies, TWO_FLIGHTS_ADVISORY, postgres;
+    commit_cut_two_flights_row_postgres: lost_commit_replies, TWO_FLIGHTS_ROW, postgres;
+    killed_two_flights_pg_advisory_postgres: killed_backends, TWO_FLIGHTS_ADVISORY, postgres;
     unmarked_local_mysql: lost_commit_replies_without_markers, LockKind::Local, mysql;
     reload_cut_local_postgres: lost_reloads, LockKind::Local, postgres;
     reload_cut_local_mysql: lost_reloads, LockKind::Local, mysql;

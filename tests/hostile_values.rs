@@ -36,7 +36,9 @@ fn sessions(db: &sea_orm::DatabaseConnection) -> Vec<(&'static str, Session)> {
         let mut builder = Session::builder(db.clone())
             .lock(Arc::new(LocalLock::new()))
             .combine_commits(combine)
-            .optimistic_first(optimistic);
+            .optimistic_first(optimistic)
+            // Two flights on PostgreSQL for the plain locked paths (values written in).
+            .two_flights(!combine && !optimistic);
         if versioned {
             builder = builder.version_column::<node::Entity>(node::Column::Changed);
         }
@@ -58,6 +60,21 @@ async fn hostile(db: Option<TestDb>, sql_mode: &str) {
     let Some(test) = db else { return };
     let db = &if sql_mode.is_empty() {
         test.db.clone()
+    } else if test.db.get_database_backend() == DbBackend::Postgres {
+        // `sql_mode` names a setting for every connection (`standard_conforming_strings=off`):
+        // backslashes in ordinary string literals become escapes.
+        let mut options = sea_orm::ConnectOptions::new(&test.url);
+        options.max_connections(1).sqlx_logging(false);
+        if let Some(schema) = &test.schema {
+            options.set_schema_search_path(schema);
+        }
+        #[cfg(feature = "postgres")]
+        {
+            let (name, value) = sql_mode.split_once('=').expect("name=value");
+            let (name, value) = (name.to_owned(), value.to_owned());
+            options.map_sqlx_postgres_opts(move |o| o.options([(name.as_str(), value.as_str())]));
+        }
+        sea_orm::Database::connect(options).await.expect("connect")
     } else {
         use sea_orm::ConnectionTrait;
         let db = servers::connect(&test.url, None, 1).await;
@@ -117,6 +134,7 @@ async fn hostile(db: Option<TestDb>, sql_mode: &str) {
 servers::server_tests! {
     hostile_sqlite: hostile, "", sqlite;
     hostile_postgres: hostile, "", postgres;
+    hostile_postgres_no_standard_strings: hostile, "standard_conforming_strings=off", postgres;
     hostile_mysql: hostile, "", mysql;
     hostile_mysql_no_backslash_escapes: hostile, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES", mysql;
 }

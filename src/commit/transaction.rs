@@ -58,6 +58,14 @@ pub(crate) async fn commit_write(
     commit(txn, &evidence, db, target, reply).await
 }
 
+/// What follows a commit that held `evidence`: a marker's writer sweeps old markers (see
+/// `marker.rs`).
+pub(crate) async fn committed(evidence: &Evidence, db: &Pool, reply: Duration) {
+    if let Evidence::Marker(marker) = evidence {
+        sweep(db, marker, reply).await;
+    }
+}
+
 /// Commits `txn` (which holds `evidence`): `Ok` when it committed — also when the reply was lost
 /// and the evidence shows the commit happened. For writes that take the evidence themselves (on
 /// PostgreSQL, in the guarded UPDATE's own statement: one round trip less).
@@ -76,9 +84,7 @@ pub(crate) async fn commit(
     // A reply that does not come within `reply` is a lost one (see `deadline.rs`).
     let lost = match within(reply, txn.commit()).await {
         Ok(()) => {
-            if let Evidence::Marker(marker) = evidence {
-                sweep(db, marker, reply).await;
-            }
+            committed(evidence, db, reply).await;
             return Ok(());
         }
         Err(e) if in_doubt(&e) => e,

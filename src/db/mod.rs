@@ -9,10 +9,12 @@ pub(crate) mod begin;
 pub(crate) mod deadline;
 pub(crate) mod detach;
 pub(crate) mod failure;
-#[cfg(feature = "mysql")]
+#[cfg(any(feature = "mysql", feature = "postgres"))]
 pub(crate) mod inline;
 pub(crate) mod live;
 pub(crate) mod own;
+#[cfg(feature = "postgres")]
+pub(crate) mod pinned;
 pub(crate) mod pool;
 pub(crate) mod savepoint;
 

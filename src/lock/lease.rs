@@ -176,7 +176,7 @@ pub(crate) fn lease_values(name: &str, owner: &str, fence: i64) -> [Value; 3] {
 /// [`crate::lock::Fencing::owned_row`]); `None` when a value cannot be written in.
 #[cfg(feature = "mysql")]
 pub(crate) fn lease_free_written(values: [Value; 3]) -> Option<String> {
-    crate::db::inline::written(&lease_free(DbBackend::MySql), values)
+    crate::db::inline::mysql::written(&lease_free(DbBackend::MySql), values)
 }
 
 /// [`lease_free`] as a data-modifying `WITH` before a PostgreSQL statement whose own values are

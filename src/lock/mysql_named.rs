@@ -294,7 +294,7 @@ const NOW_MS: &str = "CAST(UNIX_TIMESTAMP(NOW(3)) * 1000 AS SIGNED)";
 fn utf8_literal(text: &str) -> String {
     format!(
         "CONVERT({} USING utf8mb4)",
-        crate::db::inline::hex(text.as_bytes())
+        crate::db::inline::mysql::hex(text.as_bytes())
     )
 }
 

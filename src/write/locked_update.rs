@@ -223,15 +223,25 @@ where
             markers: session.commit_markers(),
         };
         let step = &mut self.step;
-        let result = engine::run(
-            engine,
-            &mut lockings,
-            &mut retries,
-            label.as_str(),
-            false,
-            step,
-        )
-        .await;
+        // On PostgreSQL, in two round trips where the session asks for it (`flights.rs`); `None`
+        // when the engine writes it (or goes on with it).
+        #[cfg(feature = "postgres")]
+        let result = match crate::write::flights::applies(step, &lockings) {
+            true => {
+                let [locking] = &mut lockings;
+                crate::write::flights::run(step, locking, &mut retries).await
+            }
+            false => None,
+        };
+        #[cfg(not(feature = "postgres"))]
+        let result = None;
+        let result = match result {
+            Some(result) => result,
+            None => {
+                let label = label.as_str();
+                engine::run(engine, &mut lockings, &mut retries, label, false, step).await
+            }
+        };
 
         // Waiters of the batch that were not finished were not written: they take the lock
         // themselves, after us (before the release, so none of them can take it first).

@@ -171,6 +171,13 @@ impl Locking {
         self.queue.is_some() || (self.backend.in_process() && self.report.held)
     }
 
+    /// Whether this lock asks nothing of the write's transaction: no statement to take it there,
+    /// no fence to check before the commit (the in-process `local` lock, or none had).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn asks_nothing_of_the_transaction(&self) -> bool {
+        !self.in_transaction && (self.guard.as_ref()).is_none_or(|guard| guard.fencing().is_none())
+    }
+
     /// The policy's answer to a lock that could not be had: `Ok` to proceed without it.
     fn unavailable(&self, failure: Option<LockError>) -> Result<()> {
         let report = &self.report;

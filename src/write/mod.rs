@@ -8,6 +8,8 @@ pub(crate) mod combine;
 pub(crate) mod decision;
 pub(crate) mod engine;
 pub(crate) mod entity;
+#[cfg(feature = "postgres")]
+pub(crate) mod flights;
 pub(crate) mod fold;
 pub(crate) mod locked_update;
 pub(crate) mod locking;

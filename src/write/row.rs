@@ -143,39 +143,54 @@ pub(crate) async fn reload_for_update<E: EntityTrait>(
     pk: &ValueTuple,
     folded: Option<Folded>,
 ) -> Result<Option<E::Model>, DbErr> {
+    let backend = txn.get_database_backend();
+    if let Some(Folded::Lease { name, owner, fence }) = folded {
+        if backend != DbBackend::Postgres {
+            return Err(DbErr::Custom(format!(
+                "a lease freed by the reload needs PostgreSQL, not {backend:?}"
+            )));
+        }
+        let lease = crate::lock::lease::lease_values(&name, &owner, fence);
+        let statement = freeing_lease(select_by_key::<E>(pk), lease);
+        return E::find().from_raw_sql(statement).one(txn).await;
+    }
+    match reload::<E>(backend, pk, folded.as_ref()) {
+        Some(reload) => reload.one(txn).await,
+        None => Err(DbErr::Custom("a lease's reload is read on its own".into())),
+    }
+}
+
+/// The reload of [`reload_for_update`] as a query — with a transaction-scoped lock's try or a
+/// lease's fence check as its filter when `folded` says so — or `None` for [`Folded::Lease`],
+/// whose reload is a statement of its own ([`freeing_lease`]).
+pub(crate) fn reload<E: EntityTrait>(
+    backend: DbBackend,
+    pk: &ValueTuple,
+    folded: Option<&Folded>,
+) -> Option<Select<E>> {
     use sea_orm::sea_query::Expr;
     let mut reload = select_by_key::<E>(pk);
     match folded {
         None => {}
         Some(Folded::Advisory(key)) => {
             let try_lock = "(SELECT pg_try_advisory_xact_lock($1))";
-            reload = reload.filter(Expr::cust_with_values(try_lock, [key]));
+            reload = reload.filter(Expr::cust_with_values(try_lock, [*key]));
         }
         Some(Folded::Row(stored)) => {
-            let try_lock = RowLock::folded(txn.get_database_backend());
-            reload = reload.filter(Expr::cust_with_values(try_lock, [stored]));
+            let try_lock = RowLock::folded(backend);
+            reload = reload.filter(Expr::cust_with_values(try_lock, [stored.clone()]));
         }
         Some(Folded::Fence { name, fence }) => {
-            let check = crate::lock::sql::fence_folded(txn.get_database_backend());
-            let values: [sea_orm::Value; 2] = [name.into(), fence.into()];
+            let check = crate::lock::sql::fence_folded(backend);
+            let values: [sea_orm::Value; 2] = [name.clone().into(), (*fence).into()];
             reload = reload.filter(Expr::cust_with_values(check, values));
         }
-        Some(Folded::Lease { name, owner, fence }) => {
-            let backend = txn.get_database_backend();
-            if backend != DbBackend::Postgres {
-                return Err(DbErr::Custom(format!(
-                    "a lease freed by the reload needs PostgreSQL, not {backend:?}"
-                )));
-            }
-            let lease = crate::lock::lease::lease_values(&name, &owner, fence);
-            let statement = freeing_lease(reload, lease);
-            return E::find().from_raw_sql(statement).one(txn).await;
-        }
+        Some(Folded::Lease { .. }) => return None,
     }
-    if txn.get_database_backend() != DbBackend::Sqlite {
+    if backend != DbBackend::Sqlite {
         reload = reload.lock_exclusive();
     }
-    reload.one(txn).await
+    Some(reload)
 }
 
 /// The reload of [`Folded::Lease`] (PostgreSQL only: MySQL/MariaDB have no data-modifying

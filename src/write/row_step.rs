@@ -46,6 +46,8 @@ pub(crate) struct RowStep<E: EntityTrait> {
     /// `Locking::folding`): for writes that only update a row that exists, until a try
     /// fails.
     fold: bool,
+    /// Whether the write only ever updates or keeps a row that exists (`locked_update`).
+    updates_only: bool,
 }
 
 /// The stored row of a combined write and, by member index, the rows the served waiters' own
@@ -80,6 +82,7 @@ where
             committed: 1,
             telling: None,
             fold,
+            updates_only: fold,
         }
     }
 
@@ -94,11 +97,11 @@ where
         draft: E::ActiveModel,
     ) -> Attempted<E> {
         let bounded = Bounded::new(&txn, self.reply());
-        let mut changes = match row_write::changes::<E>(&bounded, &self.row, &original, draft).await
-        {
-            Ok(changes) => changes,
-            Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
-        };
+        let mut changes =
+            match row_write::changes::<E, _>(&bounded, &self.row, &original, draft).await {
+                Ok(changes) => changes,
+                Err(error) => return (txn, Worked::Undone(Tried::failed(error))),
+            };
         // Only a holder that excludes the process's other writers of the row may serve them.
         let excludes = lockings.iter().all(Locking::excludes_process);
         if let Some(room) = self.room.as_ref().filter(|_| excludes) {
@@ -275,6 +278,19 @@ where
     /// The bound on each round trip of this write (see `deadline.rs`).
     fn reply(&self) -> Duration {
         self.session.policy().reply_deadline()
+    }
+
+    /// The lock is not to be tried by the reload any more (a try in two flights failed).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn unfold(&mut self) {
+        self.fold = false;
+    }
+
+    /// Whether the write only ever updates or keeps a row that exists (`locked_update`: no
+    /// insert, no delete).
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn updates_only(&self) -> bool {
+        self.updates_only
     }
 
     pub(crate) fn interrupted(&self) -> Error {

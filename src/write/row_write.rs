@@ -6,7 +6,7 @@
 //! riding in the UPDATE's message, a lock folded into the reload — stays in that step.
 
 use crate::write::entity::Writable;
-use sea_orm::{DatabaseTransaction, EntityTrait, IntoActiveModel, ModelTrait};
+use sea_orm::{ConnectionTrait, DatabaseTransaction, EntityTrait, IntoActiveModel, ModelTrait};
 use tracing::debug;
 
 use crate::{
@@ -23,20 +23,40 @@ use crate::{
 /// # Errors
 /// [`Error::Database`] when `before_save` fails; [`Error::PrimaryKeyChanged`] when the draft
 /// moved the row's key.
-pub(crate) async fn changes<E>(
-    txn: &Bounded<'_, DatabaseTransaction>,
+pub(crate) async fn changes<E, C>(
+    txn: &Bounded<'_, C>,
     row: &Row,
     original: &E::Model,
     draft: E::ActiveModel,
 ) -> Result<Vec<ColumnValue<E>>, Error>
 where
     E: Writable,
+    C: ConnectionTrait,
 {
     let mut draft = write::before_save::<E, _>(draft, txn, false)
         .await
         .map_err(|e| database("running before_save for", row, e))?;
     row.check_key::<E>(&draft)?;
     Ok(write::changed_columns::<E>(original, &mut draft))
+}
+
+/// What a locked write's UPDATE checks (see [`update`]), with `changes` completed by the version's
+/// increment.
+///
+/// # Errors
+/// The guard's error when the version column cannot be advanced.
+pub(crate) fn expected<E: EntityTrait>(
+    version: Option<E::Column>,
+    original: &E::Model,
+    changes: &mut Vec<ColumnValue<E>>,
+) -> Result<Vec<ColumnValue<E>>, Error> {
+    let read = version.map(|column| (column, original.get(column)));
+    let unversioned = |changes: &[ColumnValue<E>]| {
+        (changes.iter())
+            .map(|(column, _)| (*column, original.get(*column)))
+            .collect()
+    };
+    write::guard::<E>(read, changes, unversioned)
 }
 
 /// What a row's guarded UPDATE did.
@@ -72,13 +92,7 @@ where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
 {
-    let read = version.map(|column| (column, original.get(column)));
-    let unversioned = |changes: &[ColumnValue<E>]| {
-        (changes.iter())
-            .map(|(column, _)| (*column, original.get(*column)))
-            .collect()
-    };
-    let expected = write::guard::<E>(read, &mut changes, unversioned)?;
+    let expected = expected::<E>(version, original, &mut changes)?;
     match write::update_with_evidence::<E>(txn, sending, original, &changes, &expected).await {
         Ok((Some(stored), evidence)) => Ok(Updated::Stored(stored, evidence)),
         Ok((None, _)) => Ok(Updated::Refused),

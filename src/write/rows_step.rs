@@ -189,7 +189,7 @@ where
                 continue;
             };
             let bounded = Bounded::new(&txn, reply);
-            let changes = match row_write::changes::<E>(&bounded, row, original, draft).await {
+            let changes = match row_write::changes::<E, _>(&bounded, row, original, draft).await {
                 Ok(changes) if changes.is_empty() => continue,
                 Ok(changes) => changes,
                 Err(error) => return (txn, Worked::Undone(Tried::failed(error))),

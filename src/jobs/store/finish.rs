@@ -127,8 +127,8 @@ async fn marked(
     #[cfg(feature = "mysql")]
     if backend == DbBackend::MySql
         && let (Some(insert), Some(update)) = (
-            crate::db::inline::mysql(&marker.insert(backend, true)),
-            crate::db::inline::written(sql, values.clone()),
+            crate::db::inline::mysql::statement(&marker.insert(backend, true)),
+            crate::db::inline::mysql::written(sql, values.clone()),
         )
     {
         let rows = (txn

@@ -8,7 +8,10 @@ use sea_orm::{
     ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr,
     EntityTrait, FromQueryResult, IntoActiveModel, Iterable, QueryFilter, QueryResult, QueryTrait,
     Value,
-    sea_query::{Alias, CommonTableExpression, Expr, InsertStatement, Query, WithClause},
+    sea_query::{
+        Alias, CommonTableExpression, Expr, InsertStatement, Query, UpdateStatement, WithClause,
+        WithQuery,
+    },
 };
 
 use super::columns::ColumnValue;
@@ -250,8 +253,11 @@ pub(super) fn marked_message(
     statement: &impl sea_orm::sea_query::QueryStatementWriter,
     lease: Option<&[Value; 3]>,
 ) -> Option<String> {
-    let insert = crate::db::inline::mysql(&marker.insert(DbBackend::MySql, true))?;
-    let message = format!("{insert}; {}", crate::db::inline::mysql(statement)?);
+    let insert = crate::db::inline::mysql::statement(&marker.insert(DbBackend::MySql, true))?;
+    let message = format!(
+        "{insert}; {}",
+        crate::db::inline::mysql::statement(statement)?
+    );
     match lease {
         None => Some(message),
         Some(lease) => {
@@ -325,23 +331,17 @@ where
     C: ConnectionTrait,
 {
     let backend = db.get_database_backend();
-    let mut query = guarded_update::<E>(original, changes, expected)?.into_query();
-    // As sea-orm's own `exec` returns the row: each column as it selects it.
-    let columns = E::Column::iter().map(|c| c.select_as(c.into_returning_expr(backend)));
     let row = match stamp {
         Stamp::Marker(marker) => {
-            query.returning(Query::returning().exprs(columns));
-            let cte = CommonTableExpression::new()
-                .table_name(Alias::new("freshlock_marker"))
-                .query(*marker)
-                .to_owned();
-            let query = query.with(WithClause::new().cte(cte).to_owned());
-            db.query_one(&query).await?
+            let query = returning::<E>(backend, original, changes, expected, [])?;
+            db.query_one(&behind_marker(query, *marker)).await?
         }
         Stamp::Xid(stamped) => {
             let stamps = stamped.exprs().iter().map(|stamp| Expr::cust(*stamp));
-            query.returning(Query::returning().exprs(columns.chain(stamps)));
-            db.query_one(&query).await?
+            db.query_one(&returning::<E>(
+                backend, original, changes, expected, stamps,
+            )?)
+            .await?
         }
     };
     let Some(row) = row else {
@@ -349,6 +349,57 @@ where
     };
     let model = E::Model::from_query_result(&row, "")?;
     Ok(Some((model, row)))
+}
+
+/// The guarded UPDATE of `original`'s row returning each column as sea-orm's own `exec` returns
+/// it (as it selects it), and `extra` expressions after them.
+fn returning<E>(
+    backend: DbBackend,
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+    extra: impl IntoIterator<Item = Expr>,
+) -> Result<UpdateStatement, DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    let mut query = guarded_update::<E>(original, changes, expected)?.into_query();
+    let columns = E::Column::iter().map(|c| c.select_as(c.into_returning_expr(backend)));
+    query.returning(Query::returning().exprs(columns.chain(extra)));
+    Ok(query)
+}
+
+/// `query` behind `marker`'s INSERT as a data-modifying CTE (see [`Stamp::Marker`]).
+fn behind_marker(query: UpdateStatement, marker: InsertStatement) -> WithQuery {
+    let cte = CommonTableExpression::new()
+        .table_name(Alias::new("freshlock_marker"))
+        .query(marker)
+        .to_owned();
+    query.with(WithClause::new().cte(cte).to_owned())
+}
+
+/// The guarded UPDATE of a write in two flights on PostgreSQL (`write/flights.rs`), returning
+/// the row as [`update_returning`] does, behind `marker`'s INSERT when the write's evidence is
+/// a marker: its commit evidence was taken before it (the transaction's id, read by the reload),
+/// or rides in it.
+#[cfg(feature = "postgres")]
+pub(crate) fn returning_statement<E>(
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+    marker: Option<InsertStatement>,
+) -> Result<sea_orm::Statement, DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    let backend = DbBackend::Postgres;
+    let query = returning::<E>(backend, original, changes, expected, [])?;
+    Ok(match marker {
+        None => backend.build(&query),
+        Some(marker) => backend.build(&behind_marker(query, marker)),
+    })
 }
 
 /// The guarded UPDATE of `original`'s row, as sea-orm builds it.

@@ -2,7 +2,7 @@
 //! statements: a message of several statements cannot be prepared, so its values cannot be bound.
 //!
 //! Only values whose text reads the same under every `sql_mode` are written in (anything else
-//! makes [`mysql`] answer `None`, and the caller sends its statements one by one, bound):
+//! makes [`statement`] answer `None`, and the caller sends its statements one by one, bound):
 //! - strings and characters as hexadecimal literals with a character set introducer
 //!   (`_utf8mb4 X'…'`): the value's bytes whatever they hold (quotes, backslashes, NUL), read
 //!   the same under `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`, where an escaped string literal
@@ -26,6 +26,8 @@
 
 use std::fmt::Write as _;
 
+use super::{clock, day, moment};
+
 use sea_orm::{
     Value,
     sea_query::{MysqlQueryBuilder, QueryStatementWriter},
@@ -34,13 +36,13 @@ use sea_orm::{
 /// `statement` as MySQL/MariaDB text with every value written in (see the module's doc), or
 /// `None` when a value is not one that can be, or the text holds a quoted literal of its own
 /// (only backquoted identifiers and `?` placeholders are expected from sea-query).
-pub(crate) fn mysql(statement: &impl QueryStatementWriter) -> Option<String> {
+pub(crate) fn statement(statement: &impl QueryStatementWriter) -> Option<String> {
     let (sql, values) = statement.build(MysqlQueryBuilder);
     written(&sql, values)
 }
 
 /// MySQL/MariaDB text `sql`, written with `?` placeholders, with `values` written in as
-/// [`mysql`] writes a statement's, or `None` as it answers.
+/// [`statement`] writes a statement's, or `None` as it answers.
 pub(crate) fn written(sql: &str, values: impl IntoIterator<Item = Value>) -> Option<String> {
     let mut values = values.into_iter();
     let mut text = String::with_capacity(sql.len() + 32);
@@ -97,32 +99,6 @@ fn double(x: f64) -> Option<String> {
     (x == 0.0 || x.is_normal()).then(|| format!("{x:e}"))
 }
 
-/// A date's text, `YYYY-MM-DD`, or `None` for a year that is not four digits (negative or past
-/// 9999: refused by the server either way, and then refused as a bound value is).
-fn day(date: &sea_orm::prelude::ChronoDate) -> Option<String> {
-    let text = date.format("%Y-%m-%d").to_string();
-    (text.len() == 10 && text.starts_with(|c: char| c.is_ascii_digit())).then_some(text)
-}
-
-/// A time of day's text as sqlx binds it: `HH:MM:SS`, with `.ffffff` (microseconds, the
-/// nanoseconds truncated) only when they are not zero. `None` for a leap second (sqlx sends
-/// those as they are, which the server refuses).
-fn clock(time: &sea_orm::prelude::ChronoTime) -> Option<String> {
-    let text = time.format("%H:%M:%S%.6f").to_string();
-    if text.get(6..8) == Some("60") {
-        return None;
-    }
-    Some(match text.strip_suffix(".000000") {
-        Some(whole) => whole.to_owned(),
-        None => text,
-    })
-}
-
-/// A date and time's text, as [`day`] and [`clock`] write them.
-fn moment(at: &sea_orm::prelude::ChronoDateTime) -> Option<String> {
-    Some(format!("{} {}", day(&at.date())?, clock(&at.time())?))
-}
-
 /// A quoted literal of `text`, which holds only digits, `-`, `:`, `.` and spaces: no character
 /// any `sql_mode` reads otherwise.
 fn quoted(text: String) -> String {
@@ -147,24 +123,14 @@ pub(crate) fn hex(bytes: &[u8]) -> String {
 
 #[cfg(test)]
 mod tests {
-    use sea_orm::sea_query::{Alias, Expr, ExprTrait, Query};
+    use sea_orm::sea_query::{Alias, Expr, Query};
 
+    use super::super::update;
     use super::*;
-
-    fn update(values: Vec<Value>) -> sea_orm::sea_query::UpdateStatement {
-        let mut query = Query::update();
-        query.table(Alias::new("t"));
-        for (i, value) in values.into_iter().enumerate() {
-            query.value(Alias::new(format!("c{i}")), value);
-        }
-        query
-            .and_where(Expr::col(Alias::new("id")).eq(7))
-            .to_owned()
-    }
 
     #[test]
     fn values_are_written_in_as_literals_that_no_sql_mode_reads_otherwise() {
-        let text = mysql(&update(vec![
+        let text = statement(&update(vec![
             Value::String(Some("O'Brien \\ \" ? `\0".to_owned())),
             Value::Char(Some('✓')),
             Value::Bytes(Some(vec![0, 0xff])),
@@ -200,7 +166,7 @@ mod tests {
                 ChronoTime::from_hms_nano_opt(7, 5, 9, nanos).expect("t"),
             )
         };
-        let text = mysql(&update(vec![
+        let text = statement(&update(vec![
             Value::ChronoDate(Some(day)),
             Value::ChronoTime(ChronoTime::from_hms_micro_opt(23, 59, 1, 5)),
             Value::ChronoDateTime(Some(at(123_456_789))),
@@ -217,7 +183,7 @@ mod tests {
         let leap = ChronoTime::from_hms_nano_opt(23, 59, 59, 1_500_000_000);
         let far = ChronoDate::from_ymd_opt(12_026, 1, 1);
         for value in [Value::ChronoTime(leap), Value::ChronoDate(far)] {
-            assert_eq!(mysql(&update(vec![value.clone()])), None, "{value:?}");
+            assert_eq!(statement(&update(vec![value.clone()])), None, "{value:?}");
         }
     }
 
@@ -229,7 +195,7 @@ mod tests {
             Value::Double(Some(f64::MIN_POSITIVE / 2.0)),
             Value::Json(Some(Box::new(serde_json::json!({"a": 1})))),
         ] {
-            assert_eq!(mysql(&update(vec![value.clone()])), None, "{value:?}");
+            assert_eq!(statement(&update(vec![value.clone()])), None, "{value:?}");
         }
     }
 
@@ -240,7 +206,7 @@ mod tests {
             .value(Alias::new("c?"), 5)
             .to_owned();
         assert_eq!(
-            mysql(&query).as_deref(),
+            statement(&query).as_deref(),
             Some("UPDATE `t?``x` SET `c?` = 5")
         );
     }
@@ -251,6 +217,6 @@ mod tests {
             .table(Alias::new("t"))
             .value(Alias::new("c"), Expr::cust("'text'"))
             .to_owned();
-        assert_eq!(mysql(&query), None);
+        assert_eq!(statement(&query), None);
     }
 }

@@ -1,0 +1,502 @@
+//! `locked_update` on PostgreSQL in two round trips ([`crate::SessionBuilder::two_flights`]):
+//! flight 1 sends `BEGIN` and the reload, which also reads the commit's evidence (the
+//! transaction's id) and tries a `pg_advisory` or `row` lock as the engine's reload does
+//! (`fold.rs`: a failed try sends the write on to the engine); flight 2 sends the guarded `UPDATE … RETURNING` and the `COMMIT`. Both on a
+//! connection freshlock holds (`db/pinned.rs`), as simple queries with their values written in
+//! (`db/inline/postgres.rs`).
+//!
+//! Why not the engine's transaction: sea-orm's waits for its `BEGIN`'s reply and sends its
+//! `COMMIT` alone, so a write there is four round trips (see `pinned.rs`). What the engine does
+//! around a step is the same here and comes from the same places: the attempts and their
+//! backoff ([`Retries`]), the reload's statement (`row.rs`), the hooks, the primary-key check and
+//! the changed columns (`row_write::changes`), the guard (`row_write::expected`), the UPDATE
+//! (`row_sql::returning_statement`), the evidence ([`Plan`]) and its resolution after a lost
+//! reply ([`Evidence::resolve`]), the cache's effects.
+//!
+//! Where the rules differ, because the `COMMIT` rides with the `UPDATE`:
+//! - the evidence must be known before flight 2 leaves (its reply may be lost), so the reload
+//!   reads the transaction's id (a `SELECT … FOR UPDATE` has one already), or a marker's INSERT
+//!   rides in the UPDATE as a CTE;
+//! - a guard's refusal finds the transaction committed: it wrote nothing but the marker, since
+//!   the UPDATE matched no row and no hook wrote (a write whose `before_save` sent a statement
+//!   sends its UPDATE alone, decides, then commits or rolls back);
+//! - `after_save` runs after the commit; an error of it is the call's error but the write stands
+//!   (it is not run again);
+//! - a commit whose reply was lost and is resolved as committed reports the row as the write
+//!   made it (its reply, with any change the database made, was lost): the session's cache
+//!   forgets the row instead of caching it.
+//!
+//! Any failure discards the connection (see `pinned.rs`): the server rolls back what it held.
+
+use std::{sync::Arc, time::Duration};
+
+use sea_orm::{
+    DbBackend, FromQueryResult, ModelTrait, QueryResult, QuerySelect, QueryTrait,
+    sea_query::{Expr, InsertStatement},
+};
+use tracing::{debug, warn};
+
+use crate::{
+    commit::{Evidence, Marker, Plan, Resolution, write_error},
+    db::{
+        deadline::{Bounded, within},
+        failure::in_doubt,
+        inline::postgres::written,
+        pinned::{Pinned, Reply},
+    },
+    error::{Error, Result, database},
+    identity_map::Change,
+    write::decision::{Decision, Written},
+    write::engine::{Retries, Tried},
+    write::entity::Writable,
+    write::fold::Folded,
+    write::locking::Fold,
+    write::locking::Locking,
+    write::row::reload,
+    write::row_sql::{self as write, ColumnValue},
+    write::row_step::RowStep,
+    write::row_write,
+};
+
+/// Whether `step`'s write under `lockings` goes in two flights: asked for, on a PostgreSQL pool,
+/// an update of an existing row under one lock that sends nothing in the transaction (`local`),
+/// its commit not combined, and its key written into the reload's text.
+pub(crate) fn applies<E: Writable>(step: &RowStep<E>, lockings: &[Locking]) -> bool {
+    let session = &step.session;
+    let db = session.pool();
+    let lock = matches!(lockings, [locking] if locking.asks_nothing_of_the_transaction() || folds(locking));
+    session.two_flights()
+        && db.is_real()
+        && db.get_database_backend() == DbBackend::Postgres
+        && step.updates_only()
+        && step.room.is_none()
+        && lock
+        && reload_text::<E>(step, &[], None).is_some()
+}
+
+/// Whether `locking` is a `pg_advisory` or `row` lock its reload may try (see `fold.rs`): then
+/// flight 1 tries it in the reload, as the engine's first statement does.
+fn folds(locking: &Locking) -> bool {
+    locking.in_transaction && locking.guard.is_none() && locking.fold == Fold::Allowed
+}
+
+/// Runs `step`'s attempts in two flights until one settles, as `retries` says; `None` when a
+/// lock tried by the reload was not had (busy, or there is no row: the statement cannot tell):
+/// the write goes on in the engine, its lock taken by a statement of its own.
+pub(crate) async fn run<E: Writable>(
+    step: &mut RowStep<E>,
+    locking: &mut Locking,
+    retries: &mut Retries,
+) -> Option<Result<Written<E::Model>>> {
+    loop {
+        retries.start();
+        match attempt(step, locking).await {
+            Attempt::Settle(tried) => {
+                if let Some(result) = retries.settle(tried).await {
+                    return Some(result);
+                }
+            }
+            Attempt::Final(result) => return Some(result),
+            Attempt::Unfolded => {
+                // Not an attempt of the write (see `Tried::Uncounted`).
+                retries.settle(Ok(Tried::<()>::Uncounted)).await;
+                step.unfold();
+                return None;
+            }
+        }
+    }
+}
+
+/// How one attempt ended.
+enum Attempt<M> {
+    /// As an engine's attempt does: [`Retries::settle`] decides.
+    Settle(Result<Tried<Written<M>>>),
+    /// Committed, and failed after (`after_save`): never run again.
+    Final(Result<Written<M>>),
+    /// The lock tried by the reload was not had: nothing was read, locked or written.
+    Unfolded,
+}
+
+/// The attempt's evidence of commit, known before flight 2 leaves (`None`:
+/// `commit_markers(false)`, a lost reply is [`Error::CommitUnknown`]), and whether it is a marker
+/// whose INSERT rides in the UPDATE (no `freshlock_incarnation`; a marker the evidence wrote
+/// itself, for a new incarnation, is in the transaction already).
+struct Taken {
+    evidence: Option<Evidence>,
+    rides: bool,
+}
+
+impl Taken {
+    /// The marker's INSERT the UPDATE carries.
+    fn insert(&self) -> Option<InsertStatement> {
+        match (&self.evidence, self.rides) {
+            (Some(Evidence::Marker(marker)), true) => {
+                Some(marker.insert(DbBackend::Postgres, true))
+            }
+            _ => None,
+        }
+    }
+}
+
+/// The reload's text: `SELECT <columns>, <stamps> FROM … WHERE <key> [AND <the lock's try>] FOR
+/// UPDATE`, its values written in, or `None` when they cannot be.
+fn reload_text<E: Writable>(
+    step: &RowStep<E>,
+    stamps: &[&'static str],
+    folded: Option<&Folded>,
+) -> Option<String> {
+    let reload = reload::<E>(DbBackend::Postgres, step.row.pk(), folded)?;
+    let select = (stamps.iter()).fold(reload, |select, stamp| select.expr(Expr::cust(*stamp)));
+    let statement = select.build(DbBackend::Postgres);
+    let values = statement.values.map(|values| values.0).unwrap_or_default();
+    written(&statement.sql, &values)
+}
+
+/// The one reply of a message's statement at `index`, or a protocol error.
+fn nth(replies: &mut [Reply], index: usize) -> Result<Reply, sea_orm::DbErr> {
+    replies
+        .get_mut(index)
+        .map(std::mem::take)
+        .ok_or_else(|| sea_orm::DbErr::Custom(format!("no reply to statement {}", index + 1)))
+}
+
+/// One attempt: flight 1, the caller's decision, flight 2.
+async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> Attempt<E::Model> {
+    let settle = |error: Error| Attempt::Settle(Ok(Tried::failed(error)));
+    let session = step.session.clone();
+    let (db, reply) = (session.pool(), session.policy().reply_deadline());
+    session.map().remove(&step.row.key);
+    let acquired = Pinned::acquire(
+        db.connection().get_postgres_connection_pool(),
+        db.transaction_pooled(),
+    );
+    let conn = match within(reply, acquired).await {
+        Ok(conn) => conn,
+        Err(e) => return settle(database("beginning the transaction for", &step.row, e)),
+    };
+    // The evidence's plan is known before the transaction (a pool asks once whether
+    // `freshlock_incarnation` exists, outside it).
+    let plan = match session.commit_markers() {
+        true => Some(Plan::of(db, &conn).await),
+        false => None,
+    };
+    let stamps = match &plan {
+        Some(Plan::Stamped(stamped)) => stamped.exprs(),
+        _ => &[],
+    };
+    // A `pg_advisory` or `row` lock is tried by the reload (`fold.rs`).
+    let folded = folds(locking).then(|| {
+        locking.fold = Fold::Pending;
+        locking.folding()
+    });
+    let folded = folded.flatten();
+    let Some(reload) = reload_text::<E>(step, stamps, folded.as_ref()) else {
+        conn.discard();
+        let e = sea_orm::DbErr::Custom("the reload's key could not be written in".into());
+        return settle(database("reloading", &step.row, e));
+    };
+
+    // Flight 1: BEGIN and the reload (with the transaction's id).
+    let started = tokio::time::Instant::now();
+    let read = within(reply, conn.flight(format!("BEGIN; {reload}"))).await;
+    let row = match read.and_then(|mut replies| nth(&mut replies, 1)) {
+        Ok(reloaded) => reloaded.rows.into_iter().next().map(QueryResult::from),
+        Err(e) => {
+            conn.discard();
+            return settle(database("reloading", &step.row, e));
+        }
+    };
+    if folded.is_some() {
+        locking.folded(row.is_some(), started.elapsed());
+        if row.is_none() {
+            let rolled_back = within(reply, conn.flight("ROLLBACK".to_owned())).await;
+            if rolled_back.is_err() {
+                conn.discard();
+            }
+            return Attempt::Unfolded;
+        }
+    }
+    let found = match row.as_ref().map(|row| E::Model::from_query_result(row, "")) {
+        None => None,
+        Some(Ok(model)) => Some(model),
+        Some(Err(e)) => {
+            conn.discard();
+            return settle(database("reloading", &step.row, e));
+        }
+    };
+    let (evidence, rides) = match (plan, &row) {
+        (Some(Plan::Stamped(stamped)), Some(row)) => {
+            match within(reply, stamped.evidence(&conn, db, row)).await {
+                Ok(evidence) => (Some(evidence), false),
+                Err(e) => {
+                    conn.discard();
+                    return settle(database("marking the commit of", &step.row, e));
+                }
+            }
+        }
+        (Some(Plan::Marker), _) => (Some(Evidence::Marker(Marker::new())), true),
+        _ => (None, false),
+    };
+    let taken = Taken { evidence, rides };
+
+    // The caller decides, as in the engine's row step.
+    if step.reloaded.send(found).await.is_err() {
+        conn.discard();
+        return settle(step.interrupted());
+    }
+    let Some(decision) = step.decisions.recv().await else {
+        conn.discard();
+        return settle(step.interrupted());
+    };
+    let (original, draft) = match decision {
+        Decision::Update { original, draft } => (original, draft),
+        Decision::Keep(original) => {
+            return keep(step, conn, reply, Written::Unchanged(Arc::new(original))).await;
+        }
+        Decision::NotFound => return keep(step, conn, reply, Written::NotFound).await,
+        Decision::Insert(_) | Decision::Delete(_) => {
+            conn.discard();
+            let e = sea_orm::DbErr::Custom("only updates are written in two flights".into());
+            return settle(database("writing", &step.row, e));
+        }
+    };
+    let before = conn.sent();
+    let bounded = Bounded::new(&conn, reply);
+    let changes = row_write::changes::<E, _>(&bounded, &step.row, &original, draft).await;
+    let mut changes = match changes {
+        Ok(changes) if changes.is_empty() => {
+            let kept = Written::Unchanged(Arc::new(original));
+            return keep(step, conn, reply, kept).await;
+        }
+        Ok(changes) => changes,
+        Err(error) => {
+            conn.discard();
+            return settle(error);
+        }
+    };
+    let version = session.version_of::<E>();
+    let expected = match row_write::expected::<E>(version, &original, &mut changes) {
+        Ok(expected) => expected,
+        Err(error) => {
+            conn.discard();
+            return settle(error);
+        }
+    };
+    let update = write::returning_statement::<E>(&original, &changes, &expected, taken.insert());
+    let update = match update {
+        Ok(update) => update,
+        Err(e) => {
+            conn.discard();
+            return settle(database("writing", &step.row, e));
+        }
+    };
+    let values = update
+        .values
+        .as_ref()
+        .map_or(&[][..], |values| &values.0[..]);
+    let text = written(&update.sql, values).filter(|_| conn.sent() == before);
+    let write = Write {
+        step,
+        reply,
+        taken,
+        original,
+        changes,
+    };
+    let done = match text {
+        Some(text) => write.in_one_message(conn, text).await,
+        None => write.then_commit(conn, update).await,
+    };
+    let (done, evidence) = match done {
+        Ok(done) => done,
+        Err(error) => return Attempt::Settle(Err(error)),
+    };
+    let (result, effect) = match done {
+        Done::Refused => return Attempt::Settle(Ok(Tried::conflict(step.row.to_string()))),
+        Done::Stored(reported, effect) => (Ok(Written::Updated(Arc::new(reported))), effect),
+        // Committed: the write stands, and is not run again.
+        Done::AfterSave(error, effect) => (Err(error), effect),
+    };
+    locking.committed();
+    session.map().apply([effect]);
+    if let Some(evidence) = &evidence {
+        crate::commit::committed(evidence, db, reply).await;
+    }
+    Attempt::Final(result)
+}
+
+/// Ends a transaction that writes nothing (`COMMIT`, one round trip), then caches what the
+/// caller kept.
+async fn keep<E: Writable>(
+    step: &RowStep<E>,
+    conn: Pinned,
+    reply: Duration,
+    kept: Written<E::Model>,
+) -> Attempt<E::Model> {
+    if let Err(e) = within(reply, conn.flight("COMMIT".to_owned())).await {
+        conn.discard();
+        return Attempt::Settle(Ok(Tried::failed(database("committing", &step.row, e))));
+    }
+    if let Written::Unchanged(original) = &kept {
+        let cached = Change::cache(step.row.key.clone(), Arc::clone(original));
+        step.session.map().apply([cached]);
+    }
+    Attempt::Final(Ok(kept))
+}
+
+/// What flight 2 needs.
+struct Write<'s, E: Writable> {
+    step: &'s RowStep<E>,
+    reply: Duration,
+    taken: Taken,
+    original: E::Model,
+    changes: Vec<ColumnValue<E>>,
+}
+
+/// How flight 2 ended, when it did not fail.
+enum Done<M> {
+    /// Committed: the row `after_save` reported, and the cache's change.
+    Stored(M, Change),
+    /// The guard refused: nothing was written.
+    Refused,
+    /// Committed, but `after_save` failed after the commit: its error, and the cache's change.
+    AfterSave(Error, Change),
+}
+
+/// Flight 2's end and the evidence the transaction held (for the marker's sweep).
+type Ended<M> = (Done<M>, Option<Evidence>);
+
+impl<E: Writable> Write<'_, E> {
+    /// Flight 2 as one message: `UPDATE … RETURNING …; COMMIT`, then `after_save`.
+    async fn in_one_message(self, conn: Pinned, text: String) -> Result<Ended<E::Model>> {
+        let row = &self.step.row;
+        let sent = within(self.reply, conn.flight(format!("{text}; COMMIT"))).await;
+        let updated = match sent.and_then(|mut replies| nth(&mut replies, 0)) {
+            Ok(updated) => updated.rows.into_iter().next().map(QueryResult::from),
+            Err(e) if in_doubt(&e) => {
+                conn.discard();
+                return self.resolve(e, None).await;
+            }
+            Err(e) => {
+                conn.discard();
+                return Err(database("writing", row, e));
+            }
+        };
+        // Committed: the UPDATE's row, or none when the guard refused (nothing was written).
+        let Some(updated) = updated else {
+            debug!(row = %row.name, "the guard refused the write");
+            return Ok((Done::Refused, self.taken.evidence));
+        };
+        let stored = match E::Model::from_query_result(&updated, "") {
+            Ok(stored) => stored,
+            Err(e) => {
+                // Committed, but the row could not be read: the cache forgets it, the caller
+                // gets the row as written.
+                warn!(row = %row.name, error = %e, "the committed row could not be read back");
+                let (written, evict) = self.written()?;
+                return Ok((Done::Stored(written, evict), self.taken.evidence));
+            }
+        };
+        let cached = Change::cache(row.key.clone(), Arc::new(stored.clone()));
+        let bounded = Bounded::new(&conn, self.reply);
+        let done = match write::after_save::<E, _>(stored, &bounded, false).await {
+            Ok(reported) => Done::Stored(reported, cached),
+            Err(e) => {
+                let error = database("running after_save (after the commit) for", row, e);
+                Done::AfterSave(error, cached)
+            }
+        };
+        Ok((done, self.taken.evidence))
+    }
+
+    /// Flight 2 in three: the UPDATE alone and bound (the hooks wrote in the transaction, or a
+    /// value cannot be written in), `after_save` in the transaction, then `COMMIT` or, when the
+    /// guard refused, `ROLLBACK`.
+    async fn then_commit(
+        self,
+        conn: Pinned,
+        update: sea_orm::Statement,
+    ) -> Result<Ended<E::Model>> {
+        use sea_orm::ConnectionTrait;
+        let row = &self.step.row;
+        let updated = within(self.reply, conn.query_one_raw(update)).await;
+        let read = |updated: Option<QueryResult>| {
+            (updated.as_ref())
+                .map(|updated| E::Model::from_query_result(updated, ""))
+                .transpose()
+        };
+        let stored = match updated.and_then(read) {
+            Ok(stored) => stored,
+            Err(e) => {
+                conn.discard();
+                return Err(database("writing", row, e));
+            }
+        };
+        let Some(stored) = stored else {
+            let rolled_back = within(self.reply, conn.flight("ROLLBACK".to_owned())).await;
+            if rolled_back.is_err() {
+                conn.discard();
+            }
+            return Ok((Done::Refused, None));
+        };
+        let bounded = Bounded::new(&conn, self.reply);
+        let reported = match write::after_save::<E, _>(stored.clone(), &bounded, false).await {
+            Ok(reported) => reported,
+            Err(e) => {
+                conn.discard();
+                return Err(database("running after_save for", row, e));
+            }
+        };
+        match within(self.reply, conn.flight("COMMIT".to_owned())).await {
+            Ok(_) => {
+                let cached = Change::cache(row.key.clone(), Arc::new(stored));
+                Ok((Done::Stored(reported, cached), self.taken.evidence))
+            }
+            Err(e) if in_doubt(&e) => {
+                conn.discard();
+                self.resolve(e, Some(reported)).await
+            }
+            Err(e) => {
+                conn.discard();
+                Err(database("committing", row, e))
+            }
+        }
+    }
+
+    /// Flight 2's reply was lost with its `COMMIT`: resolved with the evidence on another
+    /// connection. Committed: `reported`, or the row as this write made it (see the module
+    /// docs), and the cache forgets the row.
+    async fn resolve(
+        &self,
+        lost: sea_orm::DbErr,
+        reported: Option<E::Model>,
+    ) -> Result<Ended<E::Model>> {
+        let label = self.step.row.name.as_str();
+        let Some(evidence) = &self.taken.evidence else {
+            return Err(write_error("committing", label, lost));
+        };
+        warn!(target = label, error = %lost, "the commit's reply was lost: resolving on another connection");
+        let db = self.step.session.pool();
+        match evidence.resolve(db, label, self.reply).await? {
+            Resolution::Committed => {
+                let evict = Change::Evict(self.step.row.key.clone());
+                let reported = match reported {
+                    Some(reported) => reported,
+                    None => self.written()?.0,
+                };
+                Ok((Done::Stored(reported, evict), None))
+            }
+            Resolution::Absent => Err(database("committing", &label, lost)),
+        }
+    }
+
+    /// The row as this write made it (the reloaded row with its changes), and the cache's
+    /// forgetting of it.
+    fn written(&self) -> Result<(E::Model, Change)> {
+        let mut model = self.original.clone();
+        for (column, value) in &self.changes {
+            (model.try_set(*column, value.clone()))
+                .map_err(|e| database("reading back", &self.step.row, e))?;
+        }
+        Ok((model, Change::Evict(self.step.row.key.clone())))
+    }
+}
