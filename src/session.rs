@@ -314,9 +314,10 @@ impl SessionBuilder {
         ///   trips.
         /// - It applies under `local` (the default), `pg_advisory` and `row` (their lock tried by
         ///   the reload; when the try fails — the lock is busy — the write goes on in four round
-        ///   trips, its lock taken by a statement of its own), with commits not combined. The
-        ///   lease backends, combined commits, `locked_delete`, `get_or_insert` and
-        ///   `update_or_insert` write as before, as do SQLite and MySQL/MariaDB.
+        ///   trips, its lock taken by a statement of its own), combined commits included (the
+        ///   served waiters' `after_save` runs after the commit too). The lease backends,
+        ///   `locked_delete`, `get_or_insert` and `update_or_insert` write as before, as do
+        ///   SQLite and MySQL/MariaDB.
         ///
         /// Default: off.
         two_flights(on: bool) => two_flights = on;

@@ -21,6 +21,8 @@
 //! - 40 writers: the batch is bounded — one commit of 32 (the holder and the 31 longest
 //!   seated), then one of the 8 left; all 40 committed once.
 //! - Without `combine_commits`, the same 16 writers commit one by one (`batch == 1`).
+//! - The same with each write in two flights (PostgreSQL, `SessionBuilder::two_flights`): 14 of
+//!   16 in one commit, a failing hook, a panic and a cancel.
 //! - 16 writers with a session each, each given the same `table` backend in an `Arc` of its own
 //!   (a clone of the backend: its in-process queue comes with it): one commit of 16. Two
 //!   backend instances are two queues: 8 writers behind each never share a commit.
@@ -123,11 +125,46 @@ async fn backend(kind: LockKind, test: &TestDb) -> Arc<dyn LockBackend> {
 }
 
 fn combining(db: &DatabaseConnection, lock: &Arc<dyn LockBackend>, on: bool) -> Session {
+    combining_in(db, lock, on, false)
+}
+
+/// [`combining`], each write in two flights when `two_flights` (PostgreSQL).
+fn combining_in(
+    db: &DatabaseConnection,
+    lock: &Arc<dyn LockBackend>,
+    on: bool,
+    two_flights: bool,
+) -> Session {
     Session::builder(db.clone())
         .lock(Arc::clone(lock))
         .combine_commits(on)
+        .two_flights(two_flights)
         .build()
         .expect("session")
+}
+
+/// A scenario's lock backend, and whether its writes go in two flights.
+#[derive(Clone, Copy, Debug)]
+struct How {
+    kind: LockKind,
+    two_flights: bool,
+}
+
+impl From<LockKind> for How {
+    fn from(kind: LockKind) -> Self {
+        Self {
+            kind,
+            two_flights: false,
+        }
+    }
+}
+
+/// `kind`, each write in two flights.
+const fn two_flights(kind: LockKind) -> How {
+    How {
+        kind,
+        two_flights: true,
+    }
 }
 
 /// What a writer does in `apply`.
@@ -193,6 +230,7 @@ async fn park_and_release(
     db: &DatabaseConnection,
     lock: &Arc<dyn LockBackend>,
     combine: bool,
+    two_flights: bool,
     writers: &[Writer],
 ) -> (
     Session,
@@ -200,7 +238,7 @@ async fn park_and_release(
 ) {
     let blocker = combining(db, lock, false);
     let (release, holder) = hold(&blocker, lock_name::<account::Entity>(1).expect("key")).await;
-    let session = combining(db, lock, combine);
+    let session = combining_in(db, lock, combine, two_flights);
     let tasks = spawn_writers(&vec![session.clone(); writers.len()], writers);
     eventually("every writer is seated", || {
         session.in_flight() == writers.len()
@@ -219,8 +257,9 @@ async fn park_and_release(
 }
 
 /// 16 writers, 3 and 9 fail: the other 14 commit together, each acknowledged once.
-async fn fourteen_of_sixteen(db: Option<TestDb>, kind: LockKind) {
+async fn fourteen_of_sixteen(db: Option<TestDb>, how: impl Into<How>) {
     let Some(test) = db else { return };
+    let How { kind, two_flights } = how.into();
     let db = &test.db;
     seed(db).await;
     let lock = backend(kind, &test).await;
@@ -233,7 +272,7 @@ async fn fourteen_of_sixteen(db: Option<TestDb>, kind: LockKind) {
             }
         })
         .collect();
-    let (session, results) = park_and_release(db, &lock, true, &writers).await;
+    let (session, results) = park_and_release(db, &lock, true, two_flights, &writers).await;
 
     let mut acknowledged = 0;
     let mut expected = 0_i64;
@@ -274,14 +313,15 @@ async fn fourteen_of_sixteen(db: Option<TestDb>, kind: LockKind) {
 }
 
 /// A panicking `apply` and a writer dropped before its turn contribute nothing.
-async fn panic_and_cancel(db: Option<TestDb>, kind: LockKind) {
+async fn panic_and_cancel(db: Option<TestDb>, how: impl Into<How>) {
     let Some(test) = db else { return };
+    let How { kind, two_flights } = how.into();
     let db = &test.db;
     seed(db).await;
     let lock = backend(kind, &test).await;
     let blocker = combining(db, &lock, false);
     let (release, holder) = hold(&blocker, lock_name::<account::Entity>(1).expect("key")).await;
-    let session = combining(db, &lock, true);
+    let session = combining_in(db, &lock, true, two_flights);
     let mut tasks = Vec::new();
     for i in 0..8 {
         let session = session.clone();
@@ -337,7 +377,7 @@ async fn one_by_one(db: Option<TestDb>, kind: LockKind) {
     let db = &test.db;
     seed(db).await;
     let lock = backend(kind, &test).await;
-    let (_, results) = park_and_release(db, &lock, false, &[Writer::Adds; WRITERS]).await;
+    let (_, results) = park_and_release(db, &lock, false, false, &[Writer::Adds; WRITERS]).await;
     for result in results {
         assert_eq!(result.expect("no panic").expect("written").batch, 1);
     }
@@ -346,8 +386,9 @@ async fn one_by_one(db: Option<TestDb>, kind: LockKind) {
 
 /// Writer 4's `before_save` writes its audit row, then fails: it alone gets the error, and the
 /// audit holds exactly the 15 committed writers' rows.
-async fn failing_hook(db: Option<TestDb>, kind: LockKind) {
+async fn failing_hook(db: Option<TestDb>, how: impl Into<How>) {
     let Some(test) = db else { return };
+    let How { kind, two_flights } = how.into();
     let db = &test.db;
     for ddl in [
         "CREATE TABLE tally (id integer PRIMARY KEY, total bigint NOT NULL, note varchar(32) NOT NULL)",
@@ -366,7 +407,7 @@ async fn failing_hook(db: Option<TestDb>, kind: LockKind) {
     let lock = backend(kind, &test).await;
     let blocker = combining(db, &lock, false);
     let (release, holder) = hold(&blocker, lock_name::<tally::Entity>(1).expect("key")).await;
-    let session = combining(db, &lock, true);
+    let session = combining_in(db, &lock, true, two_flights);
     let tasks: Vec<_> = (0..WRITERS)
         .map(|i| {
             let session = session.clone();
@@ -430,7 +471,7 @@ async fn bounded_batches(db: Option<TestDb>, kind: LockKind) {
     let db = &test.db;
     seed(db).await;
     let lock = backend(kind, &test).await;
-    let (_, results) = park_and_release(db, &lock, true, &[Writer::Adds; 40]).await;
+    let (_, results) = park_and_release(db, &lock, true, false, &[Writer::Adds; 40]).await;
     let mut batches: Vec<u32> = results
         .into_iter()
         .map(|result| result.expect("no panic").expect("written").batch)
@@ -578,6 +619,10 @@ servers::server_tests! {
     fourteen_postgres_local: fourteen_of_sixteen, LockKind::Local, postgres;
     fourteen_postgres_row: fourteen_of_sixteen, LockKind::Row, postgres;
     fourteen_postgres_advisory: fourteen_of_sixteen, LockKind::PgAdvisory, postgres;
+    fourteen_postgres_two_flights_local: fourteen_of_sixteen, two_flights(LockKind::Local), postgres;
+    fourteen_postgres_two_flights_advisory: fourteen_of_sixteen, two_flights(LockKind::PgAdvisory), postgres;
+    hook_postgres_two_flights: failing_hook, two_flights(LockKind::Local), postgres;
+    panic_cancel_postgres_two_flights: panic_and_cancel, two_flights(LockKind::Row), postgres;
     fourteen_mysql_local: fourteen_of_sixteen, LockKind::Local, mysql;
     fourteen_mysql_named: fourteen_of_sixteen, LockKind::MySqlNamed, mysql;
     panic_cancel_sqlite: panic_and_cancel, LockKind::Local, sqlite;

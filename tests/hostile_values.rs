@@ -37,8 +37,8 @@ fn sessions(db: &sea_orm::DatabaseConnection) -> Vec<(&'static str, Session)> {
             .lock(Arc::new(LocalLock::new()))
             .combine_commits(combine)
             .optimistic_first(optimistic)
-            // Two flights on PostgreSQL for the plain locked paths (values written in).
-            .two_flights(!combine && !optimistic);
+            // Two flights on PostgreSQL for the locked paths (values written in).
+            .two_flights(!optimistic);
         if versioned {
             builder = builder.version_column::<node::Entity>(node::Column::Changed);
         }

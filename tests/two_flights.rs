@@ -536,3 +536,41 @@ async fn hooks_keep_their_writes_in_the_transaction() {
     let report = bump().await.expect("after");
     assert_eq!(report.outcome.model().map(|m| m.n), Some(6));
 }
+
+/// Without `freshlock_incarnation` the commit's evidence is a marker, whose INSERT rides in the
+/// UPDATE's statement (a CTE): still two round trips, and with every third `COMMIT`'s reply cut
+/// (the server commits, the client never hears) each lost reply is resolved by its marker —
+/// every call acknowledged once, the row holding exactly the acknowledged increments.
+#[tokio::test]
+async fn without_the_incarnation_table_a_marker_rides_in_the_update() {
+    let Some(db) = servers::postgres("two_flights_marker").await else {
+        return;
+    };
+    db.seed_nodes(1).await;
+    db.db
+        .execute_unprepared("DROP TABLE freshlock_incarnation")
+        .await
+        .expect("drop");
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy, |_| {}).await;
+    let session = session(&pool, true, false);
+    increment(&session, 1).await;
+    let before = proxy.round_trips();
+    for _ in 0..CALLS {
+        increment(&session, 1).await;
+    }
+    assert_eq!(proxy.round_trips() - before, CALLS * 2, "round trips");
+    let markers = db
+        .query_one("SELECT count(*) AS n FROM freshlock_commit")
+        .await
+        .try_get::<i64>("", "n")
+        .expect("count");
+    assert!(markers > 0, "the writes left their markers (swept in time)");
+
+    proxy.cut_every(3);
+    for _ in 0..12 {
+        increment(&session, 1).await;
+    }
+    assert!(proxy.cuts() >= 4, "the proxy cut commit replies");
+    assert_eq!(db.score(1).await, Some(1 + CALLS as i32 + 12));
+}

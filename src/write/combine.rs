@@ -181,6 +181,29 @@ where
         txn: &impl ConnectionTrait,
         row: &Row,
     ) -> Option<Vec<(usize, E::Model)>> {
+        self.each_after_save(stored, txn, row, false).await
+    }
+
+    /// [`after_saves`](Self::after_saves) after the batch committed (a write in two flights,
+    /// `flights.rs`): a waiter whose `after_save` fails gets its error while its write stands,
+    /// and the others still get theirs.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) async fn after_saves_committed(
+        &mut self,
+        stored: &E::Model,
+        txn: &impl ConnectionTrait,
+        row: &Row,
+    ) -> Vec<(usize, E::Model)> {
+        (self.each_after_save(stored, txn, row, true).await).unwrap_or_default()
+    }
+
+    async fn each_after_save(
+        &mut self,
+        stored: &E::Model,
+        txn: &impl ConnectionTrait,
+        row: &Row,
+        committed: bool,
+    ) -> Option<Vec<(usize, E::Model)>> {
         let mut theirs = Vec::new();
         for (index, member) in self.members.iter_mut().enumerate() {
             if member.state != (Turn::Merged { changed: true }) {
@@ -188,6 +211,10 @@ where
             }
             match write::after_save::<E, _>(stored.clone(), txn, false).await {
                 Ok(reported) => theirs.push((index, reported)),
+                Err(e) if committed => {
+                    let operation = "running after_save (after the commit) for";
+                    member.finish(Err(database(operation, row, e)));
+                }
                 Err(e) => {
                     member.finish(Err(database("running after_save for", row, e)));
                     return None;

@@ -46,8 +46,9 @@ use crate::{
     },
     error::{Error, Result, database},
     identity_map::Change,
+    write::combine::Batch,
     write::decision::{Decision, Written},
-    write::engine::{Retries, Tried},
+    write::engine::{Retries, Step, Tried},
     write::entity::Writable,
     write::fold::Folded,
     write::locking::Fold,
@@ -59,8 +60,9 @@ use crate::{
 };
 
 /// Whether `step`'s write under `lockings` goes in two flights: asked for, on a PostgreSQL pool,
-/// an update of an existing row under one lock that sends nothing in the transaction (`local`),
-/// its commit not combined, and its key written into the reload's text.
+/// an update of an existing row under one lock that sends nothing in the transaction (`local`)
+/// or that its reload tries (`pg_advisory`, `row`), and its key written into the reload's text.
+/// A combined write's holder serves its waiters here as in the engine (`combine.rs`).
 pub(crate) fn applies<E: Writable>(step: &RowStep<E>, lockings: &[Locking]) -> bool {
     let session = &step.session;
     let db = session.pool();
@@ -69,7 +71,6 @@ pub(crate) fn applies<E: Writable>(step: &RowStep<E>, lockings: &[Locking]) -> b
         && db.is_real()
         && db.get_database_backend() == DbBackend::Postgres
         && step.updates_only()
-        && step.room.is_none()
         && lock
         && reload_text::<E>(step, &[], None).is_some()
 }
@@ -251,9 +252,10 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let (original, draft) = match decision {
         Decision::Update { original, draft } => (original, draft),
         Decision::Keep(original) => {
-            return keep(step, conn, reply, Written::Unchanged(Arc::new(original))).await;
+            let kept = Written::Unchanged(Arc::new(original));
+            return keep(step, locking, conn, reply, kept).await;
         }
-        Decision::NotFound => return keep(step, conn, reply, Written::NotFound).await,
+        Decision::NotFound => return keep(step, locking, conn, reply, Written::NotFound).await,
         Decision::Insert(_) | Decision::Delete(_) => {
             conn.discard();
             let e = sea_orm::DbErr::Custom("only updates are written in two flights".into());
@@ -264,16 +266,36 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let bounded = Bounded::new(&conn, reply);
     let changes = row_write::changes::<E, _>(&bounded, &step.row, &original, draft).await;
     let mut changes = match changes {
-        Ok(changes) if changes.is_empty() => {
-            let kept = Written::Unchanged(Arc::new(original));
-            return keep(step, conn, reply, kept).await;
-        }
         Ok(changes) => changes,
         Err(error) => {
             conn.discard();
             return settle(error);
         }
     };
+    // Only a holder that excludes the process's other writers of the row may serve them (as in
+    // the engine's row step).
+    if let Some(room) = step.room.clone().filter(|_| locking.excludes_process()) {
+        let batch = step.batch.get_or_insert_with(|| Batch::take(&room));
+        match batch
+            .serve(&bounded, &original, &mut changes, &step.row)
+            .await
+        {
+            Ok(true) => {}
+            Ok(false) => {
+                conn.discard();
+                return Attempt::Settle(Ok(Tried::Uncounted));
+            }
+            Err(e) => {
+                conn.discard();
+                return settle(database("combining writes of", &step.row, e));
+            }
+        }
+    }
+    if changes.is_empty() {
+        let original = Arc::new(original);
+        step.tell(Arc::clone(&original), Vec::new());
+        return keep(step, locking, conn, reply, Written::Unchanged(original)).await;
+    }
     let version = session.version_of::<E>();
     let expected = match row_write::expected::<E>(version, &original, &mut changes) {
         Ok(expected) => expected,
@@ -290,13 +312,11 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
             return settle(database("writing", &step.row, e));
         }
     };
-    let values = update
-        .values
-        .as_ref()
-        .map_or(&[][..], |values| &values.0[..]);
+    let values = (update.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
+    // Hooks that wrote in the transaction keep their order: the UPDATE alone, then the commit.
     let text = written(&update.sql, values).filter(|_| conn.sent() == before);
     let write = Write {
-        step,
+        step: &mut *step,
         reply,
         taken,
         original,
@@ -308,16 +328,26 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     };
     let (done, evidence) = match done {
         Ok(done) => done,
-        Err(error) => return Attempt::Settle(Err(error)),
+        Err(error) => {
+            // A commit in doubt is in doubt for every write it carried.
+            if let Error::CommitUnknown { target, source } = &error {
+                let (target, source) = (target.clone(), source.to_string().into());
+                let in_doubt = Err(Error::CommitUnknown { target, source });
+                step.ended(std::slice::from_ref(locking), &in_doubt);
+            }
+            return Attempt::Settle(Err(error));
+        }
     };
     let (result, effect) = match done {
         Done::Refused => return Attempt::Settle(Ok(Tried::conflict(step.row.to_string()))),
+        Done::Again => return Attempt::Settle(Ok(Tried::Uncounted)),
         Done::Stored(reported, effect) => (Ok(Written::Updated(Arc::new(reported))), effect),
         // Committed: the write stands, and is not run again.
         Done::AfterSave(error, effect) => (Err(error), effect),
     };
     locking.committed();
     session.map().apply([effect]);
+    step.ended(std::slice::from_ref(locking), &Ok(()));
     if let Some(evidence) = &evidence {
         crate::commit::committed(evidence, db, reply).await;
     }
@@ -325,9 +355,10 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
 }
 
 /// Ends a transaction that writes nothing (`COMMIT`, one round trip), then caches what the
-/// caller kept.
+/// caller kept and tells the served waiters, if any.
 async fn keep<E: Writable>(
-    step: &RowStep<E>,
+    step: &mut RowStep<E>,
+    locking: &Locking,
     conn: Pinned,
     reply: Duration,
     kept: Written<E::Model>,
@@ -340,12 +371,13 @@ async fn keep<E: Writable>(
         let cached = Change::cache(step.row.key.clone(), Arc::clone(original));
         step.session.map().apply([cached]);
     }
+    step.ended(std::slice::from_ref(locking), &Ok(()));
     Attempt::Final(Ok(kept))
 }
 
 /// What flight 2 needs.
 struct Write<'s, E: Writable> {
-    step: &'s RowStep<E>,
+    step: &'s mut RowStep<E>,
     reply: Duration,
     taken: Taken,
     original: E::Model,
@@ -358,6 +390,9 @@ enum Done<M> {
     Stored(M, Change),
     /// The guard refused: nothing was written.
     Refused,
+    /// A served waiter's `after_save` failed in the transaction (it got its error): rolled
+    /// back, and run again without it.
+    Again,
     /// Committed, but `after_save` failed after the commit: its error, and the cache's change.
     AfterSave(Error, Change),
 }
@@ -367,7 +402,7 @@ type Ended<M> = (Done<M>, Option<Evidence>);
 
 impl<E: Writable> Write<'_, E> {
     /// Flight 2 as one message: `UPDATE … RETURNING …; COMMIT`, then `after_save`.
-    async fn in_one_message(self, conn: Pinned, text: String) -> Result<Ended<E::Model>> {
+    async fn in_one_message(mut self, conn: Pinned, text: String) -> Result<Ended<E::Model>> {
         let row = &self.step.row;
         let sent = within(self.reply, conn.flight(format!("{text}; COMMIT"))).await;
         let updated = match sent.and_then(|mut replies| nth(&mut replies, 0)) {
@@ -393,18 +428,26 @@ impl<E: Writable> Write<'_, E> {
                 // gets the row as written.
                 warn!(row = %row.name, error = %e, "the committed row could not be read back");
                 let (written, evict) = self.written()?;
+                self.step.tell(Arc::new(written.clone()), Vec::new());
                 return Ok((Done::Stored(written, evict), self.taken.evidence));
             }
         };
-        let cached = Change::cache(row.key.clone(), Arc::new(stored.clone()));
+        let stored = Arc::new(stored);
+        let cached = Change::cache(row.key.clone(), Arc::clone(&stored));
         let bounded = Bounded::new(&conn, self.reply);
-        let done = match write::after_save::<E, _>(stored, &bounded, false).await {
+        let done = match write::after_save::<E, _>((*stored).clone(), &bounded, false).await {
             Ok(reported) => Done::Stored(reported, cached),
             Err(e) => {
                 let error = database("running after_save (after the commit) for", row, e);
                 Done::AfterSave(error, cached)
             }
         };
+        // Each served waiter's own `after_save`, after the commit too.
+        let theirs = match self.step.batch.as_mut() {
+            None => Vec::new(),
+            Some(batch) => batch.after_saves_committed(&stored, &bounded, row).await,
+        };
+        self.step.tell(stored, theirs);
         Ok((done, self.taken.evidence))
     }
 
@@ -412,7 +455,7 @@ impl<E: Writable> Write<'_, E> {
     /// value cannot be written in), `after_save` in the transaction, then `COMMIT` or, when the
     /// guard refused, `ROLLBACK`.
     async fn then_commit(
-        self,
+        mut self,
         conn: Pinned,
         update: sea_orm::Statement,
     ) -> Result<Ended<E::Model>> {
@@ -446,9 +489,23 @@ impl<E: Writable> Write<'_, E> {
                 return Err(database("running after_save for", row, e));
             }
         };
+        // Each served waiter's own `after_save`, in the transaction: one that fails got its
+        // error, and the attempt runs again without it.
+        let theirs = match self.step.batch.as_mut() {
+            None => Vec::new(),
+            Some(batch) => match batch.after_saves(&stored, &bounded, row).await {
+                Some(theirs) => theirs,
+                None => {
+                    conn.discard();
+                    return Ok((Done::Again, None));
+                }
+            },
+        };
         match within(self.reply, conn.flight("COMMIT".to_owned())).await {
             Ok(_) => {
-                let cached = Change::cache(row.key.clone(), Arc::new(stored));
+                let stored = Arc::new(stored);
+                let cached = Change::cache(row.key.clone(), Arc::clone(&stored));
+                self.step.tell(stored, theirs);
                 Ok((Done::Stored(reported, cached), self.taken.evidence))
             }
             Err(e) if in_doubt(&e) => {
@@ -466,7 +523,7 @@ impl<E: Writable> Write<'_, E> {
     /// connection. Committed: `reported`, or the row as this write made it (see the module
     /// docs), and the cache forgets the row.
     async fn resolve(
-        &self,
+        &mut self,
         lost: sea_orm::DbErr,
         reported: Option<E::Model>,
     ) -> Result<Ended<E::Model>> {
@@ -483,6 +540,7 @@ impl<E: Writable> Write<'_, E> {
                     Some(reported) => reported,
                     None => self.written()?.0,
                 };
+                self.step.tell(Arc::new(reported.clone()), Vec::new());
                 Ok((Done::Stored(reported, evict), None))
             }
             Resolution::Absent => Err(database("committing", &label, lost)),

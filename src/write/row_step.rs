@@ -280,6 +280,13 @@ where
         self.session.policy().reply_deadline()
     }
 
+    /// What the served waiters of a combined write are told once its transaction committed
+    /// (see [`Step::ended`]): the stored row and the rows their own `after_save` returned.
+    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    pub(crate) fn tell(&mut self, stored: Arc<E::Model>, theirs: Vec<(usize, E::Model)>) {
+        self.telling = Some((stored, theirs));
+    }
+
     /// The lock is not to be tried by the reload any more (a try in two flights failed).
     #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
     pub(crate) fn unfold(&mut self) {
