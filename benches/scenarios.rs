@@ -753,6 +753,8 @@ enum Floored {
     /// 16 tasks on one row, a session each (`Session::new`-style, combining on): how a web
     /// application makes them.
     Combined16Sessions,
+    /// The same, each write in two flights (`two_flights`, PostgreSQL).
+    Combined16SessionsTwoFlights,
     /// The four statements in a minimal sqlx loop (prepared, plain `BEGIN`), PostgreSQL.
     Sqlx,
     /// The same four statements as two simple-query messages (`BEGIN; SELECT … FOR UPDATE`,
@@ -765,7 +767,7 @@ enum Floored {
 }
 
 impl Floored {
-    const ALL: [Floored; 13] = [
+    const ALL: [Floored; 14] = [
         Floored::Sqlx,
         Floored::SqlxTwo,
         Floored::Django,
@@ -779,6 +781,7 @@ impl Floored {
         Floored::Optimistic,
         Floored::Combined16,
         Floored::Combined16Sessions,
+        Floored::Combined16SessionsTwoFlights,
     ];
 
     fn label(self) -> String {
@@ -791,6 +794,9 @@ impl Floored {
             Self::Combined16 => "`locked_update` (local, combined), 16 tasks on one row".into(),
             Self::Combined16Sessions => {
                 "`locked_update` (local, combined), 16 tasks on one row, a session each".into()
+            }
+            Self::Combined16SessionsTwoFlights => {
+                "the same, two flights, 16 tasks on one row, a session each".into()
             }
             Self::Sqlx => "the four statements in a minimal sqlx loop, 1 task".into(),
             Self::SqlxTwo => {
@@ -807,7 +813,9 @@ impl Floored {
             Self::Backend(LockKind::Table) => "≤ 1.3× local's time",
             Self::Backend(_) => "≥ 1.0×",
             Self::ByHand => "(sea-orm's own cost)",
-            Self::Combined16 | Self::Combined16Sessions => "≥ 3× pgbench, 16 clients",
+            Self::Combined16 | Self::Combined16Sessions | Self::Combined16SessionsTwoFlights => {
+                "≥ 3× pgbench, 16 clients"
+            }
             Self::Sqlx => "(sqlx's own cost)",
             Self::SqlxTwo => "(two round trips, at best)",
             Self::TwoFlights => "≥ 0.9× the two messages",
@@ -876,14 +884,16 @@ impl Floored {
             #[cfg(not(feature = "postgres"))]
             Self::Sqlx | Self::SqlxTwo => return f64::NAN,
             Self::Django => return django(url, seconds).await,
-            Self::Combined16Sessions => {
+            Self::Combined16Sessions | Self::Combined16SessionsTwoFlights => {
                 let db = db.clone();
+                let two_flights = matches!(self, Self::Combined16SessionsTwoFlights);
                 return rate(16, seconds, move || {
                     // A session per call, as a request handler makes one from the `Db` the
                     // application keeps: they meet in its rooms.
                     let session = Session::builder(&db)
                         .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
                         .combine_commits(true)
+                        .two_flights(two_flights)
                         .build()
                         .expect("session");
                     async move { increment(&session, 1).await }
@@ -1026,7 +1036,12 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         let pinged = (!pinged.is_empty()).then(|| median(pinged));
         let pinged_text = pinged.map_or_else(|| "—".to_owned(), |p| format!("{p:.0}"));
         let unpinged = median(unpinged);
-        let base = if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
+        let base = if matches!(
+            what,
+            Floored::Combined16
+                | Floored::Combined16Sessions
+                | Floored::Combined16SessionsTwoFlights
+        ) {
             floor16
         } else {
             floor
@@ -1052,7 +1067,12 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         println!(
             "| {} | {pinged_text} | {unpinged:.0} | {base:.0}{} | {:.2}×{extra} | {} |",
             what.label(),
-            if matches!(what, Floored::Combined16 | Floored::Combined16Sessions) {
+            if matches!(
+                what,
+                Floored::Combined16
+                    | Floored::Combined16Sessions
+                    | Floored::Combined16SessionsTwoFlights
+            ) {
                 " (16 clients)"
             } else {
                 ""

@@ -169,7 +169,7 @@ impl Session {
 
     /// Whether `locked_update` writes in two flights where it can (see
     /// [`SessionBuilder::two_flights`]).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn two_flights(&self) -> bool {
         self.inner.two_flights
     }
@@ -292,32 +292,36 @@ impl SessionBuilder {
         /// combine. Default: off.
         combine_commits(on: bool) => combine_commits = on;
 
-        /// Makes `locked_update` / `locked_update_under` on **PostgreSQL** write in **two
-        /// round trips** instead of four: `BEGIN` and the reload (`SELECT … FOR UPDATE`, which
-        /// also reads the transaction's id for the commit's evidence) go as one message, the
-        /// guarded `UPDATE … RETURNING` and `COMMIT` as another. Across a network, round trips
-        /// are what a write costs: at 1 ms each way that is 4 ms instead of 8, and the row is
-        /// locked for one round trip instead of three (see BENCHMARKS.md).
+        /// Makes `locked_update` / `locked_update_under` write in **two round trips**: `BEGIN`
+        /// and the reload (`SELECT … FOR UPDATE`) go as one message, the guarded UPDATE and
+        /// `COMMIT` as another — on PostgreSQL four round trips become two, on MySQL/MariaDB six
+        /// (`SET TRANSACTION`, `BEGIN`, the reload, the marker and the UPDATE, the read back,
+        /// `COMMIT`) become two. Across a network, round trips are what a write costs: at 1 ms
+        /// each way that is 4 ms instead of 8 or 12, and the row is locked for one round trip
+        /// instead of three or more (see BENCHMARKS.md).
         ///
         /// How: freshlock holds a connection of the pool for the write and sends each message
-        /// as a simple query, with the values written into its text as literals of the types
-        /// sqlx binds (strings as escaped `E'…'::text`, so `standard_conforming_strings` does not
-        /// matter; see the guide's *Topologies*). The guarantees are the same: the same
-        /// optimistic guard, the same commit evidence (a lost `COMMIT` reply is resolved), the
-        /// same retries; a failed `UPDATE` stops the message, so its `COMMIT` never runs.
+        /// as one text query of several statements, with the values written into it as literals
+        /// that read back as the bound values (PostgreSQL: escaped `E'…'::text` strings, so
+        /// `standard_conforming_strings` does not matter; MySQL/MariaDB: hexadecimal strings, so
+        /// no `sql_mode` does; see the guide's *Topologies*). The guarantees are the same: the
+        /// same optimistic guard, the same commit evidence (on PostgreSQL the reload reads the
+        /// transaction's id; elsewhere a marker rides in the UPDATE's message), so a lost
+        /// `COMMIT` reply is resolved; the same retries; a failed statement stops the message,
+        /// so its `COMMIT` never runs.
         ///
         /// What changes, and when it falls back:
         /// - **`after_save` runs after the `COMMIT`** (its statements, if any, commit on their
-        ///   own), since the `COMMIT` went with the `UPDATE`. When `before_save` sent a statement,
-        ///   or a value cannot be written in (JSON, UUID, decimal, …), the `UPDATE` goes alone
-        ///   and bound, `after_save` runs in the transaction, and `COMMIT` follows: three round
-        ///   trips.
+        ///   own), since the `COMMIT` went with the UPDATE; its error is the call's, and the
+        ///   write stands (it is not run again). When `before_save` sent a statement, or a value
+        ///   cannot be written in (JSON, UUID, decimal, …), the UPDATE goes alone and bound,
+        ///   `after_save` runs in the transaction, and `COMMIT` follows.
         /// - It applies under `local` (the default), `pg_advisory` and `row` (their lock tried by
-        ///   the reload; when the try fails — the lock is busy — the write goes on in four round
-        ///   trips, its lock taken by a statement of its own), combined commits included (the
-        ///   served waiters' `after_save` runs after the commit too). The lease backends,
-        ///   `locked_delete`, `get_or_insert` and `update_or_insert` write as before, as do
-        ///   SQLite and MySQL/MariaDB.
+        ///   the reload; when the try fails — the lock is busy — the write goes on as without
+        ///   this setting, its lock taken by a statement of its own), combined commits included
+        ///   (the served waiters' `after_save` runs after the commit too). The lease backends
+        ///   (`table`, `redis`, `mysql_named`), `locked_delete`, `get_or_insert` and
+        ///   `update_or_insert` write as before, as does SQLite (no network).
         ///
         /// Default: off.
         two_flights(on: bool) => two_flights = on;

@@ -120,8 +120,9 @@ async fn black_holed_commits(db: Option<TestDb>, kind: LockKind) {
     black_holed_commits_with(db, kind, false).await;
 }
 
-/// The same with each `locked_update` in two flights (PostgreSQL, `local`): the black-holed
-/// message is the UPDATE's and its `COMMIT`'s, resolved by the transaction id its reload read.
+/// The same with each `locked_update` in two flights (`local`): the black-holed message is the
+/// UPDATE's and its `COMMIT`'s, resolved by the transaction id its reload read (PostgreSQL) or
+/// the marker it carried (MariaDB).
 async fn black_holed_commits_in_two_flights(db: Option<TestDb>, kind: LockKind) {
     black_holed_commits_with(db, kind, true).await;
 }
@@ -755,6 +756,7 @@ servers::server_tests! {
     black_hole_local_postgres: black_holed_commits, LockKind::Local, postgres;
     black_hole_row_postgres: black_holed_commits, LockKind::Row, postgres;
     black_hole_two_flights_postgres: black_holed_commits_in_two_flights, LockKind::Local, postgres;
+    black_hole_two_flights_mysql: black_holed_commits_in_two_flights, LockKind::Local, mysql;
     black_hole_pg_advisory_postgres: black_holed_commits, LockKind::PgAdvisory, postgres;
     black_hole_table_postgres: black_holed_commits, LockKind::Table, postgres;
     black_hole_local_mysql: black_holed_commits, LockKind::Local, mysql;

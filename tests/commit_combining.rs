@@ -21,8 +21,8 @@
 //! - 40 writers: the batch is bounded — one commit of 32 (the holder and the 31 longest
 //!   seated), then one of the 8 left; all 40 committed once.
 //! - Without `combine_commits`, the same 16 writers commit one by one (`batch == 1`).
-//! - The same with each write in two flights (PostgreSQL, `SessionBuilder::two_flights`): 14 of
-//!   16 in one commit, a failing hook, a panic and a cancel.
+//! - The same with each write in two flights (`SessionBuilder::two_flights`, PostgreSQL and
+//!   MariaDB): 14 of 16 in one commit, a failing hook, a panic and a cancel.
 //! - 16 writers with a session each, each given the same `table` backend in an `Arc` of its own
 //!   (a clone of the backend: its in-process queue comes with it): one commit of 16. Two
 //!   backend instances are two queues: 8 writers behind each never share a commit.
@@ -623,6 +623,8 @@ servers::server_tests! {
     fourteen_postgres_two_flights_advisory: fourteen_of_sixteen, two_flights(LockKind::PgAdvisory), postgres;
     hook_postgres_two_flights: failing_hook, two_flights(LockKind::Local), postgres;
     panic_cancel_postgres_two_flights: panic_and_cancel, two_flights(LockKind::Row), postgres;
+    fourteen_mysql_two_flights_local: fourteen_of_sixteen, two_flights(LockKind::Local), mysql;
+    hook_mysql_two_flights: failing_hook, two_flights(LockKind::Local), mysql;
     fourteen_mysql_local: fourteen_of_sixteen, LockKind::Local, mysql;
     fourteen_mysql_named: fourteen_of_sixteen, LockKind::MySqlNamed, mysql;
     panic_cancel_sqlite: panic_and_cancel, LockKind::Local, sqlite;

@@ -34,7 +34,7 @@ const ROUNDS: u32 = 50;
 const RELOAD_ROUNDS: u32 = 15;
 
 /// How the storm writes: its lock backend, and whether `locked_update` goes in two flights
-/// (`SessionBuilder::two_flights`: PostgreSQL, `local`).
+/// (`SessionBuilder::two_flights`).
 #[derive(Clone, Copy, Debug)]
 struct How {
     kind: LockKind,
@@ -470,6 +470,11 @@ servers::server_tests! {
     commit_cut_two_flights_pg_advisory_postgres: lost_commit_replies, TWO_FLIGHTS_ADVISORY, postgres;
     commit_cut_two_flights_row_postgres: lost_commit_replies, TWO_FLIGHTS_ROW, postgres;
     killed_two_flights_pg_advisory_postgres: killed_backends, TWO_FLIGHTS_ADVISORY, postgres;
+    commit_cut_two_flights_mysql: lost_commit_replies, TWO_FLIGHTS, mysql;
+    commit_cut_two_flights_row_mysql: lost_commit_replies, TWO_FLIGHTS_ROW, mysql;
+    unmarked_two_flights_mysql: lost_commit_replies_without_markers, TWO_FLIGHTS, mysql;
+    reload_cut_two_flights_mysql: lost_reloads, TWO_FLIGHTS, mysql;
+    killed_two_flights_mysql: killed_backends, TWO_FLIGHTS, mysql;
     unmarked_local_mysql: lost_commit_replies_without_markers, LockKind::Local, mysql;
     reload_cut_local_postgres: lost_reloads, LockKind::Local, postgres;
     reload_cut_local_mysql: lost_reloads, LockKind::Local, mysql;

@@ -305,7 +305,9 @@ mod measure {
 /// `FLOAT` column included, and dates with and without microseconds); a write holding a value
 /// that is not written in (a decimal) is sent
 /// bound, one statement at a time. Under the server's `sql_mode` and under
-/// `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`; every acknowledged write is in the row once.
+/// `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`, and asked to write in two flights (`two_flights`),
+/// which this entity's `FLOAT` column declines: it writes as before; every acknowledged write is
+/// in the row once.
 #[cfg(feature = "mysql")]
 #[tokio::test]
 async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
@@ -345,7 +347,13 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
         let value: String = row.try_get("", "Value").expect("value");
         value.parse::<i64>().expect("a count")
     };
-    for (id, mode) in [(1, ""), (2, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES")] {
+    let modes = [
+        (1, "", false),
+        (2, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES", false),
+        (3, "", true),
+        (4, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES", true),
+    ];
+    for (id, mode, two_flights) in modes {
         let db = servers::connect(&test.url, None, 1).await;
         let set = format!("SET SESSION sql_mode = CONCAT(@@sql_mode, '{mode}')");
         db.execute_unprepared(&set).await.expect("sql_mode");
@@ -368,6 +376,7 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
         .expect("seed");
         let session = Session::builder(db.clone())
             .lock(Arc::new(LocalLock::new()))
+            .two_flights(two_flights)
             .build()
             .expect("session");
         let rows = session.repository::<measure::Entity>();
@@ -428,6 +437,8 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
             // `SET TRANSACTION`, the reload and the read-back; the marker and the UPDATE besides
             // when bound. (A session's first write also makes a check of its own once: the
             // warm-up step is not counted.)
+            // Not in two flights: a `FLOAT` column reads back with six digits in a text reply
+            // (see `flights.rs`), so this entity writes as before.
             let expected = match how {
                 "bound" => 5,
                 "written in" => 3,

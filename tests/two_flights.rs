@@ -1,5 +1,5 @@
-//! `locked_update` in two round trips on PostgreSQL (`SessionBuilder::two_flights`): `BEGIN` and
-//! the reload as one message, the guarded UPDATE and `COMMIT` as another, with the values
+//! `locked_update` in two round trips (`SessionBuilder::two_flights`): `BEGIN` and the reload as
+//! one message, the guarded UPDATE and `COMMIT` as another, with the values
 //! written into the text. Round trips are counted by a proxy between the pool and the server
 //! (a client's messages sent without waiting for a reply in between are one), so a flight added
 //! to the path fails here. Every acknowledged write is counted against the rows.
@@ -7,7 +7,8 @@
 //! The faults (lost `COMMIT` replies, cut reloads, killed backends) are `commit_faults.rs`'s
 //! storms with two flights; hostile strings are `hostile_values.rs`'s.
 //!
-//! PostgreSQL only (the shared server, a schema of the test's own).
+//! PostgreSQL (the shared server, a schema of the test's own), and MariaDB for the round trips
+//! (its faults, types and hostile strings are in the same suites as PostgreSQL's).
 #![cfg(feature = "postgres")]
 
 mod common;
@@ -29,7 +30,7 @@ use freshlock::lock::{LocalLock, PgAdvisoryLock, RowLock};
 use freshlock::{Error, LockBackend, LockPolicy, Session, UpdateOutcome};
 use proxy::{CutAfter, Proxy};
 use sea_orm::{ConnectionTrait, DatabaseConnection, EntityTrait, Set};
-use servers::TestDb;
+use servers::{TestDb, databases};
 
 /// Calls measured after the warm-up (the incarnation token, the first prepared statements).
 const CALLS: u32 = 30;
@@ -89,16 +90,18 @@ async fn increment(session: &Session, id: i32) -> freshlock::UpdateReport<node::
 /// Round trips per uncontended increment: two in two flights (versioned or not), four without;
 /// a write that finds no row, or changes nothing, is two as well (the reload, then `COMMIT`).
 /// The row holds every acknowledged increment once.
-#[tokio::test]
-async fn a_locked_update_is_two_round_trips() {
-    let Some(db) = servers::postgres("two_flights_trips").await else {
-        return;
-    };
+///
+/// `without`: the round trips of the same call without two flights — four on PostgreSQL; six on
+/// MariaDB (`SET TRANSACTION`, `BEGIN`, the reload, the marker and the UPDATE as one message,
+/// the read back, `COMMIT`).
+async fn two_round_trips(db: Option<TestDb>, without: u32) {
+    let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let pool = proxied(&db, &proxy, |_| {}).await;
     let mut acknowledged = 0;
-    for (two_flights, versioned, per_call) in [(true, false, 2), (true, true, 2), (false, true, 4)]
+    for (two_flights, versioned, per_call) in
+        [(true, false, 2), (true, true, 2), (false, true, without)]
     {
         let session = session(&pool, two_flights, versioned);
         for _ in 0..3 {
@@ -129,6 +132,11 @@ async fn a_locked_update_is_two_round_trips() {
         }
     }
     assert_eq!(db.score(1).await, Some(acknowledged));
+}
+
+servers::server_tests! {
+    two_round_trips_postgres: two_round_trips, 4, postgres;
+    two_round_trips_mysql: two_round_trips, 6, mysql;
 }
 
 /// Under `pg_advisory` and `row` the reload tries the lock (as the engine's first statement
@@ -573,4 +581,164 @@ async fn without_the_incarnation_table_a_marker_rides_in_the_update() {
     }
     assert!(proxy.cuts() >= 4, "the proxy cut commit replies");
     assert_eq!(db.score(1).await, Some(1 + CALLS as i32 + 12));
+}
+
+/// The value types of MySQL/MariaDB's text replies that read back exactly (no `FLOAT`: see
+/// `flights.rs`), written in and compared by the next write's guard, under the server's
+/// `sql_mode` and under `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`.
+mod sample {
+    use sea_orm::entity::prelude::*;
+
+    #[derive(Clone, Debug, PartialEq, DeriveEntityModel)]
+    #[sea_orm(table_name = "sample")]
+    pub struct Model {
+        #[sea_orm(primary_key, auto_increment = false)]
+        pub id: i32,
+        pub ratio: f64,
+        pub flag: bool,
+        pub big: i64,
+        pub wide: u32,
+        pub bytes: Vec<u8>,
+        pub stamp: DateTime,
+        pub day: Date,
+        #[sea_orm(column_type = "Decimal(Some((10, 2)))")]
+        pub price: Decimal,
+        pub note: Option<String>,
+        pub n: i32,
+    }
+
+    #[derive(Copy, Clone, Debug, EnumIter, DeriveRelation)]
+    pub enum Relation {}
+
+    impl ActiveModelBehavior for ActiveModel {}
+}
+
+/// Each value is stored as its bound form would be and compares equal in the next write's
+/// guard; a write written in is two round trips, one holding a decimal (not written in) more.
+/// Every acknowledged write is in the row once.
+#[cfg(feature = "mysql")]
+#[tokio::test]
+async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
+    use sea_orm::ActiveModelTrait;
+    use sea_orm::prelude::{Date, DateTime, Decimal};
+
+    let Some(db) = databases::mysql("two_flights_types").await else {
+        return;
+    };
+    db.db
+        .execute_unprepared(
+            "CREATE TABLE sample (id INT PRIMARY KEY, ratio DOUBLE NOT NULL, \
+             flag BOOL NOT NULL, big BIGINT NOT NULL, wide INT UNSIGNED NOT NULL, \
+             bytes VARBINARY(64) NOT NULL, stamp DATETIME(6) NOT NULL, day DATE NOT NULL, \
+             price DECIMAL(10, 2) NOT NULL, note VARCHAR(64) NULL, n INT NOT NULL)",
+        )
+        .await
+        .expect("table");
+    fn day(d: u32) -> Date {
+        Date::from_ymd_opt(2026, 12, d).expect("a day")
+    }
+    fn stamp(s: u32, micros: u32) -> DateTime {
+        day(3).and_hms_micro_opt(7, 0, s, micros).expect("a time")
+    }
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    for (id, mode) in [(1, ""), (2, ",NO_BACKSLASH_ESCAPES,ANSI_QUOTES")] {
+        let pool = proxied(&db, &proxy, |_| {}).await;
+        let set = format!("SET SESSION sql_mode = CONCAT(@@sql_mode, '{mode}')");
+        pool.execute_unprepared(&set).await.expect("sql_mode");
+        sample::ActiveModel {
+            id: Set(id),
+            ratio: Set(0.5),
+            flag: Set(false),
+            big: Set(0),
+            wide: Set(0),
+            bytes: Set(Vec::new()),
+            stamp: Set(stamp(0, 123_456)),
+            day: Set(day(3)),
+            price: Set(Decimal::ZERO),
+            note: Set(None),
+            n: Set(0),
+        }
+        .insert(&db.db)
+        .await
+        .expect("seed");
+        let session = Session::builder(pool.clone())
+            .lock(Arc::new(LocalLock::new()))
+            .two_flights(true)
+            .build()
+            .expect("session");
+        let rows = session.repository::<sample::Entity>();
+        type Change = fn(&mut sample::ActiveModel);
+        let steps: [(&str, Change); 6] = [
+            ("warm-up", |_| {}),
+            ("written in", |m| {
+                m.ratio = Set(0.1);
+                m.flag = Set(true);
+                m.big = Set(i64::MIN);
+                m.wide = Set(u32::MAX);
+                m.bytes = Set(vec![0, b'\'', b'\\', b'"', 0xff]);
+                m.note = Set(Some("O'Brien\\ `x` \"y\" ; COMMIT; --".to_owned()));
+            }),
+            ("written in", |m| {
+                m.ratio = Set(-2.5e-300);
+                m.big = Set(i64::MAX);
+                m.bytes = Set(Vec::new());
+                m.note = Set(None);
+                m.stamp = Set(stamp(1, 5));
+                m.day = Set(day(4));
+            }),
+            ("written in", |m| {
+                m.stamp = Set(stamp(2, 0));
+                m.note = Set(Some("unicode ✓ 日本".to_owned()));
+            }),
+            ("bound", |m| {
+                m.price = Set(Decimal::new(1234, 2));
+            }),
+            ("written in", |m| {
+                m.ratio = Set(0.3);
+                m.stamp = Set(stamp(3, 999_999));
+            }),
+        ];
+        let mut acknowledged = 0;
+        for (step, (how, change)) in steps.into_iter().enumerate() {
+            let before = proxy.round_trips();
+            let report = rows
+                .locked_update(id, move |m| {
+                    change(m);
+                    let n = *m.n.as_ref();
+                    m.n = Set(n + 1);
+                    Ok(())
+                })
+                .await
+                .unwrap_or_else(|e| panic!("{mode} step {step}: {e}"));
+            assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
+            acknowledged += 1;
+            assert_eq!(report.conflicts, 0, "{mode} step {step}: the guard held");
+            let sent = proxy.round_trips() - before;
+            match how {
+                "written in" => assert_eq!(sent, 2, "{mode} step {step}: written in"),
+                "bound" => assert!(sent > 2, "{mode} step {step}: bound, {sent}"),
+                _ => {}
+            }
+            let stored = sample::Entity::find_by_id(id)
+                .one(&db.db)
+                .await
+                .expect("read")
+                .expect("row");
+            let reported = report.outcome.model().expect("written");
+            assert_eq!(**reported, stored, "{mode} step {step}: as stored");
+        }
+        let stored = sample::Entity::find_by_id(id)
+            .one(&db.db)
+            .await
+            .expect("read")
+            .expect("row");
+        assert_eq!(
+            (stored.ratio, stored.flag, stored.big, stored.wide),
+            (0.3, true, i64::MAX, u32::MAX)
+        );
+        assert_eq!(stored.note.as_deref(), Some("unicode ✓ 日本"), "{mode}");
+        assert_eq!((stored.stamp, stored.day), (stamp(3, 999_999), day(4)));
+        assert_eq!(stored.price, Decimal::new(1234, 2));
+        assert_eq!(stored.n, acknowledged, "{mode}: every write, once");
+    }
 }

@@ -57,8 +57,8 @@ mod transaction;
 
 pub(crate) use evidence::{Evidence, Plan, Stamped};
 pub(crate) use marker::Marker;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use resolve::Resolution;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use transaction::committed;
 pub(crate) use transaction::{commit, commit_write, write_error};

@@ -13,7 +13,7 @@ pub(crate) mod failure;
 pub(crate) mod inline;
 pub(crate) mod live;
 pub(crate) mod own;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod pinned;
 pub(crate) mod pool;
 pub(crate) mod savepoint;

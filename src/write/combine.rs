@@ -187,7 +187,7 @@ where
     /// [`after_saves`](Self::after_saves) after the batch committed (a write in two flights,
     /// `flights.rs`): a waiter whose `after_save` fails gets its error while its write stands,
     /// and the others still get theirs.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) async fn after_saves_committed(
         &mut self,
         stored: &E::Model,

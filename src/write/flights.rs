@@ -1,9 +1,10 @@
-//! `locked_update` on PostgreSQL in two round trips ([`crate::SessionBuilder::two_flights`]):
-//! flight 1 sends `BEGIN` and the reload, which also reads the commit's evidence (the
+//! `locked_update` in two round trips ([`crate::SessionBuilder::two_flights`]): flight 1 sends
+//! `BEGIN` and the reload, which on PostgreSQL also reads the commit's evidence (the
 //! transaction's id) and tries a `pg_advisory` or `row` lock as the engine's reload does
-//! (`fold.rs`: a failed try sends the write on to the engine); flight 2 sends the guarded `UPDATE … RETURNING` and the `COMMIT`. Both on a
-//! connection freshlock holds (`db/pinned.rs`), as simple queries with their values written in
-//! (`db/inline/postgres.rs`).
+//! (`fold.rs`: a failed try sends the write on to the engine); flight 2 sends the guarded UPDATE
+//! and `COMMIT` — on PostgreSQL `UPDATE … RETURNING`, on MySQL/MariaDB the commit marker's
+//! INSERT, the UPDATE and the read of the row back. Both on a connection freshlock holds
+//! (`db/pinned.rs`), as text messages with their values written in (`db/inline/`).
 //!
 //! Why not the engine's transaction: sea-orm's waits for its `BEGIN`'s reply and sends its
 //! `COMMIT` alone, so a write there is four round trips (see `pinned.rs`). What the engine does
@@ -16,7 +17,8 @@
 //! Where the rules differ, because the `COMMIT` rides with the `UPDATE`:
 //! - the evidence must be known before flight 2 leaves (its reply may be lost), so the reload
 //!   reads the transaction's id (a `SELECT … FOR UPDATE` has one already), or a marker's INSERT
-//!   rides in the UPDATE as a CTE;
+//!   rides in flight 2 (a CTE of the UPDATE on PostgreSQL, a statement before it on
+//!   MySQL/MariaDB);
 //! - a guard's refusal finds the transaction committed: it wrote nothing but the marker, since
 //!   the UPDATE matched no row and no hook wrote (a write whose `before_save` sent a statement
 //!   sends its UPDATE alone, decides, then commits or rolls back);
@@ -31,7 +33,7 @@
 use std::{sync::Arc, time::Duration};
 
 use sea_orm::{
-    DbBackend, FromQueryResult, ModelTrait, QueryResult, QuerySelect, QueryTrait,
+    ConnectionTrait, DbBackend, FromQueryResult, ModelTrait, QueryResult, QuerySelect, QueryTrait,
     sea_query::{Expr, InsertStatement},
 };
 use tracing::{debug, warn};
@@ -41,7 +43,6 @@ use crate::{
     db::{
         deadline::{Bounded, within},
         failure::in_doubt,
-        inline::postgres::written,
         pinned::{Pinned, Reply},
     },
     error::{Error, Result, database},
@@ -53,13 +54,14 @@ use crate::{
     write::fold::Folded,
     write::locking::Fold,
     write::locking::Locking,
-    write::row::reload,
+    write::row::{reload, select_by_key},
     write::row_sql::{self as write, ColumnValue},
     write::row_step::RowStep,
     write::row_write,
 };
 
-/// Whether `step`'s write under `lockings` goes in two flights: asked for, on a PostgreSQL pool,
+/// Whether `step`'s write under `lockings` goes in two flights: asked for, on a PostgreSQL or
+/// MySQL/MariaDB pool,
 /// an update of an existing row under one lock that sends nothing in the transaction (`local`)
 /// or that its reload tries (`pg_advisory`, `row`), and its key written into the reload's text.
 /// A combined write's holder serves its waiters here as in the engine (`combine.rs`).
@@ -69,10 +71,24 @@ pub(crate) fn applies<E: Writable>(step: &RowStep<E>, lockings: &[Locking]) -> b
     let lock = matches!(lockings, [locking] if locking.asks_nothing_of_the_transaction() || folds(locking));
     session.two_flights()
         && db.is_real()
-        && db.get_database_backend() == DbBackend::Postgres
+        && matches!(
+            db.get_database_backend(),
+            DbBackend::Postgres | DbBackend::MySql
+        )
         && step.updates_only()
         && lock
-        && reload_text::<E>(step, &[], None).is_some()
+        && read_exactly_as_text::<E>(db.get_database_backend())
+        && reload_text::<E>(step, db.get_database_backend(), &[], None).is_some()
+}
+
+/// Whether every column of `E` reads back the same in a text reply as in a bound one on
+/// `backend`. Not a `FLOAT` column on MySQL/MariaDB, which the text protocol writes with six
+/// significant digits (`3.40282e38` for `f32::MAX`): the reload would not read what is stored,
+/// and the guard would never match it. (PostgreSQL writes the shortest exact digits.)
+fn read_exactly_as_text<E: Writable>(backend: DbBackend) -> bool {
+    use sea_orm::{ColumnTrait, ColumnType, Iterable};
+    backend != DbBackend::MySql
+        || !E::Column::iter().any(|column| *column.def().get_column_type() == ColumnType::Float)
 }
 
 /// Whether `locking` is a `pg_advisory` or `row` lock its reload may try (see `fold.rs`): then
@@ -112,7 +128,8 @@ pub(crate) async fn run<E: Writable>(
 enum Attempt<M> {
     /// As an engine's attempt does: [`Retries::settle`] decides.
     Settle(Result<Tried<Written<M>>>),
-    /// Committed, and failed after (`after_save`): never run again.
+    /// Ended, committed or with nothing to write: the result (an `after_save` that failed after
+    /// the commit included), never run again.
     Final(Result<Written<M>>),
     /// The lock tried by the reload was not had: nothing was read, locked or written.
     Unfolded,
@@ -128,12 +145,10 @@ struct Taken {
 }
 
 impl Taken {
-    /// The marker's INSERT the UPDATE carries.
-    fn insert(&self) -> Option<InsertStatement> {
+    /// The marker's INSERT the UPDATE's message carries, on `backend`.
+    fn insert(&self, backend: DbBackend) -> Option<InsertStatement> {
         match (&self.evidence, self.rides) {
-            (Some(Evidence::Marker(marker)), true) => {
-                Some(marker.insert(DbBackend::Postgres, true))
-            }
+            (Some(Evidence::Marker(marker)), true) => Some(marker.insert(backend, true)),
             _ => None,
         }
     }
@@ -143,20 +158,94 @@ impl Taken {
 /// UPDATE`, its values written in, or `None` when they cannot be.
 fn reload_text<E: Writable>(
     step: &RowStep<E>,
+    backend: DbBackend,
     stamps: &[&'static str],
     folded: Option<&Folded>,
 ) -> Option<String> {
-    let reload = reload::<E>(DbBackend::Postgres, step.row.pk(), folded)?;
+    let reload = reload::<E>(backend, step.row.pk(), folded)?;
     let select = (stamps.iter()).fold(reload, |select, stamp| select.expr(Expr::cust(*stamp)));
-    let statement = select.build(DbBackend::Postgres);
-    let values = statement.values.map(|values| values.0).unwrap_or_default();
-    written(&statement.sql, &values)
+    written_in(&select.build(backend))
 }
 
-/// The one reply of a message's statement at `index`, or a protocol error.
-fn nth(replies: &mut [Reply], index: usize) -> Result<Reply, sea_orm::DbErr> {
-    replies
-        .get_mut(index)
+/// `statement` as text with its values written in, in its database's dialect (`inline/`), or
+/// `None` when a value cannot be.
+fn written_in(statement: &sea_orm::Statement) -> Option<String> {
+    let values = (statement.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
+    match statement.db_backend {
+        #[cfg(feature = "postgres")]
+        DbBackend::Postgres => crate::db::inline::postgres::written(&statement.sql, values),
+        #[cfg(feature = "mysql")]
+        DbBackend::MySql => crate::db::inline::mysql::written(&statement.sql, values.to_vec()),
+        _ => None,
+    }
+}
+
+/// Flight 2's statements before its `COMMIT`, values written in: PostgreSQL's UPDATE (which
+/// returns the row, behind a riding marker's INSERT); MySQL/MariaDB's marker INSERT (when one
+/// rides), the UPDATE, and the read of the row by key (no `RETURNING` there; the row is this
+/// transaction's, locked). `None` when a value cannot be written in.
+fn message<E: Writable>(
+    backend: DbBackend,
+    update: &sea_orm::Statement,
+    marker: Option<&InsertStatement>,
+    pk: &sea_orm::sea_query::ValueTuple,
+) -> Option<String> {
+    let update = written_in(update)?;
+    if backend != DbBackend::MySql {
+        return Some(update);
+    }
+    let mut statements = Vec::with_capacity(3);
+    if let Some(marker) = marker {
+        statements.push(written_in(&backend.build(marker))?);
+    }
+    statements.push(update);
+    statements.push(written_in(&select_by_key::<E>(pk).build(backend))?);
+    Some(statements.join("; "))
+}
+
+/// The row flight 2's message stored, from its replies (`…; COMMIT`): `None` when the guard
+/// refused (the UPDATE found no row).
+fn stored_of(
+    backend: DbBackend,
+    replies: &mut [Reply],
+) -> Result<Option<QueryResult>, sea_orm::DbErr> {
+    if backend != DbBackend::MySql {
+        return Ok(nth(replies, 0, false)?.rows.into_iter().next());
+    }
+    // … UPDATE; SELECT; COMMIT: the UPDATE's count of found rows says whether it wrote.
+    let updated = nth(replies, 2, true)?;
+    let read = nth(replies, 1, true)?;
+    match (updated.affected, read.rows.into_iter().next()) {
+        (0, _) => Ok(None),
+        (1, Some(row)) => Ok(Some(row)),
+        (found, _) => Err(sea_orm::DbErr::Custom(format!(
+            "the UPDATE found {found} rows and its read back none: not one row"
+        ))),
+    }
+}
+
+/// The text that begins the write's transaction as the engine's `BEGIN` does (`db/begin.rs`):
+/// at READ COMMITTED unless that is the pool's default already.
+async fn begin_text(db: &crate::db::pool::Pool) -> &'static str {
+    let options = crate::db::begin::options(db).await;
+    match (db.get_database_backend(), options.isolation_level.is_some()) {
+        (DbBackend::MySql, true) => {
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+        }
+        (DbBackend::MySql, false) => "START TRANSACTION",
+        (_, true) => "BEGIN ISOLATION LEVEL READ COMMITTED",
+        (_, false) => "BEGIN",
+    }
+}
+
+/// The reply of a message's statement at `index` (from the end when `from_end`), or a protocol
+/// error.
+fn nth(replies: &mut [Reply], index: usize, from_end: bool) -> Result<Reply, sea_orm::DbErr> {
+    let at = match from_end {
+        true => replies.len().checked_sub(index + 1),
+        false => Some(index),
+    };
+    at.and_then(|at| replies.get_mut(at))
         .map(std::mem::take)
         .ok_or_else(|| sea_orm::DbErr::Custom(format!("no reply to statement {}", index + 1)))
 }
@@ -167,13 +256,18 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let session = step.session.clone();
     let (db, reply) = (session.pool(), session.policy().reply_deadline());
     session.map().remove(&step.row.key);
-    let acquired = Pinned::acquire(
-        db.connection().get_postgres_connection_pool(),
-        db.transaction_pooled(),
-    );
-    let conn = match within(reply, acquired).await {
-        Ok(conn) => conn,
-        Err(e) => return settle(database("beginning the transaction for", &step.row, e)),
+    let backend = db.get_database_backend();
+    // Read before the connection is held: the first write of a pool asks the server's default
+    // isolation on a connection of its own (a pool of one would wait for itself).
+    let begin = begin_text(db).await;
+    let acquired = Pinned::acquire(db.connection(), db.transaction_pooled()).await;
+    let conn = match acquired {
+        Some(Ok(conn)) => conn,
+        Some(Err(e)) => return settle(database("beginning the transaction for", &step.row, e)),
+        None => {
+            let e = sea_orm::DbErr::Custom(format!("no two flights on {backend:?}"));
+            return settle(database("beginning the transaction for", &step.row, e));
+        }
     };
     // The evidence's plan is known before the transaction (a pool asks once whether
     // `freshlock_incarnation` exists, outside it).
@@ -191,7 +285,7 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
         locking.folding()
     });
     let folded = folded.flatten();
-    let Some(reload) = reload_text::<E>(step, stamps, folded.as_ref()) else {
+    let Some(reload) = reload_text::<E>(step, backend, stamps, folded.as_ref()) else {
         conn.discard();
         let e = sea_orm::DbErr::Custom("the reload's key could not be written in".into());
         return settle(database("reloading", &step.row, e));
@@ -199,9 +293,9 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
 
     // Flight 1: BEGIN and the reload (with the transaction's id).
     let started = tokio::time::Instant::now();
-    let read = within(reply, conn.flight(format!("BEGIN; {reload}"))).await;
-    let row = match read.and_then(|mut replies| nth(&mut replies, 1)) {
-        Ok(reloaded) => reloaded.rows.into_iter().next().map(QueryResult::from),
+    let read = within(reply, conn.flight(format!("{begin}; {reload}"))).await;
+    let row = match read.and_then(|mut replies| nth(&mut replies, 0, true)) {
+        Ok(reloaded) => reloaded.rows.into_iter().next(),
         Err(e) => {
             conn.discard();
             return settle(database("reloading", &step.row, e));
@@ -304,7 +398,15 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
             return settle(error);
         }
     };
-    let update = write::returning_statement::<E>(&original, &changes, &expected, taken.insert());
+    // The UPDATE's message: on PostgreSQL `UPDATE … RETURNING …` (behind a marker's INSERT when
+    // one rides); on MySQL/MariaDB the marker's INSERT, the UPDATE and the read of the row back.
+    let marker = taken.insert(backend);
+    let update = match backend {
+        DbBackend::Postgres => {
+            write::returning_statement::<E>(&original, &changes, &expected, marker.clone())
+        }
+        _ => write::update_statement::<E>(backend, &original, &changes, &expected),
+    };
     let update = match update {
         Ok(update) => update,
         Err(e) => {
@@ -312,15 +414,17 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
             return settle(database("writing", &step.row, e));
         }
     };
-    let values = (update.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
     // Hooks that wrote in the transaction keep their order: the UPDATE alone, then the commit.
-    let text = written(&update.sql, values).filter(|_| conn.sent() == before);
+    let text = (conn.sent() == before)
+        .then(|| message::<E>(backend, &update, marker.as_ref(), step.row.pk()))
+        .flatten();
     let write = Write {
         step: &mut *step,
         reply,
         taken,
         original,
         changes,
+        expected,
     };
     let done = match text {
         Some(text) => write.in_one_message(conn, text).await,
@@ -382,6 +486,7 @@ struct Write<'s, E: Writable> {
     taken: Taken,
     original: E::Model,
     changes: Vec<ColumnValue<E>>,
+    expected: Vec<ColumnValue<E>>,
 }
 
 /// How flight 2 ended, when it did not fail.
@@ -404,9 +509,10 @@ impl<E: Writable> Write<'_, E> {
     /// Flight 2 as one message: `UPDATE … RETURNING …; COMMIT`, then `after_save`.
     async fn in_one_message(mut self, conn: Pinned, text: String) -> Result<Ended<E::Model>> {
         let row = &self.step.row;
+        let backend = conn.get_database_backend();
         let sent = within(self.reply, conn.flight(format!("{text}; COMMIT"))).await;
-        let updated = match sent.and_then(|mut replies| nth(&mut replies, 0)) {
-            Ok(updated) => updated.rows.into_iter().next().map(QueryResult::from),
+        let updated = match sent.and_then(|mut replies| stored_of(backend, &mut replies)) {
+            Ok(updated) => updated,
             Err(e) if in_doubt(&e) => {
                 conn.discard();
                 return self.resolve(e, None).await;
@@ -459,15 +565,41 @@ impl<E: Writable> Write<'_, E> {
         conn: Pinned,
         update: sea_orm::Statement,
     ) -> Result<Ended<E::Model>> {
-        use sea_orm::ConnectionTrait;
         let row = &self.step.row;
-        let updated = within(self.reply, conn.query_one_raw(update)).await;
-        let read = |updated: Option<QueryResult>| {
-            (updated.as_ref())
-                .map(|updated| E::Model::from_query_result(updated, ""))
-                .transpose()
+        let updated = match conn.get_database_backend() {
+            DbBackend::MySql => {
+                // The marker's INSERT, the UPDATE and the read back, bound (`row_sql`).
+                let sending = write::Sending {
+                    db: self.step.session.pool(),
+                    markers: self.taken.evidence.is_some(),
+                    reply: self.reply,
+                    lease: None,
+                };
+                let (original, changes) = (&self.original, &self.changes);
+                let updated = write::update_with_evidence::<E, _>(
+                    &conn,
+                    sending,
+                    original,
+                    changes,
+                    &self.expected,
+                );
+                match updated.await {
+                    Ok((stored, evidence)) => {
+                        self.taken.evidence = evidence;
+                        Ok(stored)
+                    }
+                    Err((_, e)) => Err(e),
+                }
+            }
+            _ => within(self.reply, conn.query_one_raw(update))
+                .await
+                .and_then(|updated| {
+                    (updated.as_ref())
+                        .map(|updated| E::Model::from_query_result(updated, ""))
+                        .transpose()
+                }),
         };
-        let stored = match updated.and_then(read) {
+        let stored = match updated {
             Ok(stored) => stored,
             Err(e) => {
                 conn.discard();

@@ -225,7 +225,7 @@ where
         let step = &mut self.step;
         // On PostgreSQL, in two round trips where the session asks for it (`flights.rs`); `None`
         // when the engine writes it (or goes on with it).
-        #[cfg(feature = "postgres")]
+        #[cfg(any(feature = "postgres", feature = "mysql"))]
         let result = match crate::write::flights::applies(step, &lockings) {
             true => {
                 let [locking] = &mut lockings;
@@ -233,7 +233,7 @@ where
             }
             false => None,
         };
-        #[cfg(not(feature = "postgres"))]
+        #[cfg(not(any(feature = "postgres", feature = "mysql")))]
         let result = None;
         let result = match result {
             Some(result) => result,

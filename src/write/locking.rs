@@ -173,7 +173,7 @@ impl Locking {
 
     /// Whether this lock asks nothing of the write's transaction: no statement to take it there,
     /// no fence to check before the commit (the in-process `local` lock, or none had).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn asks_nothing_of_the_transaction(&self) -> bool {
         !self.in_transaction && (self.guard.as_ref()).is_none_or(|guard| guard.fencing().is_none())
     }

@@ -8,7 +8,7 @@ pub(crate) mod combine;
 pub(crate) mod decision;
 pub(crate) mod engine;
 pub(crate) mod entity;
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod flights;
 pub(crate) mod fold;
 pub(crate) mod locked_update;

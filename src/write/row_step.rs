@@ -282,20 +282,20 @@ where
 
     /// What the served waiters of a combined write are told once its transaction committed
     /// (see [`Step::ended`]): the stored row and the rows their own `after_save` returned.
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn tell(&mut self, stored: Arc<E::Model>, theirs: Vec<(usize, E::Model)>) {
         self.telling = Some((stored, theirs));
     }
 
     /// The lock is not to be tried by the reload any more (a try in two flights failed).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn unfold(&mut self) {
         self.fold = false;
     }
 
     /// Whether the write only ever updates or keeps a row that exists (`locked_update`: no
     /// insert, no delete).
-    #[cfg_attr(not(feature = "postgres"), allow(dead_code))]
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(crate) fn updates_only(&self) -> bool {
         self.updates_only
     }

@@ -93,7 +93,7 @@ where
     E::Model: IntoActiveModel<E::ActiveModel>,
 {
     let expected = expected::<E>(version, original, &mut changes)?;
-    match write::update_with_evidence::<E>(txn, sending, original, &changes, &expected).await {
+    match write::update_with_evidence::<E, _>(txn, sending, original, &changes, &expected).await {
         Ok((Some(stored), evidence)) => Ok(Updated::Stored(stored, evidence)),
         Ok((None, _)) => Ok(Updated::Refused),
         Err((write::Step::Lease, e)) => {

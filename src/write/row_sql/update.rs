@@ -5,9 +5,8 @@
 use std::time::Duration;
 
 use sea_orm::{
-    ActiveModelTrait, ColumnTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr,
-    EntityTrait, FromQueryResult, IntoActiveModel, Iterable, QueryFilter, QueryResult, QueryTrait,
-    Value,
+    ActiveModelTrait, ColumnTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, FromQueryResult,
+    IntoActiveModel, Iterable, QueryFilter, QueryResult, QueryTrait, Value,
     sea_query::{
         Alias, CommonTableExpression, Expr, InsertStatement, Query, UpdateStatement, WithClause,
         WithQuery,
@@ -101,8 +100,8 @@ pub(crate) struct Sending<'a> {
 ///
 /// # Errors
 /// The failed step and its error; the transaction is to be rolled back.
-pub(crate) async fn update_with_evidence<E>(
-    txn: &DatabaseTransaction,
+pub(crate) async fn update_with_evidence<E, C>(
+    txn: &C,
     sending: Sending<'_>,
     original: &E::Model,
     changes: &[ColumnValue<E>],
@@ -111,6 +110,7 @@ pub(crate) async fn update_with_evidence<E>(
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
+    C: ConnectionTrait,
 {
     let Sending {
         db,
@@ -144,7 +144,7 @@ where
     }
     #[cfg(feature = "mysql")]
     if backend == DbBackend::MySql {
-        let marked = marked_update_mysql::<E>(txn, original, changes, expected, reply, &lease);
+        let marked = marked_update_mysql::<E, _>(txn, original, changes, expected, reply, &lease);
         if let Some(done) = marked.await {
             return done;
         }
@@ -200,8 +200,8 @@ where
 /// A failure of any statement is reported as the UPDATE's (see [`send_marked`]); the
 /// transaction is rolled back either way.
 #[cfg(feature = "mysql")]
-async fn marked_update_mysql<E>(
-    txn: &DatabaseTransaction,
+async fn marked_update_mysql<E, C>(
+    txn: &C,
     original: &E::Model,
     changes: &[ColumnValue<E>],
     expected: &[ColumnValue<E>],
@@ -211,6 +211,7 @@ async fn marked_update_mysql<E>(
 where
     E: EntityTrait,
     E::Model: IntoActiveModel<E::ActiveModel>,
+    C: ConnectionTrait,
 {
     let failed = |e| (Step::Update, e);
     let update = match guarded_update::<E>(original, changes, expected) {
@@ -383,7 +384,7 @@ fn behind_marker(query: UpdateStatement, marker: InsertStatement) -> WithQuery {
 /// the row as [`update_returning`] does, behind `marker`'s INSERT when the write's evidence is
 /// a marker: its commit evidence was taken before it (the transaction's id, read by the reload),
 /// or rides in it.
-#[cfg(feature = "postgres")]
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn returning_statement<E>(
     original: &E::Model,
     changes: &[ColumnValue<E>],
@@ -400,6 +401,22 @@ where
         None => backend.build(&query),
         Some(marker) => backend.build(&behind_marker(query, marker)),
     })
+}
+
+/// The guarded UPDATE of `original`'s row on `backend`, returning nothing: MySQL/MariaDB's, for a
+/// write in two flights (`write/flights.rs`), which reads the row back in the same message.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn update_statement<E>(
+    backend: DbBackend,
+    original: &E::Model,
+    changes: &[ColumnValue<E>],
+    expected: &[ColumnValue<E>],
+) -> Result<sea_orm::Statement, DbErr>
+where
+    E: EntityTrait,
+    E::Model: IntoActiveModel<E::ActiveModel>,
+{
+    Ok(backend.build(&guarded_update::<E>(original, changes, expected)?.into_query()))
 }
 
 /// The guarded UPDATE of `original`'s row, as sea-orm builds it.
