@@ -597,7 +597,20 @@ async fn main() {
         }
         #[cfg(feature = "mysql")]
         if let Some(url) = mysql.as_deref() {
-            mariadb_floor(url, redis.as_deref()).await;
+            match link_delays() {
+                None => mariadb_floor(url, redis.as_deref()).await,
+                Some(delays) => {
+                    for one_way in delays {
+                        let proxy = delay::DelayProxy::start(delay::target(url), one_way)
+                            .expect("the delay proxy");
+                        println!(
+                            "\n### MariaDB through a link of {} µs each way",
+                            one_way.as_micros()
+                        );
+                        mariadb_floor(&proxy.url(url), redis.as_deref()).await;
+                    }
+                }
+            }
         }
     }
 }
@@ -1463,7 +1476,7 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
     let committed_kinds = [LockKind::Local, LockKind::Row, LockKind::MySqlNamed];
     let mut on_committed = vec![Vec::new(); committed_kinds.len()];
     let (mut floor, mut two) = (Vec::new(), Vec::new());
-    let mut ours = vec![Vec::new(); kinds.len() + 1];
+    let mut ours = vec![Vec::new(); kinds.len() + 2];
     for _ in 0..rounds {
         floor.push(floor_rate().await);
         two.push(two_rate().await);
@@ -1487,6 +1500,11 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
                 .rate(&freshlock::Db::from(&quiet), url, redis, seconds)
                 .await,
         );
+        ours[kinds.len() + 1].push(
+            Floored::TwoFlights
+                .rate(&freshlock::Db::from(&quiet), url, redis, seconds)
+                .await,
+        );
     }
     quiet
         .execute_unprepared("DELETE FROM freshlock_commit WHERE token LIKE 'bench-two-%'")
@@ -1501,9 +1519,11 @@ async fn mariadb_floor(url: &str, redis: Option<&str>) {
         two / floor
     );
     for (i, samples) in ours.iter_mut().enumerate() {
-        let what = kinds
-            .get(i)
-            .map_or(Floored::ByHand, |kind| Floored::Backend(*kind));
+        let what = match kinds.get(i) {
+            Some(kind) => Floored::Backend(*kind),
+            None if i == kinds.len() => Floored::ByHand,
+            None => Floored::TwoFlights,
+        };
         let rate = median(samples);
         println!(
             "| {} | {rate:.0} | {floor:.0} | {:.2}× | {} |",
