@@ -12,6 +12,10 @@
 //! nothing applied twice), and that some call succeeded within 2 s of the server accepting
 //! connections again after every reset.
 //!
+//! The same with each write in two flights (`SessionBuilder::two_flights`): on PostgreSQL the
+//! transaction id its reload read is the evidence a lost reply is resolved with, and an id handed
+//! out again after the crash must not read as this write's commit.
+//!
 //! `FRESHLOCK_SOAK_RESETS=N` runs N resets per test instead of the short form's (see
 //! `.ci/soak-backend-kill`).
 
@@ -52,6 +56,8 @@ struct Run {
     rows: u32,
     combine: bool,
     optimistic: bool,
+    /// Each `locked_update` in two flights (`SessionBuilder::two_flights`).
+    two_flights: bool,
     resets: u32,
 }
 
@@ -65,6 +71,7 @@ impl Run {
             rows: 1,
             combine: false,
             optimistic: false,
+            two_flights: false,
             resets: 6,
         }
     }
@@ -197,6 +204,7 @@ async fn worker() {
     let kind: LockKind = env("FL_LOCK");
     let (tasks, rows): (u32, u32) = (env("FL_TASKS"), env("FL_ROWS"));
     let (combine, optimistic): (bool, bool) = (env("FL_COMBINE"), env("FL_OPTIMISTIC"));
+    let two_flights: bool = env("FL_TWO_FLIGHTS");
     let db = servers::crashable_pool(&url, tasks + 2).await;
     let redis = std::env::var(servers::REDIS).ok();
     let backend = kind.connect(&db, &url, redis.as_deref()).await.unwrap();
@@ -220,7 +228,8 @@ async fn worker() {
                 .lock(Arc::clone(&backend))
                 .policy(servers::crash_policy())
                 .combine_commits(combine)
-                .optimistic_first(optimistic);
+                .optimistic_first(optimistic)
+                .two_flights(two_flights);
             if optimistic {
                 builder = builder.version_column::<node::Entity>(node::Column::Changed);
             }
@@ -313,6 +322,7 @@ impl Worker {
             .env("FL_ROWS", run.rows.to_string())
             .env("FL_COMBINE", run.combine.to_string())
             .env("FL_OPTIMISTIC", run.optimistic.to_string())
+            .env("FL_TWO_FLIGHTS", run.two_flights.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .spawn()
@@ -556,7 +566,12 @@ resets! {
     local_combined_one_row: Run { tasks: 8, combine: true, ..Run::new(LockKind::Local) };
     row_combined_several_rows: Run { tasks: 8, rows: 3, combine: true, ..Run::new(LockKind::Row) };
     local_optimistic_several_rows: Run { rows: 3, optimistic: true, ..Run::new(LockKind::Local) };
+    local_two_flights_one_row: Run { two_flights: true, ..Run::new(LockKind::Local) };
+    pg_advisory_two_flights_combined_several_rows: Run {
+        tasks: 8, rows: 3, combine: true, two_flights: true, ..Run::new(LockKind::PgAdvisory)
+    };
     mariadb_local_one_row: Run::mariadb(LockKind::Local);
+    mariadb_local_two_flights_one_row: Run { two_flights: true, ..Run::mariadb(LockKind::Local) };
     mariadb_row_several_rows: Run { rows: 4, ..Run::mariadb(LockKind::Row) };
     mariadb_table_one_row: Run::mariadb(LockKind::Table);
     mariadb_mysql_named_one_row: Run::mariadb(LockKind::MySqlNamed);
