@@ -42,8 +42,9 @@ users need."]
 //   polled in place, detached on cancel), `room.rs` / `combine.rs` (commit combining: rooms and
 //   seats, the holder's batch), `section.rs`, `entity.rs` (what an entity needs to be
 //   written, said once), `row.rs` (how a row is named, and the one
-//   primary-key check), `decision.rs`, `save.rs`, and `row_sql/` (the SQL of a row write:
-//   columns, the guarded UPDATE, DELETE, hooks, keys). It may not name a front end.
+//   primary-key check), `decision.rs`, `save.rs`, `row_sql/` (the SQL of a row write:
+//   columns, the guarded UPDATE, DELETE, hooks, keys), and `flights/` (`locked_update` in two
+//   round trips on a held connection, with the engine's rules). It may not name a front end.
 // - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`), what a handler
 //   is (`handler.rs`), retry policy (`retry.rs`), handlers by kind (`kinds.rs`), periodic
 //   kinds (`periodic.rs`), what running needs (`context.rs`), the engine step (`step.rs` with
@@ -66,7 +67,8 @@ users need."]
 //   state (`pool.rs`), `BEGIN` at the right isolation on a live connection, never cut in half
 //   (`begin.rs`, `live.rs`, `detach.rs`), deadlines (`deadline.rs`), failure classes
 //   (`failure.rs`), the one savepoint helper (`savepoint.rs`), single statements that commit
-//   alone (`autocommit.rs`), MySQL literal inlining (`inline.rs`).
+//   alone (`autocommit.rs`), values written into a message's text (`inline/`, per dialect),
+//   and a connection held for a message of several statements (`pinned.rs`).
 // - **`guide/`** — the guide's pages, doc-only modules over `docs/*.md` (so every example in
 //   them is a doctest).
 // - **`schema/`** — freshlock's tables, one migration per file (its `create` is both the step

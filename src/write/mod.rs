@@ -2,7 +2,8 @@
 //! (`engine.rs`), the lock it takes (`locking.rs`), the row step (`row_step.rs`) and the rows'
 //! step (`rows_step.rs`) with the one row write they share (`row_write.rs`) and the SQL under it
 //! (`row_sql/`, `save.rs`), commit combining around the row step (`combine.rs`), sections
-//! (`section.rs`), and the words they share (`decision.rs`, `row.rs`).
+//! (`section.rs`), `locked_update` in two round trips (`flights/`), and the words they share
+//! (`decision.rs`, `row.rs`).
 
 pub(crate) mod combine;
 pub(crate) mod decision;

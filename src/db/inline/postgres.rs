@@ -40,7 +40,7 @@ pub(crate) fn statement(statement: &impl QueryStatementWriter) -> Option<String>
 }
 
 /// PostgreSQL text `sql`, written with `$1` … `$n` placeholders, with `values` (the `n` values
-/// in order) written in as [`statement`] writes a statement's, or `None` as it answers.
+/// in order) written in as the module's doc says, or `None` when one cannot be.
 pub(crate) fn written(sql: &str, values: &[Value]) -> Option<String> {
     let mut text = String::with_capacity(sql.len() + 16 * values.len());
     let mut used = vec![false; values.len()];

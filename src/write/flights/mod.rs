@@ -30,20 +30,21 @@
 //!
 //! Any failure discards the connection (see `pinned.rs`): the server rolls back what it held.
 
+mod second;
+mod text;
+
+use second::{Done, Taken, Write};
+use text::{begin_text, message, nth, reload_text};
+
 use std::{sync::Arc, time::Duration};
 
-use sea_orm::{
-    ConnectionTrait, DbBackend, FromQueryResult, ModelTrait, QueryResult, QuerySelect, QueryTrait,
-    sea_query::{Expr, InsertStatement},
-};
-use tracing::{debug, warn};
+use sea_orm::{DbBackend, FromQueryResult};
 
 use crate::{
-    commit::{Evidence, Marker, Plan, Resolution, write_error},
+    commit::{Evidence, Marker, Plan},
     db::{
         deadline::{Bounded, within},
-        failure::in_doubt,
-        pinned::{Pinned, Reply},
+        pinned::Pinned,
     },
     error::{Error, Result, database},
     identity_map::Change,
@@ -51,11 +52,8 @@ use crate::{
     write::decision::{Decision, Written},
     write::engine::{Retries, Step, Tried},
     write::entity::Writable,
-    write::fold::Folded,
-    write::locking::Fold,
-    write::locking::Locking,
-    write::row::{reload, select_by_key},
-    write::row_sql::{self as write, ColumnValue},
+    write::locking::{Fold, Locking},
+    write::row_sql as write,
     write::row_step::RowStep,
     write::row_write,
 };
@@ -133,121 +131,6 @@ enum Attempt<M> {
     Final(Result<Written<M>>),
     /// The lock tried by the reload was not had: nothing was read, locked or written.
     Unfolded,
-}
-
-/// The attempt's evidence of commit, known before flight 2 leaves (`None`:
-/// `commit_markers(false)`, a lost reply is [`Error::CommitUnknown`]), and whether it is a marker
-/// whose INSERT rides in the UPDATE (no `freshlock_incarnation`; a marker the evidence wrote
-/// itself, for a new incarnation, is in the transaction already).
-struct Taken {
-    evidence: Option<Evidence>,
-    rides: bool,
-}
-
-impl Taken {
-    /// The marker's INSERT the UPDATE's message carries, on `backend`.
-    fn insert(&self, backend: DbBackend) -> Option<InsertStatement> {
-        match (&self.evidence, self.rides) {
-            (Some(Evidence::Marker(marker)), true) => Some(marker.insert(backend, true)),
-            _ => None,
-        }
-    }
-}
-
-/// The reload's text: `SELECT <columns>, <stamps> FROM … WHERE <key> [AND <the lock's try>] FOR
-/// UPDATE`, its values written in, or `None` when they cannot be.
-fn reload_text<E: Writable>(
-    step: &RowStep<E>,
-    backend: DbBackend,
-    stamps: &[&'static str],
-    folded: Option<&Folded>,
-) -> Option<String> {
-    let reload = reload::<E>(backend, step.row.pk(), folded)?;
-    let select = (stamps.iter()).fold(reload, |select, stamp| select.expr(Expr::cust(*stamp)));
-    written_in(&select.build(backend))
-}
-
-/// `statement` as text with its values written in, in its database's dialect (`inline/`), or
-/// `None` when a value cannot be.
-fn written_in(statement: &sea_orm::Statement) -> Option<String> {
-    let values = (statement.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
-    match statement.db_backend {
-        #[cfg(feature = "postgres")]
-        DbBackend::Postgres => crate::db::inline::postgres::written(&statement.sql, values),
-        #[cfg(feature = "mysql")]
-        DbBackend::MySql => crate::db::inline::mysql::written(&statement.sql, values.to_vec()),
-        _ => None,
-    }
-}
-
-/// Flight 2's statements before its `COMMIT`, values written in: PostgreSQL's UPDATE (which
-/// returns the row, behind a riding marker's INSERT); MySQL/MariaDB's marker INSERT (when one
-/// rides), the UPDATE, and the read of the row by key (no `RETURNING` there; the row is this
-/// transaction's, locked). `None` when a value cannot be written in.
-fn message<E: Writable>(
-    backend: DbBackend,
-    update: &sea_orm::Statement,
-    marker: Option<&InsertStatement>,
-    pk: &sea_orm::sea_query::ValueTuple,
-) -> Option<String> {
-    let update = written_in(update)?;
-    if backend != DbBackend::MySql {
-        return Some(update);
-    }
-    let mut statements = Vec::with_capacity(3);
-    if let Some(marker) = marker {
-        statements.push(written_in(&backend.build(marker))?);
-    }
-    statements.push(update);
-    statements.push(written_in(&select_by_key::<E>(pk).build(backend))?);
-    Some(statements.join("; "))
-}
-
-/// The row flight 2's message stored, from its replies (`…; COMMIT`): `None` when the guard
-/// refused (the UPDATE found no row).
-fn stored_of(
-    backend: DbBackend,
-    replies: &mut [Reply],
-) -> Result<Option<QueryResult>, sea_orm::DbErr> {
-    if backend != DbBackend::MySql {
-        return Ok(nth(replies, 0, false)?.rows.into_iter().next());
-    }
-    // … UPDATE; SELECT; COMMIT: the UPDATE's count of found rows says whether it wrote.
-    let updated = nth(replies, 2, true)?;
-    let read = nth(replies, 1, true)?;
-    match (updated.affected, read.rows.into_iter().next()) {
-        (0, _) => Ok(None),
-        (1, Some(row)) => Ok(Some(row)),
-        (found, _) => Err(sea_orm::DbErr::Custom(format!(
-            "the UPDATE found {found} rows and its read back none: not one row"
-        ))),
-    }
-}
-
-/// The text that begins the write's transaction as the engine's `BEGIN` does (`db/begin.rs`):
-/// at READ COMMITTED unless that is the pool's default already.
-async fn begin_text(db: &crate::db::pool::Pool) -> &'static str {
-    let options = crate::db::begin::options(db).await;
-    match (db.get_database_backend(), options.isolation_level.is_some()) {
-        (DbBackend::MySql, true) => {
-            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
-        }
-        (DbBackend::MySql, false) => "START TRANSACTION",
-        (_, true) => "BEGIN ISOLATION LEVEL READ COMMITTED",
-        (_, false) => "BEGIN",
-    }
-}
-
-/// The reply of a message's statement at `index` (from the end when `from_end`), or a protocol
-/// error.
-fn nth(replies: &mut [Reply], index: usize, from_end: bool) -> Result<Reply, sea_orm::DbErr> {
-    let at = match from_end {
-        true => replies.len().checked_sub(index + 1),
-        false => Some(index),
-    };
-    at.and_then(|at| replies.get_mut(at))
-        .map(std::mem::take)
-        .ok_or_else(|| sea_orm::DbErr::Custom(format!("no reply to statement {}", index + 1)))
 }
 
 /// One attempt: flight 1, the caller's decision, flight 2.
@@ -477,216 +360,4 @@ async fn keep<E: Writable>(
     }
     step.ended(std::slice::from_ref(locking), &Ok(()));
     Attempt::Final(Ok(kept))
-}
-
-/// What flight 2 needs.
-struct Write<'s, E: Writable> {
-    step: &'s mut RowStep<E>,
-    reply: Duration,
-    taken: Taken,
-    original: E::Model,
-    changes: Vec<ColumnValue<E>>,
-    expected: Vec<ColumnValue<E>>,
-}
-
-/// How flight 2 ended, when it did not fail.
-enum Done<M> {
-    /// Committed: the row `after_save` reported, and the cache's change.
-    Stored(M, Change),
-    /// The guard refused: nothing was written.
-    Refused,
-    /// A served waiter's `after_save` failed in the transaction (it got its error): rolled
-    /// back, and run again without it.
-    Again,
-    /// Committed, but `after_save` failed after the commit: its error, and the cache's change.
-    AfterSave(Error, Change),
-}
-
-/// Flight 2's end and the evidence the transaction held (for the marker's sweep).
-type Ended<M> = (Done<M>, Option<Evidence>);
-
-impl<E: Writable> Write<'_, E> {
-    /// Flight 2 as one message: `UPDATE … RETURNING …; COMMIT`, then `after_save`.
-    async fn in_one_message(mut self, conn: Pinned, text: String) -> Result<Ended<E::Model>> {
-        let row = &self.step.row;
-        let backend = conn.get_database_backend();
-        let sent = within(self.reply, conn.flight(format!("{text}; COMMIT"))).await;
-        let updated = match sent.and_then(|mut replies| stored_of(backend, &mut replies)) {
-            Ok(updated) => updated,
-            Err(e) if in_doubt(&e) => {
-                conn.discard();
-                return self.resolve(e, None).await;
-            }
-            Err(e) => {
-                conn.discard();
-                return Err(database("writing", row, e));
-            }
-        };
-        // Committed: the UPDATE's row, or none when the guard refused (nothing was written).
-        let Some(updated) = updated else {
-            debug!(row = %row.name, "the guard refused the write");
-            return Ok((Done::Refused, self.taken.evidence));
-        };
-        let stored = match E::Model::from_query_result(&updated, "") {
-            Ok(stored) => stored,
-            Err(e) => {
-                // Committed, but the row could not be read: the cache forgets it, the caller
-                // gets the row as written.
-                warn!(row = %row.name, error = %e, "the committed row could not be read back");
-                let (written, evict) = self.written()?;
-                self.step.tell(Arc::new(written.clone()), Vec::new());
-                return Ok((Done::Stored(written, evict), self.taken.evidence));
-            }
-        };
-        let stored = Arc::new(stored);
-        let cached = Change::cache(row.key.clone(), Arc::clone(&stored));
-        let bounded = Bounded::new(&conn, self.reply);
-        let done = match write::after_save::<E, _>((*stored).clone(), &bounded, false).await {
-            Ok(reported) => Done::Stored(reported, cached),
-            Err(e) => {
-                let error = database("running after_save (after the commit) for", row, e);
-                Done::AfterSave(error, cached)
-            }
-        };
-        // Each served waiter's own `after_save`, after the commit too.
-        let theirs = match self.step.batch.as_mut() {
-            None => Vec::new(),
-            Some(batch) => batch.after_saves_committed(&stored, &bounded, row).await,
-        };
-        self.step.tell(stored, theirs);
-        Ok((done, self.taken.evidence))
-    }
-
-    /// Flight 2 in three: the UPDATE alone and bound (the hooks wrote in the transaction, or a
-    /// value cannot be written in), `after_save` in the transaction, then `COMMIT` or, when the
-    /// guard refused, `ROLLBACK`.
-    async fn then_commit(
-        mut self,
-        conn: Pinned,
-        update: sea_orm::Statement,
-    ) -> Result<Ended<E::Model>> {
-        let row = &self.step.row;
-        let updated = match conn.get_database_backend() {
-            DbBackend::MySql => {
-                // The marker's INSERT, the UPDATE and the read back, bound (`row_sql`).
-                let sending = write::Sending {
-                    db: self.step.session.pool(),
-                    markers: self.taken.evidence.is_some(),
-                    reply: self.reply,
-                    lease: None,
-                };
-                let (original, changes) = (&self.original, &self.changes);
-                let updated = write::update_with_evidence::<E, _>(
-                    &conn,
-                    sending,
-                    original,
-                    changes,
-                    &self.expected,
-                );
-                match updated.await {
-                    Ok((stored, evidence)) => {
-                        self.taken.evidence = evidence;
-                        Ok(stored)
-                    }
-                    Err((_, e)) => Err(e),
-                }
-            }
-            _ => within(self.reply, conn.query_one_raw(update))
-                .await
-                .and_then(|updated| {
-                    (updated.as_ref())
-                        .map(|updated| E::Model::from_query_result(updated, ""))
-                        .transpose()
-                }),
-        };
-        let stored = match updated {
-            Ok(stored) => stored,
-            Err(e) => {
-                conn.discard();
-                return Err(database("writing", row, e));
-            }
-        };
-        let Some(stored) = stored else {
-            let rolled_back = within(self.reply, conn.flight("ROLLBACK".to_owned())).await;
-            if rolled_back.is_err() {
-                conn.discard();
-            }
-            return Ok((Done::Refused, None));
-        };
-        let bounded = Bounded::new(&conn, self.reply);
-        let reported = match write::after_save::<E, _>(stored.clone(), &bounded, false).await {
-            Ok(reported) => reported,
-            Err(e) => {
-                conn.discard();
-                return Err(database("running after_save for", row, e));
-            }
-        };
-        // Each served waiter's own `after_save`, in the transaction: one that fails got its
-        // error, and the attempt runs again without it.
-        let theirs = match self.step.batch.as_mut() {
-            None => Vec::new(),
-            Some(batch) => match batch.after_saves(&stored, &bounded, row).await {
-                Some(theirs) => theirs,
-                None => {
-                    conn.discard();
-                    return Ok((Done::Again, None));
-                }
-            },
-        };
-        match within(self.reply, conn.flight("COMMIT".to_owned())).await {
-            Ok(_) => {
-                let stored = Arc::new(stored);
-                let cached = Change::cache(row.key.clone(), Arc::clone(&stored));
-                self.step.tell(stored, theirs);
-                Ok((Done::Stored(reported, cached), self.taken.evidence))
-            }
-            Err(e) if in_doubt(&e) => {
-                conn.discard();
-                self.resolve(e, Some(reported)).await
-            }
-            Err(e) => {
-                conn.discard();
-                Err(database("committing", row, e))
-            }
-        }
-    }
-
-    /// Flight 2's reply was lost with its `COMMIT`: resolved with the evidence on another
-    /// connection. Committed: `reported`, or the row as this write made it (see the module
-    /// docs), and the cache forgets the row.
-    async fn resolve(
-        &mut self,
-        lost: sea_orm::DbErr,
-        reported: Option<E::Model>,
-    ) -> Result<Ended<E::Model>> {
-        let label = self.step.row.name.as_str();
-        let Some(evidence) = &self.taken.evidence else {
-            return Err(write_error("committing", label, lost));
-        };
-        warn!(target = label, error = %lost, "the commit's reply was lost: resolving on another connection");
-        let db = self.step.session.pool();
-        match evidence.resolve(db, label, self.reply).await? {
-            Resolution::Committed => {
-                let evict = Change::Evict(self.step.row.key.clone());
-                let reported = match reported {
-                    Some(reported) => reported,
-                    None => self.written()?.0,
-                };
-                self.step.tell(Arc::new(reported.clone()), Vec::new());
-                Ok((Done::Stored(reported, evict), None))
-            }
-            Resolution::Absent => Err(database("committing", &label, lost)),
-        }
-    }
-
-    /// The row as this write made it (the reloaded row with its changes), and the cache's
-    /// forgetting of it.
-    fn written(&self) -> Result<(E::Model, Change)> {
-        let mut model = self.original.clone();
-        for (column, value) in &self.changes {
-            (model.try_set(*column, value.clone()))
-                .map_err(|e| database("reading back", &self.step.row, e))?;
-        }
-        Ok((model, Change::Evict(self.step.row.key.clone())))
-    }
 }

@@ -1,0 +1,116 @@
+//! The text of a write's two messages and how their replies read: the reload (with the
+//! transaction's id and a lock's try), the UPDATE's message on each database, the `BEGIN` the
+//! engine would send, the values written in (`db/inline/`).
+
+use sea_orm::{
+    DbBackend, QueryResult, QuerySelect, QueryTrait,
+    sea_query::{Expr, InsertStatement},
+};
+
+use crate::{
+    db::pinned::Reply,
+    write::entity::Writable,
+    write::fold::Folded,
+    write::row::{reload, select_by_key},
+    write::row_step::RowStep,
+};
+
+/// The reload's text: `SELECT <columns>, <stamps> FROM … WHERE <key> [AND <the lock's try>] FOR
+/// UPDATE`, its values written in, or `None` when they cannot be.
+pub(super) fn reload_text<E: Writable>(
+    step: &RowStep<E>,
+    backend: DbBackend,
+    stamps: &[&'static str],
+    folded: Option<&Folded>,
+) -> Option<String> {
+    let reload = reload::<E>(backend, step.row.pk(), folded)?;
+    let select = (stamps.iter()).fold(reload, |select, stamp| select.expr(Expr::cust(*stamp)));
+    written_in(&select.build(backend))
+}
+
+/// `statement` as text with its values written in, in its database's dialect (`inline/`), or
+/// `None` when a value cannot be.
+pub(super) fn written_in(statement: &sea_orm::Statement) -> Option<String> {
+    let values = (statement.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
+    match statement.db_backend {
+        #[cfg(feature = "postgres")]
+        DbBackend::Postgres => crate::db::inline::postgres::written(&statement.sql, values),
+        #[cfg(feature = "mysql")]
+        DbBackend::MySql => crate::db::inline::mysql::written(&statement.sql, values.to_vec()),
+        _ => None,
+    }
+}
+
+/// Flight 2's statements before its `COMMIT`, values written in: PostgreSQL's UPDATE (which
+/// returns the row, behind a riding marker's INSERT); MySQL/MariaDB's marker INSERT (when one
+/// rides), the UPDATE, and the read of the row by key (no `RETURNING` there; the row is this
+/// transaction's, locked). `None` when a value cannot be written in.
+pub(super) fn message<E: Writable>(
+    backend: DbBackend,
+    update: &sea_orm::Statement,
+    marker: Option<&InsertStatement>,
+    pk: &sea_orm::sea_query::ValueTuple,
+) -> Option<String> {
+    let update = written_in(update)?;
+    if backend != DbBackend::MySql {
+        return Some(update);
+    }
+    let mut statements = Vec::with_capacity(3);
+    if let Some(marker) = marker {
+        statements.push(written_in(&backend.build(marker))?);
+    }
+    statements.push(update);
+    statements.push(written_in(&select_by_key::<E>(pk).build(backend))?);
+    Some(statements.join("; "))
+}
+
+/// The row flight 2's message stored, from its replies (`…; COMMIT`): `None` when the guard
+/// refused (the UPDATE found no row).
+pub(super) fn stored_of(
+    backend: DbBackend,
+    replies: &mut [Reply],
+) -> Result<Option<QueryResult>, sea_orm::DbErr> {
+    if backend != DbBackend::MySql {
+        return Ok(nth(replies, 0, false)?.rows.into_iter().next());
+    }
+    // … UPDATE; SELECT; COMMIT: the UPDATE's count of found rows says whether it wrote.
+    let updated = nth(replies, 2, true)?;
+    let read = nth(replies, 1, true)?;
+    match (updated.affected, read.rows.into_iter().next()) {
+        (0, _) => Ok(None),
+        (1, Some(row)) => Ok(Some(row)),
+        (found, _) => Err(sea_orm::DbErr::Custom(format!(
+            "the UPDATE found {found} rows and its read back none: not one row"
+        ))),
+    }
+}
+
+/// The text that begins the write's transaction as the engine's `BEGIN` does (`db/begin.rs`):
+/// at READ COMMITTED unless that is the pool's default already.
+pub(super) async fn begin_text(db: &crate::db::pool::Pool) -> &'static str {
+    let options = crate::db::begin::options(db).await;
+    match (db.get_database_backend(), options.isolation_level.is_some()) {
+        (DbBackend::MySql, true) => {
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+        }
+        (DbBackend::MySql, false) => "START TRANSACTION",
+        (_, true) => "BEGIN ISOLATION LEVEL READ COMMITTED",
+        (_, false) => "BEGIN",
+    }
+}
+
+/// The reply of a message's statement at `index` (from the end when `from_end`), or a protocol
+/// error.
+pub(super) fn nth(
+    replies: &mut [Reply],
+    index: usize,
+    from_end: bool,
+) -> Result<Reply, sea_orm::DbErr> {
+    let at = match from_end {
+        true => replies.len().checked_sub(index + 1),
+        false => Some(index),
+    };
+    at.and_then(|at| replies.get_mut(at))
+        .map(std::mem::take)
+        .ok_or_else(|| sea_orm::DbErr::Custom(format!("no reply to statement {}", index + 1)))
+}
