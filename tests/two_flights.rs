@@ -742,3 +742,51 @@ async fn every_written_in_type_is_stored_and_guarded_as_bound_mysql() {
         assert_eq!(stored.n, acknowledged, "{mode}: every write, once");
     }
 }
+
+/// A statement that fails in flight 2's message — the UPDATE, refused by a `CHECK` constraint —
+/// stops the message: its `COMMIT` never runs, the call fails with the database's error (never
+/// success), nothing is written, and the next write goes through on a new connection. On
+/// PostgreSQL and MariaDB.
+async fn a_failed_update_never_commits(db: Option<TestDb>, _: ()) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    db.db
+        .execute_unprepared("ALTER TABLE node ADD CONSTRAINT score_small CHECK (score < 1000)")
+        .await
+        .expect("constraint");
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    // No minimum: the failed write's connection is closed, and a pool keeping one would open
+    // its replacement (round trips of its own) while this test counts.
+    let pool = proxied(&db, &proxy, |options| {
+        options.min_connections(0);
+    })
+    .await;
+    let session = session(&pool, true, false);
+    let nodes = session.repository::<node::Entity>();
+    increment(&session, 1).await;
+    let before = proxy.round_trips();
+    let refused = nodes
+        .locked_update(1, |n| {
+            n.score = Set(Some(5_000));
+            Ok(())
+        })
+        .await;
+    assert!(
+        matches!(refused, Err(Error::Database { .. })),
+        "the UPDATE's error, never success: {refused:?}"
+    );
+    assert_eq!(
+        proxy.round_trips() - before,
+        2,
+        "one message each way, not run again"
+    );
+    assert_eq!(db.score(1).await, Some(1), "nothing written");
+    let report = increment(&session, 1).await;
+    assert!(report.outcome.is_updated());
+    assert_eq!(db.score(1).await, Some(2));
+}
+
+servers::server_tests! {
+    failed_update_postgres: a_failed_update_never_commits, (), postgres;
+    failed_update_mysql: a_failed_update_never_commits, (), mysql;
+}
