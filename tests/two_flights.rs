@@ -502,12 +502,16 @@ async fn hooks_keep_their_writes_in_the_transaction() {
     bump().await.expect("warm-up");
 
     AUDIT.store(true, Ordering::SeqCst);
-    for _ in 0..3 {
+    for call in 0..3 {
         let before = proxy.round_trips();
         let report = bump().await.expect("audited");
         assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
-        // The reload, the audit INSERT, the UPDATE alone, `COMMIT` (and a first prepare).
-        assert!(proxy.round_trips() - before >= 4, "the UPDATE went alone");
+        // The reload, the audit INSERT, the UPDATE alone, `COMMIT`: four once the two bound
+        // statements are prepared (the first call prepares them, one round trip each); the
+        // UPDATE and `COMMIT` in one message would make three.
+        if call > 0 {
+            assert_eq!(proxy.round_trips() - before, 4, "the UPDATE went alone");
+        }
     }
     assert_eq!(
         audit_rows().await,

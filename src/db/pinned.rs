@@ -13,10 +13,11 @@
 //! row, as from sea-orm's own queries).
 //!
 //! The server stops such a message at its first failing statement: a `COMMIT` after a failed
-//! `UPDATE` in the same message never runs, and the transaction stays open. So an error on this
-//! connection always ends it here: [`Pinned::discard`] closes it (nothing is returned to the
-//! pool inside a transaction, or with a reply left unread), and the server rolls back what it
-//! held.
+//! `UPDATE` in the same message never runs, and the transaction stays open. So the connection
+//! goes back to the pool only when the write says it ended cleanly ([`Pinned::release`]);
+//! dropped otherwise — after any failure, a reply not read, a panic — it is closed (nothing is
+//! returned to the pool inside a transaction, or with a reply left unread), and the server
+//! rolls back what it held.
 //!
 //! The entity's hooks are handed the connection as a [`ConnectionTrait`] (its statements bound
 //! and prepared as sea-orm sends them, one round trip each); [`Pinned::sent`] counts them, for a
@@ -53,11 +54,24 @@ enum Conn {
     MySql(PoolConnection<sqlx::MySql>),
 }
 
-/// A connection of the pool held for one write (see the module docs). Dropped, it goes back to
-/// the pool; [`discard`](Self::discard) closes it instead, after any failure.
+impl Conn {
+    /// Closes the connection without sending anything (a silent peer cannot hold it up).
+    fn close(self) {
+        match self {
+            #[cfg(feature = "postgres")]
+            Conn::Postgres(conn) => drop(conn.detach()),
+            #[cfg(feature = "mysql")]
+            Conn::MySql(conn) => drop(conn.detach()),
+        }
+    }
+}
+
+/// A connection of the pool held for one write (see the module docs). Dropped, it is closed;
+/// [`release`](Self::release) gives it back to the pool after a transaction that ended cleanly.
 #[derive(Debug)]
 pub(crate) struct Pinned {
-    conn: Mutex<Conn>,
+    /// `None` once released.
+    conn: Mutex<Option<Conn>>,
     backend: DbBackend,
     /// Statements sent through [`ConnectionTrait`] (the entity's hooks, the evidence's reads).
     sent: AtomicU32,
@@ -69,17 +83,20 @@ pub(crate) struct Pinned {
 macro_rules! on {
     ($pinned:expr, $conn:ident => $body:expr) => {{
         let mut guard = $pinned.conn.lock().await;
-        match &mut *guard {
+        match guard.as_mut() {
             #[cfg(feature = "postgres")]
-            Conn::Postgres(pooled) => {
+            Some(Conn::Postgres(pooled)) => {
                 let $conn: &mut sqlx::PgConnection = &mut *pooled;
                 $body
             }
             #[cfg(feature = "mysql")]
-            Conn::MySql(pooled) => {
+            Some(Conn::MySql(pooled)) => {
                 let $conn: &mut sqlx::MySqlConnection = &mut *pooled;
                 $body
             }
+            None => Err(DbErr::Custom(
+                "the write's connection was given back".into(),
+            )),
         }
     }};
 }
@@ -123,7 +140,7 @@ impl Pinned {
             Conn::MySql(_) => DbBackend::MySql,
         };
         Some(Ok(Self {
-            conn: Mutex::new(conn),
+            conn: Mutex::new(Some(conn)),
             backend,
             sent: AtomicU32::new(0),
             pooled,
@@ -161,22 +178,27 @@ impl Pinned {
         self.sent.load(Ordering::Relaxed)
     }
 
-    /// Closes the connection instead of returning it to the pool: after a failure, or a reply
-    /// not read. Sends nothing (a silent peer cannot hold it up); the server ends the session and
-    /// rolls back its transaction when it sees the socket closed.
-    pub(crate) fn discard(self) {
-        match self.conn.into_inner() {
-            #[cfg(feature = "postgres")]
-            Conn::Postgres(conn) => drop(conn.detach()),
-            #[cfg(feature = "mysql")]
-            Conn::MySql(conn) => drop(conn.detach()),
-        }
+    /// Gives the connection back to the pool: only after its transaction ended (`COMMIT` or
+    /// `ROLLBACK` answered) and every reply was read.
+    pub(crate) fn release(mut self) {
+        // Dropping the pool's connection returns it.
+        drop(self.conn.get_mut().take());
     }
 
     /// The values of a hook's statement, bound as sea-orm binds them.
     fn values(&self, stmt: &Statement) -> SqlxValues {
         self.sent.fetch_add(1, Ordering::Relaxed);
         SqlxValues(stmt.values.clone().unwrap_or(Values(Vec::new())))
+    }
+}
+
+impl Drop for Pinned {
+    /// Not released: closed, sending nothing; the server ends the session and rolls back its
+    /// transaction when it sees the socket closed.
+    fn drop(&mut self) {
+        if let Some(conn) = self.conn.get_mut().take() {
+            conn.close();
+        }
     }
 }
 

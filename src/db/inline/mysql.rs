@@ -64,6 +64,11 @@ pub(crate) fn written(sql: &str, values: impl IntoIterator<Item = Value>) -> Opt
     (values.next().is_none() && !identifier).then_some(text)
 }
 
+/// Whether `value` is one written in (see the module's doc).
+pub(crate) fn writes(value: &Value) -> bool {
+    literal(value).is_some()
+}
+
 /// The text of one value, or `None` when it is not one written in (see the module's doc).
 fn literal(value: &Value) -> Option<String> {
     if *value == value.as_null() {

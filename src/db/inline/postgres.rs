@@ -73,6 +73,11 @@ pub(crate) fn written(sql: &str, values: &[Value]) -> Option<String> {
     (used.iter().all(|used| *used) && !identifier).then_some(text)
 }
 
+/// Whether `value` is one written in (see the module's doc).
+pub(crate) fn writes(value: &Value) -> bool {
+    literal(value).is_some()
+}
+
 /// The text of one value, or `None` when it is not one written in (see the module's doc).
 fn literal(value: &Value) -> Option<String> {
     if *value == value.as_null() {

@@ -28,13 +28,14 @@
 //!   made it (its reply, with any change the database made, was lost): the session's cache
 //!   forgets the row instead of caching it.
 //!
-//! Any failure discards the connection (see `pinned.rs`): the server rolls back what it held.
+//! The connection goes back to the pool only after a transaction that ended cleanly; on any
+//! other way out it is closed (see `pinned.rs`), and the server rolls back what it held.
 
 mod second;
 mod text;
 
 use second::{Done, Taken, Write};
-use text::{begin_text, message, nth, reload_text};
+use text::{begin_text, key_written_in, message, nth, reload_text};
 
 use std::{sync::Arc, time::Duration};
 
@@ -76,7 +77,7 @@ pub(crate) fn applies<E: Writable>(step: &RowStep<E>, lockings: &[Locking]) -> b
         && step.updates_only()
         && lock
         && read_exactly_as_text::<E>(db.get_database_backend())
-        && reload_text::<E>(step, db.get_database_backend(), &[], None).is_some()
+        && key_written_in(db.get_database_backend(), step.row.pk())
 }
 
 /// Whether every column of `E` reads back the same in a text reply as in a bound one on
@@ -169,7 +170,8 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     });
     let folded = folded.flatten();
     let Some(reload) = reload_text::<E>(step, backend, stamps, folded.as_ref()) else {
-        conn.discard();
+        // Nothing begun on it yet (`applies` checked the key, so this does not happen).
+        conn.release();
         let e = sea_orm::DbErr::Custom("the reload's key could not be written in".into());
         return settle(database("reloading", &step.row, e));
     };
@@ -180,16 +182,17 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let row = match read.and_then(|mut replies| nth(&mut replies, 0, true)) {
         Ok(reloaded) => reloaded.rows.into_iter().next(),
         Err(e) => {
-            conn.discard();
             return settle(database("reloading", &step.row, e));
         }
     };
     if folded.is_some() {
         locking.folded(row.is_some(), started.elapsed());
         if row.is_none() {
-            let rolled_back = within(reply, conn.flight("ROLLBACK".to_owned())).await;
-            if rolled_back.is_err() {
-                conn.discard();
+            if within(reply, conn.flight("ROLLBACK".to_owned()))
+                .await
+                .is_ok()
+            {
+                conn.release();
             }
             return Attempt::Unfolded;
         }
@@ -198,7 +201,6 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
         None => None,
         Some(Ok(model)) => Some(model),
         Some(Err(e)) => {
-            conn.discard();
             return settle(database("reloading", &step.row, e));
         }
     };
@@ -207,7 +209,6 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
             match within(reply, stamped.evidence(&conn, db, row)).await {
                 Ok(evidence) => (Some(evidence), false),
                 Err(e) => {
-                    conn.discard();
                     return settle(database("marking the commit of", &step.row, e));
                 }
             }
@@ -219,11 +220,9 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
 
     // The caller decides, as in the engine's row step.
     if step.reloaded.send(found).await.is_err() {
-        conn.discard();
         return settle(step.interrupted());
     }
     let Some(decision) = step.decisions.recv().await else {
-        conn.discard();
         return settle(step.interrupted());
     };
     let (original, draft) = match decision {
@@ -234,7 +233,6 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
         }
         Decision::NotFound => return keep(step, locking, conn, reply, Written::NotFound).await,
         Decision::Insert(_) | Decision::Delete(_) => {
-            conn.discard();
             let e = sea_orm::DbErr::Custom("only updates are written in two flights".into());
             return settle(database("writing", &step.row, e));
         }
@@ -245,7 +243,6 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let mut changes = match changes {
         Ok(changes) => changes,
         Err(error) => {
-            conn.discard();
             return settle(error);
         }
     };
@@ -259,11 +256,9 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
         {
             Ok(true) => {}
             Ok(false) => {
-                conn.discard();
                 return Attempt::Settle(Ok(Tried::Uncounted));
             }
             Err(e) => {
-                conn.discard();
                 return settle(database("combining writes of", &step.row, e));
             }
         }
@@ -277,7 +272,6 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let expected = match row_write::expected::<E>(version, &original, &mut changes) {
         Ok(expected) => expected,
         Err(error) => {
-            conn.discard();
             return settle(error);
         }
     };
@@ -293,7 +287,6 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let update = match update {
         Ok(update) => update,
         Err(e) => {
-            conn.discard();
             return settle(database("writing", &step.row, e));
         }
     };
@@ -316,13 +309,10 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let (done, evidence) = match done {
         Ok(done) => done,
         Err(error) => {
-            // A commit in doubt is in doubt for every write it carried.
-            if let Error::CommitUnknown { target, source } = &error {
-                let (target, source) = (target.clone(), source.to_string().into());
-                let in_doubt = Err(Error::CommitUnknown { target, source });
-                step.ended(std::slice::from_ref(locking), &in_doubt);
-            }
-            return Attempt::Settle(Err(error));
+            // A commit in doubt is in doubt for every write it carried (`Step::ended`).
+            let ended = Err(error);
+            step.ended(std::slice::from_ref(locking), &ended);
+            return Attempt::Settle(ended.map(|()| Tried::Uncounted));
         }
     };
     let (result, effect) = match done {
@@ -351,9 +341,9 @@ async fn keep<E: Writable>(
     kept: Written<E::Model>,
 ) -> Attempt<E::Model> {
     if let Err(e) = within(reply, conn.flight("COMMIT".to_owned())).await {
-        conn.discard();
         return Attempt::Settle(Ok(Tried::failed(database("committing", &step.row, e))));
     }
+    conn.release();
     if let Written::Unchanged(original) = &kept {
         let cached = Change::cache(step.row.key.clone(), Arc::clone(original));
         step.session.map().apply([cached]);

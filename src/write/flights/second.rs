@@ -83,17 +83,16 @@ impl<E: Writable> Write<'_, E> {
         let updated = match sent.and_then(|mut replies| stored_of(backend, &mut replies)) {
             Ok(updated) => updated,
             Err(e) if in_doubt(&e) => {
-                conn.discard();
+                // Closed first: the server ends the transaction if the COMMIT never came.
+                drop(conn);
                 return self.resolve(e, None).await;
             }
-            Err(e) => {
-                conn.discard();
-                return Err(database("writing", row, e));
-            }
+            Err(e) => return Err(database("writing", row, e)),
         };
         // Committed: the UPDATE's row, or none when the guard refused (nothing was written).
         let Some(updated) = updated else {
             debug!(row = %row.name, "the guard refused the write");
+            conn.release();
             return Ok((Done::Refused, self.taken.evidence));
         };
         let stored = match E::Model::from_query_result(&updated, "") {
@@ -102,6 +101,7 @@ impl<E: Writable> Write<'_, E> {
                 // Committed, but the row could not be read: the cache forgets it, the caller
                 // gets the row as written.
                 warn!(row = %row.name, error = %e, "the committed row could not be read back");
+                conn.release();
                 let (written, evict) = self.written()?;
                 self.step.tell(Arc::new(written.clone()), Vec::new());
                 return Ok((Done::Stored(written, evict), self.taken.evidence));
@@ -122,6 +122,10 @@ impl<E: Writable> Write<'_, E> {
             None => Vec::new(),
             Some(batch) => batch.after_saves_committed(&stored, &bounded, row).await,
         };
+        // A hook's statement without reply leaves one unread: the connection is closed then.
+        if !bounded.went_silent() {
+            conn.release();
+        }
         self.step.tell(stored, theirs);
         Ok((done, self.taken.evidence))
     }
@@ -170,25 +174,21 @@ impl<E: Writable> Write<'_, E> {
         };
         let stored = match updated {
             Ok(stored) => stored,
-            Err(e) => {
-                conn.discard();
-                return Err(database("writing", row, e));
-            }
+            Err(e) => return Err(database("writing", row, e)),
         };
         let Some(stored) = stored else {
-            let rolled_back = within(self.reply, conn.flight("ROLLBACK".to_owned())).await;
-            if rolled_back.is_err() {
-                conn.discard();
+            if within(self.reply, conn.flight("ROLLBACK".to_owned()))
+                .await
+                .is_ok()
+            {
+                conn.release();
             }
             return Ok((Done::Refused, None));
         };
         let bounded = Bounded::new(&conn, self.reply);
         let reported = match write::after_save::<E, _>(stored.clone(), &bounded, false).await {
             Ok(reported) => reported,
-            Err(e) => {
-                conn.discard();
-                return Err(database("running after_save for", row, e));
-            }
+            Err(e) => return Err(database("running after_save for", row, e)),
         };
         // Each served waiter's own `after_save`, in the transaction: one that fails got its
         // error, and the attempt runs again without it.
@@ -196,27 +196,23 @@ impl<E: Writable> Write<'_, E> {
             None => Vec::new(),
             Some(batch) => match batch.after_saves(&stored, &bounded, row).await {
                 Some(theirs) => theirs,
-                None => {
-                    conn.discard();
-                    return Ok((Done::Again, None));
-                }
+                None => return Ok((Done::Again, None)),
             },
         };
         match within(self.reply, conn.flight("COMMIT".to_owned())).await {
             Ok(_) => {
+                conn.release();
                 let stored = Arc::new(stored);
                 let cached = Change::cache(row.key.clone(), Arc::clone(&stored));
                 self.step.tell(stored, theirs);
                 Ok((Done::Stored(reported, cached), self.taken.evidence))
             }
             Err(e) if in_doubt(&e) => {
-                conn.discard();
+                // Closed first: the server ends the transaction if the COMMIT never came.
+                drop(conn);
                 self.resolve(e, Some(reported)).await
             }
-            Err(e) => {
-                conn.discard();
-                Err(database("committing", row, e))
-            }
+            Err(e) => Err(database("committing", row, e)),
         }
     }
 

@@ -28,6 +28,18 @@ pub(super) fn reload_text<E: Writable>(
     written_in(&select.build(backend))
 }
 
+/// Whether every value of the key `pk` is written in by `backend`'s dialect (`inline/`): then
+/// the reload's text can be (its other values — a lock's name or key — always are).
+pub(super) fn key_written_in(backend: DbBackend, pk: &sea_orm::sea_query::ValueTuple) -> bool {
+    pk.iter().all(|value| match backend {
+        #[cfg(feature = "postgres")]
+        DbBackend::Postgres => crate::db::inline::postgres::writes(value),
+        #[cfg(feature = "mysql")]
+        DbBackend::MySql => crate::db::inline::mysql::writes(value),
+        _ => false,
+    })
+}
+
 /// `statement` as text with its values written in, in its database's dialect (`inline/`), or
 /// `None` when a value cannot be.
 pub(super) fn written_in(statement: &sea_orm::Statement) -> Option<String> {
