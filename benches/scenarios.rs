@@ -777,10 +777,20 @@ enum Floored {
     /// Django 5.2's `select_for_update` + `save(update_fields)` (`benches/django/`), when
     /// `FRESHLOCK_BENCH_DJANGO` names a Python that has Django and psycopg; skipped otherwise.
     Django,
+    /// `locked_update` (local) in the shape an application gets by default: a pool from
+    /// `Database::connect(url)` with sea-orm's default options (checkout ping, statement
+    /// logging, its pool size), on this bench's runtime — what `#[tokio::main]` gives (a
+    /// multi-thread runtime, a worker per core).
+    AsConnected,
+    /// `locked_update` (local, no ping) on a current-thread runtime of its own (a pool of its
+    /// own made there): no wake-up crosses threads.
+    CurrentThread,
+    /// `locked_update` optimistic-first (local, no ping) on a current-thread runtime.
+    OptimisticCurrentThread,
 }
 
 impl Floored {
-    const ALL: [Floored; 14] = [
+    const ALL: [Floored; 17] = [
         Floored::Sqlx,
         Floored::SqlxTwo,
         Floored::Django,
@@ -795,7 +805,18 @@ impl Floored {
         Floored::Combined16,
         Floored::Combined16Sessions,
         Floored::Combined16SessionsTwoFlights,
+        Floored::AsConnected,
+        Floored::CurrentThread,
+        Floored::OptimisticCurrentThread,
     ];
+
+    /// Whether the row makes a pool of its own: one measure, no ping column.
+    fn own_pool(self) -> bool {
+        matches!(
+            self,
+            Self::Django | Self::AsConnected | Self::CurrentThread | Self::OptimisticCurrentThread
+        )
+    }
 
     fn label(self) -> String {
         match self {
@@ -817,6 +838,13 @@ impl Floored {
             }
             Self::Django => {
                 "Django 5.2 `select_for_update` + `save(update_fields)`, 1 process".into()
+            }
+            Self::AsConnected => {
+                "`locked_update` (local), `Database::connect(url)` as is, 1 task".into()
+            }
+            Self::CurrentThread => "`locked_update` (local), current-thread runtime, 1 task".into(),
+            Self::OptimisticCurrentThread => {
+                "`locked_update` optimistic-first (local), current-thread runtime, 1 task".into()
             }
         }
     }
@@ -897,6 +925,53 @@ impl Floored {
             #[cfg(not(feature = "postgres"))]
             Self::Sqlx | Self::SqlxTwo => return f64::NAN,
             Self::Django => return django(url, seconds).await,
+            Self::AsConnected => {
+                let pool = sea_orm::Database::connect(url).await.expect("connect");
+                let session = Session::builder(&pool)
+                    .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail))
+                    .build()
+                    .expect("session");
+                let measured = rate(1, seconds, move || {
+                    let session = session.clone();
+                    async move { increment(&session, 1).await }
+                })
+                .await;
+                pool.close().await.expect("close");
+                return measured;
+            }
+            Self::CurrentThread | Self::OptimisticCurrentThread => {
+                let (url, optimistic) = (
+                    url.to_owned(),
+                    matches!(self, Self::OptimisticCurrentThread),
+                );
+                let thread = std::thread::spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .expect("runtime");
+                    runtime.block_on(async move {
+                        let pool = common::connect_with(&url, 2, false).await;
+                        let mut builder = Session::builder(&pool)
+                            .policy(LockPolicy::default().with_on_failure(OnLockFailure::Fail));
+                        if optimistic {
+                            builder = builder
+                                .version_column::<node::Entity>(node::Column::Changed)
+                                .optimistic_first(true);
+                        }
+                        let session = builder.build().expect("session");
+                        let measured = rate(1, seconds, move || {
+                            let session = session.clone();
+                            async move { increment(&session, 1).await }
+                        })
+                        .await;
+                        pool.close().await.expect("close");
+                        measured
+                    })
+                });
+                return tokio::task::spawn_blocking(move || thread.join().expect("thread"))
+                    .await
+                    .expect("join");
+            }
             Self::Combined16Sessions | Self::Combined16SessionsTwoFlights => {
                 let db = db.clone();
                 let two_flights = matches!(self, Self::Combined16SessionsTwoFlights);
@@ -1024,8 +1099,9 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         let one = pgbench_script(ONE_STATEMENT_SCRIPT, "prepared", url, 1, seconds).await;
         single.push(one.unwrap_or(f64::NAN));
         for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
-            // Django has a connection of its own: our pool's ping is nothing to it.
-            if !matches!(what, Floored::Django) {
+            // A row with a pool of its own (Django's connection, a default pool, another
+            // runtime's) is measured once: our pool's ping is nothing to it.
+            if !what.own_pool() {
                 pinged.push(
                     what.rate(&freshlock::Db::from(&db), url, redis, f64::from(seconds))
                         .await,
@@ -1039,10 +1115,19 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
     }
     let (floor, floor16) = (median(&mut floor), median(&mut floor16));
     println!(
+        "\nShapes: every row runs on this bench's runtime — tokio multi-thread, 2 workers, what \
+         `#[tokio::main]` gives on this 2-core machine — unless its label says current-thread \
+         (a runtime of its own on one OS thread, pool of 2, no ping). The two columns are the \
+         bench's pools of 20 connections with sqlx's checkout ping (sea-orm's default) and \
+         without it; `Database::connect(url)` as is: sea-orm's default options and pool, one \
+         measure."
+    );
+    println!(
         "\n| on PostgreSQL, one row (medians of {rounds}) | updates/s (pool pings on checkout) | updates/s (no ping) | pgbench floor | ratio (no ping) | goal |"
     );
     println!("|---|---|---|---|---|---|");
     let (mut local, mut django, mut optimistic) = (f64::NAN, f64::NAN, f64::NAN);
+    let mut optimistic_current = f64::NAN;
     let mut rows = Vec::new();
     for (what, (pinged, unpinged)) in Floored::ALL.iter().zip(samples.iter_mut()) {
         // No ping column for a row that does not use our pool (Django).
@@ -1067,6 +1152,9 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
         }
         if matches!(what, Floored::Optimistic) {
             optimistic = unpinged;
+        }
+        if matches!(what, Floored::OptimisticCurrentThread) {
+            optimistic_current = unpinged;
         }
         let extra = if matches!(what, Floored::Backend(LockKind::Table)) {
             format!(" ({:.2}× local's time)", local / unpinged)
@@ -1112,8 +1200,9 @@ async fn pgbench_floor(url: &str, redis: Option<&str>) {
     println!(
         "\npgbench, one `UPDATE … RETURNING` in autocommit (the one-statement floor, \
          medians of {rounds}): {single:.0} tps; `locked_update` optimistic-first (no ping) ÷ it: \
-         {:.2}× (goal ≥ 0.9×)",
-        optimistic / single
+         {:.2}× on the multi-thread runtime, {:.2}× on a current-thread one (goal ≥ 0.9×)",
+        optimistic / single,
+        optimistic_current / single
     );
     if django.is_finite() {
         println!(
