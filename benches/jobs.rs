@@ -15,10 +15,14 @@
 //! `FRESHLOCK_BENCH_ONLY=w1` (or `w2`, `w3`) only that one, `FRESHLOCK_BENCH_ROWS=100` W2 on
 //! that many rows (default 1,000; count deadlocks in the server's log or `Innodb_deadlocks`),
 //! `FRESHLOCK_BENCH_RUNS=10` W2 that many times, `FRESHLOCK_BENCH_PING=1` with sqlx's
-//! checkout ping on (off by default, as README's *Reliability* recommends). The
-//! databases' `node` and `freshlock_job` tables are emptied first.
+//! checkout ping on (off by default, as README's *Reliability* recommends),
+//! `FRESHLOCK_BENCH_DELAY_US=1000` every connection through a link adding that many
+//! microseconds each way (`tests/common/delay.rs`, as the floor's). The databases' `node` and
+//! `freshlock_job` tables are emptied first.
 
 mod common;
+#[path = "../tests/common/delay.rs"]
+mod delay;
 
 use std::{
     collections::HashMap,
@@ -84,7 +88,22 @@ async fn main() {
             println!("({name}: skipped: {var} is not set)");
             continue;
         };
-        println!("\n## {name}\n");
+        // Through a link with latency, when asked: every connection of the run.
+        let link = std::env::var("FRESHLOCK_BENCH_DELAY_US")
+            .ok()
+            .and_then(|us| us.trim().parse::<u64>().ok())
+            .map(|us| {
+                let one_way = Duration::from_micros(us);
+                delay::DelayProxy::start(delay::target(&url), one_way).expect("the delay proxy")
+            });
+        let url = link.as_ref().map_or(url.clone(), |proxy| proxy.url(&url));
+        match &link {
+            Some(proxy) => println!(
+                "\n## {name}, through a link of {} µs each way\n",
+                proxy.one_way.as_micros()
+            ),
+            None => println!("\n## {name}\n"),
+        }
         // Without sqlx's checkout ping, as README's *Reliability* recommends: one round trip
         // less per transaction (a connection that died idle is tried again by freshlock).
         let ping = std::env::var_os("FRESHLOCK_BENCH_PING").is_some();
@@ -112,7 +131,9 @@ async fn main() {
             for _ in 0..runs() {
                 for form in [Form::Update, Form::Locked, Form::Leased] {
                     for batch in [1, 32] {
-                        updates(&db, scaled(5_000), 8, batch, form).await;
+                        for two_flights in [false, true] {
+                            updates(&db, scaled(5_000), 8, batch, form, two_flights).await;
+                        }
                     }
                 }
             }
@@ -166,8 +187,12 @@ async fn drain(
     workers: usize,
     batch: u32,
     total: usize,
+    two_flights: bool,
 ) -> (f64, HashMap<i64, Duration>) {
-    let session = Session::new(db.clone());
+    let session = Session::builder(db.clone())
+        .two_flights(two_flights)
+        .build()
+        .expect("session");
     let done = Arc::new(AtomicUsize::new(0));
     let finished = Arc::new(Mutex::new(HashMap::new()));
     let start = Instant::now();
@@ -232,7 +257,7 @@ async fn no_ops(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, l
     } else {
         Jobs::new().handle("noop", policy, async |_tx: &Tx, _job: Job<()>| Ok(()))
     };
-    let (seconds, _) = drain(db, handlers, workers, batch, n).await;
+    let (seconds, _) = drain(db, handlers, workers, batch, n, false).await;
     let name = if leased {
         "W1 no-op, leased"
     } else {
@@ -268,7 +293,16 @@ async fn bump(tx: &Tx, node: i32) -> Result<(), freshlock::ApplyError> {
 /// W2: each job adds one to a row, in the job's transaction: by a plain `UPDATE`, or (`locked`)
 /// as a locked update does it — the row read locked and only its changed column saved, guarded
 /// (`TxRepository::load_locked`, then `save`).
-async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, form: Form) {
+/// W2 in `form`; `two_flights`: on a session with `two_flights(true)` (the take with `BEGIN`,
+/// the completion with `COMMIT`).
+async fn updates(
+    db: &DatabaseConnection,
+    n: usize,
+    workers: usize,
+    batch: u32,
+    form: Form,
+    two_flights: bool,
+) {
     db.execute_unprepared("UPDATE node SET score = 0")
         .await
         .expect("reset");
@@ -308,13 +342,14 @@ async fn updates(db: &DatabaseConnection, n: usize, workers: usize, batch: u32, 
             }),
         ),
     };
-    let (seconds, _) = drain(db, handlers, workers, batch, n).await;
+    let (seconds, _) = drain(db, handlers, workers, batch, n, two_flights).await;
     let name = match form {
         Form::Update => "W2 one update each",
         Form::Locked => "W2 one locked update each",
         Form::Leased => "W2 one update each, leased (in the finish)",
     };
-    row(name, workers, batch, n, seconds);
+    let flights = if two_flights { ", two flights" } else { "" };
+    row(&format!("{name}{flights}"), workers, batch, n, seconds);
     println!("  (on {rows} rows)");
     let sum = if db.get_database_backend() == sea_orm::DbBackend::MySql {
         "SELECT CAST(SUM(score) AS SIGNED) AS n FROM node"

@@ -53,7 +53,8 @@ users need."]
 //   wake-ups, what the queue holds (`query.rs`), what an operator does to it (`admin.rs`) and
 //   cancelling (`cancel.rs`: the call, and the step's half), limits (`limit.rs`: what a
 //   limit is; `admit.rs`: the take's admission of jobs under them), stored states (`state.rs`) and the
-//   table's statements (`store/`). It runs on `write/`'s engine.
+//   table's statements (`store/`). It runs on `write/`'s engine, or, on a session with two
+//   flights, on a held connection with the engine's rules (`flights.rs`).
 // - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
 //   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or
 //   writes a marker), markers and their sweep (`marker.rs`), resolving a lost reply
@@ -68,7 +69,9 @@ users need."]
 //   (`begin.rs`, `live.rs`, `detach.rs`), deadlines (`deadline.rs`), failure classes
 //   (`failure.rs`), the one savepoint helper (`savepoint.rs`), single statements that commit
 //   alone (`autocommit.rs`), values written into a message's text (`inline/`, per dialect),
-//   and a connection held for a message of several statements (`pinned.rs`).
+//   a connection held for a message of several statements (`pinned.rs`), a transaction on it
+//   whose `BEGIN` rides with its first statement (`held.rs`), and the transaction a `Tx` runs
+//   in, sea-orm's or that one (`txn.rs`).
 // - **`guide/`** — the guide's pages, doc-only modules over `docs/*.md` (so every example in
 //   them is a doctest).
 // - **`schema/`** — freshlock's tables, one migration per file (its `create` is both the step

@@ -281,6 +281,7 @@ where
             )),
         };
         let (txn, effects, conflicted) = tx.into_parts();
+        let txn = txn.into_sea();
         let applied = worked.map(|()| effects).map_err(|source| {
             // The section's statements' errors stay what they are.
             let error = match crate::write::section::section_error(&self.name, source) {

@@ -323,6 +323,17 @@ impl SessionBuilder {
         ///   (`table`, `redis`, `mysql_named`), `locked_delete`, `get_or_insert` and
         ///   `update_or_insert` write as before, as does SQLite (no network).
         ///
+        /// **Keyed jobs** of workers on such a session take fewer round trips too: `BEGIN` goes
+        /// with the take, the completion with the `COMMIT` — a job whose handler sends one
+        /// statement is three round trips instead of five (a batch: two plus its handlers'),
+        /// the evidence read with the take. A completion that finds a job asked to stop
+        /// ([`jobs::cancel`](crate::jobs::cancel)) is followed in its message by a check that
+        /// fails, so the `COMMIT` never runs and the handler's writes roll back, as without
+        /// this setting. Handlers get a [`Tx`](crate::Tx) on a connection freshlock holds: it
+        /// is a connection as any other (`ConnectionTrait`), but
+        /// [`Tx::transaction`](crate::Tx::transaction) is `None`. Leased jobs' finishes go as
+        /// before.
+        ///
         /// Default: off.
         two_flights(on: bool) => two_flights = on;
 

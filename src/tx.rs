@@ -26,7 +26,7 @@ use sea_orm::{
 };
 
 use crate::{
-    db::deadline::Bounded,
+    db::{deadline::Bounded, txn::Txn},
     erased::Erased,
     identity_map::{Change, Key},
     session::Session,
@@ -61,7 +61,7 @@ pub enum ForUpdate {
 /// database while it runs, so rows need no locking and the [`ForUpdate`] modes read as plain
 /// reads (nothing is ever locked by another transaction there).
 pub struct Tx {
-    pub(crate) txn: DatabaseTransaction,
+    pub(crate) txn: Txn,
     pub(crate) session: Session,
     /// Rows this transaction read or wrote, by cache key: the snapshots of its guarded saves.
     seen: Mutex<HashMap<Key, Erased>>,
@@ -86,13 +86,13 @@ impl Tx {
     }
 
     /// The transaction, each round trip bounded by [`Self::reply`].
-    pub(crate) fn bounded(&self) -> Bounded<'_, DatabaseTransaction> {
+    pub(crate) fn bounded(&self) -> Bounded<'_, Txn> {
         Bounded::new(&self.txn, self.reply())
     }
 
-    pub(crate) fn new(txn: DatabaseTransaction, session: Session) -> Self {
+    pub(crate) fn new(txn: impl Into<Txn>, session: Session) -> Self {
         Self {
-            txn,
+            txn: txn.into(),
             session,
             seen: Mutex::default(),
             effects: Mutex::default(),
@@ -101,9 +101,11 @@ impl Tx {
     }
 
     /// The sea-orm transaction itself (for APIs that want a `DatabaseTransaction`, such as
-    /// savepoints with `begin`).
-    pub fn transaction(&self) -> &DatabaseTransaction {
-        &self.txn
+    /// savepoints with `begin`); `None` for a keyed job's handler on a session with
+    /// [`two_flights`](crate::SessionBuilder::two_flights), whose transaction runs on a
+    /// connection freshlock holds (the `Tx` is its connection: `ConnectionTrait`).
+    pub fn transaction(&self) -> Option<&DatabaseTransaction> {
+        self.txn.sea()
     }
 
     /// The session the section belongs to.
@@ -113,7 +115,7 @@ impl Tx {
 
     /// The transaction, the cache changes to make if it commits, and whether a guarded write
     /// was refused.
-    pub(crate) fn into_parts(self) -> (DatabaseTransaction, Vec<Change>, bool) {
+    pub(crate) fn into_parts(self) -> (Txn, Vec<Change>, bool) {
         let effects = self
             .effects
             .into_inner()

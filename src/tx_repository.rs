@@ -5,13 +5,13 @@
 use std::{marker::PhantomData, sync::Arc};
 
 use sea_orm::{
-    ActiveModelTrait, ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, EntityTrait,
-    IntoActiveModel, ModelTrait, QuerySelect, Select,
+    ActiveModelTrait, ConnectionTrait, DbBackend, DbErr, EntityTrait, IntoActiveModel, ModelTrait,
+    QuerySelect, Select,
     sea_query::{IntoValueTuple, LockBehavior, LockType},
 };
 
 use crate::{
-    db::{Bounded, deadline::Work, savepoint::Savepoint},
+    db::{Bounded, deadline::Work, savepoint::Savepoint, txn::Txn},
     error::{Error, Result, database},
     outcome::{DeleteOutcome, GetOutcome, SaveOutcome},
     tx::{ForUpdate, Tx},
@@ -301,7 +301,7 @@ where
 async fn read_locked<T>(
     tx: &Tx,
     mode: ForUpdate,
-    read: impl for<'c> FnOnce(&'c Bounded<'c, DatabaseTransaction>) -> Work<'c, T>,
+    read: impl for<'c> FnOnce(&'c Bounded<'c, Txn>) -> Work<'c, T>,
 ) -> std::result::Result<T, DbErr> {
     let reply = tx.reply();
     if mode == ForUpdate::NoWait && tx.get_database_backend() != DbBackend::Sqlite {

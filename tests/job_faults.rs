@@ -71,7 +71,15 @@ async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
     row.try_get_by_index::<Option<i64>>(0).unwrap().unwrap_or(0)
 }
 
-async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32, leased: bool) {
+/// `two_flights`: the session's jobs in few round trips (`SessionBuilder::two_flights`: the take
+/// in `BEGIN`'s message, the completion in `COMMIT`'s).
+async fn jobs_through_cuts(
+    db: Option<TestDb>,
+    cut: CutAfter,
+    every: u32,
+    leased: bool,
+    two_flights: bool,
+) {
     let Some(db) = db else { return };
     db.seed_nodes(5).await;
     for seq in 0..JOBS {
@@ -96,7 +104,10 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32, leased
     } else {
         Jobs::new().handle("bump", RetryPolicy::default(), bump_node)
     };
-    let session = Session::new(proxied);
+    let session = Session::builder(proxied)
+        .two_flights(two_flights)
+        .build()
+        .unwrap();
     let acknowledged = Arc::new(AtomicU32::new(0));
     let unknown = Arc::new(AtomicU32::new(0));
     let start = Arc::new(Barrier::new(WORKERS));
@@ -162,7 +173,7 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32, leased
         unknown.load(Ordering::SeqCst),
     );
     eprintln!(
-        "{cut:?} (leased: {leased}): {} cut; {acknowledged} acknowledged, {unknown} unknown",
+        "{cut:?} (leased: {leased}, two flights: {two_flights}): {} cut; {acknowledged} acknowledged, {unknown} unknown",
         proxy.cuts()
     );
     assert!(proxy.cuts() >= 5, "the proxy cut connections");
@@ -180,15 +191,39 @@ async fn jobs_through_cuts(db: Option<TestDb>, cut: CutAfter, every: u32, leased
 }
 
 async fn lost_commit_replies(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4, false).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, false, false).await;
 }
 
 async fn cut_after_the_take(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Reload, 5, false).await;
+    jobs_through_cuts(db, CutAfter::Reload, 5, false, false).await;
 }
 
 async fn leased_lost_commit_replies(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4, true).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, true, false).await;
+}
+
+/// The completion's `COMMIT` rides with it: a lost reply loses the completion's too, and the
+/// evidence read with the take resolves it.
+async fn lost_commit_replies_two_flights(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Commit, 4, false, true).await;
+}
+
+/// The take rides with `BEGIN`: cut, the transaction never began on the client's side.
+async fn cut_after_the_take_two_flights(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Reload, 5, false, true).await;
+}
+
+async fn leased_lost_commit_replies_two_flights(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Commit, 4, true, true).await;
+}
+
+async fn black_holed_savepoint(db: Option<TestDb>) {
+    black_holed_savepoint_in(db, false).await;
+}
+
+/// The savepoints on a held connection are freshlock's own statements.
+async fn black_holed_savepoint_two_flights(db: Option<TestDb>) {
+    black_holed_savepoint_in(db, true).await;
 }
 
 /// A savepoint's statement whose reply never comes (a silent partition): after a handler
@@ -197,7 +232,7 @@ async fn leased_lost_commit_replies(db: Option<TestDb>) {
 /// (1 s) instead of waiting for TCP (hours) with the jobs' keys held, runs again on another
 /// connection (the server ends the abandoned transaction: its idle-transaction timeout), and
 /// each job ends once: the failing one failed, the other's effect in the database once.
-async fn black_holed_savepoint(db: Option<TestDb>) {
+async fn black_holed_savepoint_in(db: Option<TestDb>, two_flights: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let handlers = Jobs::new()
@@ -218,7 +253,11 @@ async fn black_holed_savepoint(db: Option<TestDb>) {
     let options = proxy::idle_transactions_end(options_through(&proxy, &db, true));
     let proxied = sea_orm::Database::connect(options).await.unwrap();
     let policy = LockPolicy::default().with_reply_timeout(Duration::from_secs(1));
-    let session = Session::builder(proxied).policy(policy).build().unwrap();
+    let session = Session::builder(proxied)
+        .policy(policy)
+        .two_flights(two_flights)
+        .build()
+        .unwrap();
     let worker = Worker::new(session, handlers).with_batch(2);
     proxy.black_hole(true);
     proxy.cut_once();
@@ -258,4 +297,12 @@ on_databases! {
     job_takes_cut_mysql: cut_after_the_take, mysql;
     leased_job_commit_replies_lost_postgres: leased_lost_commit_replies, postgres;
     leased_job_commit_replies_lost_mysql: leased_lost_commit_replies, mysql;
+    job_savepoint_black_holed_two_flights_postgres: black_holed_savepoint_two_flights, postgres;
+    job_savepoint_black_holed_two_flights_mysql: black_holed_savepoint_two_flights, mysql;
+    job_commit_replies_lost_two_flights_postgres: lost_commit_replies_two_flights, postgres;
+    job_commit_replies_lost_two_flights_mysql: lost_commit_replies_two_flights, mysql;
+    job_takes_cut_two_flights_postgres: cut_after_the_take_two_flights, postgres;
+    job_takes_cut_two_flights_mysql: cut_after_the_take_two_flights, mysql;
+    leased_commits_lost_two_flights_postgres: leased_lost_commit_replies_two_flights, postgres;
+    leased_commits_lost_two_flights_mysql: leased_lost_commit_replies_two_flights, mysql;
 }

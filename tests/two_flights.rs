@@ -42,18 +42,7 @@ async fn proxied(
     proxy: &Proxy,
     change: impl FnOnce(&mut sea_orm::ConnectOptions),
 ) -> DatabaseConnection {
-    let mut options = sea_orm::ConnectOptions::new(proxy.url(&db.url));
-    options
-        .max_connections(1)
-        .min_connections(1)
-        .test_before_acquire(false)
-        .acquire_timeout(Duration::from_secs(30))
-        .sqlx_logging(false);
-    if let Some(schema) = &db.schema {
-        options.set_schema_search_path(schema);
-    }
-    change(&mut options);
-    sea_orm::Database::connect(options).await.expect("connect")
+    proxy::one_connection(proxy, &db.url, db.schema.as_deref(), change).await
 }
 
 fn session(pool: &DatabaseConnection, two_flights: bool, versioned: bool) -> Session {

@@ -11,6 +11,21 @@ use tracing::debug;
 
 use super::{autocommit::autocommit, pool::Pool};
 
+/// The text that begins a transaction as [`begin`] does, for a message of several statements
+/// (`held.rs`, `write/flights/`): at READ COMMITTED unless that is the pool's default already.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) async fn text(db: &Pool) -> &'static str {
+    let options = options(db).await;
+    match (db.get_database_backend(), options.isolation_level.is_some()) {
+        (DbBackend::MySql, true) => {
+            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
+        }
+        (DbBackend::MySql, false) => "START TRANSACTION",
+        (_, true) => "BEGIN ISOLATION LEVEL READ COMMITTED",
+        (_, false) => "BEGIN",
+    }
+}
+
 /// [`begin`] in a task of its own, awaited: a caller dropped while `BEGIN` is in flight must not
 /// cut it in half, because sqlx counts the transaction only once `BEGIN`'s reply is read — a
 /// connection whose `BEGIN` reply was never read goes back to the pool inside a transaction

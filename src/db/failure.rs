@@ -114,6 +114,19 @@ pub(crate) fn is_future_xid(err: &DbErr) -> bool {
     })
 }
 
+/// Whether `err` is SQLSTATE 21000, a subquery used as a value that returned more than one row
+/// (PostgreSQL, MySQL/MariaDB 1242): what a check in a message of several statements raises on
+/// purpose to stop the message before its `COMMIT` (`jobs/flights.rs`).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn is_cardinality_violation(err: &DbErr) -> bool {
+    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
+    else {
+        return false;
+    };
+    e.as_database_error()
+        .is_some_and(|db| db.code().as_deref() == Some("21000"))
+}
+
 /// Whether `err` is a unique-key violation (a concurrent creator won).
 pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
     matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))

@@ -9,6 +9,8 @@ pub(crate) mod begin;
 pub(crate) mod deadline;
 pub(crate) mod detach;
 pub(crate) mod failure;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod held;
 #[cfg(any(feature = "mysql", feature = "postgres"))]
 pub(crate) mod inline;
 pub(crate) mod live;
@@ -17,6 +19,7 @@ pub(crate) mod own;
 pub(crate) mod pinned;
 pub(crate) mod pool;
 pub(crate) mod savepoint;
+pub(crate) mod txn;
 
 pub use deadline::Bounded;
 #[cfg(feature = "mysql")]

@@ -6,20 +6,39 @@
 
 use std::time::Duration;
 
-use sea_orm::{DatabaseTransaction, DbErr, TransactionTrait};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use sea_orm::ConnectionTrait;
+use sea_orm::{DbErr, TransactionTrait};
 
-use super::deadline::{Bounded, Work, within};
+use super::{
+    deadline::{Bounded, Work, within},
+    txn::Txn,
+};
+
+/// The name of a savepoint on a held connection (`held.rs`), where freshlock sends the
+/// statements itself: the newest of that name is the one released or rolled back to.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+const HELD: &str = "freshlock_savepoint";
 
 /// A savepoint of a transaction, its round trips bounded.
 pub(crate) struct Savepoint {
-    txn: DatabaseTransaction,
+    /// sea-orm's nested transaction; on a held connection, the transaction itself.
+    txn: Txn,
     reply: Duration,
 }
 
 impl Savepoint {
     /// `SAVEPOINT` in `txn`, every round trip of the savepoint bounded by `reply`.
-    pub(crate) async fn begin(txn: &DatabaseTransaction, reply: Duration) -> Result<Self, DbErr> {
-        let txn = within(reply, txn.begin()).await?;
+    pub(crate) async fn begin(txn: &Txn, reply: Duration) -> Result<Self, DbErr> {
+        let txn = match txn {
+            Txn::Sea(txn) => Txn::Sea(within(reply, txn.begin()).await?),
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Txn::Held(held) => {
+                let savepoint = format!("SAVEPOINT {HELD}");
+                within(reply, held.execute_unprepared(&savepoint)).await?;
+                Txn::Held(std::sync::Arc::clone(held))
+            }
+        };
         Ok(Self { txn, reply })
     }
 
@@ -27,9 +46,9 @@ impl Savepoint {
     /// fails (the work's error is returned; a rollback that fails too ends the transaction
     /// anyway, which its next statement reports).
     pub(crate) async fn around<T>(
-        txn: &DatabaseTransaction,
+        txn: &Txn,
         reply: Duration,
-        work: impl for<'c> FnOnce(&'c Bounded<'c, DatabaseTransaction>) -> Work<'c, T>,
+        work: impl for<'c> FnOnce(&'c Bounded<'c, Txn>) -> Work<'c, T>,
     ) -> Result<T, DbErr> {
         let savepoint = Self::begin(txn, reply).await?;
         let done = work(&savepoint.bounded()).await;
@@ -43,28 +62,47 @@ impl Savepoint {
     }
 
     /// The savepoint as a connection whose every round trip is bounded.
-    pub(crate) fn bounded(&self) -> Bounded<'_, DatabaseTransaction> {
+    pub(crate) fn bounded(&self) -> Bounded<'_, Txn> {
         Bounded::new(&self.txn, self.reply)
     }
 
     /// Lends the savepoint's transaction to an owner (a job handler's `Tx`);
     /// [`resume`](Self::resume) takes it back.
-    pub(crate) fn lend(self) -> DatabaseTransaction {
+    pub(crate) fn lend(self) -> Txn {
         self.txn
     }
 
     /// A lent savepoint, back (see [`lend`](Self::lend)).
-    pub(crate) fn resume(txn: DatabaseTransaction, reply: Duration) -> Self {
+    pub(crate) fn resume(txn: Txn, reply: Duration) -> Self {
         Self { txn, reply }
     }
 
     /// `RELEASE`: what was done in the savepoint stays in the transaction.
     pub(crate) async fn release(self) -> Result<(), DbErr> {
-        within(self.reply, self.txn.commit()).await
+        match self.txn {
+            Txn::Sea(txn) => within(self.reply, txn.commit()).await,
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Txn::Held(held) => {
+                let release = format!("RELEASE SAVEPOINT {HELD}");
+                within(self.reply, held.execute_unprepared(&release))
+                    .await
+                    .map(drop)
+            }
+        }
     }
 
     /// `ROLLBACK TO`: what was done in the savepoint is undone; the transaction goes on.
     pub(crate) async fn roll_back(self) -> Result<(), DbErr> {
-        within(self.reply, self.txn.rollback()).await
+        match self.txn {
+            Txn::Sea(txn) => within(self.reply, txn.rollback()).await,
+            // Rolled back to, then released (one message): as sea-orm's leaves none behind.
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            Txn::Held(held) => {
+                let back = format!("ROLLBACK TO SAVEPOINT {HELD}; RELEASE SAVEPOINT {HELD}");
+                within(self.reply, held.execute_unprepared(&back))
+                    .await
+                    .map(drop)
+            }
+        }
     }
 }

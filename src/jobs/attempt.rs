@@ -1,7 +1,7 @@
 //! One handler's run in the job's transaction — in a savepoint of it once an attempt was
 //! spoiled — its panics caught, its failure classified.
 
-use sea_orm::{DatabaseTransaction, DbErr};
+use sea_orm::DbErr;
 use tracing::debug;
 
 use super::{
@@ -11,7 +11,10 @@ use super::{
     retry::{Retry, decide},
     step::{Failed, JobStep, Ran, Start},
 };
-use crate::{db::savepoint::Savepoint, tx::Tx};
+use crate::{
+    db::{savepoint::Savepoint, txn::Txn},
+    tx::Tx,
+};
 
 impl JobStep<'_> {
     /// Runs a handler's work in the job's transaction `txn` — in a savepoint of it once an
@@ -22,13 +25,13 @@ impl JobStep<'_> {
     /// (a deadlock): the engine runs the whole attempt again.
     pub(super) async fn attempt(
         &mut self,
-        txn: DatabaseTransaction,
+        txn: Txn,
         kind: &Kind,
         kind_name: &str,
         id: JobId,
         attempt: u32,
         start: Start<'_>,
-    ) -> (DatabaseTransaction, std::result::Result<Ran, Failed>) {
+    ) -> (Txn, std::result::Result<Ran, Failed>) {
         if let Some((at, failure, retries)) = self.spoiled.remove(&id)
             && at == attempt
         {

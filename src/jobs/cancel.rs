@@ -2,7 +2,7 @@
 //! attempt whose completion found a request to stop its jobs rolled back, and the next attempt
 //! marks them cancelled instead of running them again.
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction};
+use sea_orm::ConnectionTrait;
 
 use super::{
     JobId, JobOutcome, JobRun,
@@ -12,7 +12,7 @@ use super::{
 };
 use crate::{
     database::Db,
-    db::deadline::Bounded,
+    db::{deadline::Bounded, txn::Txn},
     error::Result,
     write::engine::{Fence, Worked},
 };
@@ -94,7 +94,7 @@ async fn cancel_in(
 impl JobStep<'_> {
     /// Marks the jobs in `self.cancelling` cancelled, in `txn`, and readies their keys' next
     /// jobs: the attempt before this one ran them, and its completion found them asked to stop.
-    pub(super) async fn cancel_requested(&mut self, txn: DatabaseTransaction) -> Attempted {
+    pub(super) async fn cancel_requested(&mut self, txn: Txn) -> Attempted {
         let ids = std::mem::take(&mut self.cancelling);
         let bounded = Bounded::new(&txn, self.cx.reply());
         let mut runs = Vec::with_capacity(ids.len());

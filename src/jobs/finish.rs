@@ -1,6 +1,5 @@
 //! A leased job's finish: fenced by its claim, its kind's finish run in the job's transaction.
 
-use sea_orm::DatabaseTransaction;
 use tracing::warn;
 
 use super::{
@@ -12,16 +11,16 @@ use super::{
     step::{Did, Ended, Failed, JobStep, Measured, Ran, Start, waited},
     store,
 };
-use crate::db::deadline::Bounded;
+use crate::db::{deadline::Bounded, txn::Txn};
 
 impl JobStep<'_> {
     /// Finishes a leased job whose work ended, if its claim still holds: runs its finish (when
     /// the work succeeded) in the transaction. Owns the transaction as [`take`](Self::take).
     pub(super) async fn finish(
         &mut self,
-        txn: DatabaseTransaction,
+        txn: Txn,
         finishing: &Finishing,
-    ) -> (DatabaseTransaction, std::result::Result<Did, Failed>) {
+    ) -> (Txn, std::result::Result<Did, Failed>) {
         let claim = &finishing.claim;
         let kind_name = claim.kind_name();
         let bounded = Bounded::new(&txn, self.cx.reply());
@@ -96,7 +95,7 @@ impl JobStep<'_> {
     /// it holds, else what the finish reports — its lease lost, or the job cancelled.
     async fn unheld(
         &mut self,
-        db: &Bounded<'_, DatabaseTransaction>,
+        db: &Bounded<'_, Txn>,
         finishing: &Finishing,
     ) -> Option<std::result::Result<Did, Failed>> {
         let claim = &finishing.claim;

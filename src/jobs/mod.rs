@@ -79,6 +79,8 @@ mod catch;
 mod chores;
 mod context;
 mod finish;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+mod flights;
 mod handler;
 mod job;
 mod kinds;

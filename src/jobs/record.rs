@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr};
 
 use super::{
     JobId, JobOutcome, JobRun,
@@ -12,7 +12,7 @@ use super::{
 };
 use crate::{
     commit::{Evidence, Marker, Plan},
-    db::deadline::Bounded,
+    db::{deadline::Bounded, txn::Txn},
     lock::holder::new_token,
     write::engine::{Fence, Tried, Worked},
 };
@@ -23,7 +23,7 @@ impl JobStep<'_> {
     /// statement can take it).
     pub(super) async fn record(
         &mut self,
-        txn: &DatabaseTransaction,
+        txn: &Txn,
         ended: Vec<Ended>,
     ) -> std::result::Result<Worked<Vec<JobRun>>, Failed> {
         let txn = &Bounded::new(txn, self.cx.reply());
@@ -104,7 +104,8 @@ impl JobStep<'_> {
             _ => None,
         };
         let claiming = (chaining.as_ref()).map(|(owner, kinds)| store::Claiming { owner, kinds });
-        let (evidence, readied, claimed) = if completed.is_empty() {
+        let completes = !completed.is_empty();
+        let (evidence, readied, claimed) = if !completes {
             let promoted = store::promote_claiming(txn, finished_keys, &[], claiming.as_ref());
             let (readied, claimed) =
                 (promoted.await).map_err(|e| ("readying the next jobs of", e))?;
@@ -125,8 +126,12 @@ impl JobStep<'_> {
             let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
             self.claimed_as(taken, attempt, owner, lease);
         }
-        if single.is_some() {
-            self.follow = single.filter(|_| readied == 1);
+        match self.deferred.as_mut() {
+            // The completion is sent with the `COMMIT` (`flights.rs`), which follows the key
+            // when it readied its next job.
+            Some(deferred) if completes => deferred.follow = single,
+            _ if single.is_some() => self.follow = single.filter(|_| readied == 1),
+            _ => {}
         }
         Ok(Worked::Write {
             value: runs,
@@ -144,12 +149,17 @@ impl JobStep<'_> {
     /// `self.cancelling` for the next attempt, and this one must roll back.
     pub(super) async fn complete(
         &mut self,
-        txn: &Bounded<'_, DatabaseTransaction>,
+        txn: &Bounded<'_, Txn>,
         completed: &[JobId],
         promote: Vec<Vec<u8>>,
         claiming: Option<&store::Claiming<'_>>,
     ) -> std::result::Result<Option<Completed>, Failed> {
         const OPERATION: &str = "completing jobs in";
+        // A held attempt sends the completion with its `COMMIT` (`flights.rs`).
+        #[cfg(any(feature = "postgres", feature = "mysql"))]
+        if let Txn::Held(held) = txn.inner() {
+            return self.defer(held, txn, completed, promote, claiming).await;
+        }
         let db = self.cx.session.pool();
         let markers = self.cx.session.commit_markers();
         let plan = match markers {
@@ -206,6 +216,48 @@ impl JobStep<'_> {
             .map_err(|e| ("marking the commit of", e))
     }
 
+    /// [`complete`](Self::complete) in a held attempt: the commit's evidence — the transaction's
+    /// id read with `BEGIN`, or a marker that rides in the `COMMIT`'s message — and the
+    /// completion's statement, left in `self.deferred` for `flights.rs` to send with the
+    /// `COMMIT` (what it readies is read from its reply there).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    async fn defer(
+        &mut self,
+        held: &crate::db::held::Held,
+        txn: &Bounded<'_, Txn>,
+        completed: &[JobId],
+        promote: Vec<Vec<u8>>,
+        claiming: Option<&store::Claiming<'_>>,
+    ) -> std::result::Result<Option<Completed>, Failed> {
+        const OPERATION: &str = "completing jobs in";
+        let plan = self.plan.take();
+        let rides = matches!(plan, Some(Plan::Marker));
+        let evidence = match plan {
+            Some(Plan::Stamped(stamped)) => {
+                let read = held.read_with_begin().into_iter().next();
+                let row = read.and_then(|reply| reply.rows.into_iter().next());
+                let row = row.ok_or_else(|| {
+                    let e = DbErr::RecordNotFound("the transaction's id read with BEGIN".into());
+                    ("marking the commit of", e)
+                })?;
+                let db = self.cx.session.pool();
+                let evidence = stamped.evidence(txn, db, &row).await;
+                Some(evidence.map_err(|e| ("marking the commit of", e))?)
+            }
+            Some(Plan::Marker) => Some(Evidence::Marker(Marker::new())),
+            None => None,
+        };
+        let completion = store::completion(txn, completed, None, promote, None, claiming);
+        let completion = completion.await.map_err(|e| (OPERATION, e))?;
+        self.deferred = Some(Deferred {
+            completion,
+            ids: completed.to_vec(),
+            rides,
+            follow: None,
+        });
+        Ok(Some((evidence, 0, None)))
+    }
+
     /// What a leased job's finish may claim of its key's next job (see `store::Claiming`): a
     /// new owner token, and the leased kinds this worker runs without limits (a limited kind's
     /// job goes through a take's admission), each with its attempts and lease. `None` when it
@@ -225,6 +277,20 @@ impl JobStep<'_> {
             .collect();
         (!kinds.is_empty()).then(|| (new_token(), kinds))
     }
+}
+
+/// The completion a held attempt sends in its `COMMIT`'s message (`flights.rs`).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+pub(super) struct Deferred {
+    /// The statement, not sent.
+    pub(super) completion: store::Completion,
+    /// The jobs it marks done.
+    pub(super) ids: Vec<JobId>,
+    /// Whether a marker's INSERT rides in the message (the evidence is a marker no statement
+    /// wrote yet).
+    pub(super) rides: bool,
+    /// The key the worker follows when the completion readied its next job.
+    pub(super) follow: Option<Vec<u8>>,
 }
 
 /// What recording a completion gives: its commit's evidence (when its statement took it), how

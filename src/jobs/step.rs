@@ -7,6 +7,7 @@ use std::{collections::HashMap, time::Duration};
 
 use sea_orm::{DatabaseTransaction, DbErr};
 
+use super::record::Deferred;
 use super::{
     JobFailure, JobId, JobOutcome, JobRun,
     context::Context,
@@ -16,6 +17,8 @@ use super::{
     retry::Retry,
 };
 use crate::{
+    commit::Plan,
+    db::txn::Txn,
     error::{Result, database},
     identity_map::Change,
     schema::JOB_TABLE,
@@ -55,7 +58,18 @@ pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped
         spoiled: HashMap::new(),
         cancelling: Vec::new(),
         recheck: false,
+        plan: None,
+        deferred: None,
     };
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    if super::flights::applies(&step) {
+        let runs = super::flights::run(&mut step).await?;
+        return Ok(Stepped {
+            runs,
+            claimed: step.claimed,
+            follow: step.follow,
+        });
+    }
     let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
     Ok(Stepped {
         runs,
@@ -108,14 +122,19 @@ pub(super) struct JobStep<'w> {
     /// A leased job's finish found its claim gone at the completion (`finish.rs`): the
     /// transaction rolled back, and the next attempt checks the claim first and reports why.
     pub(super) recheck: bool,
+    /// In a held attempt (`flights.rs`), the commit's evidence plan, for the completion.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    pub(super) plan: Option<Plan>,
+    /// In a held attempt, the completion to send with the `COMMIT`.
+    pub(super) deferred: Option<Deferred>,
 }
 
-pub(super) type Attempted = (DatabaseTransaction, Worked<Vec<JobRun>>);
+pub(super) type Attempted = (Txn, Worked<Vec<JobRun>>);
 
 /// The database failed doing `.0` (the attempt rolls back and may run again).
 pub(super) type Failed = (&'static str, DbErr);
 
-pub(super) fn undone(txn: DatabaseTransaction, (operation, e): Failed) -> Attempted {
+pub(super) fn undone(txn: Txn, (operation, e): Failed) -> Attempted {
     let error = database(operation, &JOB_TABLE, e);
     (txn, Worked::Undone(Tried::failed(error)))
 }
@@ -152,7 +171,32 @@ pub(super) struct Ended {
 impl Step for JobStep<'_> {
     type Output = Vec<JobRun>;
 
-    async fn run(&mut self, txn: DatabaseTransaction, _lockings: &mut [Locking]) -> Attempted {
+    async fn run(
+        &mut self,
+        txn: DatabaseTransaction,
+        _lockings: &mut [Locking],
+    ) -> (DatabaseTransaction, Worked<Vec<JobRun>>) {
+        let (txn, worked) = self.run_on(Txn::from(txn)).await;
+        (txn.into_sea(), worked)
+    }
+
+    fn lease_lost(&mut self) -> Vec<JobRun> {
+        // The engine holds no lock for jobs: a job's row lock lasts as long as its transaction,
+        // a leased job's claim is checked by the finish itself.
+        Vec::new()
+    }
+
+    /// The attempt's metrics, once its transaction committed (an attempt run again after a
+    /// failed commit is counted once).
+    fn ended(&mut self, _lockings: &[Locking], ended: &Result<()>) {
+        self.metrics(ended.is_ok());
+    }
+}
+
+impl JobStep<'_> {
+    /// One attempt in `txn` (the engine's, or a held connection's: `flights.rs`): take jobs (or
+    /// a leased job to finish), run them, record how they ended; `txn` handed back.
+    pub(super) async fn run_on(&mut self, txn: Txn) -> Attempted {
         self.measured.clear();
         self.claimed.clear();
         self.follow = None;
@@ -198,16 +242,10 @@ impl Step for JobStep<'_> {
         (txn, worked)
     }
 
-    fn lease_lost(&mut self) -> Vec<JobRun> {
-        // The engine holds no lock for jobs: a job's row lock lasts as long as its transaction,
-        // a leased job's claim is checked by the finish itself.
-        Vec::new()
-    }
-
-    /// The attempt's metrics, once its transaction committed (an attempt run again after a
-    /// failed commit is counted once).
-    fn ended(&mut self, _lockings: &[Locking], ended: &Result<()>) {
-        if ended.is_err() {
+    /// The attempt's metrics, once its transaction committed (`committed`; an attempt run again
+    /// after a failed commit is counted once).
+    pub(super) fn metrics(&mut self, committed: bool) {
+        if !committed {
             self.measured.clear();
             return;
         }

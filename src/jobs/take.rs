@@ -9,8 +9,11 @@ use super::{
     step::{Did, Ended, Failed, JobStep, Ran, Start},
     store,
 };
-use crate::{db::deadline::Bounded, lock::holder::new_token};
-use sea_orm::DatabaseTransaction;
+use crate::{
+    db::{deadline::Bounded, txn::Txn},
+    lock::holder::new_token,
+};
+
 use tracing::{Instrument, info_span, warn};
 
 /// The most jobs of one key a transaction runs one after another (`Source::Take`'s `chain`).
@@ -27,11 +30,11 @@ impl JobStep<'_> {
     /// itself) and hands it back.
     pub(super) async fn take(
         &mut self,
-        mut txn: DatabaseTransaction,
+        mut txn: Txn,
         limit: u32,
         follow: Option<&[u8]>,
         chain: bool,
-    ) -> (DatabaseTransaction, std::result::Result<Did, Failed>) {
+    ) -> (Txn, std::result::Result<Did, Failed>) {
         let began = tokio::time::Instant::now();
         let reply = self.cx.reply();
         let fail = |e| ("taking jobs from", e);
@@ -170,13 +173,10 @@ impl JobStep<'_> {
     /// adding how each ended to `ended`: `Some(Did::Spoiled)` when a handler spoiled `txn`.
     pub(super) async fn run_taken(
         &mut self,
-        txn: DatabaseTransaction,
+        txn: Txn,
         taken: Vec<store::Taken>,
         ended: &mut Vec<Ended>,
-    ) -> (
-        DatabaseTransaction,
-        std::result::Result<Option<Did>, Failed>,
-    ) {
+    ) -> (Txn, std::result::Result<Option<Did>, Failed>) {
         let mut txn = txn;
         let reply = self.cx.reply();
         for taken in taken {

@@ -329,6 +329,7 @@ where
             })),
         };
         let (txn, effects, conflicted) = tx.into_parts();
+        let txn = txn.into_sea();
         let worked = match worked {
             Ok(value) => Worked::Write {
                 value: SectionOutcome::Committed(value),

@@ -209,6 +209,29 @@ impl Proxy {
     }
 }
 
+/// A pool of one connection to `url` through `proxy` (`schema` on the search path), without
+/// the checkout ping — every message the proxy sees is a call's — with `change` made to its
+/// options first.
+pub async fn one_connection(
+    proxy: &Proxy,
+    url: &str,
+    schema: Option<&str>,
+    change: impl FnOnce(&mut sea_orm::ConnectOptions),
+) -> sea_orm::DatabaseConnection {
+    let mut options = sea_orm::ConnectOptions::new(proxy.url(url));
+    change(&mut options);
+    options
+        .max_connections(1)
+        .min_connections(1)
+        .test_before_acquire(false)
+        .acquire_timeout(std::time::Duration::from_secs(30))
+        .sqlx_logging(false);
+    if let Some(schema) = schema {
+        options.set_schema_search_path(schema);
+    }
+    sea_orm::Database::connect(options).await.expect("connect")
+}
+
 /// The address a URL's host and port name (loopback only in these tests).
 pub fn target(url: &str) -> SocketAddr {
     let rest = url.split_once("://").expect("a URL").1;

@@ -12,6 +12,19 @@ pub(crate) mod mysql;
 #[cfg(feature = "postgres")]
 pub(crate) mod postgres;
 
+/// `statement` as text with its values written in, in its database's dialect, or `None` when a
+/// value cannot be (or the dialect has no text here).
+pub(crate) fn statement_text(statement: &sea_orm::Statement) -> Option<String> {
+    let values = (statement.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
+    match statement.db_backend {
+        #[cfg(feature = "postgres")]
+        sea_orm::DbBackend::Postgres => postgres::written(&statement.sql, values),
+        #[cfg(feature = "mysql")]
+        sea_orm::DbBackend::MySql => mysql::written(&statement.sql, values.to_vec()),
+        _ => None,
+    }
+}
+
 /// `UPDATE t SET c0 = <values[0]>, … WHERE id = 7`: the dialects' tests write values into it.
 #[cfg(test)]
 fn update(values: Vec<sea_orm::Value>) -> sea_orm::sea_query::UpdateStatement {

@@ -133,11 +133,20 @@ pub(crate) async fn requested(txn: &impl ConnectionTrait, ids: &[i64]) -> Result
     if ids.is_empty() {
         return Ok(Vec::new());
     }
-    let backend = txn.get_database_backend();
+    let read = requested_statement(txn.get_database_backend(), ids);
+    read_requested(&txn.query_all_raw(read).await?)
+}
+
+/// [`requested`]'s statement (`ids` not empty), for a message of several statements.
+pub(crate) fn requested_statement(backend: DbBackend, ids: &[i64]) -> sea_orm::Statement {
     let placeholders = vec!["?"; ids.len()].join(", ");
     let sql = format!("SELECT job_id FROM {JOB_CANCEL_TABLE} WHERE job_id IN ({placeholders})");
     let values = ids.iter().map(|&id| Value::from(id)).collect();
-    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    statement(backend, &sql, values)
+}
+
+/// The jobs [`requested_statement`]'s `rows` name.
+pub(crate) fn read_requested(rows: &[sea_orm::QueryResult]) -> Result<Vec<i64>, DbErr> {
     rows.iter().map(|row| row.try_get("", "job_id")).collect()
 }
 

@@ -49,6 +49,48 @@ pub(crate) async fn complete(
     marker: Option<&Marker>,
     claiming: Option<&Claiming<'_>>,
 ) -> Result<Completed, DbErr> {
+    let completion = completion(txn, ids, stamps, promote, owner, claiming).await?;
+    if !completion.returns() {
+        let done = match marker {
+            Some(marker) => marked(txn, marker, &completion.sql, completion.values.clone()).await?,
+            None => (txn.execute_raw(completion.statement()).await?).rows_affected(),
+        };
+        return completion.read(Vec::new(), done);
+    }
+    let rows = txn.query_all_raw(completion.statement()).await?;
+    completion.read(rows, 0)
+}
+
+/// [`complete`]'s statement, not sent yet: a keyed job's attempt on a held connection sends it
+/// in its `COMMIT`'s message (`jobs/flights.rs`) and reads its reply with [`Completion::read`].
+/// On PostgreSQL the promotion is folded into it; elsewhere it is readied here, first, by a
+/// statement of its own.
+pub(crate) struct Completion {
+    backend: DbBackend,
+    /// `?` placeholders.
+    sql: String,
+    values: Vec<Value>,
+    /// Whether the promotion is a `WITH` of the statement (it returns the count it readied).
+    folds: bool,
+    /// Whether the statement returns `stamps` (the commit's evidence).
+    stamps: bool,
+    claiming: bool,
+    /// The first expression of its `RETURNING`, when it has one.
+    returning: Option<String>,
+    /// Readied and claimed by a promotion of its own.
+    readied: u64,
+    claimed: Option<Taken>,
+}
+
+/// The statement of [`complete`], its promotion sent first where it is not folded in.
+pub(crate) async fn completion(
+    txn: &impl ConnectionTrait,
+    ids: &[i64],
+    stamps: Option<&[&str]>,
+    promote: Vec<Vec<u8>>,
+    owner: Option<&str>,
+    claiming: Option<&Claiming<'_>>,
+) -> Result<Completion, DbErr> {
     let backend = txn.get_database_backend();
     let folds = backend == DbBackend::Postgres && !promote.is_empty();
     let (mut readied, mut claimed) = (0, None);
@@ -81,35 +123,64 @@ pub(crate) async fn complete(
         sql.push_str(&format!(" AND state = {Leased} AND owner = ?"));
         values.push(owner.into());
     }
-    if returning.is_empty() {
-        let done = match marker {
-            Some(marker) => marked(txn, marker, &sql, values).await?,
-            None => (txn.execute_raw(statement(backend, &sql, values)).await?).rows_affected(),
-        };
-        return Ok(Completed {
-            row: None,
+    let returns = !returning.is_empty();
+    if returns {
+        sql.push_str(" RETURNING ");
+        sql.push_str(&returning.join(", "));
+    }
+    Ok(Completion {
+        backend,
+        sql,
+        values,
+        folds,
+        stamps: stamps.is_some(),
+        claiming: claiming.is_some(),
+        returning: returns.then(|| returning.join(", ")),
+        readied,
+        claimed,
+    })
+}
+
+impl Completion {
+    /// Whether the statement returns rows (else its reply is a count).
+    pub(crate) fn returns(&self) -> bool {
+        self.returning.is_some()
+    }
+
+    /// The statement, its values bound.
+    pub(crate) fn statement(&self) -> sea_orm::Statement {
+        statement(self.backend, &self.sql, self.values.clone())
+    }
+
+    /// What the statement did, from its reply: its `rows` when it [`returns`](Self::returns)
+    /// them, else the count `affected` (how many jobs it marked done).
+    pub(crate) fn read(self, rows: Vec<QueryResult>, affected: u64) -> Result<Completed, DbErr> {
+        let (mut readied, mut claimed) = (self.readied, self.claimed);
+        if self.returning.is_none() {
+            return Ok(Completed {
+                row: None,
+                readied,
+                done: affected,
+                claimed,
+            });
+        }
+        let done = rows.len() as u64;
+        let first = rows.into_iter().next();
+        if self.folds
+            && let Some(row) = &first
+        {
+            readied = u64::try_from(row.try_get::<i64>("", "readied")?).unwrap_or(0);
+            if self.claiming {
+                claimed = claimed_in(row)?;
+            }
+        }
+        Ok(Completed {
+            row: first.filter(|_| self.stamps),
             readied,
             done,
             claimed,
-        });
+        })
     }
-    sql.push_str(" RETURNING ");
-    sql.push_str(&returning.join(", "));
-    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
-    let done = rows.len() as u64;
-    let first = rows.into_iter().next();
-    if folds && let Some(row) = &first {
-        readied = u64::try_from(row.try_get::<i64>("", "readied")?).unwrap_or(0);
-        if claiming.is_some() {
-            claimed = claimed_in(row)?;
-        }
-    }
-    Ok(Completed {
-        row: first.filter(|_| stamps.is_some()),
-        readied,
-        done,
-        claimed,
-    })
 }
 
 /// The completion `sql` (`?` placeholders for `values`) after `marker`'s INSERT, on

@@ -13,7 +13,11 @@ mod workers;
 
 pub(crate) use advance::advance;
 pub(crate) use cancel::{Found, cancel, forget_finished, is_cancelled, look, request, requested};
-pub(crate) use finish::{complete, failed};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use cancel::{read_requested, requested_statement};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use finish::completion;
+pub(crate) use finish::{Completion, complete, failed};
 pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 pub(crate) use lease::{claim, extend, hold, reclaim};
 pub(crate) use promote::{Claimable, Claiming, promote, promote_claiming};

@@ -35,7 +35,7 @@ mod second;
 mod text;
 
 use second::{Done, Taken, Write};
-use text::{begin_text, key_written_in, message, nth, reload_text};
+use text::{key_written_in, message, nth, reload_text};
 
 use std::{sync::Arc, time::Duration};
 
@@ -143,7 +143,7 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     let backend = db.get_database_backend();
     // Read before the connection is held: the first write of a pool asks the server's default
     // isolation on a connection of its own (a pool of one would wait for itself).
-    let begin = begin_text(db).await;
+    let begin = crate::db::begin::text(db).await;
     let acquired = Pinned::acquire(db.connection(), db.transaction_pooled()).await;
     let conn = match acquired {
         Some(Ok(conn)) => conn,

@@ -8,7 +8,7 @@ use sea_orm::{
 };
 
 use crate::{
-    db::pinned::Reply,
+    db::{inline::statement_text, pinned::Reply},
     write::entity::Writable,
     write::fold::Folded,
     write::row::{reload, select_by_key},
@@ -25,7 +25,7 @@ pub(super) fn reload_text<E: Writable>(
 ) -> Option<String> {
     let reload = reload::<E>(backend, step.row.pk(), folded)?;
     let select = (stamps.iter()).fold(reload, |select, stamp| select.expr(Expr::cust(*stamp)));
-    written_in(&select.build(backend))
+    statement_text(&select.build(backend))
 }
 
 /// Whether every value of the key `pk` is written in by `backend`'s dialect (`inline/`): then
@@ -40,19 +40,6 @@ pub(super) fn key_written_in(backend: DbBackend, pk: &sea_orm::sea_query::ValueT
     })
 }
 
-/// `statement` as text with its values written in, in its database's dialect (`inline/`), or
-/// `None` when a value cannot be.
-pub(super) fn written_in(statement: &sea_orm::Statement) -> Option<String> {
-    let values = (statement.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
-    match statement.db_backend {
-        #[cfg(feature = "postgres")]
-        DbBackend::Postgres => crate::db::inline::postgres::written(&statement.sql, values),
-        #[cfg(feature = "mysql")]
-        DbBackend::MySql => crate::db::inline::mysql::written(&statement.sql, values.to_vec()),
-        _ => None,
-    }
-}
-
 /// Flight 2's statements before its `COMMIT`, values written in: PostgreSQL's UPDATE (which
 /// returns the row, behind a riding marker's INSERT); MySQL/MariaDB's marker INSERT (when one
 /// rides), the UPDATE, and the read of the row by key (no `RETURNING` there; the row is this
@@ -63,16 +50,16 @@ pub(super) fn message<E: Writable>(
     marker: Option<&InsertStatement>,
     pk: &sea_orm::sea_query::ValueTuple,
 ) -> Option<String> {
-    let update = written_in(update)?;
+    let update = statement_text(update)?;
     if backend != DbBackend::MySql {
         return Some(update);
     }
     let mut statements = Vec::with_capacity(3);
     if let Some(marker) = marker {
-        statements.push(written_in(&backend.build(marker))?);
+        statements.push(statement_text(&backend.build(marker))?);
     }
     statements.push(update);
-    statements.push(written_in(&select_by_key::<E>(pk).build(backend))?);
+    statements.push(statement_text(&select_by_key::<E>(pk).build(backend))?);
     Some(statements.join("; "))
 }
 
@@ -94,20 +81,6 @@ pub(super) fn stored_of(
         (found, _) => Err(sea_orm::DbErr::Custom(format!(
             "the UPDATE found {found} rows and its read back none: not one row"
         ))),
-    }
-}
-
-/// The text that begins the write's transaction as the engine's `BEGIN` does (`db/begin.rs`):
-/// at READ COMMITTED unless that is the pool's default already.
-pub(super) async fn begin_text(db: &crate::db::pool::Pool) -> &'static str {
-    let options = crate::db::begin::options(db).await;
-    match (db.get_database_backend(), options.isolation_level.is_some()) {
-        (DbBackend::MySql, true) => {
-            "SET TRANSACTION ISOLATION LEVEL READ COMMITTED; START TRANSACTION"
-        }
-        (DbBackend::MySql, false) => "START TRANSACTION",
-        (_, true) => "BEGIN ISOLATION LEVEL READ COMMITTED",
-        (_, false) => "BEGIN",
     }
 }
 

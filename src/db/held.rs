@@ -1,0 +1,161 @@
+//! A transaction on a held connection ([`Pinned`]) whose `BEGIN` rides in the message of its
+//! first statement, and whose `COMMIT` rides in the message of its last: a keyed job's attempt
+//! in as few round trips as its handler allows (`jobs/flights.rs`).
+//!
+//! The first query sent through it (a job's take) goes as one text message, `BEGIN`, the query
+//! with its values written in (`inline/`), and the statements the transaction asked to read
+//! with it (the commit's evidence: the transaction's id); when a value cannot be written in,
+//! `BEGIN` and those statements go first and the query after, bound. Every later statement is
+//! sent bound and prepared, as sea-orm sends it (a handler's). Its owner sends the last
+//! statements and `COMMIT` as one message on [`Held::conn`].
+//!
+//! Why, and what happens after a failure: see `pinned.rs` — the connection is closed unless the
+//! transaction ended cleanly, and the server rolls back what it held.
+
+use std::sync::{
+    Mutex, PoisonError,
+    atomic::{AtomicBool, Ordering},
+};
+
+use async_trait::async_trait;
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, Statement};
+
+use super::pinned::{Pinned, Reply};
+
+/// A transaction on a held connection (see the module docs).
+#[derive(Debug)]
+pub(crate) struct Held {
+    conn: Pinned,
+    /// The text that begins the transaction (`begin.rs`'s `text`).
+    begin: &'static str,
+    /// Whether `BEGIN` was sent.
+    begun: AtomicBool,
+    /// Statements sent in `BEGIN`'s message, after the first query (`;`-separated).
+    with_begin: Option<String>,
+    /// Their replies, once sent.
+    read_with_begin: Mutex<Vec<Reply>>,
+}
+
+impl Held {
+    /// A transaction on `conn`, begun by `begin` (not yet sent); `with_begin`: statements
+    /// (values written in) to send in `BEGIN`'s message, whose replies
+    /// [`read_with_begin`](Self::read_with_begin) gives.
+    pub(crate) fn new(conn: Pinned, begin: &'static str, with_begin: Option<String>) -> Self {
+        Self {
+            conn,
+            begin,
+            begun: AtomicBool::new(false),
+            with_begin,
+            read_with_begin: Mutex::default(),
+        }
+    }
+
+    /// Whether `BEGIN` was sent (a statement ran in the transaction).
+    pub(crate) fn begun(&self) -> bool {
+        self.begun.load(Ordering::SeqCst)
+    }
+
+    /// The replies of the statements sent with `BEGIN` (empty before it was sent).
+    pub(crate) fn read_with_begin(&self) -> Vec<Reply> {
+        std::mem::take(
+            &mut self
+                .read_with_begin
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner),
+        )
+    }
+
+    /// The held connection, to send messages of its own on (the transaction's last).
+    pub(crate) fn conn(&self) -> &Pinned {
+        &self.conn
+    }
+
+    /// Gives the connection back to the pool: only after the transaction ended cleanly (or was
+    /// never begun).
+    pub(crate) fn release(self) {
+        self.conn.release();
+    }
+
+    /// Sends `BEGIN` (with `query`'s text, when given) and the statements asked for with it,
+    /// as one message: `query`'s reply, when it was sent.
+    async fn begin(&self, query: Option<String>) -> Result<Option<Reply>, DbErr> {
+        let mut text = String::from(self.begin);
+        for statement in query.iter().chain(self.with_begin.as_ref()) {
+            text.push_str("; ");
+            text.push_str(statement);
+        }
+        self.begun.store(true, Ordering::SeqCst);
+        let mut replies = self.conn.flight(text).await?.into_iter();
+        // `BEGIN`'s own reply (and `SET TRANSACTION`'s), then the query's.
+        for _ in 0..self.begin.split(';').count() {
+            replies.next();
+        }
+        let first = match query {
+            Some(_) => Some(replies.next().ok_or_else(short)?),
+            None => None,
+        };
+        *self
+            .read_with_begin
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = replies.collect();
+        Ok(first)
+    }
+
+    /// The rows of `stmt` when it is the transaction's first statement and its values could be
+    /// written in (sent with `BEGIN`); `None` when it is to be sent bound (`BEGIN` was sent
+    /// first when it was not yet).
+    async fn first(&self, stmt: &Statement) -> Result<Option<Vec<QueryResult>>, DbErr> {
+        if self.begun() {
+            return Ok(None);
+        }
+        let text = super::inline::statement_text(stmt);
+        let written = text.is_some();
+        let reply = self.begin(text).await?;
+        Ok(reply.filter(|_| written).map(|reply| reply.rows))
+    }
+
+    /// Sends `BEGIN` when the transaction was not begun yet.
+    async fn begun_before(&self) -> Result<(), DbErr> {
+        if !self.begun() {
+            self.begin(None).await?;
+        }
+        Ok(())
+    }
+}
+
+/// A message that answered fewer statements than it sent (the server stops at a failing one,
+/// whose error the message reports instead).
+fn short() -> DbErr {
+    DbErr::Custom("a message's reply answered fewer statements than it sent".into())
+}
+
+#[async_trait]
+impl ConnectionTrait for Held {
+    fn get_database_backend(&self) -> DbBackend {
+        self.conn.get_database_backend()
+    }
+
+    async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
+        self.begun_before().await?;
+        self.conn.execute_raw(stmt).await
+    }
+
+    async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
+        self.begun_before().await?;
+        self.conn.execute_unprepared(sql).await
+    }
+
+    async fn query_one_raw(&self, stmt: Statement) -> Result<Option<QueryResult>, DbErr> {
+        match self.first(&stmt).await? {
+            Some(rows) => Ok(rows.into_iter().next()),
+            None => self.conn.query_one_raw(stmt).await,
+        }
+    }
+
+    async fn query_all_raw(&self, stmt: Statement) -> Result<Vec<QueryResult>, DbErr> {
+        match self.first(&stmt).await? {
+            Some(rows) => Ok(rows),
+            None => self.conn.query_all_raw(stmt).await,
+        }
+    }
+}

@@ -1,0 +1,379 @@
+//! A keyed job's attempt in as few round trips as its handler allows, on a session with
+//! [`crate::SessionBuilder::two_flights`]: `BEGIN` and the take as one message, the handler's
+//! statements, then the completion and `COMMIT` as one message — a job whose handler sends one
+//! statement is three round trips instead of five (`BEGIN`, the take, the handler's, the
+//! completion, `COMMIT`), a batch of jobs two plus its handlers'.
+//!
+//! Why a held connection and not the engine's transaction: see `db/pinned.rs` (sea-orm's
+//! transaction waits for its `BEGIN` and sends its `COMMIT` alone). The attempt is the engine's
+//! in everything else, from the same places: the take, the handlers, the records and the
+//! completion are the job step's (`JobStep::run_on`, on the held transaction, `db/held.rs`);
+//! the attempts and their backoff are [`Retries`]; the evidence is the [`Plan`]'s and is
+//! resolved by [`Evidence::resolve`].
+//!
+//! Where the rules differ, because the completion's reply comes with the `COMMIT`'s:
+//! - the evidence is known before the last message leaves: on PostgreSQL the take's message
+//!   reads the transaction's id; a marker's INSERT rides in the last message otherwise;
+//! - a completion that finds a job asked to stop ([`super::cancel`]) must not commit the
+//!   handler's writes: the message checks, after the completion, that it marked every job done,
+//!   and the check fails (a subquery of two rows, SQLSTATE 21000) when it did not, so the
+//!   server stops the message before its `COMMIT`; the attempt rolls back, reads which jobs were
+//!   asked to stop, and the next attempt cancels them, as in the engine;
+//! - a completion whose values cannot be written in goes alone and bound, then `COMMIT`.
+//!
+//! Leased jobs' finishes, and databases other than PostgreSQL and MySQL/MariaDB, go through the
+//! engine.
+
+use std::sync::Arc;
+
+use sea_orm::{ConnectionTrait, DbBackend, DbErr};
+use tracing::warn;
+
+use super::{
+    JobId, JobRun,
+    record::Deferred,
+    step::{JobStep, Source},
+    store,
+};
+use crate::{
+    commit::{Evidence, Plan, Resolution},
+    db::{
+        deadline::within,
+        failure::{in_doubt, is_cardinality_violation},
+        held::Held,
+        inline::statement_text,
+        pinned::{Pinned, Reply},
+        txn::Txn,
+    },
+    error::{Result, database},
+    schema::JOB_TABLE,
+    write::engine::{End, Retries, Tried, Worked},
+};
+
+/// Whether `source`'s attempts go in few round trips: asked for, a take, on a PostgreSQL or
+/// MySQL/MariaDB pool.
+pub(super) fn applies(step: &JobStep<'_>) -> bool {
+    let db = step.cx.session.pool();
+    step.cx.session.two_flights()
+        && db.is_real()
+        && matches!(step.source, Source::Take { .. })
+        && matches!(
+            db.get_database_backend(),
+            DbBackend::Postgres | DbBackend::MySql
+        )
+}
+
+/// Runs `step`'s attempts on held connections until one settles, as the engine would.
+pub(super) async fn run(step: &mut JobStep<'_>) -> Result<Vec<JobRun>> {
+    let attempts = step.cx.session.policy().write_attempts;
+    let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
+    loop {
+        retries.start();
+        let tried = attempt(step).await;
+        if let Some(result) = retries.settle(tried).await {
+            return result;
+        }
+    }
+}
+
+/// One attempt: the job step on a held transaction, then its end.
+async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
+    let failed = |operation, e| Ok(Tried::failed(database(operation, &JOB_TABLE, e)));
+    let session = step.cx.session.clone();
+    let (db, reply) = (session.pool(), step.cx.reply());
+    // Read before the connection is held (a pool of one would wait for itself).
+    let begin = crate::db::begin::text(db).await;
+    let conn = match Pinned::acquire(db.connection(), db.transaction_pooled()).await {
+        Some(Ok(conn)) => conn,
+        Some(Err(e)) => return failed("beginning the transaction for", e),
+        None => {
+            let e = DbErr::Custom("no held connection on this database".into());
+            return failed("beginning the transaction for", e);
+        }
+    };
+    // The evidence's plan is known before the transaction; on PostgreSQL its id is read in the
+    // take's message.
+    let plan = match session.commit_markers() {
+        true => Some(Plan::of(db, &conn).await),
+        false => None,
+    };
+    let with_begin = match &plan {
+        Some(Plan::Stamped(stamped)) => Some(format!("SELECT {}", stamped.exprs().join(", "))),
+        _ => None,
+    };
+    let held = Arc::new(Held::new(conn, begin, with_begin));
+    step.plan = plan;
+    step.deferred = None;
+    let (txn, worked) = step.run_on(Txn::Held(Arc::clone(&held))).await;
+    drop(txn);
+    step.plan = None;
+    let deferred = step.deferred.take();
+    // Every `Tx` and savepoint of the attempt is gone with it.
+    let Some(held) = Arc::into_inner(held) else {
+        let e = DbErr::Custom("the job's transaction outlived its attempt".into());
+        return failed("ending the transaction of", e);
+    };
+    match worked {
+        Worked::Undone(tried) => {
+            let silent = matches!(&tried, Tried::Failed { error, .. } if error.is_no_reply());
+            if !silent {
+                roll_back(held, reply).await;
+            }
+            Ok(tried)
+        }
+        Worked::Kept {
+            value,
+            end,
+            effects,
+        } => {
+            if held.begun() {
+                let text = match end {
+                    End::Commit => "COMMIT",
+                    End::RollBack => "ROLLBACK",
+                };
+                if let Err(e) = within(reply, held.conn().flight(text.to_owned())).await {
+                    return failed("ending the transaction of", e);
+                }
+            }
+            held.release();
+            session.map().apply(effects);
+            step.metrics(true);
+            Ok(Tried::Done(value))
+        }
+        Worked::Write {
+            value,
+            evidence,
+            effects,
+            ..
+        } => {
+            let evidence = match (evidence, session.commit_markers()) {
+                (Some(evidence), _) => Some(evidence),
+                // Nothing completed (failures, cancellations): taken before the `COMMIT`.
+                (None, true) => match within(reply, Evidence::take(&held, db)).await {
+                    Ok(evidence) => Some(evidence),
+                    Err(e) => return failed("marking the commit of", e),
+                },
+                (None, false) => None,
+            };
+            let ended = commit(step, held, deferred, evidence.as_ref()).await;
+            match ended {
+                Ok(Committed::Yes) => {}
+                Ok(Committed::Stopped) => return Ok(Tried::Uncounted),
+                Err(error) => {
+                    step.metrics(false);
+                    return Err(error);
+                }
+            }
+            session.map().apply(effects);
+            step.metrics(true);
+            if let Some(evidence) = &evidence {
+                crate::commit::committed(evidence, db, reply).await;
+            }
+            Ok(Tried::Done(value))
+        }
+    }
+}
+
+/// How the last message ended, when it did not fail.
+enum Committed {
+    /// Committed (or resolved as committed after a lost reply).
+    Yes,
+    /// The check found a job asked to stop: rolled back, `step.cancelling` says which.
+    Stopped,
+}
+
+/// The last message: a riding marker's INSERT, the completion, its check and `COMMIT` — or,
+/// when the marker or the completion cannot be written in, those bound and on their own (the
+/// check made here), then `COMMIT`.
+async fn commit(
+    step: &mut JobStep<'_>,
+    held: Held,
+    deferred: Option<Deferred>,
+    evidence: Option<&Evidence>,
+) -> Result<Committed> {
+    let reply = step.cx.reply();
+    let backend = held.get_database_backend();
+    let fail = |operation| move |e| database(operation, &JOB_TABLE, e);
+    let Some(deferred) = deferred else {
+        return end(step, held, None, Vec::new(), evidence)
+            .await
+            .map(|_| Committed::Yes);
+    };
+    let marker = match evidence {
+        Some(Evidence::Marker(marker)) if deferred.rides => Some(marker),
+        _ => None,
+    };
+    // No marker: nothing to write in (`Some("")`).
+    let insert = match marker {
+        Some(marker) => statement_text(&backend.build(&marker.insert(backend, true))),
+        None => Some(String::new()),
+    };
+    let completion = statement_text(&deferred.completion.statement());
+    let (Some(insert), Some(completion)) = (insert, completion) else {
+        // Bound, each on its own.
+        if let Some(marker) = marker {
+            let written = within(reply, marker.write(held.conn())).await;
+            written.map_err(fail("marking the commit of"))?;
+        }
+        let statement = deferred.completion.statement();
+        let completed = match deferred.completion.returns() {
+            true => {
+                let rows = within(reply, held.conn().query_all_raw(statement)).await;
+                let rows = rows.map_err(fail("completing jobs in"))?;
+                deferred.completion.read(rows, 0)
+            }
+            false => {
+                let done = within(reply, held.conn().execute_raw(statement)).await;
+                let done = done.map_err(fail("completing jobs in"))?.rows_affected();
+                deferred.completion.read(Vec::new(), done)
+            }
+        };
+        let completed = completed.map_err(fail("completing jobs in"))?;
+        if completed.done < deferred.ids.len() as u64 {
+            return stopped(step, held, &deferred.ids, reply).await;
+        }
+        end(step, held, None, Vec::new(), evidence).await?;
+        if completed.readied == 1 {
+            step.follow = deferred.follow;
+        }
+        return Ok(Committed::Yes);
+    };
+    let mut statements = Vec::with_capacity(4);
+    if !insert.is_empty() {
+        statements.push(insert);
+    }
+    statements.push(completion);
+    statements.push(check(&deferred.ids));
+    let at = statements.len() - 2;
+    match end(step, held, Some(&deferred.ids), statements, evidence).await? {
+        Ended::Stopped => Ok(Committed::Stopped),
+        Ended::Committed(mut replies) => {
+            let reply = replies.get_mut(at).map(std::mem::take);
+            let Reply { rows, affected } = reply.unwrap_or_default();
+            match deferred.completion.read(rows, affected) {
+                Ok(completed) if completed.readied == 1 => step.follow = deferred.follow,
+                Ok(_) => {}
+                // Committed all the same: the worker only does not follow the key.
+                Err(e) => warn!(error = %e, "the completion's reply could not be read"),
+            }
+            Ok(Committed::Yes)
+        }
+    }
+}
+
+/// How [`end`] ended, when it did not fail.
+enum Ended {
+    /// Committed: the replies of the message's statements (none after a lost reply resolved).
+    Committed(Vec<Reply>),
+    /// The check stopped the message (see [`stopped`]).
+    Stopped,
+}
+
+/// Sends `statements` and `COMMIT` as one message; `checked`: the jobs whose check is among
+/// them. A lost reply is resolved with `evidence`.
+async fn end(
+    step: &mut JobStep<'_>,
+    held: Held,
+    checked: Option<&[JobId]>,
+    mut statements: Vec<String>,
+    evidence: Option<&Evidence>,
+) -> Result<Ended> {
+    let reply = step.cx.reply();
+    statements.push("COMMIT".to_owned());
+    let sent = within(reply, held.conn().flight(statements.join("; "))).await;
+    match sent {
+        Ok(replies) => {
+            held.release();
+            Ok(Ended::Committed(replies))
+        }
+        Err(e) if is_cardinality_violation(&e) && checked.is_some() => {
+            let ids = checked.unwrap_or_default();
+            stopped(step, held, ids, reply)
+                .await
+                .map(|_| Ended::Stopped)
+        }
+        Err(e) if in_doubt(&e) => {
+            // Closed first: the server ends the transaction if the COMMIT never came.
+            drop(held);
+            let resolved = resolve(step, evidence, e).await;
+            resolved.map(|_| Ended::Committed(Vec::new()))
+        }
+        Err(e) => Err(database("completing jobs in", &JOB_TABLE, e)),
+    }
+}
+
+/// The check after the completion: a subquery of two rows (SQLSTATE 21000, which stops the
+/// message) unless every job of `ids` is done.
+fn check(ids: &[JobId]) -> String {
+    use super::state::Stored::Done;
+    let list = ids
+        .iter()
+        .map(i64::to_string)
+        .collect::<Vec<_>>()
+        .join(", ");
+    format!(
+        "SELECT (SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
+         WHERE (SELECT COUNT(*) FROM {JOB_TABLE} WHERE id IN ({list}) AND state = {Done}) <> {}) \
+         AS freshlock_all_done",
+        ids.len()
+    )
+}
+
+/// The check stopped the message: rolls back and reads which of `ids` were asked to stop (one
+/// message: the read in autocommit, written in, so that a transaction pooler runs it on one
+/// server connection), for the next attempt to cancel them (`cancel.rs`).
+async fn stopped(
+    step: &mut JobStep<'_>,
+    held: Held,
+    ids: &[JobId],
+    reply: std::time::Duration,
+) -> Result<Committed> {
+    let fail = |operation| move |e| database(operation, &JOB_TABLE, e);
+    let read = store::requested_statement(held.get_database_backend(), ids);
+    let text = statement_text(&read).ok_or_else(|| {
+        let e = DbErr::Custom("the jobs' ids could not be written in".into());
+        database("reading the requests to stop jobs of", &JOB_TABLE, e)
+    })?;
+    let message = format!("ROLLBACK; {text}");
+    let replies = within(reply, held.conn().flight(message)).await;
+    let mut replies = replies.map_err(fail("rolling back"))?;
+    let rows = replies.pop().map(|reply| reply.rows).unwrap_or_default();
+    step.cancelling =
+        store::read_requested(&rows).map_err(fail("reading the requests to stop jobs of"))?;
+    held.release();
+    Ok(Committed::Stopped)
+}
+
+/// A lost reply of the last message, resolved with `evidence` on another connection.
+async fn resolve(
+    step: &JobStep<'_>,
+    evidence: Option<&Evidence>,
+    lost: DbErr,
+) -> Result<Committed> {
+    warn!(error = %lost, "the commit's reply was lost: resolving on another connection");
+    let db = step.cx.session.pool();
+    let Some(evidence) = evidence else {
+        return Err(crate::commit::write_error("committing", JOB_TABLE, lost));
+    };
+    match evidence.resolve(db, JOB_TABLE, step.cx.reply()).await? {
+        Resolution::Committed => Ok(Committed::Yes),
+        // The lost connection, as it is: transient, so the attempt runs again.
+        Resolution::Absent => Err(database("committing", &JOB_TABLE, lost)),
+    }
+}
+
+/// Rolls back a held transaction that was begun (the connection is closed instead when that
+/// fails), and gives the connection back.
+async fn roll_back(held: Held, reply: std::time::Duration) {
+    if !held.begun() {
+        held.release();
+        return;
+    }
+    // Closed instead when the ROLLBACK fails (the server ends the transaction).
+    if within(reply, held.conn().flight("ROLLBACK".to_owned()))
+        .await
+        .is_ok()
+    {
+        held.release();
+    }
+}

@@ -1,0 +1,228 @@
+//! Keyed jobs in few round trips (`SessionBuilder::two_flights`): `BEGIN` and the take as one
+//! message, the handler's statements, then the completion and `COMMIT` as one message. Round
+//! trips are counted by a proxy between the pool and the server (a client's messages sent
+//! without waiting for a reply in between are one), so a flight added to the path fails here;
+//! every acknowledged job is counted against the rows. A job asked to stop while it ran must
+//! not commit its handler's writes, though the `COMMIT` rides with its completion.
+//!
+//! Lost `COMMIT` replies and connections cut after the take are `job_faults.rs`'s storms with
+//! two flights.
+
+#[macro_use]
+#[path = "common/job_support.rs"]
+mod job_support;
+#[path = "common/proxy.rs"]
+mod proxy;
+#[path = "common/servers.rs"]
+mod servers;
+
+use std::sync::Arc;
+
+use freshlock::{
+    Session,
+    jobs::{self, Cancel, Job, JobOutcome, Jobs, NewJob, RetryPolicy, Worker},
+};
+use job_support::{bump, bump_node, total_score};
+use proxy::{CutAfter, Proxy};
+use sea_orm::DatabaseConnection;
+use servers::{TestDb, databases};
+use tokio::sync::Notify;
+
+/// A pool of one connection through `proxy`, without the checkout ping (every message the proxy
+/// sees is a job's).
+async fn proxied(db: &TestDb, proxy: &Proxy) -> DatabaseConnection {
+    proxy::one_connection(proxy, &db.url, db.schema.as_deref(), |options| {
+        #[cfg(feature = "mysql")]
+        if db.db.get_database_backend() == sea_orm::DbBackend::MySql {
+            freshlock::db::mysql_read_committed(options);
+        }
+        #[cfg(not(feature = "mysql"))]
+        let _ = options;
+    })
+    .await
+}
+
+fn session(pool: impl Into<freshlock::Db>, two_flights: bool) -> Session {
+    Session::builder(pool)
+        .two_flights(two_flights)
+        .build()
+        .expect("session")
+}
+
+/// Enqueues `n` jobs of kind `bump` (node `i % 5 + 1`, keyed by `key(i)` when it gives one) and
+/// runs them with `worker` until all ran: the round trips that took, and how many completed.
+async fn run_counted(
+    db: &TestDb,
+    proxy: &Proxy,
+    worker: &Worker,
+    n: i32,
+    key: impl Fn(i32) -> Option<String>,
+) -> (u32, usize) {
+    for i in 0..n {
+        let job = NewJob::new("bump", &(i % 5 + 1)).unwrap();
+        let job = match key(i) {
+            Some(key) => job.key(key),
+            None => job,
+        };
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    let before = proxy.round_trips();
+    let mut completed = 0;
+    while completed < n as usize {
+        let runs = worker.run_batch().await.unwrap();
+        assert!(!runs.is_empty(), "{completed} of {n} ran");
+        for run in &runs {
+            assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
+        }
+        completed += runs.len();
+    }
+    (proxy.round_trips() - before, completed)
+}
+
+/// A job whose handler sends one UPDATE: three round trips with two flights (`BEGIN` + the
+/// take, the UPDATE, the completion + `COMMIT`) where the engine sends five; a batch of eight
+/// is two plus its handlers'. A keyed job's completion readies its key's next job in the same
+/// statement on PostgreSQL; on MariaDB that promotion is a statement of its own (four). Each
+/// acknowledged job's effect is in the database once.
+async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
+    let Some(db) = db else { return };
+    // Counted straight to the server: a pooler prepares each bound statement in an exchange
+    // of its own.
+    if servers::pooler().is_some() {
+        eprintln!("round trips: counted without a transaction pooler only");
+        return;
+    }
+    db.seed_nodes(5).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(&db, &proxy).await;
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), bump_node);
+    let mut acknowledged = 0;
+    for (two_flights, batch, keyed, per_job, per_batch) in [
+        (true, 1, false, 3, 0),
+        (true, 1, true, 3 + keyed_extra, 0),
+        (true, 8, false, 1, 2),
+        (false, 1, false, 5, 0),
+    ] {
+        let worker = Worker::new(session(pool.clone(), two_flights), handlers.clone());
+        let worker = worker.with_batch(batch);
+        let key = |i: i32| keyed.then(|| format!("k{i}"));
+        // The first time prepares the statements.
+        acknowledged += run_counted(&db, &proxy, &worker, 8, key).await.1;
+        let (sent, ran) = run_counted(&db, &proxy, &worker, 16, key).await;
+        acknowledged += ran;
+        let batches = 16 / batch;
+        assert_eq!(
+            sent,
+            16 * per_job + batches * per_batch,
+            "two flights {two_flights}, batch {batch}, keyed {keyed}: round trips of 16 jobs"
+        );
+    }
+    assert_eq!(total_score(&db.db).await, acknowledged as i64);
+}
+
+servers::server_tests! {
+    round_trips_postgres: round_trips, 0, postgres;
+    round_trips_mysql: round_trips, 1, mysql;
+}
+
+/// A job asked to stop while its handler runs: its completion finds the request, the check
+/// after it stops the message before its `COMMIT`, and the handler's write is rolled back — the
+/// job ends cancelled, not run again; the job beside it in the batch runs again and completes
+/// once.
+async fn cancel_while_running(db: Option<TestDb>, _: ()) {
+    let Some(db) = db else { return };
+    db.seed_nodes(2).await;
+    let started = Arc::new(Notify::new());
+    let go = Arc::new(Notify::new());
+    let (s, g) = (Arc::clone(&started), Arc::clone(&go));
+    let handlers = Jobs::new().handle(
+        "bump",
+        RetryPolicy::default(),
+        jobs::handler(move |tx, job: Job<i32>| {
+            let (started, go) = (Arc::clone(&s), Arc::clone(&g));
+            Box::pin(async move {
+                bump(tx, job.payload).await?;
+                if job.payload == 1 {
+                    started.notify_one();
+                    go.notified().await;
+                }
+                Ok(())
+            })
+        }),
+    );
+    let stopped = job_support::add(&db.db, NewJob::new("bump", &1).unwrap())
+        .await
+        .unwrap();
+    let jobs::Enqueued::Added(stopped) = stopped else {
+        panic!("added")
+    };
+    job_support::add(&db.db, NewJob::new("bump", &2).unwrap())
+        .await
+        .unwrap();
+    let worker = Worker::new(session(&db.handle, true), handlers).with_batch(2);
+    let running = tokio::spawn(async move { worker.run_until_idle().await });
+    started.notified().await;
+    assert_eq!(
+        jobs::cancel(&db.handle, stopped).await.unwrap(),
+        Cancel::Requested
+    );
+    go.notify_one();
+    let runs = running.await.unwrap().unwrap();
+    let outcome = |id| runs.iter().find(|r| r.id == id).map(|r| r.outcome.clone());
+    assert_eq!(outcome(stopped), Some(JobOutcome::Cancelled), "{runs:?}");
+    assert_eq!(
+        db.score(1).await,
+        None,
+        "the cancelled job's write rolled back"
+    );
+    assert_eq!(db.score(2).await, Some(1), "the other job's write, once");
+}
+
+servers::server_tests! {
+    cancel_while_running_postgres: cancel_while_running, (), postgres;
+    cancel_while_running_mysql: cancel_while_running, (), mysql;
+}
+
+/// A handler that fails in a batch: the attempt rolls back and runs again with a savepoint per
+/// job (sent by freshlock on the held connection), the failing job records its failure, the
+/// others complete once.
+async fn failing_handler_in_a_batch(db: Option<TestDb>, _: ()) {
+    let Some(db) = db else { return };
+    db.seed_nodes(4).await;
+    let handlers = Jobs::new().handle(
+        "bump",
+        job_support::at_once(1),
+        async |tx: &freshlock::Tx, job: Job<i32>| {
+            bump(tx, job.payload).await?;
+            if job.payload == 3 {
+                return Err(freshlock::ApplyError::msg("node 3 refuses"));
+            }
+            Ok(())
+        },
+    );
+    for node in 1..=4 {
+        job_support::add(&db.db, NewJob::new("bump", &node).unwrap())
+            .await
+            .unwrap();
+    }
+    let worker = Worker::new(session(&db.handle, true), handlers).with_batch(4);
+    let runs = worker.run_until_idle().await.unwrap();
+    assert_eq!(runs.len(), 4, "{runs:?}");
+    for node in [1, 2, 4] {
+        assert_eq!(db.score(node).await, Some(1), "node {node} once");
+    }
+    assert_eq!(
+        db.score(3).await,
+        None,
+        "the failed job's write rolled back"
+    );
+    let failed = runs
+        .iter()
+        .filter(|r| matches!(r.outcome, JobOutcome::Failed(_)));
+    assert_eq!(failed.count(), 1, "{runs:?}");
+}
+
+servers::server_tests! {
+    failing_handler_in_a_batch_postgres: failing_handler_in_a_batch, (), postgres;
+    failing_handler_in_a_batch_mysql: failing_handler_in_a_batch, (), mysql;
+}
