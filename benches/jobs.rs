@@ -66,6 +66,13 @@ fn rows() -> usize {
     env_number("FRESHLOCK_BENCH_ROWS", 1000)
 }
 
+/// The pool's connections: `FRESHLOCK_BENCH_POOL`, else 16 (sqlx pings each connection given
+/// back before it is taken again: through a link with latency a returned connection is busy
+/// for a round trip).
+fn pool_size() -> u32 {
+    u32::try_from(env_number("FRESHLOCK_BENCH_POOL", 16)).unwrap_or(16)
+}
+
 /// How many times W2 runs: `FRESHLOCK_BENCH_RUNS`, else once.
 fn runs() -> usize {
     env_number("FRESHLOCK_BENCH_RUNS", 1)
@@ -107,7 +114,7 @@ async fn main() {
         // Without sqlx's checkout ping, as README's *Reliability* recommends: one round trip
         // less per transaction (a connection that died idle is tried again by freshlock).
         let ping = std::env::var_os("FRESHLOCK_BENCH_PING").is_some();
-        let db = common::database_with(&url, 1000, 16, ping).await;
+        let db = common::database_with(&url, 1000, pool_size(), ping).await;
         println!("| workload | workers | batch | jobs | seconds | jobs/s |");
         println!("|---|---|---|---|---|---|");
         if only("w1") {
