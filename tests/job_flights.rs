@@ -118,6 +118,17 @@ async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
         );
     }
     assert_eq!(total_score(&db.db).await, acknowledged as i64);
+    // On PostgreSQL the take, the completion and its check run as `EXECUTE` of statements
+    // prepared on the connection (planned once, not on every message): the pool's one
+    // connection has them.
+    if db.db.get_database_backend() == sea_orm::DbBackend::Postgres {
+        let prepared = job_support::number(
+            &pool,
+            "SELECT COUNT(*) FROM pg_prepared_statements WHERE name LIKE 'freshlock\\_%'",
+        )
+        .await;
+        assert!(prepared >= 3, "{prepared} statements prepared by name");
+    }
 }
 
 servers::server_tests! {

@@ -127,6 +127,18 @@ pub(crate) fn is_cardinality_violation(err: &DbErr) -> bool {
         .is_some_and(|db| db.code().as_deref() == Some("21000"))
 }
 
+/// Whether `err` is PostgreSQL's 26000, an `EXECUTE` of a statement the connection has not
+/// prepared (`held.rs` prepares it then).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn is_missing_prepared(err: &DbErr) -> bool {
+    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
+    else {
+        return false;
+    };
+    e.as_database_error()
+        .is_some_and(|db| db.code().as_deref() == Some("26000"))
+}
+
 /// Whether `err` is a unique-key violation (a concurrent creator won).
 pub(crate) fn is_unique_violation(err: &DbErr) -> bool {
     matches!(err.sql_err(), Some(SqlErr::UniqueConstraintViolation(_)))

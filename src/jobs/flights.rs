@@ -19,7 +19,11 @@
 //!   and the check fails (a subquery of two rows, SQLSTATE 21000) when it did not, so the
 //!   server stops the message before its `COMMIT`; the attempt rolls back, reads which jobs were
 //!   asked to stop, and the next attempt cancels them, as in the engine;
-//! - a completion whose values cannot be written in goes alone and bound, then `COMMIT`.
+//! - a completion whose values cannot be written in goes alone and bound, then `COMMIT`;
+//! - on PostgreSQL (not behind a transaction pooler) the take, the completion and the check go
+//!   as `EXECUTE` of statements prepared on the connection (`held.rs`): as text the server
+//!   planned them on every message (0.63 ms for the completion, against 0.05 ms to run it),
+//!   which made jobs in few flights slower than the engine's on loopback (0.70×; now 0.97×).
 //!
 //! Leased jobs' finishes, and databases other than PostgreSQL and MySQL/MariaDB, go through the
 //! engine.
@@ -101,7 +105,9 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
         Some(Plan::Stamped(stamped)) => Some(format!("SELECT {}", stamped.exprs().join(", "))),
         _ => None,
     };
-    let held = Arc::new(Held::new(conn, begin, with_begin));
+    // freshlock's statements prepared on the connection, unless a pooler shares it.
+    let prepares = db.get_database_backend() == DbBackend::Postgres && !db.transaction_pooled();
+    let held = Arc::new(Held::new(conn, begin, with_begin, prepares));
     step.plan = plan;
     step.deferred = None;
     let (txn, worked) = step.run_on(Txn::Held(Arc::clone(&held))).await;
@@ -208,8 +214,9 @@ async fn commit(
         Some(marker) => statement_text(&backend.build(&marker.insert(backend, true))),
         None => Some(String::new()),
     };
-    let completion = statement_text(&deferred.completion.statement());
-    let (Some(insert), Some(completion)) = (insert, completion) else {
+    let completion = held.executed(&deferred.completion.statement());
+    let checked = held.executed(&check(backend, &deferred.ids));
+    let (Some(insert), Some(completion), Some(checked)) = (insert, completion, checked) else {
         // Bound, each on its own.
         if let Some(marker) = marker {
             let written = within(reply, marker.write(held.conn())).await;
@@ -242,9 +249,10 @@ async fn commit(
     if !insert.is_empty() {
         statements.push(insert);
     }
-    statements.push(completion);
-    statements.push(check(&deferred.ids));
-    let at = statements.len() - 2;
+    statements.extend(completion.statements());
+    // The completion's reply, before the check's statements.
+    let at = statements.len() - 1;
+    statements.extend(checked.statements());
     match end(step, held, Some(&deferred.ids), statements, evidence).await? {
         Ended::Stopped => Ok(Committed::Stopped),
         Ended::Committed(mut replies) => {
@@ -304,19 +312,17 @@ async fn end(
 
 /// The check after the completion: a subquery of two rows (SQLSTATE 21000, which stops the
 /// message) unless every job of `ids` is done.
-fn check(ids: &[JobId]) -> String {
+fn check(backend: DbBackend, ids: &[JobId]) -> sea_orm::Statement {
     use super::state::Stored::Done;
-    let list = ids
-        .iter()
-        .map(i64::to_string)
-        .collect::<Vec<_>>()
-        .join(", ");
-    format!(
+    let list = vec!["?"; ids.len()].join(", ");
+    let sql = format!(
         "SELECT (SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
          WHERE (SELECT COUNT(*) FROM {JOB_TABLE} WHERE id IN ({list}) AND state = {Done}) <> {}) \
          AS freshlock_all_done",
         ids.len()
-    )
+    );
+    let values = ids.iter().map(|&id| sea_orm::Value::from(id)).collect();
+    crate::lock::sql::statement(backend, &sql, values)
 }
 
 /// The check stopped the message: rolls back and reads which of `ids` were asked to stop (one
