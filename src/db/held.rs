@@ -8,38 +8,24 @@
 //! `BEGIN` and those statements go first and the query after, bound. Every later statement is
 //! sent bound and prepared, as sea-orm sends it (a handler's). Its owner sends the last
 //! statements and `COMMIT` as one message on [`Held::conn`], each written by
-//! [`Held::executed`]: on PostgreSQL, `EXECUTE` of a statement prepared on the connection
-//! under a name of its text (its `PREPARE` in the same message the first time; the names the
-//! connection has are read with `BEGIN`), so that the server plans it once per connection
-//! instead of on every message. A first query whose `EXECUTE` finds no such statement (the
-//! names are not read yet) is sent again after its `PREPARE`: one round trip, once per
-//! connection and statement.
+//! [`Held::executed`] (`prepared.rs`: on PostgreSQL, `EXECUTE` of statements the connection
+//! prepared, planned once per connection).
 //!
 //! Why, and what happens after a failure: see `pinned.rs` — the connection is closed unless the
 //! transaction ended cleanly, and the server rolls back what it held.
 
-use std::{
-    collections::HashSet,
-    hash::{Hash, Hasher},
-    sync::{
-        Mutex, PoisonError,
-        atomic::{AtomicBool, Ordering},
-    },
+use std::sync::{
+    Mutex, PoisonError,
+    atomic::{AtomicBool, Ordering},
 };
 
 use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, Statement};
 
 use super::{
-    failure::is_missing_prepared,
-    inline::statement_text,
     pinned::{Pinned, Reply},
+    prepared::{Prepared, Text},
 };
-
-/// The statement `BEGIN`'s message ends with on a connection that prepares: the names of
-/// freshlock's statements prepared on it.
-const PREPARED: &str = "SELECT array_to_string(ARRAY(SELECT name FROM pg_prepared_statements \
-     WHERE name LIKE 'freshlock\\_%'), ' ') AS freshlock_prepared";
 
 /// A transaction on a held connection (see the module docs).
 #[derive(Debug)]
@@ -53,28 +39,8 @@ pub(crate) struct Held {
     with_begin: Option<String>,
     /// Their replies, once sent.
     read_with_begin: Mutex<Vec<Reply>>,
-    /// Whether freshlock's own statements go as `EXECUTE` of statements prepared on the
-    /// connection by name (see [`Held::executed`]).
-    prepares: bool,
-    /// The names prepared on the connection: read with `BEGIN`, and those its messages
-    /// prepare.
-    prepared: Mutex<HashSet<String>>,
-}
-
-/// A statement as a message sends it: its text, and the `PREPARE` to send before it when it
-/// runs as `EXECUTE` of a statement the connection does not have yet.
-pub(crate) struct Text {
-    /// `PREPARE name AS …`, when it is to be sent first.
-    pub(crate) prepare: Option<String>,
-    /// The statement, or `EXECUTE name(…)`, its values written in.
-    pub(crate) text: String,
-}
-
-impl Text {
-    /// The statements to send, in order.
-    pub(crate) fn statements(self) -> Vec<String> {
-        self.prepare.into_iter().chain([self.text]).collect()
-    }
+    /// freshlock's statements prepared on the connection.
+    prepared: Prepared,
 }
 
 impl Held {
@@ -95,8 +61,7 @@ impl Held {
             begun: AtomicBool::new(false),
             with_begin,
             read_with_begin: Mutex::default(),
-            prepares,
-            prepared: Mutex::default(),
+            prepared: Prepared::new(prepares),
         }
     }
 
@@ -126,104 +91,20 @@ impl Held {
         self.conn.release();
     }
 
-    /// `stmt` as a message sends it, its values written in, or `None` when one cannot be.
-    ///
-    /// On a connection that prepares, `EXECUTE` of the statement prepared under a name of its
-    /// text (`freshlock_…`), preceded by its `PREPARE` when the connection does not have it:
-    /// the server then plans it once per connection, not on every message — the completion of
-    /// a job took 0.63 ms to plan, `freshlock_job` having many indexes, and 0.05 ms to run.
+    /// `stmt` as a message sends it, its values written in, or `None` when one cannot be
+    /// (`prepared.rs`).
     pub(crate) fn executed(&self, stmt: &Statement) -> Option<Text> {
-        let text = statement_text(stmt)?;
-        if !self.prepares {
-            return Some(Text {
-                prepare: None,
-                text,
-            });
-        }
-        let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        stmt.sql.hash(&mut hasher);
-        let name = format!("freshlock_{:016x}", hasher.finish());
-        let values = (stmt.values.as_ref()).map_or(&[][..], |values| &values.0[..]);
-        let arguments = (1..=values.len())
-            .map(|n| format!("${n}"))
-            .collect::<Vec<_>>()
-            .join(", ");
-        let execute = match values.is_empty() {
-            true => format!("EXECUTE {name}"),
-            false => format!("EXECUTE {name}({arguments})"),
-        };
-        let text = statement_text(&Statement {
-            sql: execute,
-            ..stmt.clone()
-        })?;
-        let mut prepared = self.prepared.lock().unwrap_or_else(PoisonError::into_inner);
-        let prepare = prepared
-            .insert(name.clone())
-            .then(|| format!("PREPARE {name} AS {}", stmt.sql));
-        Some(Text { prepare, text })
+        self.prepared.text(stmt)
     }
 
     /// Sends `BEGIN` (with `query`, when given) and the statements asked for with it, as one
-    /// message: `query`'s reply, when it was sent. A query that runs as `EXECUTE` of a
-    /// statement the connection turns out not to have is sent again after its `PREPARE`
-    /// (once per connection and statement).
+    /// message: `query`'s reply, when it was sent.
     async fn begin(&self, query: Option<Text>) -> Result<Option<Reply>, DbErr> {
         self.begun.store(true, Ordering::SeqCst);
-        let sent = self.send_begin(query.as_ref(), false).await;
-        match sent {
-            Err(e)
-                if is_missing_prepared(&e)
-                    && query.as_ref().is_some_and(|q| q.prepare.is_some()) =>
-            {
-                self.send_begin(query.as_ref(), true).await
-            }
-            sent => sent,
-        }
-    }
-
-    /// [`begin`](Self::begin)'s message; `again`: after a first one stopped at the query's
-    /// `EXECUTE` (`ROLLBACK` first, then its `PREPARE`). The names prepared on the connection
-    /// are read at its end.
-    async fn send_begin(&self, query: Option<&Text>, again: bool) -> Result<Option<Reply>, DbErr> {
-        let mut statements: Vec<&str> = Vec::with_capacity(6);
-        if again {
-            statements.push("ROLLBACK");
-            if let Some(prepare) = query.and_then(|query| query.prepare.as_deref()) {
-                statements.push(prepare);
-            }
-        }
-        let skip = statements.len() + self.begin.split(';').count();
-        statements.push(self.begin);
-        if let Some(query) = query {
-            statements.push(&query.text);
-        }
-        if let Some(with_begin) = &self.with_begin {
-            statements.push(with_begin);
-        }
-        if self.prepares {
-            statements.push(PREPARED);
-        }
-        let mut replies = self.conn.flight(statements.join("; ")).await?.into_iter();
-        // `ROLLBACK`'s and `PREPARE`'s replies, `BEGIN`'s own (and `SET TRANSACTION`'s), then
-        // the query's.
-        for _ in 0..skip {
-            replies.next();
-        }
-        let first = match query {
-            Some(_) => Some(replies.next().ok_or_else(short)?),
-            None => None,
-        };
-        let mut rest: Vec<Reply> = replies.collect();
-        if self.prepares {
-            let names = rest.pop().ok_or_else(short)?;
-            let names = names
-                .rows
-                .first()
-                .map(|row| row.try_get::<String>("", "freshlock_prepared"));
-            let names = names.transpose()?.unwrap_or_default();
-            *self.prepared.lock().unwrap_or_else(PoisonError::into_inner) =
-                names.split_whitespace().map(str::to_owned).collect();
-        }
+        let with = self.with_begin.as_deref();
+        let (first, rest) = (self.prepared)
+            .begin(&self.conn, self.begin, query.as_ref(), with)
+            .await?;
         *self
             .read_with_begin
             .lock()
@@ -251,12 +132,6 @@ impl Held {
         }
         Ok(())
     }
-}
-
-/// A message that answered fewer statements than it sent (the server stops at a failing one,
-/// whose error the message reports instead).
-fn short() -> DbErr {
-    DbErr::Custom("a message's reply answered fewer statements than it sent".into())
 }
 
 #[async_trait]

@@ -18,6 +18,8 @@ pub(crate) mod own;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) mod pinned;
 pub(crate) mod pool;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) mod prepared;
 pub(crate) mod savepoint;
 pub(crate) mod txn;
 

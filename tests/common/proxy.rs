@@ -211,7 +211,7 @@ impl Proxy {
 
 /// A pool of one connection to `url` through `proxy` (`schema` on the search path), without
 /// the checkout ping — every message the proxy sees is a call's — with `change` made to its
-/// options first.
+/// options last.
 pub async fn one_connection(
     proxy: &Proxy,
     url: &str,
@@ -219,7 +219,6 @@ pub async fn one_connection(
     change: impl FnOnce(&mut sea_orm::ConnectOptions),
 ) -> sea_orm::DatabaseConnection {
     let mut options = sea_orm::ConnectOptions::new(proxy.url(url));
-    change(&mut options);
     options
         .max_connections(1)
         .min_connections(1)
@@ -229,6 +228,7 @@ pub async fn one_connection(
     if let Some(schema) = schema {
         options.set_schema_search_path(schema);
     }
+    change(&mut options);
     sea_orm::Database::connect(options).await.expect("connect")
 }
 

@@ -35,7 +35,7 @@ mod second;
 mod text;
 
 use second::{Done, Taken, Write};
-use text::{key_written_in, message, nth, reload_text};
+use text::{key_written_in, message, reload_statement};
 
 use std::{sync::Arc, time::Duration};
 
@@ -46,6 +46,7 @@ use crate::{
     db::{
         deadline::{Bounded, within},
         pinned::Pinned,
+        prepared::{Prepared, short},
     },
     error::{Error, Result, database},
     identity_map::Change,
@@ -169,7 +170,10 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
         locking.folding()
     });
     let folded = folded.flatten();
-    let Some(reload) = reload_text::<E>(step, backend, stamps, folded.as_ref()) else {
+    // The reload and the UPDATE by name where the connection prepares them (`prepared.rs`).
+    let prepared = Prepared::new(backend == DbBackend::Postgres && !db.transaction_pooled());
+    let reload = reload_statement::<E>(step, backend, stamps, folded.as_ref());
+    let Some(reload) = reload.and_then(|reload| prepared.text(&reload)) else {
         // Nothing begun on it yet (`applies` checked the key, so this does not happen).
         conn.release();
         let e = sea_orm::DbErr::Custom("the reload's key could not be written in".into());
@@ -178,8 +182,8 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
 
     // Flight 1: BEGIN and the reload (with the transaction's id).
     let started = tokio::time::Instant::now();
-    let read = within(reply, conn.flight(format!("{begin}; {reload}"))).await;
-    let row = match read.and_then(|mut replies| nth(&mut replies, 0, true)) {
+    let read = within(reply, prepared.begin(&conn, begin, Some(&reload), None)).await;
+    let row = match read.and_then(|(reloaded, _)| reloaded.ok_or_else(short)) {
         Ok(reloaded) => reloaded.rows.into_iter().next(),
         Err(e) => {
             return settle(database("reloading", &step.row, e));
@@ -292,7 +296,7 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     };
     // Hooks that wrote in the transaction keep their order: the UPDATE alone, then the commit.
     let text = (conn.sent() == before)
-        .then(|| message::<E>(backend, &update, marker.as_ref(), step.row.pk()))
+        .then(|| message::<E>(&prepared, backend, &update, marker.as_ref(), step.row.pk()))
         .flatten();
     let write = Write {
         step: &mut *step,

@@ -8,24 +8,24 @@ use sea_orm::{
 };
 
 use crate::{
-    db::{inline::statement_text, pinned::Reply},
+    db::{inline::statement_text, pinned::Reply, prepared::Prepared},
     write::entity::Writable,
     write::fold::Folded,
     write::row::{reload, select_by_key},
     write::row_step::RowStep,
 };
 
-/// The reload's text: `SELECT <columns>, <stamps> FROM … WHERE <key> [AND <the lock's try>] FOR
-/// UPDATE`, its values written in, or `None` when they cannot be.
-pub(super) fn reload_text<E: Writable>(
+/// The reload: `SELECT <columns>, <stamps> FROM … WHERE <key> [AND <the lock's try>] FOR
+/// UPDATE`.
+pub(super) fn reload_statement<E: Writable>(
     step: &RowStep<E>,
     backend: DbBackend,
     stamps: &[&'static str],
     folded: Option<&Folded>,
-) -> Option<String> {
+) -> Option<sea_orm::Statement> {
     let reload = reload::<E>(backend, step.row.pk(), folded)?;
     let select = (stamps.iter()).fold(reload, |select, stamp| select.expr(Expr::cust(*stamp)));
-    statement_text(&select.build(backend))
+    Some(select.build(backend))
 }
 
 /// Whether every value of the key `pk` is written in by `backend`'s dialect (`inline/`): then
@@ -41,19 +41,20 @@ pub(super) fn key_written_in(backend: DbBackend, pk: &sea_orm::sea_query::ValueT
 }
 
 /// Flight 2's statements before its `COMMIT`, values written in: PostgreSQL's UPDATE (which
-/// returns the row, behind a riding marker's INSERT); MySQL/MariaDB's marker INSERT (when one
-/// rides), the UPDATE, and the read of the row by key (no `RETURNING` there; the row is this
-/// transaction's, locked). `None` when a value cannot be written in.
+/// returns the row, behind a riding marker's INSERT; by name, `prepared.rs`); MySQL/MariaDB's
+/// marker INSERT (when one rides), the UPDATE, and the read of the row by key (no `RETURNING`
+/// there; the row is this transaction's, locked). `None` when a value cannot be written in.
 pub(super) fn message<E: Writable>(
+    prepared: &Prepared,
     backend: DbBackend,
     update: &sea_orm::Statement,
     marker: Option<&InsertStatement>,
     pk: &sea_orm::sea_query::ValueTuple,
 ) -> Option<String> {
-    let update = statement_text(update)?;
     if backend != DbBackend::MySql {
-        return Some(update);
+        return Some(prepared.text(update)?.statements().join("; "));
     }
+    let update = statement_text(update)?;
     let mut statements = Vec::with_capacity(3);
     if let Some(marker) = marker {
         statements.push(statement_text(&backend.build(marker))?);
@@ -69,8 +70,9 @@ pub(super) fn stored_of(
     backend: DbBackend,
     replies: &mut [Reply],
 ) -> Result<Option<QueryResult>, sea_orm::DbErr> {
+    // … UPDATE; COMMIT (after the UPDATE's `PREPARE`, the first time on a connection).
     if backend != DbBackend::MySql {
-        return Ok(nth(replies, 0, false)?.rows.into_iter().next());
+        return Ok(nth(replies, 1, true)?.rows.into_iter().next());
     }
     // … UPDATE; SELECT; COMMIT: the UPDATE's count of found rows says whether it wrote.
     let updated = nth(replies, 2, true)?;
