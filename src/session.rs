@@ -304,7 +304,10 @@ impl SessionBuilder {
         /// as one text query of several statements, with the values written into it as literals
         /// that read back as the bound values (PostgreSQL: escaped `E'…'::text` strings, so
         /// `standard_conforming_strings` does not matter; MySQL/MariaDB: hexadecimal strings, so
-        /// no `sql_mode` does; see the guide's *Topologies*). The guarantees are the same: the
+        /// no `sql_mode` does; see the guide's *Topologies*). On PostgreSQL, not behind a
+        /// transaction pooler, freshlock's statements there go as `EXECUTE` of statements it
+        /// prepares once per connection (the server would plan them on every message; the
+        /// first use on a connection logs one "prepared statement does not exist" error). The guarantees are the same: the
         /// same optimistic guard, the same commit evidence (on PostgreSQL the reload reads the
         /// transaction's id; elsewhere a marker rides in the UPDATE's message), so a lost
         /// `COMMIT` reply is resolved; the same retries; a failed statement stops the message,
