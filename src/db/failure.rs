@@ -105,13 +105,25 @@ pub(crate) fn in_doubt(err: &DbErr) -> bool {
 /// Whether `err` is PostgreSQL's "transaction ID … is in the future" (`txid_status` of an id the
 /// server has not given out: after crash recovery, one whose assignment never reached the WAL).
 pub(crate) fn is_future_xid(err: &DbErr) -> bool {
-    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
-    else {
-        return false;
-    };
-    e.as_database_error().is_some_and(|db| {
+    server_error(err).is_some_and(|db| {
         db.code().as_deref() == Some("22023") && db.message().contains("in the future")
     })
+}
+
+/// The error the server answered a statement with, inside `err` (none for a lost connection,
+/// a pool's error, or a client-side one).
+fn server_error(err: &DbErr) -> Option<&dyn sqlx::error::DatabaseError> {
+    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
+    else {
+        return None;
+    };
+    e.as_database_error()
+}
+
+/// Whether the server answered with SQLSTATE `code`.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+fn has_sqlstate(err: &DbErr, code: &str) -> bool {
+    server_error(err).is_some_and(|db| db.code().as_deref() == Some(code))
 }
 
 /// Whether `err` is SQLSTATE 21000, a subquery used as a value that returned more than one row
@@ -119,24 +131,14 @@ pub(crate) fn is_future_xid(err: &DbErr) -> bool {
 /// purpose to stop the message before its `COMMIT` (`jobs/flights.rs`).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn is_cardinality_violation(err: &DbErr) -> bool {
-    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
-    else {
-        return false;
-    };
-    e.as_database_error()
-        .is_some_and(|db| db.code().as_deref() == Some("21000"))
+    has_sqlstate(err, "21000")
 }
 
 /// Whether `err` is PostgreSQL's 26000, an `EXECUTE` of a statement the connection has not
-/// prepared (`held.rs` prepares it then).
+/// prepared (`prepared.rs` prepares it then).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn is_missing_prepared(err: &DbErr) -> bool {
-    let (DbErr::Exec(RuntimeErr::SqlxError(e)) | DbErr::Query(RuntimeErr::SqlxError(e))) = err
-    else {
-        return false;
-    };
-    e.as_database_error()
-        .is_some_and(|db| db.code().as_deref() == Some("26000"))
+    has_sqlstate(err, "26000")
 }
 
 /// Whether `err` is a unique-key violation (a concurrent creator won).

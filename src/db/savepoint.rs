@@ -15,10 +15,16 @@ use super::{
     txn::Txn,
 };
 
-/// The name of a savepoint on a held connection (`held.rs`), where freshlock sends the
-/// statements itself: the newest of that name is the one released or rolled back to.
+/// A savepoint's statements on a held connection (`held.rs`), where freshlock sends them itself:
+/// the newest savepoint of that name is the one released or rolled back to — rolled back to,
+/// then released (one message), as sea-orm's leaves none behind.
 #[cfg(any(feature = "postgres", feature = "mysql"))]
-const HELD: &str = "freshlock_savepoint";
+mod held {
+    pub(super) const BEGIN: &str = "SAVEPOINT freshlock_savepoint";
+    pub(super) const RELEASE: &str = "RELEASE SAVEPOINT freshlock_savepoint";
+    pub(super) const ROLL_BACK: &str =
+        "ROLLBACK TO SAVEPOINT freshlock_savepoint; RELEASE SAVEPOINT freshlock_savepoint";
+}
 
 /// A savepoint of a transaction, its round trips bounded.
 pub(crate) struct Savepoint {
@@ -33,10 +39,9 @@ impl Savepoint {
         let txn = match txn {
             Txn::Sea(txn) => Txn::Sea(within(reply, txn.begin()).await?),
             #[cfg(any(feature = "postgres", feature = "mysql"))]
-            Txn::Held(held) => {
-                let savepoint = format!("SAVEPOINT {HELD}");
-                within(reply, held.execute_unprepared(&savepoint)).await?;
-                Txn::Held(std::sync::Arc::clone(held))
+            Txn::Held(on) => {
+                within(reply, on.execute_unprepared(held::BEGIN)).await?;
+                Txn::Held(std::sync::Arc::clone(on))
             }
         };
         Ok(Self { txn, reply })
@@ -82,11 +87,8 @@ impl Savepoint {
         match self.txn {
             Txn::Sea(txn) => within(self.reply, txn.commit()).await,
             #[cfg(any(feature = "postgres", feature = "mysql"))]
-            Txn::Held(held) => {
-                let release = format!("RELEASE SAVEPOINT {HELD}");
-                within(self.reply, held.execute_unprepared(&release))
-                    .await
-                    .map(drop)
+            Txn::Held(on) => {
+                (within(self.reply, on.execute_unprepared(held::RELEASE)).await).map(drop)
             }
         }
     }
@@ -95,13 +97,9 @@ impl Savepoint {
     pub(crate) async fn roll_back(self) -> Result<(), DbErr> {
         match self.txn {
             Txn::Sea(txn) => within(self.reply, txn.rollback()).await,
-            // Rolled back to, then released (one message): as sea-orm's leaves none behind.
             #[cfg(any(feature = "postgres", feature = "mysql"))]
-            Txn::Held(held) => {
-                let back = format!("ROLLBACK TO SAVEPOINT {HELD}; RELEASE SAVEPOINT {HELD}");
-                within(self.reply, held.execute_unprepared(&back))
-                    .await
-                    .map(drop)
+            Txn::Held(on) => {
+                (within(self.reply, on.execute_unprepared(held::ROLL_BACK)).await).map(drop)
             }
         }
     }

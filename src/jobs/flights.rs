@@ -216,57 +216,63 @@ async fn commit(
     };
     let completion = held.executed(&deferred.completion.statement());
     let checked = held.executed(&check(backend, &deferred.ids));
-    let (Some(insert), Some(completion), Some(checked)) = (insert, completion, checked) else {
-        // Bound, each on its own.
-        if let Some(marker) = marker {
-            let written = within(reply, marker.write(held.conn())).await;
-            written.map_err(fail("marking the commit of"))?;
-        }
-        let statement = deferred.completion.statement();
-        let completed = match deferred.completion.returns() {
-            true => {
-                let rows = within(reply, held.conn().query_all_raw(statement)).await;
-                let rows = rows.map_err(fail("completing jobs in"))?;
-                deferred.completion.read(rows, 0)
+    let readied = match (insert, completion, checked) {
+        (Some(insert), Some(completion), Some(checked)) => {
+            let mut statements = Vec::with_capacity(5);
+            if !insert.is_empty() {
+                statements.push(insert);
             }
-            false => {
-                let done = within(reply, held.conn().execute_raw(statement)).await;
-                let done = done.map_err(fail("completing jobs in"))?.rows_affected();
-                deferred.completion.read(Vec::new(), done)
+            statements.extend(completion.statements());
+            // The completion's reply, before the check's statements.
+            let at = statements.len() - 1;
+            statements.extend(checked.statements());
+            match end(step, held, Some(&deferred.ids), statements, evidence).await? {
+                Ended::Stopped => return Ok(Committed::Stopped),
+                Ended::Committed(mut replies) => {
+                    let reply = replies.get_mut(at).map(std::mem::take);
+                    let Reply { rows, affected } = reply.unwrap_or_default();
+                    match deferred.completion.read(rows, affected) {
+                        Ok(completed) => completed.readied,
+                        // Committed all the same: the worker only does not follow the key.
+                        Err(e) => {
+                            warn!(error = %e, "the completion's reply could not be read");
+                            0
+                        }
+                    }
+                }
             }
-        };
-        let completed = completed.map_err(fail("completing jobs in"))?;
-        if completed.done < deferred.ids.len() as u64 {
-            return stopped(step, held, &deferred.ids, reply).await;
         }
-        end(step, held, None, Vec::new(), evidence).await?;
-        if completed.readied == 1 {
-            step.follow = deferred.follow;
+        // Bound, each on its own, and checked here.
+        _ => {
+            if let Some(marker) = marker {
+                let written = within(reply, marker.write(held.conn())).await;
+                written.map_err(fail("marking the commit of"))?;
+            }
+            let statement = deferred.completion.statement();
+            let completed = match deferred.completion.returns() {
+                true => {
+                    let rows = within(reply, held.conn().query_all_raw(statement)).await;
+                    let rows = rows.map_err(fail("completing jobs in"))?;
+                    deferred.completion.read(rows, 0)
+                }
+                false => {
+                    let done = within(reply, held.conn().execute_raw(statement)).await;
+                    let done = done.map_err(fail("completing jobs in"))?.rows_affected();
+                    deferred.completion.read(Vec::new(), done)
+                }
+            };
+            let completed = completed.map_err(fail("completing jobs in"))?;
+            if completed.done < deferred.ids.len() as u64 {
+                return stopped(step, held, &deferred.ids, reply).await;
+            }
+            end(step, held, None, Vec::new(), evidence).await?;
+            completed.readied
         }
-        return Ok(Committed::Yes);
     };
-    let mut statements = Vec::with_capacity(4);
-    if !insert.is_empty() {
-        statements.push(insert);
+    if readied == 1 {
+        step.follow = deferred.follow;
     }
-    statements.extend(completion.statements());
-    // The completion's reply, before the check's statements.
-    let at = statements.len() - 1;
-    statements.extend(checked.statements());
-    match end(step, held, Some(&deferred.ids), statements, evidence).await? {
-        Ended::Stopped => Ok(Committed::Stopped),
-        Ended::Committed(mut replies) => {
-            let reply = replies.get_mut(at).map(std::mem::take);
-            let Reply { rows, affected } = reply.unwrap_or_default();
-            match deferred.completion.read(rows, affected) {
-                Ok(completed) if completed.readied == 1 => step.follow = deferred.follow,
-                Ok(_) => {}
-                // Committed all the same: the worker only does not follow the key.
-                Err(e) => warn!(error = %e, "the completion's reply could not be read"),
-            }
-            Ok(Committed::Yes)
-        }
-    }
+    Ok(Committed::Yes)
 }
 
 /// How [`end`] ended, when it did not fail.
@@ -289,24 +295,24 @@ async fn end(
     let reply = step.cx.reply();
     statements.push("COMMIT".to_owned());
     let sent = within(reply, held.conn().flight(statements.join("; "))).await;
-    match sent {
+    let e = match sent {
         Ok(replies) => {
             held.release();
-            Ok(Ended::Committed(replies))
+            return Ok(Ended::Committed(replies));
         }
-        Err(e) if is_cardinality_violation(&e) && checked.is_some() => {
-            let ids = checked.unwrap_or_default();
-            stopped(step, held, ids, reply)
-                .await
-                .map(|_| Ended::Stopped)
-        }
-        Err(e) if in_doubt(&e) => {
+        Err(e) => e,
+    };
+    match checked {
+        Some(ids) if is_cardinality_violation(&e) => stopped(step, held, ids, reply)
+            .await
+            .map(|_| Ended::Stopped),
+        _ if in_doubt(&e) => {
             // Closed first: the server ends the transaction if the COMMIT never came.
             drop(held);
             let resolved = resolve(step, evidence, e).await;
             resolved.map(|_| Ended::Committed(Vec::new()))
         }
-        Err(e) => Err(database("completing jobs in", &JOB_TABLE, e)),
+        _ => Err(database("completing jobs in", &JOB_TABLE, e)),
     }
 }
 
