@@ -146,8 +146,11 @@ async fn main() {
             }
         }
         if only("w3") {
-            skewed(&db, false).await;
-            skewed(&db, true).await;
+            for leased in [false, true] {
+                for two_flights in [false, true] {
+                    skewed(&db, leased, two_flights).await;
+                }
+            }
         }
     }
 }
@@ -382,8 +385,9 @@ async fn updates(
 }
 
 /// W3: the skewed workload, in the job's transaction or (`leased`) in the field report's
-/// shape: claimed, worked outside any transaction, finished fenced.
-async fn skewed(db: &DatabaseConnection, leased: bool) {
+/// shape: claimed, worked outside any transaction, finished fenced; `two_flights`: on a session
+/// with `two_flights(true)`.
+async fn skewed(db: &DatabaseConnection, leased: bool, two_flights: bool) {
     const WORKERS: usize = 10;
     let n = scaled(2_000);
     // Even ids are the hot key's; odd ones spread over 50 keys.
@@ -466,7 +470,10 @@ async fn skewed(db: &DatabaseConnection, leased: bool) {
     };
     // The workers as an application runs them: `Worker::run` (woken by enqueues on
     // PostgreSQL, following a key whose next job it readied).
-    let session = Session::new(db.clone());
+    let session = Session::builder(db.clone())
+        .two_flights(two_flights)
+        .build()
+        .expect("session");
     let workers: Vec<_> = (0..WORKERS)
         .map(|_| {
             let worker = Worker::new(session.clone(), handlers.clone());
@@ -508,7 +515,7 @@ async fn skewed(db: &DatabaseConnection, leased: bool) {
         .map(|(_, at)| *at)
         .collect();
     println!(
-        "\nW3 {form} ({n} jobs of 10 ms, half on one key, {WORKERS} workers): wall {seconds:.2} s \
+        "\nW3 {form}{flights} ({n} jobs of 10 ms, half on one key, {WORKERS} workers): wall {seconds:.2} s \
          to the last job's end, {committed:.2} s to its commit (the hot key's floor {:.1} s); \
          other keys' p50 {} ms, p99 {} ms; the hot key's gap \
          from one job's end to the next's start p50 {} ms, p99 {} ms; same-key overlaps {}; \
@@ -524,5 +531,6 @@ async fn skewed(db: &DatabaseConnection, leased: bool) {
         } else {
             "in the job's transaction"
         },
+        flights = if two_flights { ", two flights" } else { "" },
     );
 }

@@ -49,6 +49,20 @@ fn session(pool: impl Into<freshlock::Db>, two_flights: bool) -> Session {
         .expect("session")
 }
 
+/// Five nodes, and a pool of one connection through a proxy that counts its round trips:
+/// straight to the server (a pooler adds exchanges of its own: CI's pooler tier skips these
+/// tests by name rather than count them as passed).
+async fn counted(db: &TestDb) -> (Proxy, DatabaseConnection) {
+    assert!(
+        servers::pooler().is_none(),
+        "round trips are counted without a transaction pooler: skip this test behind one"
+    );
+    db.seed_nodes(5).await;
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let pool = proxied(db, &proxy).await;
+    (proxy, pool)
+}
+
 /// Enqueues `n` jobs of kind `bump` (node `i % 5 + 1`, keyed by `key(i)` when it gives one) and
 /// runs them with `worker` until all ran: the round trips that took, and how many completed.
 async fn run_counted(
@@ -86,15 +100,7 @@ async fn run_counted(
 /// acknowledged job's effect is in the database once.
 async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
     let Some(db) = db else { return };
-    // Counted straight to the server: a pooler adds exchanges of its own (CI's pooler tier
-    // skips this test by name rather than count it as passed).
-    assert!(
-        servers::pooler().is_none(),
-        "round trips are counted without a transaction pooler: skip this test behind one"
-    );
-    db.seed_nodes(5).await;
-    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
-    let pool = proxied(&db, &proxy).await;
+    let (proxy, pool) = counted(&db).await;
     let handlers = Jobs::new().handle("bump", RetryPolicy::default(), bump_node);
     let mut acknowledged = 0;
     for (two_flights, batch, keyed, per_job, per_batch) in [
@@ -134,6 +140,41 @@ async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
 servers::server_tests! {
     round_trips_postgres: round_trips, 0, postgres;
     round_trips_mysql: round_trips, 1, mysql;
+}
+
+/// A leased job whose finish sends one UPDATE: six round trips with two flights where the
+/// engine sends nine — the claim (`BEGIN` + the take, the claim's UPDATE, `COMMIT` with the
+/// evidence read with `BEGIN` or a marker riding in its message) and the finish (`BEGIN`, the
+/// finish's UPDATE, the completion + its check + `COMMIT`) — and each acknowledged finish's
+/// write in the database once.
+async fn leased_round_trips(db: Option<TestDb>, (flights, engine): (u32, u32)) {
+    let Some(db) = db else { return };
+    let (proxy, pool) = counted(&db).await;
+    let handlers = Jobs::new().handle_leased(
+        "bump",
+        RetryPolicy::default(),
+        std::time::Duration::from_secs(30),
+        async |job: Job<i32>, _lease: jobs::Lease| Ok(job.payload),
+        job_support::bump_output,
+    );
+    let mut acknowledged = 0;
+    for (two_flights, per_job) in [(true, flights), (false, engine)] {
+        let worker = Worker::new(session(pool.clone(), two_flights), handlers.clone());
+        acknowledged += run_counted(&db, &proxy, &worker, 8, |_| None).await.1;
+        let (sent, ran) = run_counted(&db, &proxy, &worker, 16, |_| None).await;
+        acknowledged += ran;
+        assert_eq!(
+            sent,
+            16 * per_job,
+            "two flights {two_flights}: round trips of 16 leased jobs"
+        );
+    }
+    assert_eq!(total_score(&db.db).await, acknowledged as i64);
+}
+
+servers::server_tests! {
+    leased_round_trips_postgres: leased_round_trips, (6, 9), postgres;
+    leased_round_trips_mysql: leased_round_trips, (6, 9), mysql;
 }
 
 /// A job asked to stop while its handler runs: its completion finds the request, the check

@@ -2,7 +2,8 @@
 //! claim → work outside any transaction → fenced finish. Every finished job's effect is in the
 //! database once; a late finish after a takeover is refused; the heartbeat keeps a long job's
 //! lease; an expired lease makes the job run again, and a job whose every attempt's lease
-//! expired fails.
+//! expired fails. On PostgreSQL and MariaDB each runs again on a session with two flights,
+//! where the claim and the finish go on a held connection (`jobs/flights.rs`).
 
 #[macro_use]
 #[path = "common/job_support.rs"]
@@ -41,6 +42,15 @@ struct Analyze {
     seq: u32,
 }
 
+/// A session on `handle`; `two_flights`: its jobs' attempts, finishes included, in few round
+/// trips (`SessionBuilder::two_flights`).
+fn session(handle: &freshlock::Db, two_flights: bool) -> Session {
+    Session::builder(handle.clone())
+        .two_flights(two_flights)
+        .build()
+        .expect("session")
+}
+
 /// The state of job `id` as stored.
 async fn state_of(db: &DatabaseConnection, id: i64) -> i64 {
     let state = bigint(db, "state");
@@ -77,7 +87,7 @@ struct Seen {
 /// 24 leased jobs, a third on one key, run by two workers (one in batches of 4, whose works run
 /// side by side): each job's work runs once with its claim committed (no transaction held), each
 /// finish's write is in the database once, same-key works never overlap.
-async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
+async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>, two_flights: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(3).await;
     let (db, handle) = (db.db, db.handle);
@@ -124,7 +134,7 @@ async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
             bump_output,
         )
     };
-    let session = Session::new(&handle);
+    let session = session(&handle, two_flights);
     let single = Worker::new(session.clone(), handlers.clone());
     let batched = Worker::new(session, handlers).with_batch(4);
     let (a, b) = tokio::join!(single.run_until_idle(), batched.run_until_idle());
@@ -144,10 +154,12 @@ async fn leased_jobs_work_outside_and_finish_once(db: Option<TestDb>) {
     assert_eq!(attempts, 24);
 }
 
-on_databases! {
-    leased_jobs_finish_once_sqlite: leased_jobs_work_outside_and_finish_once, sqlite;
-    leased_jobs_finish_once_postgres: leased_jobs_work_outside_and_finish_once, postgres;
-    leased_jobs_finish_once_mysql: leased_jobs_work_outside_and_finish_once, mysql;
+servers::server_tests! {
+    leased_jobs_finish_once_sqlite: leased_jobs_work_outside_and_finish_once, false, sqlite;
+    leased_jobs_finish_once_postgres: leased_jobs_work_outside_and_finish_once, false, postgres;
+    leased_jobs_finish_once_mysql: leased_jobs_work_outside_and_finish_once, false, mysql;
+    leased_jobs_finish_once_postgres_flights: leased_jobs_work_outside_and_finish_once, true, postgres;
+    leased_jobs_finish_once_mysql_flights: leased_jobs_work_outside_and_finish_once, true, mysql;
 }
 
 // ------------------------------------------------------------------- a late finish refused
@@ -184,7 +196,7 @@ fn gated_jobs(gate: Gate, lease: Duration, policy: RetryPolicy) -> Jobs {
 
 /// Worker A claims the job and works; its lease expires; worker B reclaims the job and runs it
 /// to the end; A's late finish is refused and rolls back: one effect, the job done once.
-async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
+async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>, two_flights: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
@@ -205,7 +217,7 @@ async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
         release,
     };
     let handlers = gated_jobs(gate, Duration::from_secs(60), at_once(3));
-    let a = Worker::new(Session::new(&handle), handlers.clone());
+    let a = Worker::new(session(&handle, two_flights), handlers.clone());
     let first = tokio::spawn(async move { a.run_one().await });
     assert_eq!(started.recv().await, Some(1));
     // While A works, the job is leased: its key busy, the operator sees it.
@@ -216,11 +228,11 @@ async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
     let depth = jobs::depth(&handle).await.unwrap();
     assert_eq!((depth[0].waiting, depth[0].due), (1, 0));
     // A fresh worker finds nothing while the lease holds ...
-    let b = Worker::new(Session::new(&handle), handlers.clone());
+    let b = Worker::new(session(&handle, two_flights), handlers.clone());
     assert_eq!(b.run_one().await.unwrap(), None);
     // ... and takes the job over once it expired (a new worker: its reclaim is due at once).
     expire_leases(&db).await;
-    let b = Worker::new(Session::new(&handle), handlers);
+    let b = Worker::new(session(&handle, two_flights), handlers);
     let second = b.run_one().await.unwrap().expect("the job, reclaimed");
     assert_eq!(started.recv().await, Some(2));
     assert_eq!((second.id, second.attempt), (id, 2));
@@ -238,10 +250,12 @@ async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>) {
     assert_eq!(number(&db, &attempts).await, 2);
 }
 
-on_databases! {
-    a_late_finish_is_refused_sqlite: a_late_finish_after_a_takeover_is_refused, sqlite;
-    a_late_finish_is_refused_postgres: a_late_finish_after_a_takeover_is_refused, postgres;
-    a_late_finish_is_refused_mysql: a_late_finish_after_a_takeover_is_refused, mysql;
+servers::server_tests! {
+    a_late_finish_is_refused_sqlite: a_late_finish_after_a_takeover_is_refused, false, sqlite;
+    a_late_finish_is_refused_postgres: a_late_finish_after_a_takeover_is_refused, false, postgres;
+    a_late_finish_is_refused_mysql: a_late_finish_after_a_takeover_is_refused, false, mysql;
+    a_late_finish_is_refused_postgres_flights: a_late_finish_after_a_takeover_is_refused, true, postgres;
+    a_late_finish_is_refused_mysql_flights: a_late_finish_after_a_takeover_is_refused, true, mysql;
 }
 
 // ------------------------------------------------------------------------- the heartbeat
@@ -249,7 +263,7 @@ on_databases! {
 /// A work that runs longer than its lease keeps it: the heartbeat moves the expiry on, so a
 /// worker that reclaims after the first expiry finds nothing, and the job finishes on its first
 /// attempt. (Without the heartbeat the other worker takes the job over.)
-async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
+async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>, two_flights: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
@@ -267,7 +281,7 @@ async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
     };
     let lease = Duration::from_millis(900);
     let handlers = gated_jobs(gate, lease, at_once(3));
-    let a = Worker::new(Session::new(&handle), handlers.clone());
+    let a = Worker::new(session(&handle, two_flights), handlers.clone());
     let first = tokio::spawn(async move { a.run_one().await });
     assert_eq!(started.recv().await, Some(1));
     let expiry = "SELECT lease_until FROM freshlock_job WHERE state = 1";
@@ -290,7 +304,7 @@ async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
         number(&db, expiry).await > claimed_until,
         "the heartbeat extended the lease"
     );
-    let b = Worker::new(Session::new(&handle), handlers);
+    let b = Worker::new(session(&handle, two_flights), handlers);
     assert_eq!(b.run_one().await.unwrap(), None, "nothing to reclaim");
     release_tx.send(true).unwrap();
     let run = first.await.unwrap().unwrap().expect("A's run");
@@ -298,10 +312,12 @@ async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>) {
     assert_eq!(total_score(&db).await, 1);
 }
 
-on_databases! {
-    the_heartbeat_keeps_the_lease_sqlite: the_heartbeat_keeps_a_long_jobs_lease, sqlite;
-    the_heartbeat_keeps_the_lease_postgres: the_heartbeat_keeps_a_long_jobs_lease, postgres;
-    the_heartbeat_keeps_the_lease_mysql: the_heartbeat_keeps_a_long_jobs_lease, mysql;
+servers::server_tests! {
+    the_heartbeat_keeps_the_lease_sqlite: the_heartbeat_keeps_a_long_jobs_lease, false, sqlite;
+    the_heartbeat_keeps_the_lease_postgres: the_heartbeat_keeps_a_long_jobs_lease, false, postgres;
+    the_heartbeat_keeps_the_lease_mysql: the_heartbeat_keeps_a_long_jobs_lease, false, mysql;
+    the_heartbeat_keeps_the_lease_postgres_flights: the_heartbeat_keeps_a_long_jobs_lease, true, postgres;
+    the_heartbeat_keeps_the_lease_mysql_flights: the_heartbeat_keeps_a_long_jobs_lease, true, mysql;
 }
 
 // ---------------------------------------------------------- stopped workers, used attempts
@@ -310,7 +326,10 @@ on_databases! {
 /// and its key busy until the lease expires; the job then runs again. When every attempt's
 /// worker stopped, the job fails (`LeaseExpired`), its key is free, and the next job of the key
 /// runs.
-async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestDb>) {
+async fn stopped_workers_leases_expire_and_attempts_are_bounded(
+    db: Option<TestDb>,
+    two_flights: bool,
+) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
@@ -345,13 +364,13 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
         bump_output,
     );
     for attempt in 1..=2 {
-        let worker = Worker::new(Session::new(&handle), handlers.clone());
+        let worker = Worker::new(session(&handle, two_flights), handlers.clone());
         let run = tokio::spawn(async move { worker.run_one().await });
         assert_eq!(started.recv().await, Some(attempt));
         run.abort();
         let _ = run.await;
         // The key stays busy while the lease holds: job 1 is not handed out.
-        let other = Worker::new(Session::new(&handle), handlers.clone());
+        let other = Worker::new(session(&handle, two_flights), handlers.clone());
         assert_eq!(other.run_one().await.unwrap(), None);
         assert!(
             matches!(
@@ -369,7 +388,7 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
         );
         expire_leases(&db).await;
     }
-    let worker = Worker::new(Session::new(&handle), handlers);
+    let worker = Worker::new(session(&handle, two_flights), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     assert_eq!(runs.len(), 2, "{runs:?}");
     assert_eq!(
@@ -388,10 +407,12 @@ async fn stopped_workers_leases_expire_and_attempts_are_bounded(db: Option<TestD
     );
 }
 
-on_databases! {
-    stopped_workers_leases_expire_sqlite: stopped_workers_leases_expire_and_attempts_are_bounded, sqlite;
-    stopped_workers_leases_expire_postgres: stopped_workers_leases_expire_and_attempts_are_bounded, postgres;
-    stopped_workers_leases_expire_mysql: stopped_workers_leases_expire_and_attempts_are_bounded, mysql;
+servers::server_tests! {
+    stopped_workers_leases_expire_sqlite: stopped_workers_leases_expire_and_attempts_are_bounded, false, sqlite;
+    stopped_workers_leases_expire_postgres: stopped_workers_leases_expire_and_attempts_are_bounded, false, postgres;
+    stopped_workers_leases_expire_mysql: stopped_workers_leases_expire_and_attempts_are_bounded, false, mysql;
+    stopped_workers_leases_expire_postgres_flights: stopped_workers_leases_expire_and_attempts_are_bounded, true, postgres;
+    stopped_workers_leases_expire_mysql_flights: stopped_workers_leases_expire_and_attempts_are_bounded, true, mysql;
 }
 
 // ------------------------------------------------------------------ failures and bad input
@@ -400,7 +421,7 @@ on_databases! {
 /// policy (the finish's write rolled back); a payload that does not deserialize fails at once;
 /// a `retry_if` that refuses fails at once. The worker goes on; each completed job's write is
 /// in the database once.
-async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
+async fn leased_failures_retry_and_roll_back(db: Option<TestDb>, two_flights: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
@@ -441,7 +462,7 @@ async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
             Ok(())
         },
     );
-    let worker = Worker::new(Session::new(&handle), handlers).with_batch(4);
+    let worker = Worker::new(session(&handle, two_flights), handlers).with_batch(4);
     let runs = worker.run_until_idle().await.unwrap();
     let outcomes: Vec<_> = runs.iter().map(|r| (r.id, r.attempt, &r.outcome)).collect();
     let completed = runs
@@ -472,16 +493,18 @@ async fn leased_failures_retry_and_roll_back(db: Option<TestDb>) {
     assert_eq!(jobs_in(&db, LEASED).await, 0, "every claim ended");
 }
 
-on_databases! {
-    leased_failures_sqlite: leased_failures_retry_and_roll_back, sqlite;
-    leased_failures_postgres: leased_failures_retry_and_roll_back, postgres;
-    leased_failures_mysql: leased_failures_retry_and_roll_back, mysql;
+servers::server_tests! {
+    leased_failures_sqlite: leased_failures_retry_and_roll_back, false, sqlite;
+    leased_failures_postgres: leased_failures_retry_and_roll_back, false, postgres;
+    leased_failures_mysql: leased_failures_retry_and_roll_back, false, mysql;
+    leased_failures_postgres_flights: leased_failures_retry_and_roll_back, true, postgres;
+    leased_failures_mysql_flights: leased_failures_retry_and_roll_back, true, mysql;
 }
 
 /// A worker that finished a leased job of a key follows the key: the key's next job, readied by
 /// the finish, is the next it claims — before an older job of no key — so a hot key's chain
 /// does not wait for a take that meets it first.
-async fn a_finished_leased_job_is_followed_by_its_keys_next(db: Option<TestDb>) {
+async fn a_finished_leased_job_is_followed_by_its_keys_next(db: Option<TestDb>, two_flights: bool) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
@@ -496,7 +519,7 @@ async fn a_finished_leased_job_is_followed_by_its_keys_next(db: Option<TestDb>) 
         async |job: Job<Analyze>, _lease: Lease| Ok(job.payload.node),
         bump_output,
     );
-    let worker = Worker::new(Session::new(&handle), handlers);
+    let worker = Worker::new(session(&handle, two_flights), handlers);
     let runs = worker.run_until_idle().await.unwrap();
     let ids: Vec<i64> = runs.iter().map(|run| run.id).collect();
     let first = ids[0];
@@ -509,17 +532,22 @@ async fn a_finished_leased_job_is_followed_by_its_keys_next(db: Option<TestDb>) 
     assert_eq!(total_score(&db).await, 3);
 }
 
-on_databases! {
-    leased_key_followed_sqlite: a_finished_leased_job_is_followed_by_its_keys_next, sqlite;
-    leased_key_followed_postgres: a_finished_leased_job_is_followed_by_its_keys_next, postgres;
-    leased_key_followed_mysql: a_finished_leased_job_is_followed_by_its_keys_next, mysql;
+servers::server_tests! {
+    leased_key_followed_sqlite: a_finished_leased_job_is_followed_by_its_keys_next, false, sqlite;
+    leased_key_followed_postgres: a_finished_leased_job_is_followed_by_its_keys_next, false, postgres;
+    leased_key_followed_mysql: a_finished_leased_job_is_followed_by_its_keys_next, false, mysql;
+    leased_key_followed_postgres_flights: a_finished_leased_job_is_followed_by_its_keys_next, true, postgres;
+    leased_key_followed_mysql_flights: a_finished_leased_job_is_followed_by_its_keys_next, true, mysql;
 }
 
 /// A worker's leased finish claims its key's next job in its own completion only as a take of
 /// the worker would: a job of a kind it runs in the transaction is readied for a take, a job
 /// not yet due is readied and left waiting, and every job runs once, in its key's order, its
 /// effect in the database once.
-async fn a_finish_claims_its_keys_next_job_only_as_a_take_would(db: Option<TestDb>) {
+async fn a_finish_claims_its_keys_next_job_only_as_a_take_would(
+    db: Option<TestDb>,
+    two_flights: bool,
+) {
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
@@ -565,7 +593,7 @@ async fn a_finish_claims_its_keys_next_job_only_as_a_take_would(db: Option<TestD
                 })
             }),
         );
-    let worker = Worker::new(Session::new(&handle), handlers);
+    let worker = Worker::new(session(&handle, two_flights), handlers);
     let (stop, running) = run_in_background(worker);
     let mut order = Vec::new();
     while order.len() < 4 {
@@ -584,8 +612,10 @@ async fn a_finish_claims_its_keys_next_job_only_as_a_take_would(db: Option<TestD
     assert_eq!(total_score(&db).await, 4, "each effect once");
 }
 
-on_databases! {
-    finish_claims_sqlite: a_finish_claims_its_keys_next_job_only_as_a_take_would, sqlite;
-    finish_claims_postgres: a_finish_claims_its_keys_next_job_only_as_a_take_would, postgres;
-    finish_claims_mysql: a_finish_claims_its_keys_next_job_only_as_a_take_would, mysql;
+servers::server_tests! {
+    finish_claims_sqlite: a_finish_claims_its_keys_next_job_only_as_a_take_would, false, sqlite;
+    finish_claims_postgres: a_finish_claims_its_keys_next_job_only_as_a_take_would, false, postgres;
+    finish_claims_mysql: a_finish_claims_its_keys_next_job_only_as_a_take_would, false, mysql;
+    finish_claims_postgres_flights: a_finish_claims_its_keys_next_job_only_as_a_take_would, true, postgres;
+    finish_claims_mysql_flights: a_finish_claims_its_keys_next_job_only_as_a_take_would, true, mysql;
 }

@@ -70,6 +70,12 @@ impl Held {
         self.begun.load(Ordering::SeqCst)
     }
 
+    /// The text that begins the transaction when it was not begun yet, for its owner to send
+    /// first in a message of its own (the transaction counts as begun from here).
+    pub(crate) fn unbegun(&self) -> Option<&'static str> {
+        (!self.begun.swap(true, Ordering::SeqCst)).then_some(self.begin)
+    }
+
     /// The replies of the statements sent with `BEGIN` (empty before it was sent).
     pub(crate) fn read_with_begin(&self) -> Vec<Reply> {
         std::mem::take(
@@ -125,8 +131,9 @@ impl Held {
         Ok(reply.filter(|_| written).map(|reply| reply.rows))
     }
 
-    /// Sends `BEGIN` when the transaction was not begun yet.
-    async fn begun_before(&self) -> Result<(), DbErr> {
+    /// Sends `BEGIN` (and the statements asked for with it) when the transaction was not
+    /// begun yet.
+    pub(crate) async fn begun_before(&self) -> Result<(), DbErr> {
         if !self.begun() {
             self.begin(None).await?;
         }

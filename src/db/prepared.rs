@@ -74,8 +74,9 @@ impl Prepared {
                 text,
             });
         }
+        let types = types(stmt)?;
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
-        stmt.sql.hash(&mut hasher);
+        (&stmt.sql, &types).hash(&mut hasher);
         let name = format!("freshlock_{:016x}", hasher.finish());
         let values = (stmt.values.as_ref()).map_or(0, |values| values.0.len());
         let arguments = (1..=values)
@@ -91,8 +92,10 @@ impl Prepared {
             ..stmt.clone()
         })?;
         let mut names = self.names.lock().unwrap_or_else(PoisonError::into_inner);
-        let prepare =
-            (names.insert(name.clone())).then(|| format!("PREPARE {name} AS {}", stmt.sql));
+        let prepare = (names.insert(name.clone())).then(|| match values {
+            0 => format!("PREPARE {name} AS {}", stmt.sql),
+            _ => format!("PREPARE {name} ({types}) AS {}", stmt.sql),
+        });
         Some(Text { prepare, text })
     }
 
@@ -164,6 +167,22 @@ impl Prepared {
         }
         Ok((first, rest))
     }
+}
+
+/// The types of `stmt`'s parameters as its `PREPARE` names them: those sqlx binds its values
+/// as. A parameter's type is not always inferred from its use (`CASE … THEN now + $3` reads
+/// `$3` as text). `None` when a value has no such type (the statement is sent bound).
+#[cfg(feature = "postgres")]
+fn types(stmt: &Statement) -> Option<String> {
+    let values = stmt.values.iter().flat_map(|values| values.0.iter());
+    let types = values.map(super::inline::postgres::type_name);
+    Some(types.collect::<Option<Vec<_>>>()?.join(", "))
+}
+
+/// Statements go by name only on PostgreSQL.
+#[cfg(not(feature = "postgres"))]
+fn types(_: &Statement) -> Option<String> {
+    None
 }
 
 /// A message that answered fewer statements than it sent (the server stops at a failing one,

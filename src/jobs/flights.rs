@@ -25,8 +25,13 @@
 //!   planned them on every message (0.63 ms for the completion, against 0.05 ms to run it),
 //!   which made jobs in few flights slower than the engine's on loopback (0.70×; now 0.97×).
 //!
-//! Leased jobs' finishes, and databases other than PostgreSQL and MySQL/MariaDB, go through the
-//! engine.
+//! A leased job's finish goes the same way: its completion requires the claim, so a check that
+//! stops the message means the claim is gone, and the next attempt looks at it first and says
+//! why (lease lost or cancelled), as in the engine; a finish whose kind's finish sends nothing
+//! is `BEGIN` with the promotion (which claims the key's next job), the claim of that job on
+//! MySQL/MariaDB, then the completion and `COMMIT` — on PostgreSQL `BEGIN` with the
+//! transaction's id, then the completion, which promotes and claims, and `COMMIT`. Databases
+//! other than PostgreSQL and MySQL/MariaDB go through the engine.
 
 use std::sync::Arc;
 
@@ -54,13 +59,13 @@ use crate::{
     write::engine::{End, Retries, Tried, Worked},
 };
 
-/// Whether `source`'s attempts go in few round trips: asked for, a take, on a PostgreSQL or
+/// Whether `source`'s attempts go in few round trips: asked for, on a PostgreSQL or
 /// MySQL/MariaDB pool.
 pub(super) fn applies(step: &JobStep<'_>) -> bool {
     let db = step.cx.session.pool();
     step.cx.session.two_flights()
         && db.is_real()
-        && matches!(step.source, Source::Take { .. })
+        && matches!(step.source, Source::Take { .. } | Source::Finish(_))
         && matches!(
             db.get_database_backend(),
             DbBackend::Postgres | DbBackend::MySql
@@ -112,7 +117,6 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
     step.deferred = None;
     let (txn, worked) = step.run_on(Txn::Held(Arc::clone(&held))).await;
     drop(txn);
-    step.plan = None;
     let deferred = step.deferred.take();
     // Every `Tx` and savepoint of the attempt is gone with it.
     let Some(held) = Arc::into_inner(held) else {
@@ -152,16 +156,18 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
             effects,
             ..
         } => {
-            let evidence = match (evidence, session.commit_markers()) {
-                (Some(evidence), _) => Some(evidence),
-                // Nothing completed (failures, cancellations): taken before the `COMMIT`.
-                (None, true) => match within(reply, Evidence::take(&held, db)).await {
-                    Ok(evidence) => Some(evidence),
+            // Nothing completed (claims, failures, cancellations): the plan's evidence, as a
+            // completion's would be (a marker's INSERT rides in the `COMMIT`'s message).
+            let (evidence, rides) = match (evidence, &deferred) {
+                (Some(evidence), Some(deferred)) => (Some(evidence), deferred.rides),
+                (Some(evidence), None) => (Some(evidence), false),
+                (None, _) => match step.held_evidence(&held).await {
+                    Ok(planned) => planned,
                     Err(e) => return failed("marking the commit of", e),
                 },
-                (None, false) => None,
             };
-            let ended = commit(step, held, deferred, evidence.as_ref()).await;
+            step.plan = None;
+            let ended = commit(step, held, deferred, evidence.as_ref(), rides).await;
             match ended {
                 Ok(Committed::Yes) => {}
                 Ok(Committed::Stopped) => return Ok(Tried::Uncounted),
@@ -188,7 +194,8 @@ enum Committed {
     Stopped,
 }
 
-/// The last message: a riding marker's INSERT, the completion, its check and `COMMIT` — or,
+/// The last message: a riding marker's INSERT (`rides`: `evidence` is a marker to write here),
+/// the completion, its check and `COMMIT` — or,
 /// when the marker or the completion cannot be written in, those bound and on their own (the
 /// check made here), then `COMMIT`.
 async fn commit(
@@ -196,17 +203,13 @@ async fn commit(
     held: Held,
     deferred: Option<Deferred>,
     evidence: Option<&Evidence>,
+    rides: bool,
 ) -> Result<Committed> {
     let reply = step.cx.reply();
     let backend = held.get_database_backend();
     let fail = |operation| move |e| database(operation, &JOB_TABLE, e);
-    let Some(deferred) = deferred else {
-        return end(step, held, None, Vec::new(), evidence)
-            .await
-            .map(|_| Committed::Yes);
-    };
     let marker = match evidence {
-        Some(Evidence::Marker(marker)) if deferred.rides => Some(marker),
+        Some(Evidence::Marker(marker)) if rides => Some(marker),
         _ => None,
     };
     // No marker: nothing to write in (`Some("")`).
@@ -214,8 +217,24 @@ async fn commit(
         Some(marker) => statement_text(&backend.build(&marker.insert(backend, true))),
         None => Some(String::new()),
     };
+    let Some(deferred) = deferred else {
+        let statements = match (insert, marker) {
+            (Some(insert), _) => Vec::from_iter((!insert.is_empty()).then_some(insert)),
+            // Bound, on its own.
+            (None, Some(marker)) => {
+                (held.begun_before().await).map_err(fail("beginning the transaction for"))?;
+                let written = within(reply, marker.write(held.conn())).await;
+                written.map_err(fail("marking the commit of"))?;
+                Vec::new()
+            }
+            (None, None) => Vec::new(),
+        };
+        return end(step, held, None, statements, evidence)
+            .await
+            .map(|_| Committed::Yes);
+    };
     let completion = held.executed(&deferred.completion.statement());
-    let checked = held.executed(&check(backend, &deferred.ids));
+    let checked = held.executed(&check(backend, &deferred.ids, step.owner()));
     let readied = match (insert, completion, checked) {
         (Some(insert), Some(completion), Some(checked)) => {
             let mut statements = Vec::with_capacity(5);
@@ -232,8 +251,12 @@ async fn commit(
                     let reply = replies.get_mut(at).map(std::mem::take);
                     let Reply { rows, affected } = reply.unwrap_or_default();
                     match deferred.completion.read(rows, affected) {
-                        Ok(completed) => completed.readied,
-                        // Committed all the same: the worker only does not follow the key.
+                        Ok(completed) => {
+                            step.claim_next(completed.claimed, deferred.chaining);
+                            completed.readied
+                        }
+                        // Committed all the same: the worker only does not follow the key (a
+                        // job claimed for it waits for its lease to expire).
                         Err(e) => {
                             warn!(error = %e, "the completion's reply could not be read");
                             0
@@ -244,6 +267,7 @@ async fn commit(
         }
         // Bound, each on its own, and checked here.
         _ => {
+            (held.begun_before().await).map_err(fail("beginning the transaction for"))?;
             if let Some(marker) = marker {
                 let written = within(reply, marker.write(held.conn())).await;
                 written.map_err(fail("marking the commit of"))?;
@@ -266,6 +290,7 @@ async fn commit(
                 return stopped(step, held, &deferred.ids, reply).await;
             }
             end(step, held, None, Vec::new(), evidence).await?;
+            step.claim_next(completed.claimed, deferred.chaining);
             completed.readied
         }
     };
@@ -293,6 +318,10 @@ async fn end(
     evidence: Option<&Evidence>,
 ) -> Result<Ended> {
     let reply = step.cx.reply();
+    // A finish that sent nothing yet: its whole transaction is this message.
+    if let Some(begin) = held.unbegun() {
+        statements.insert(0, begin.to_owned());
+    }
     statements.push("COMMIT".to_owned());
     let sent = within(reply, held.conn().flight(statements.join("; "))).await;
     let e = match sent {
@@ -317,17 +346,24 @@ async fn end(
 }
 
 /// The check after the completion: a subquery of two rows (SQLSTATE 21000, which stops the
-/// message) unless every job of `ids` is done.
-fn check(backend: DbBackend, ids: &[JobId]) -> sea_orm::Statement {
+/// message) unless every job of `ids` is done — with `owner` (a leased job's finish), done by
+/// that claim (the completion keeps its token; another claim's completion keeps its own).
+fn check(backend: DbBackend, ids: &[JobId], owner: Option<&str>) -> sea_orm::Statement {
     use super::state::Stored::Done;
     let list = vec!["?"; ids.len()].join(", ");
+    let by = if owner.is_some() {
+        " AND owner = ?"
+    } else {
+        ""
+    };
     let sql = format!(
         "SELECT (SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
-         WHERE (SELECT COUNT(*) FROM {JOB_TABLE} WHERE id IN ({list}) AND state = {Done}) <> {}) \
-         AS freshlock_all_done",
+         WHERE (SELECT COUNT(*) FROM {JOB_TABLE} WHERE id IN ({list}) AND state = {Done}{by}) \
+         <> {}) AS freshlock_all_done",
         ids.len()
     );
-    let values = ids.iter().map(|&id| sea_orm::Value::from(id)).collect();
+    let mut values: Vec<sea_orm::Value> = ids.iter().map(|&id| id.into()).collect();
+    values.extend(owner.map(sea_orm::Value::from));
     crate::lock::sql::statement(backend, &sql, values)
 }
 
@@ -341,6 +377,15 @@ async fn stopped(
     reply: std::time::Duration,
 ) -> Result<Committed> {
     let fail = |operation| move |e| database(operation, &JOB_TABLE, e);
+    // A finish's completion requires its claim: the next attempt looks at the claim first and
+    // says why it is gone (lease lost or cancelled), as in the engine.
+    if matches!(step.source, Source::Finish(_)) {
+        let rolled_back = within(reply, held.conn().flight("ROLLBACK".to_owned())).await;
+        rolled_back.map_err(fail("rolling back"))?;
+        held.release();
+        step.recheck = true;
+        return Ok(Committed::Stopped);
+    }
     let read = store::requested_statement(held.get_database_backend(), ids);
     let text = statement_text(&read).ok_or_else(|| {
         let e = DbErr::Custom("the jobs' ids could not be written in".into());

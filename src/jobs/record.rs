@@ -17,7 +17,7 @@ use crate::{
     write::engine::{Fence, Tried, Worked},
 };
 
-impl JobStep<'_> {
+impl<'w> JobStep<'w> {
     /// Records in `txn` how the `ended` jobs' attempts ended, readies the next job of each key
     /// that finished, and marks the completed ones done (with the commit's evidence when that
     /// statement can take it).
@@ -120,18 +120,19 @@ impl JobStep<'_> {
                 None => return Ok(Worked::Undone(Tried::Uncounted)),
             }
         };
-        if let (Some(taken), Some((owner, kinds))) = (claimed, chaining) {
-            let lease = (kinds.iter()).find(|claimable| claimable.kind == taken.kind);
-            let lease = lease.map_or(Duration::ZERO, |claimable| claimable.lease);
-            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
-            self.claimed_as(taken, attempt, owner, lease);
-        }
         match self.deferred.as_mut() {
             // The completion is sent with the `COMMIT` (`flights.rs`), which follows the key
-            // when it readied its next job.
-            Some(deferred) if completes => deferred.follow = single,
-            _ if single.is_some() => self.follow = single.filter(|_| readied == 1),
-            _ => {}
+            // when it readied its next job, and takes the job it claimed.
+            Some(deferred) if completes => {
+                deferred.follow = single;
+                deferred.chaining = chaining;
+            }
+            _ => {
+                self.claim_next(claimed, chaining);
+                if single.is_some() {
+                    self.follow = single.filter(|_| readied == 1);
+                }
+            }
         }
         Ok(Worked::Write {
             value: runs,
@@ -177,11 +178,7 @@ impl JobStep<'_> {
         let backend = txn.get_database_backend();
         let marker =
             (backend == DbBackend::MySql && stamped.is_none() && markers).then(Marker::new);
-        // A leased job's finish completes it only under its claim (see `finish.rs`).
-        let owner = match &self.source {
-            Source::Finish(finishing) => Some(finishing.claim.owner.as_str()),
-            Source::Take { .. } => None,
-        };
+        let owner = self.owner();
         let completion = store::complete(
             txn,
             completed,
@@ -230,39 +227,73 @@ impl JobStep<'_> {
         claiming: Option<&store::Claiming<'_>>,
     ) -> std::result::Result<Option<Completed>, Failed> {
         const OPERATION: &str = "completing jobs in";
-        let plan = self.plan.take();
-        let rides = matches!(plan, Some(Plan::Marker));
-        let evidence = match plan {
-            Some(Plan::Stamped(stamped)) => {
-                let read = held.read_with_begin().into_iter().next();
-                let row = read.and_then(|reply| reply.rows.into_iter().next());
-                let row = row.ok_or_else(|| {
-                    let e = DbErr::RecordNotFound("the transaction's id read with BEGIN".into());
-                    ("marking the commit of", e)
-                })?;
-                let db = self.cx.session.pool();
-                let evidence = stamped.evidence(txn, db, &row).await;
-                Some(evidence.map_err(|e| ("marking the commit of", e))?)
-            }
-            Some(Plan::Marker) => Some(Evidence::Marker(Marker::new())),
-            None => None,
-        };
-        let completion = store::completion(txn, completed, None, promote, None, claiming);
+        let (evidence, rides) =
+            (self.held_evidence(held).await).map_err(|e| ("marking the commit of", e))?;
+        let owner = self.owner();
+        let completion = store::completion(txn, completed, None, promote, owner, claiming);
         let completion = completion.await.map_err(|e| (OPERATION, e))?;
         self.deferred = Some(Deferred {
             completion,
             ids: completed.to_vec(),
             rides,
             follow: None,
+            chaining: None,
         });
         Ok(Some((evidence, 0, None)))
+    }
+
+    /// A held attempt's commit evidence, known before its last message leaves (`self.plan`'s):
+    /// the transaction's id read with `BEGIN` (PostgreSQL; `BEGIN` is sent first when nothing
+    /// was yet), or a new marker whose INSERT is to ride in the last message (`true`).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(super) async fn held_evidence(
+        &mut self,
+        held: &crate::db::held::Held,
+    ) -> std::result::Result<(Option<Evidence>, bool), DbErr> {
+        match self.plan.take() {
+            Some(Plan::Stamped(stamped)) => {
+                let reply = self.cx.reply();
+                crate::db::deadline::within(reply, held.begun_before()).await?;
+                let read = held.read_with_begin().into_iter().next();
+                let row = read.and_then(|reply| reply.rows.into_iter().next());
+                let row = row.ok_or_else(|| {
+                    DbErr::RecordNotFound("the transaction's id read with BEGIN".into())
+                })?;
+                let db = self.cx.session.pool();
+                let evidence = stamped.evidence(held, db, &row);
+                let evidence = crate::db::deadline::within(reply, evidence).await?;
+                Ok((Some(evidence), false))
+            }
+            Some(Plan::Marker) => Ok((Some(Evidence::Marker(Marker::new())), true)),
+            None => Ok((None, false)),
+        }
+    }
+
+    /// The claim a leased job's finish completes its job under (see `finish.rs`): the
+    /// completion requires it.
+    pub(super) fn owner(&self) -> Option<&'w str> {
+        match self.source {
+            Source::Finish(finishing) => Some(finishing.claim.owner.as_str()),
+            Source::Take { .. } => None,
+        }
+    }
+
+    /// Takes `claimed`, the job a finish's promotion claimed under `chaining`'s owner: its
+    /// work runs once the transaction commits.
+    pub(super) fn claim_next(&mut self, claimed: Option<store::Taken>, chaining: Option<Chaining>) {
+        if let (Some(taken), Some((owner, kinds))) = (claimed, chaining) {
+            let lease = (kinds.iter()).find(|claimable| claimable.kind == taken.kind);
+            let lease = lease.map_or(Duration::ZERO, |claimable| claimable.lease);
+            let attempt = u32::try_from(taken.attempts).unwrap_or(0).saturating_add(1);
+            self.claimed_as(taken, attempt, owner, lease);
+        }
     }
 
     /// What a leased job's finish may claim of its key's next job (see `store::Claiming`): a
     /// new owner token, and the leased kinds this worker runs without limits (a limited kind's
     /// job goes through a take's admission), each with its attempts and lease. `None` when it
     /// runs none.
-    fn chaining(&self) -> Option<(String, Vec<store::Claimable>)> {
+    fn chaining(&self) -> Option<Chaining> {
         let kinds: Vec<_> = (self.cx.kinds().iter())
             .filter(|kind| self.cx.limits(kind).is_empty())
             .filter_map(|name| {
@@ -291,7 +322,14 @@ pub(super) struct Deferred {
     pub(super) rides: bool,
     /// The key the worker follows when the completion readied its next job.
     pub(super) follow: Option<Vec<u8>>,
+    /// A leased job's finish: what its promotion may claim (the claimed job is read from the
+    /// completion's reply).
+    pub(super) chaining: Option<Chaining>,
 }
+
+/// What a finish's promotion may claim: the new claim's owner token, and the kinds (see
+/// `JobStep::chaining`).
+pub(super) type Chaining = (String, Vec<store::Claimable>);
 
 /// What recording a completion gives: its commit's evidence (when its statement took it), how
 /// many jobs it readied, and the job its promotion claimed.

@@ -108,6 +108,26 @@ fn literal(value: &Value) -> Option<String> {
     Some(text)
 }
 
+/// The type sqlx binds `value` as (of its variant, `NULL` included), as a `PREPARE` names it:
+/// `None` for one not written in (see the module's doc).
+pub(crate) fn type_name(value: &Value) -> Option<&'static str> {
+    Some(match value {
+        Value::Bool(_) => "bool",
+        Value::SmallInt(_) | Value::TinyUnsigned(_) => "int2",
+        Value::Int(_) | Value::SmallUnsigned(_) => "int4",
+        Value::BigInt(_) | Value::Unsigned(_) | Value::BigUnsigned(_) => "int8",
+        Value::Float(_) => "float4",
+        Value::Double(_) => "float8",
+        Value::String(_) | Value::Char(_) => "text",
+        Value::Bytes(_) => "bytea",
+        Value::ChronoDate(_) => "date",
+        Value::ChronoTime(_) => "time",
+        Value::ChronoDateTime(_) => "timestamp",
+        Value::ChronoDateTimeUtc(_) => "timestamptz",
+        _ => return None,
+    })
+}
+
 /// An integer, in parentheses when negative.
 fn integer(n: i64) -> String {
     if n < 0 {

@@ -109,12 +109,21 @@ pub(crate) async fn completion(
     }
     let now = now_ms(backend);
     let placeholders = vec!["?"; ids.len()].join(", ");
+    // A leased job keeps the token of the claim that finished it: a check after the completion
+    // (`jobs/flights.rs`) tells its own completion from another claim's.
+    let finished_by = match owner {
+        Some(owner) => {
+            values.push(owner.into());
+            "?"
+        }
+        None => "NULL",
+    };
     // A leased job's attempt was counted by its claim. (MySQL assigns left to right, each
     // assignment seeing the ones before it: `attempts` reads `state` before it changes.)
     sql.push_str(&format!(
         "UPDATE {JOB_TABLE} SET \
          attempts = attempts + CASE WHEN state = {Leased} THEN 0 ELSE 1 END, state = {Done}, \
-         finished_at = {now}, owner = NULL, lease_until = NULL, unique_hash = NULL \
+         finished_at = {now}, owner = {finished_by}, lease_until = NULL, unique_hash = NULL \
          WHERE id IN ({placeholders}){}",
         super::cancel::not_requested()
     ));
