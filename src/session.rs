@@ -335,9 +335,9 @@ impl SessionBuilder {
         /// this setting. Handlers get a [`Tx`](crate::Tx) on a connection freshlock holds: it
         /// is a connection as any other (`ConnectionTrait`), but
         /// [`Tx::transaction`](crate::Tx::transaction) is `None`. Leased jobs go the same way:
-        /// the claim's evidence rides with it, and a finish sends its completion with the
+        /// the claim's UPDATE rides with its `COMMIT`, and a finish sends its completion with the
         /// `COMMIT`, checked against its claim (a finish whose claim is gone rolls back and
-        /// reports why, as without this setting) — six round trips per job whose finish sends
+        /// reports why, as without this setting) — five round trips per job whose finish sends
         /// one statement, instead of nine. A leased job finished in such a message keeps its
         /// claim's token in `owner`.
         ///

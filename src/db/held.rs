@@ -41,6 +41,9 @@ pub(crate) struct Held {
     read_with_begin: Mutex<Vec<Reply>>,
     /// freshlock's statements prepared on the connection.
     prepared: Prepared,
+    /// Statements (values written in, one each) to send in the transaction's last message,
+    /// before the owner's own ([`ride`](Self::ride)).
+    riders: Mutex<Vec<String>>,
 }
 
 impl Held {
@@ -62,6 +65,7 @@ impl Held {
             with_begin,
             read_with_begin: Mutex::default(),
             prepared: Prepared::new(prepares),
+            riders: Mutex::default(),
         }
     }
 
@@ -74,6 +78,22 @@ impl Held {
     /// first in a message of its own (the transaction counts as begun from here).
     pub(crate) fn unbegun(&self) -> Option<&'static str> {
         (!self.begun.swap(true, Ordering::SeqCst)).then_some(self.begin)
+    }
+
+    /// Leaves `stmt` to be sent in the transaction's last message, before its `COMMIT`, for a
+    /// statement whose reply nobody reads: `false` when its values cannot be written in (the
+    /// caller sends it itself).
+    pub(crate) fn ride(&self, stmt: &Statement) -> bool {
+        let Some(text) = self.executed(stmt) else {
+            return false;
+        };
+        (self.riders.lock().unwrap_or_else(PoisonError::into_inner)).extend(text.statements());
+        true
+    }
+
+    /// The statements left to ride in the last message ([`ride`](Self::ride)), one each.
+    pub(crate) fn riders(&self) -> Vec<String> {
+        std::mem::take(&mut self.riders.lock().unwrap_or_else(PoisonError::into_inner))
     }
 
     /// The replies of the statements sent with `BEGIN` (empty before it was sent).

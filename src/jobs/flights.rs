@@ -25,7 +25,9 @@
 //!   planned them on every message (0.63 ms for the completion, against 0.05 ms to run it),
 //!   which made jobs in few flights slower than the engine's on loopback (0.70×; now 0.97×).
 //!
-//! A leased job's finish goes the same way: its completion requires the claim, so a check that
+//! A take that claims leased jobs sends their claims' UPDATEs with its `COMMIT` (the take's lock
+//! on their rows makes them claim; nobody reads their replies). A leased job's finish goes the
+//! same way: its completion requires the claim, so a check that
 //! stops the message means the claim is gone, and the next attempt looks at it first and says
 //! why (lease lost or cancelled), as in the engine; a finish whose kind's finish sends nothing
 //! is `BEGIN` with the promotion (which claims the key's next job), the claim of that job on
@@ -136,16 +138,17 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
             end,
             effects,
         } => {
-            if held.begun() {
-                let text = match end {
-                    End::Commit => "COMMIT",
-                    End::RollBack => "ROLLBACK",
-                };
-                if let Err(e) = within(reply, held.conn().flight(text.to_owned())).await {
-                    return failed("ending the transaction of", e);
+            match end {
+                // With whatever rides in the last message.
+                End::Commit if held.begun() => {
+                    if let Err(error) = self::end(step, held, None, Vec::new(), None).await {
+                        step.metrics(false);
+                        return Err(error);
+                    }
                 }
+                End::Commit => held.release(),
+                End::RollBack => roll_back(held, reply).await,
             }
-            held.release();
             session.map().apply(effects);
             step.metrics(true);
             Ok(Tried::Done(value))
@@ -318,15 +321,20 @@ async fn end(
     evidence: Option<&Evidence>,
 ) -> Result<Ended> {
     let reply = step.cx.reply();
-    // A finish that sent nothing yet: its whole transaction is this message.
-    if let Some(begin) = held.unbegun() {
-        statements.insert(0, begin.to_owned());
-    }
+    // A finish that sent nothing yet: its whole transaction is this message. Then the
+    // statements left to ride (a claim's UPDATE), whose replies nobody reads.
+    let mut first: Vec<String> = held.unbegun().map(str::to_owned).into_iter().collect();
+    let skip = first.first().map_or(0, |begin| begin.split(';').count());
+    let riders = held.riders();
+    let skip = skip + riders.len();
+    first.extend(riders);
+    statements.splice(0..0, first);
     statements.push("COMMIT".to_owned());
     let sent = within(reply, held.conn().flight(statements.join("; "))).await;
     let e = match sent {
-        Ok(replies) => {
+        Ok(mut replies) => {
             held.release();
+            replies.drain(..skip.min(replies.len()));
             return Ok(Ended::Committed(replies));
         }
         Err(e) => e,

@@ -125,16 +125,26 @@ impl JobStep<'_> {
     }
 
     /// Claims `taken` (its row locked by this transaction) for `attempt` under a lease of
-    /// `lease`: its work runs once the transaction commits (`self.claimed`).
+    /// `lease`: its work runs once the transaction commits (`self.claimed`). In a held attempt
+    /// the claim's UPDATE rides in the `COMMIT`'s message (`jobs/flights.rs`).
     pub(super) async fn claim(
         &mut self,
-        db: &impl sea_orm::ConnectionTrait,
+        db: &Bounded<'_, Txn>,
         taken: store::Taken,
         attempt: u32,
         lease: std::time::Duration,
     ) -> std::result::Result<(), sea_orm::DbErr> {
         let owner = new_token();
         let attempts = i32::try_from(attempt).unwrap_or(i32::MAX);
+        #[cfg(any(feature = "postgres", feature = "mysql"))]
+        if let Txn::Held(held) = db.inner() {
+            let backend = sea_orm::ConnectionTrait::get_database_backend(&**held);
+            let claim = store::claim_statement(backend, taken.id, attempts, &owner, lease);
+            if held.ride(&claim) {
+                self.claimed_as(taken, attempt, owner, lease);
+                return Ok(());
+            }
+        }
         store::claim(db, taken.id, attempts, &owner, lease).await?;
         self.claimed_as(taken, attempt, owner, lease);
         Ok(())

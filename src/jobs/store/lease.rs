@@ -25,7 +25,19 @@ pub(crate) async fn claim(
     owner: &str,
     lease: Duration,
 ) -> Result<(), DbErr> {
-    let backend = txn.get_database_backend();
+    let claim = claim_statement(txn.get_database_backend(), id, attempts, owner, lease);
+    txn.execute_raw(claim).await.map(drop)
+}
+
+/// [`claim`]'s statement, not sent: a held attempt sends it in its `COMMIT`'s message
+/// (`jobs/flights.rs`; the take's lock on the row makes it claim the job).
+pub(crate) fn claim_statement(
+    backend: sea_orm::DbBackend,
+    id: i64,
+    attempts: i32,
+    owner: &str,
+    lease: Duration,
+) -> sea_orm::Statement {
     let now = now_ms(backend);
     let sql = format!(
         "UPDATE {JOB_TABLE} SET state = {Leased}, owner = ?, lease_until = {now} + ?, \
@@ -37,9 +49,7 @@ pub(crate) async fn claim(
         attempts.into(),
         id.into(),
     ];
-    txn.execute_raw(statement(backend, &sql, values))
-        .await
-        .map(drop)
+    statement(backend, &sql, values)
 }
 
 /// Leased jobs' leases: in the job's own row (see `lock/lease.rs` for why), held while the job

@@ -19,6 +19,8 @@ pub(crate) use cancel::{read_requested, requested_statement};
 pub(crate) use finish::completion;
 pub(crate) use finish::{Completion, complete, failed};
 pub(crate) use insert::{Insert, holder_of, insert, insert_many};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use lease::claim_statement;
 pub(crate) use lease::{claim, extend, hold, reclaim};
 pub(crate) use promote::{Claimable, Claiming, promote, promote_claiming};
 pub(crate) use slot::{Tokens, acquire, forget_unused, leased_now, make_missing};
