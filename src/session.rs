@@ -338,8 +338,7 @@ impl SessionBuilder {
         /// the claim's UPDATE rides with its `COMMIT`, and a finish sends its completion with the
         /// `COMMIT`, checked against its claim (a finish whose claim is gone rolls back and
         /// reports why, as without this setting) — five round trips per job whose finish sends
-        /// one statement, instead of nine. A leased job finished in such a message keeps its
-        /// claim's token in `owner`.
+        /// one statement, instead of nine.
         ///
         /// Default: off.
         two_flights(on: bool) => two_flights = on;

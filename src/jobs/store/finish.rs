@@ -31,7 +31,8 @@ pub(crate) struct Completed {
 }
 
 /// Marks jobs `ids` done, in the transaction that ran them (their attempts counted, their
-/// unique keys free, a leased one's claim ended), unless a job was asked to stop — or, with
+/// unique keys free, a leased one's claim ended: its row keeps the claim's token in `owner`,
+/// which says which claim finished it), unless a job was asked to stop — or, with
 /// `owner`, unless the job is no longer leased by that claim — and makes the
 /// first queued job of each key in `promote` ready (see [`fn@super::promote`]). With `stamps`
 /// (PostgreSQL), the statement also returns those expressions — the commit's evidence, taken by
