@@ -158,8 +158,8 @@ servers::server_tests! {
     leased_jobs_finish_once_sqlite: leased_jobs_work_outside_and_finish_once, false, sqlite;
     leased_jobs_finish_once_postgres: leased_jobs_work_outside_and_finish_once, false, postgres;
     leased_jobs_finish_once_mysql: leased_jobs_work_outside_and_finish_once, false, mysql;
-    leased_jobs_finish_once_postgres_flights: leased_jobs_work_outside_and_finish_once, true, postgres;
-    leased_jobs_finish_once_mysql_flights: leased_jobs_work_outside_and_finish_once, true, mysql;
+    finish_once_postgres_flights: leased_jobs_work_outside_and_finish_once, true, postgres;
+    finish_once_mysql_flights: leased_jobs_work_outside_and_finish_once, true, mysql;
 }
 
 // ------------------------------------------------------------------- a late finish refused
@@ -254,8 +254,8 @@ servers::server_tests! {
     a_late_finish_is_refused_sqlite: a_late_finish_after_a_takeover_is_refused, false, sqlite;
     a_late_finish_is_refused_postgres: a_late_finish_after_a_takeover_is_refused, false, postgres;
     a_late_finish_is_refused_mysql: a_late_finish_after_a_takeover_is_refused, false, mysql;
-    a_late_finish_is_refused_postgres_flights: a_late_finish_after_a_takeover_is_refused, true, postgres;
-    a_late_finish_is_refused_mysql_flights: a_late_finish_after_a_takeover_is_refused, true, mysql;
+    late_finish_refused_postgres_flights: a_late_finish_after_a_takeover_is_refused, true, postgres;
+    late_finish_refused_mysql_flights: a_late_finish_after_a_takeover_is_refused, true, mysql;
 }
 
 // ------------------------------------------------------------------------- the heartbeat
@@ -316,8 +316,8 @@ servers::server_tests! {
     the_heartbeat_keeps_the_lease_sqlite: the_heartbeat_keeps_a_long_jobs_lease, false, sqlite;
     the_heartbeat_keeps_the_lease_postgres: the_heartbeat_keeps_a_long_jobs_lease, false, postgres;
     the_heartbeat_keeps_the_lease_mysql: the_heartbeat_keeps_a_long_jobs_lease, false, mysql;
-    the_heartbeat_keeps_the_lease_postgres_flights: the_heartbeat_keeps_a_long_jobs_lease, true, postgres;
-    the_heartbeat_keeps_the_lease_mysql_flights: the_heartbeat_keeps_a_long_jobs_lease, true, mysql;
+    heartbeat_postgres_flights: the_heartbeat_keeps_a_long_jobs_lease, true, postgres;
+    heartbeat_mysql_flights: the_heartbeat_keeps_a_long_jobs_lease, true, mysql;
 }
 
 // ---------------------------------------------------------- stopped workers, used attempts
@@ -411,8 +411,8 @@ servers::server_tests! {
     stopped_workers_leases_expire_sqlite: stopped_workers_leases_expire_and_attempts_are_bounded, false, sqlite;
     stopped_workers_leases_expire_postgres: stopped_workers_leases_expire_and_attempts_are_bounded, false, postgres;
     stopped_workers_leases_expire_mysql: stopped_workers_leases_expire_and_attempts_are_bounded, false, mysql;
-    stopped_workers_leases_expire_postgres_flights: stopped_workers_leases_expire_and_attempts_are_bounded, true, postgres;
-    stopped_workers_leases_expire_mysql_flights: stopped_workers_leases_expire_and_attempts_are_bounded, true, mysql;
+    leases_expire_postgres_flights: stopped_workers_leases_expire_and_attempts_are_bounded, true, postgres;
+    leases_expire_mysql_flights: stopped_workers_leases_expire_and_attempts_are_bounded, true, mysql;
 }
 
 // ------------------------------------------------------------------ failures and bad input
