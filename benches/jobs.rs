@@ -14,7 +14,8 @@
 //! `DATABASE_URL_MYSQL`; `FRESHLOCK_BENCH_QUICK=1` runs a tenth of each workload,
 //! `FRESHLOCK_BENCH_ONLY=w1` (or `w2`, `w3`) only that one, `FRESHLOCK_BENCH_ROWS=100` W2 on
 //! that many rows (default 1,000; count deadlocks in the server's log or `Innodb_deadlocks`),
-//! `FRESHLOCK_BENCH_RUNS=10` W2 that many times, `FRESHLOCK_BENCH_PING=1` with sqlx's
+//! `FRESHLOCK_BENCH_RUNS=10` W2 that many times, `FRESHLOCK_BENCH_FORM=leased` (or `tx`) W3
+//! in that form only, `FRESHLOCK_BENCH_PING=1` with sqlx's
 //! checkout ping on (off by default, as README's *Reliability* recommends),
 //! `FRESHLOCK_BENCH_DELAY_US=1000` every connection through a link adding that many
 //! microseconds each way (`tests/common/delay.rs`, as the floor's). The databases' `node` and
@@ -47,6 +48,15 @@ use workload::percentile_ms;
 /// Whether workload `name` runs: `FRESHLOCK_BENCH_ONLY` names one (`w1`, `w2`, `w3`), or all.
 fn only(name: &str) -> bool {
     std::env::var("FRESHLOCK_BENCH_ONLY").map_or(true, |only| only.eq_ignore_ascii_case(name))
+}
+
+/// W3's forms (leased or not): `FRESHLOCK_BENCH_FORM` names one (`leased`, `tx`), or both.
+fn w3_forms() -> Vec<bool> {
+    match std::env::var("FRESHLOCK_BENCH_FORM").as_deref() {
+        Ok("leased") => vec![true],
+        Ok("tx") => vec![false],
+        _ => vec![false, true],
+    }
 }
 
 fn quick() -> bool {
@@ -146,7 +156,7 @@ async fn main() {
             }
         }
         if only("w3") {
-            for leased in [false, true] {
+            for leased in w3_forms() {
                 for two_flights in [false, true] {
                     skewed(&db, leased, two_flights).await;
                 }

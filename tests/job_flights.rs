@@ -142,33 +142,53 @@ servers::server_tests! {
     round_trips_mysql: round_trips, 1, mysql;
 }
 
-/// A leased job whose finish sends one UPDATE: five round trips with two flights where the
-/// engine sends nine — the claim (`BEGIN` + the take, then the claim's UPDATE + `COMMIT`, the
-/// evidence read with `BEGIN` or a marker riding in that message) and the finish (`BEGIN`, the
-/// finish's UPDATE, the completion + its check + `COMMIT`) — and each acknowledged finish's
-/// write in the database once.
-async fn leased_round_trips(db: Option<TestDb>, (flights, engine): (u32, u32)) {
-    let Some(db) = db else { return };
-    let (proxy, pool) = counted(&db).await;
-    let handlers = Jobs::new().handle_leased(
+/// Runs `counted` with a worker of `handlers` on `pool`, with two flights, then on the engine,
+/// each given its round trips per job (`per_job`'s first, then its second): how many jobs it
+/// acknowledged in all.
+async fn both_paths(
+    pool: &DatabaseConnection,
+    handlers: &Jobs,
+    per_job: (u32, u32),
+    counted: impl AsyncFn(&Worker, bool, u32) -> usize,
+) -> usize {
+    let mut acknowledged = 0;
+    for (two_flights, per_job) in [(true, per_job.0), (false, per_job.1)] {
+        let worker = Worker::new(session(pool.clone(), two_flights), handlers.clone());
+        acknowledged += counted(&worker, two_flights, per_job).await;
+    }
+    acknowledged
+}
+
+/// Kind `bump` leased: its work returns the node, its finish bumps it.
+fn leased_bump() -> Jobs {
+    Jobs::new().handle_leased(
         "bump",
         RetryPolicy::default(),
         std::time::Duration::from_secs(30),
         async |job: Job<i32>, _lease: jobs::Lease| Ok(job.payload),
         job_support::bump_output,
-    );
-    let mut acknowledged = 0;
-    for (two_flights, per_job) in [(true, flights), (false, engine)] {
-        let worker = Worker::new(session(pool.clone(), two_flights), handlers.clone());
-        acknowledged += run_counted(&db, &proxy, &worker, 8, |_| None).await.1;
-        let (sent, ran) = run_counted(&db, &proxy, &worker, 16, |_| None).await;
-        acknowledged += ran;
+    )
+}
+
+/// A leased job whose finish sends one UPDATE: five round trips with two flights where the
+/// engine sends nine — the claim (`BEGIN` + the take, then the claim's UPDATE + `COMMIT`, the
+/// evidence read with `BEGIN` or a marker riding in that message) and the finish (`BEGIN`, the
+/// finish's UPDATE, the completion + its check + `COMMIT`) — and each acknowledged finish's
+/// write in the database once.
+async fn leased_round_trips(db: Option<TestDb>, per_job: (u32, u32)) {
+    let Some(db) = db else { return };
+    let (proxy, pool) = counted(&db).await;
+    let counted = async |worker: &Worker, two_flights: bool, per_job: u32| {
+        let warm = run_counted(&db, &proxy, worker, 8, |_| None).await.1;
+        let (sent, ran) = run_counted(&db, &proxy, worker, 16, |_| None).await;
         assert_eq!(
             sent,
             16 * per_job,
             "two flights {two_flights}: round trips of 16 leased jobs"
         );
-    }
+        warm + ran
+    };
+    let acknowledged = both_paths(&pool, &leased_bump(), per_job, counted).await;
     assert_eq!(total_score(&db.db).await, acknowledged as i64);
 }
 
@@ -277,4 +297,48 @@ async fn failing_handler_in_a_batch(db: Option<TestDb>, _: ()) {
 servers::server_tests! {
     failing_handler_in_a_batch_postgres: failing_handler_in_a_batch, (), postgres;
     failing_handler_in_a_batch_mysql: failing_handler_in_a_batch, (), mysql;
+}
+
+/// A hot key's leased jobs, each finish claiming the key's next job (`Worker::run_until_idle`
+/// follows the chain): with two flights a job costs two round trips — `BEGIN` with the finish's
+/// UPDATE, then the completion, the promotion that claims the next job, the claimed job's read
+/// and `COMMIT` as one message — on PostgreSQL and MySQL/MariaDB alike; the engine sends four
+/// on PostgreSQL (the promotion rides in the completion) and five on MySQL/MariaDB (the
+/// completion and the promotion in one message, the claimed job's read after it). Counted as
+/// the difference between chains of 16 and 8 jobs (the first claim and the last look for work
+/// cost the same in both); each acknowledged finish's write in the database once.
+async fn chain_round_trips(db: Option<TestDb>, per_job: (u32, u32)) {
+    let Some(db) = db else { return };
+    let (proxy, pool) = counted(&db).await;
+    let counted = async |worker: &Worker, two_flights: bool, per_job: u32| {
+        let (mut sent, mut acknowledged) = (Vec::new(), 0);
+        for n in [8, 8, 8, 16] {
+            for i in 0..n {
+                let job = NewJob::new("bump", &(i % 5 + 1)).unwrap().key("hot");
+                jobs::enqueue(&db.db, job).await.unwrap();
+            }
+            let before = proxy.round_trips();
+            let runs = worker.run_until_idle().await.unwrap();
+            assert_eq!(runs.len(), n as usize, "{runs:?}");
+            for run in &runs {
+                assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
+            }
+            acknowledged += runs.len();
+            sent.push(proxy.round_trips() - before);
+        }
+        // The first chains prepare the statements (the last look for work's too).
+        assert_eq!(
+            sent[3] - sent[2],
+            8 * per_job,
+            "two flights {two_flights}: round trips of a chain of 16 against one of 8 ({sent:?})"
+        );
+        acknowledged
+    };
+    let acknowledged = both_paths(&pool, &leased_bump(), per_job, counted).await;
+    assert_eq!(total_score(&db.db).await, acknowledged as i64);
+}
+
+servers::server_tests! {
+    chain_round_trips_postgres: chain_round_trips, (3, 4), postgres;
+    chain_round_trips_mysql: chain_round_trips, (3, 5), mysql;
 }

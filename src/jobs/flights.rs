@@ -29,11 +29,12 @@
 //! on their rows makes them claim; nobody reads their replies). A leased job's finish goes the
 //! same way: its completion requires the claim, so a check that
 //! stops the message means the claim is gone, and the next attempt looks at it first and says
-//! why (lease lost or cancelled), as in the engine; a finish whose kind's finish sends nothing
-//! is `BEGIN` with the promotion (which claims the key's next job), the claim of that job on
-//! MySQL/MariaDB, then the completion and `COMMIT` — on PostgreSQL `BEGIN` with the
-//! transaction's id, then the completion, which promotes and claims, and `COMMIT`. Databases
-//! other than PostgreSQL and MySQL/MariaDB go through the engine.
+//! why (lease lost or cancelled), as in the engine. A finish whose kind's finish sends nothing
+//! is one message on MySQL/MariaDB: `BEGIN`, the marker, the completion, then the promotion that
+//! checks it and claims the key's next job (`store::Chained`, which stands for the check) and
+//! `COMMIT`; on PostgreSQL `BEGIN` with the transaction's id, then the completion, which
+//! promotes and claims, its check and `COMMIT`. Databases other than PostgreSQL and
+//! MySQL/MariaDB go through the engine.
 
 use std::sync::Arc;
 
@@ -237,26 +238,37 @@ async fn commit(
             .map(|_| Committed::Yes);
     };
     let completion = held.executed(&deferred.completion.statement());
-    let checked = held.executed(&check(backend, &deferred.ids, step.owner()));
+    let after = after(backend, &deferred, step.owner());
+    let checked: Option<Vec<_>> = after.iter().map(|stmt| held.executed(stmt)).collect();
     let readied = match (insert, completion, checked) {
         (Some(insert), Some(completion), Some(checked)) => {
-            let mut statements = Vec::with_capacity(5);
+            let mut statements = Vec::with_capacity(8);
             if !insert.is_empty() {
                 statements.push(insert);
             }
             statements.extend(completion.statements());
             // The completion's reply, before the check's statements.
             let at = statements.len() - 1;
-            statements.extend(checked.statements());
+            statements.extend(checked.into_iter().flat_map(|text| text.statements()));
             match end(step, held, Some(&deferred.ids), statements, evidence).await? {
                 Ended::Stopped => return Ok(Committed::Stopped),
                 Ended::Committed(mut replies) => {
-                    let reply = replies.get_mut(at).map(std::mem::take);
-                    let Reply { rows, affected } = reply.unwrap_or_default();
-                    match deferred.completion.read(rows, affected) {
-                        Ok(completed) => {
-                            step.claim_next(completed.claimed, deferred.chaining);
-                            completed.readied
+                    let mut reply = |i: usize| replies.get_mut(at + i).map(std::mem::take);
+                    let Reply { rows, affected } = reply(0).unwrap_or_default();
+                    let completed = match deferred.completion.chained() {
+                        // The promotion's count, and the claimed job's row.
+                        Some(chained) => {
+                            let readied = reply(2).unwrap_or_default().affected;
+                            let rows = reply(3).unwrap_or_default().rows;
+                            chained.claimed(&rows).map(|claimed| (readied, claimed))
+                        }
+                        None => (deferred.completion.read(rows, affected))
+                            .map(|completed| (completed.readied, completed.claimed)),
+                    };
+                    match completed {
+                        Ok((readied, claimed)) => {
+                            step.claim_next(claimed, deferred.chaining);
+                            readied
                         }
                         // Committed all the same: the worker only does not follow the key (a
                         // job claimed for it waits for its lease to expire).
@@ -276,6 +288,7 @@ async fn commit(
                 written.map_err(fail("marking the commit of"))?;
             }
             let statement = deferred.completion.statement();
+            let chained = deferred.completion.chained().cloned();
             let completed = match deferred.completion.returns() {
                 true => {
                     let rows = within(reply, held.conn().query_all_raw(statement)).await;
@@ -292,9 +305,26 @@ async fn commit(
             if completed.done < deferred.ids.len() as u64 {
                 return stopped(step, held, &deferred.ids, reply).await;
             }
+            let (readied, claimed) = match chained {
+                // Its check passes: the completion was counted above.
+                Some(chained) => {
+                    let conn = held.conn();
+                    let found = within(reply, conn.execute_raw(chained.find.clone())).await;
+                    found.map_err(fail("readying the next jobs of"))?;
+                    let promoted = within(reply, conn.execute_raw(chained.promote.clone())).await;
+                    let readied = promoted.map_err(fail("readying the next jobs of"))?;
+                    let rows = within(reply, conn.query_all_raw(chained.read.clone())).await;
+                    let rows = rows.map_err(fail("readying the next jobs of"))?;
+                    let claimed = chained
+                        .claimed(&rows)
+                        .map_err(fail("readying the next jobs of"))?;
+                    (readied.rows_affected(), claimed)
+                }
+                None => (completed.readied, completed.claimed),
+            };
             end(step, held, None, Vec::new(), evidence).await?;
-            step.claim_next(completed.claimed, deferred.chaining);
-            completed.readied
+            step.claim_next(claimed, deferred.chaining);
+            readied
         }
     };
     if readied == 1 {
@@ -353,26 +383,20 @@ async fn end(
     }
 }
 
-/// The check after the completion: a subquery of two rows (SQLSTATE 21000, which stops the
-/// message) unless every job of `ids` is done — with `owner` (a leased job's finish), done by
-/// that claim (the completion keeps its token; another claim's completion keeps its own).
-fn check(backend: DbBackend, ids: &[JobId], owner: Option<&str>) -> sea_orm::Statement {
-    use super::state::Stored::Done;
-    let list = vec!["?"; ids.len()].join(", ");
-    let by = if owner.is_some() {
-        " AND owner = ?"
-    } else {
-        ""
-    };
-    let sql = format!(
-        "SELECT (SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
-         WHERE (SELECT COUNT(*) FROM {JOB_TABLE} WHERE id IN ({list}) AND state = {Done}{by}) \
-         <> {}) AS freshlock_all_done",
-        ids.len()
-    );
-    let mut values: Vec<sea_orm::Value> = ids.iter().map(|&id| id.into()).collect();
-    values.extend(owner.map(sea_orm::Value::from));
-    crate::lock::sql::statement(backend, &sql, values)
+/// The statements after the completion: the check that it marked every job of `ids` done
+/// (`store::unless_done`: it stops the message otherwise) — or, for a finish's completion whose
+/// promotion follows it (`store::Chained`, MySQL/MariaDB), that promotion, which checks first.
+fn after(backend: DbBackend, deferred: &Deferred, owner: Option<&str>) -> Vec<sea_orm::Statement> {
+    if let Some(chained) = deferred.completion.chained() {
+        return vec![
+            chained.find.clone(),
+            chained.promote.clone(),
+            chained.read.clone(),
+        ];
+    }
+    let (unless_done, values) = store::unless_done(&deferred.ids, owner);
+    let sql = format!("SELECT {unless_done} AS freshlock_all_done");
+    vec![crate::lock::sql::statement(backend, &sql, values)]
 }
 
 /// The check stopped the message: rolls back and reads which of `ids` were asked to stop (one

@@ -14,7 +14,7 @@ use crate::{
 
 use super::{
     MAX_ERROR, Taken,
-    promote::{Claiming, claimed_in, promotion_within},
+    promote::{Chained, Claiming, chained, claimed_in, promotion_within},
 };
 
 /// What [`complete`] did.
@@ -51,6 +51,10 @@ pub(crate) async fn complete(
     claiming: Option<&Claiming<'_>>,
 ) -> Result<Completed, DbErr> {
     let completion = completion(txn, ids, stamps, promote, owner, claiming).await?;
+    #[cfg(feature = "mysql")]
+    if completion.chained.is_some() {
+        return complete_chained(txn, completion, ids.len() as u64, marker).await;
+    }
     if !completion.returns() {
         let done = match marker {
             Some(marker) => marked(txn, marker, &completion.sql, completion.values.clone()).await?,
@@ -81,6 +85,9 @@ pub(crate) struct Completion {
     /// Readied and claimed by a promotion of its own.
     readied: u64,
     claimed: Option<Taken>,
+    /// MySQL/MariaDB, a finish that claims: its promotion, sent after the statement.
+    #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+    chained: Option<Chained>,
 }
 
 /// The statement of [`complete`], its promotion sent first where it is not folded in.
@@ -94,7 +101,7 @@ pub(crate) async fn completion(
 ) -> Result<Completion, DbErr> {
     let backend = txn.get_database_backend();
     let folds = backend == DbBackend::Postgres && !promote.is_empty();
-    let (mut readied, mut claimed) = (0, None);
+    let (mut readied, mut claimed, mut chained_after) = (0, None, None);
     let mut values: Vec<Value> = Vec::with_capacity(promote.len() + ids.len());
     let mut sql = String::new();
     let mut returning: Vec<&str> = stamps.unwrap_or_default().to_vec();
@@ -105,6 +112,10 @@ pub(crate) async fn completion(
         sql = with;
         returning.extend(returned);
         values.extend(promoted);
+    } else if let (DbBackend::MySql, [key_hash], Some(claiming), Some(owner)) =
+        (backend, promote.as_slice(), claiming, owner)
+    {
+        chained_after = Some(chained(key_hash.clone(), ids, owner, claiming));
     } else if !promote.is_empty() {
         (readied, claimed) = super::promote_claiming(txn, promote, ids, claiming).await?;
     }
@@ -148,10 +159,17 @@ pub(crate) async fn completion(
         returning: returns.then(|| returning.join(", ")),
         readied,
         claimed,
+        chained: chained_after,
     })
 }
 
 impl Completion {
+    /// Its promotion that follows it, when it has one (see [`Chained`]).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) fn chained(&self) -> Option<&Chained> {
+        self.chained.as_ref()
+    }
+
     /// Whether the statement returns rows (else its reply is a count).
     pub(crate) fn returns(&self) -> bool {
         self.returning.is_some()
@@ -191,6 +209,93 @@ impl Completion {
             claimed,
         })
     }
+}
+
+/// An expression that is `NULL` when every job of `ids` is done — with `owner` (a leased job's
+/// finish), done by that claim (the completion keeps its token; another claim's completion
+/// keeps its own) — and fails otherwise: a subquery of two rows (SQLSTATE 21000 on PostgreSQL
+/// and MySQL/MariaDB), which stops a message of several statements before its `COMMIT`
+/// (`jobs/flights.rs`, [`Chained`]). Its values.
+pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Value>) {
+    let list = vec!["?"; ids.len()].join(", ");
+    let by = if owner.is_some() {
+        " AND owner = ?"
+    } else {
+        ""
+    };
+    let sql = format!(
+        "(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
+         WHERE (SELECT COUNT(*) FROM {JOB_TABLE} WHERE id IN ({list}) AND state = {Done}{by}) \
+         <> {})",
+        ids.len()
+    );
+    let mut values: Vec<Value> = ids.iter().map(|&id| id.into()).collect();
+    values.extend(owner.map(Value::from));
+    (sql, values)
+}
+
+/// [`complete`] with a [`Chained`] promotion (MySQL/MariaDB): `marker`'s INSERT, the completion
+/// and the promotion as one message when their values can be written in (else each bound, in
+/// order), then the read of the job it claimed when it readied one. Completes `jobs` jobs, or
+/// none when its check stopped it (the transaction must then roll back).
+#[cfg(feature = "mysql")]
+async fn complete_chained(
+    txn: &impl ConnectionTrait,
+    completion: Completion,
+    jobs: u64,
+    marker: Option<&Marker>,
+) -> Result<Completed, DbErr> {
+    let Some(chained) = completion.chained.clone() else {
+        return Err(DbErr::Custom("a completion without its promotion".into()));
+    };
+    let backend = txn.get_database_backend();
+    let mut statements = Vec::with_capacity(4);
+    statements.extend(marker.map(|marker| backend.build(&marker.insert(backend, true))));
+    statements.extend([
+        completion.statement(),
+        chained.find.clone(),
+        chained.promote.clone(),
+    ]);
+    let texts = statements.iter().map(crate::db::inline::statement_text);
+    let affected = match texts.collect::<Option<Vec<_>>>() {
+        Some(texts) => (txn.execute_unprepared(&texts.join("; ")).await).map(|r| r.rows_affected()),
+        None => bound_each(txn, statements).await,
+    };
+    let affected = match affected {
+        Ok(affected) => affected,
+        Err(e) if crate::db::failure::is_cardinality_violation(&e) => {
+            return completion.read(Vec::new(), 0);
+        }
+        Err(e) => return Err(e),
+    };
+    // The check passed: every job was completed; the marker's row and the promotion's count too.
+    let readied = affected
+        .checked_sub(jobs + u64::from(marker.is_some()))
+        .ok_or_else(|| DbErr::Custom(format!("the completion reported {affected} rows")))?;
+    let rows = match readied {
+        0 => Vec::new(),
+        _ => txn.query_all_raw(chained.read.clone()).await?,
+    };
+    let claimed = chained.claimed(&rows)?;
+    Ok(Completed {
+        row: None,
+        readied,
+        done: jobs,
+        claimed,
+    })
+}
+
+/// Sends `statements` one after another, bound: how many rows they changed in all.
+#[cfg(feature = "mysql")]
+async fn bound_each(
+    txn: &impl ConnectionTrait,
+    statements: Vec<sea_orm::Statement>,
+) -> Result<u64, DbErr> {
+    let mut affected = 0;
+    for statement in statements {
+        affected += txn.execute_raw(statement).await?.rows_affected();
+    }
+    Ok(affected)
 }
 
 /// The completion `sql` (`?` placeholders for `values`) after `marker`'s INSERT, on

@@ -21,9 +21,10 @@ use crate::{
 /// readied the next job, locked it again with a take and claimed it with an UPDATE of its own —
 /// three statements on one row. On PostgreSQL the promotion rides in the completion's statement
 /// and claims in its `SET` ([`Claiming::set`]), the claimed row coming back in the completion's
-/// own reply (see [`super::complete`]): none of the three is left. Elsewhere the read that finds
-/// the key's next job says whether it can be claimed, and one `UPDATE` claims or readies it
-/// ([`read_then_ready`]).
+/// own reply (see [`super::complete`]): none of the three is left. On MySQL/MariaDB the
+/// promotion follows the completion in its message, with the same `SET` ([`Chained`]). Elsewhere
+/// (SQLite, and a finish that only records a failure) the read that finds the key's next job
+/// says whether it can be claimed, and one `UPDATE` claims or readies it ([`read_then_ready`]).
 pub(crate) struct Claiming<'a> {
     /// The claim's owner token.
     pub(crate) owner: &'a str,
@@ -116,8 +117,8 @@ pub(crate) async fn promote_claiming(
 /// queued between the two (cancelled) is not readied, and the sweep readies its key's next.
 /// That is two statements where one was when a job waits behind the key (one when none does).
 ///
-/// Elsewhere for a claiming promotion that does not ride in a PostgreSQL completion (SQLite, or
-/// a leased job that failed for good): the read says which job it claimed.
+/// Elsewhere for a claiming promotion that rides in no completion (SQLite, or a leased job that
+/// failed for good): the read says which job it claimed.
 async fn read_then_ready(
     txn: &impl ConnectionTrait,
     key_hashes: Vec<Vec<u8>>,
@@ -125,12 +126,27 @@ async fn read_then_ready(
     claiming: Option<&Claiming<'_>>,
 ) -> Result<(u64, Option<Taken>), DbErr> {
     let backend = txn.get_database_backend();
-    let (heads, values) = heads(key_hashes, except);
     let now = now_ms(backend);
-    let sql = format!(
-        "SELECT id, kind, job_key, payload, attempts, {now} - run_at AS waited \
-         FROM {JOB_TABLE} WHERE id IN ({heads})"
-    );
+    let columns = format!("id, kind, job_key, payload, attempts, {now} - run_at AS waited");
+    let (sql, values) = match <[Vec<u8>; 1]>::try_from(key_hashes) {
+        // One key (a finish's): its head read directly — on MariaDB the derived table that
+        // `heads` needs for several keys is materialized first (0.26 ms against 0.17).
+        Ok([hash]) => {
+            let mut values = vec![Value::Bytes(Some(hash))];
+            values.extend(except.iter().map(|&id| Value::from(id)));
+            let sql = format!(
+                "SELECT {columns} FROM {JOB_TABLE} WHERE key_hash = ? AND state = {Queued}{} \
+                 ORDER BY id LIMIT 1",
+                not_in(except)
+            );
+            (sql, values)
+        }
+        Err(key_hashes) => {
+            let (heads, values) = heads(key_hashes, except);
+            let sql = format!("SELECT {columns} FROM {JOB_TABLE} WHERE id IN ({heads})");
+            (sql, values)
+        }
+    };
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
     let mut heads = (rows.iter())
         .map(|row| Taken::from_query_result(row, ""))
@@ -164,6 +180,77 @@ async fn read_then_ready(
         readied += (txn.execute_raw(statement(backend, &sql, values)).await?).rows_affected();
     }
     Ok((readied, claimed))
+}
+
+/// MySQL/MariaDB: a finish's promotion that claims ([`Claiming`]), sent after its completion
+/// in the same message — the engine's (`store::complete`) or a held transaction's last
+/// (`jobs/flights.rs`) — instead of [`read_then_ready`]'s read and `UPDATE` before it, each a
+/// round trip of its own:
+///
+/// 1. [`find`](Self::find): `SET @freshlock_head = COALESCE(<the check>, <the key's first
+///    queued job>)` — the check ([`super::unless_done`]) fails the statement (SQLSTATE 21000,
+///    which stops the message before its `COMMIT`) unless the completion marked its jobs done
+///    under the finish's claim; then the head is found by the same plain read as
+///    [`read_then_ready`]'s (it locks nothing and passes over uncommitted rows). A session
+///    variable carries the id to the next statement, as no `UPDATE` may read its own table.
+/// 2. [`promote`](Self::promote): claims the head by id, or readies it when it cannot be
+///    claimed ([`Claiming::set`], as on PostgreSQL), while it is still queued.
+/// 3. [`read`](Self::read): the claimed job's row, read back in the transaction (none when the
+///    head was readied, not claimed).
+///
+/// The completion's row is locked before the head's (the other order before): nothing locks a
+/// running job's row after a queued one's of its key, so neither order waits on the other.
+/// Measured on MariaDB (W3's table, statements one at a time): the read and the claim before
+/// the completion, plus the check after it, 0.45 ms more per finish than these.
+/// The variable stays set on the connection until the next such finish sets it again.
+#[derive(Clone)]
+#[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+pub(crate) struct Chained {
+    pub(crate) find: sea_orm::Statement,
+    pub(crate) promote: sea_orm::Statement,
+    pub(crate) read: sea_orm::Statement,
+}
+
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+impl Chained {
+    /// The job it claimed, from the `rows` of [`read`](Self::read).
+    pub(crate) fn claimed(&self, rows: &[QueryResult]) -> Result<Option<Taken>, DbErr> {
+        rows.first()
+            .map(|row| Taken::from_query_result(row, ""))
+            .transpose()
+    }
+}
+
+/// The [`Chained`] promotion of key `key_hash` after a completion of jobs `ids` under claim
+/// `owner`.
+pub(crate) fn chained(
+    key_hash: Vec<u8>,
+    ids: &[i64],
+    owner: &str,
+    claiming: &Claiming<'_>,
+) -> Chained {
+    let backend = DbBackend::MySql;
+    let (unless_done, mut values) = super::finish::unless_done(ids, Some(owner));
+    values.push(Value::Bytes(Some(key_hash)));
+    values.extend(ids.iter().map(|&id| Value::from(id)));
+    let find = format!(
+        "SET @freshlock_head = COALESCE({unless_done}, (SELECT id FROM {JOB_TABLE} \
+         WHERE key_hash = ? AND state = {Queued}{} ORDER BY id LIMIT 1))",
+        not_in(ids)
+    );
+    let (set, set_values) = claiming.set(backend);
+    let promote =
+        format!("UPDATE {JOB_TABLE} SET {set} WHERE id = @freshlock_head AND state = {Queued}");
+    let read = format!(
+        "SELECT {} FROM {JOB_TABLE} WHERE id = @freshlock_head AND state = {Leased} \
+         AND owner = ?",
+        claimed_columns(backend)
+    );
+    Chained {
+        find: statement(backend, &find, values),
+        promote: statement(backend, &promote, set_values),
+        read: statement(backend, &read, vec![claiming.owner.into()]),
+    }
 }
 
 /// The columns a promotion that claimed returns (a [`Taken`]: its attempts before this one).
