@@ -200,9 +200,10 @@ async fn read_then_ready(
 ///
 /// The completion's row is locked before the head's (the other order before): nothing locks a
 /// running job's row after a queued one's of its key, so neither order waits on the other.
-/// Measured on MariaDB (W3's table, statements one at a time): the read and the claim before
-/// the completion, plus the check after it, 0.45 ms more per finish than these.
-/// The variable stays set on the connection until the next such finish sets it again.
+/// A hot key's leased job is three round trips where it was five with two flights (its finish
+/// one message after `BEGIN` and its own statements), five where it was six on the engine
+/// (`tests/job_flights.rs` counts them). The variable stays set on the connection until the
+/// next such finish sets it again.
 #[derive(Clone)]
 #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
 pub(crate) struct Chained {
