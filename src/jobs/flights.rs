@@ -252,6 +252,21 @@ async fn commit(
             statements.extend(checked.into_iter().flat_map(|text| text.statements()));
             match end(step, held, Some(&deferred.ids), statements, evidence).await? {
                 Ended::Stopped => return Ok(Committed::Stopped),
+                // The replies were lost with the `COMMIT`'s: the job the promotion claimed (if
+                // any) is read by its claim's owner token, and the worker goes on with it.
+                Ended::Resolved => {
+                    if let Some((owner, _)) = &deferred.chaining {
+                        let db = step.cx.session.pool();
+                        match within(step.cx.reply(), store::claimed_by(db.connection(), owner))
+                            .await
+                        {
+                            Ok(claimed) => step.claim_next(claimed, deferred.chaining),
+                            // Committed all the same: it waits for its lease to expire.
+                            Err(e) => warn!(error = %e, "the claimed job could not be read"),
+                        }
+                    }
+                    0
+                }
                 Ended::Committed(mut replies) => {
                     let mut reply = |i: usize| replies.get_mut(at + i).map(std::mem::take);
                     let Reply { rows, affected } = reply(0).unwrap_or_default();
@@ -335,8 +350,10 @@ async fn commit(
 
 /// How [`end`] ended, when it did not fail.
 enum Ended {
-    /// Committed: the replies of the message's statements (none after a lost reply resolved).
+    /// Committed: the replies of the message's statements.
     Committed(Vec<Reply>),
+    /// Committed, known from the evidence after the reply was lost: no statement's reply.
+    Resolved,
     /// The check stopped the message (see [`stopped`]).
     Stopped,
 }
@@ -377,7 +394,7 @@ async fn end(
             // Closed first: the server ends the transaction if the COMMIT never came.
             drop(held);
             let resolved = resolve(step, evidence, e).await;
-            resolved.map(|_| Ended::Committed(Vec::new()))
+            resolved.map(|_| Ended::Resolved)
         }
         _ => Err(database("completing jobs in", &JOB_TABLE, e)),
     }

@@ -24,6 +24,8 @@ pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use lease::claim_statement;
 pub(crate) use lease::{claim, extend, hold, reclaim};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use promote::claimed_by;
 pub(crate) use promote::{Claimable, Claiming, promote, promote_claiming};
 pub(crate) use slot::{Tokens, acquire, forget_unused, leased_now, make_missing};
 pub(crate) use sweep::sweep;

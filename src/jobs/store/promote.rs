@@ -241,6 +241,28 @@ pub(crate) fn chained(
     }
 }
 
+/// The job a promotion claimed under `owner` (a token that claims one job, see
+/// `JobStep::chaining`), read on its own after the reply that carried it was lost with its
+/// `COMMIT`'s and the commit was resolved as made: the worker goes on with it instead of
+/// leaving it to wait for its lease to expire. `None` when the promotion claimed nothing (or
+/// the claim is gone: its lease expired and another worker took the job).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+pub(crate) async fn claimed_by(
+    db: &impl ConnectionTrait,
+    owner: &str,
+) -> Result<Option<Taken>, DbErr> {
+    let backend = db.get_database_backend();
+    let sql = format!(
+        "SELECT {} FROM {JOB_TABLE} WHERE state = {Leased} AND owner = ?",
+        claimed_columns(backend)
+    );
+    let row = db
+        .query_one_raw(statement(backend, &sql, vec![owner.into()]))
+        .await?;
+    row.map(|row| Taken::from_query_result(&row, ""))
+        .transpose()
+}
+
 /// The columns a promotion that claimed returns (a [`Taken`]: its attempts before this one).
 fn claimed_columns(backend: DbBackend) -> String {
     let now = now_ms(backend);
