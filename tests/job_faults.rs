@@ -190,6 +190,157 @@ async fn jobs_through_cuts(
     );
 }
 
+/// Keyed jobs as a worker's loop runs them (`Worker::run`), a key's next jobs chained: an
+/// in-transaction job's into its transaction, a leased job's claimed by its finish (on
+/// MySQL/MariaDB in the finish's own message, `store::Chained`), with every fourth `COMMIT`'s
+/// reply lost. `Worker::run` reports nothing per job, so what it acknowledged is counted where
+/// an operator sees it: the `freshlock_jobs_total{outcome=completed}` counter, which a worker
+/// increments once a job's transaction committed (or its lost reply was resolved as committed).
+/// Every job is done, each acknowledged once, each effect in the database once.
+#[cfg(feature = "metrics")]
+async fn chains_through_cuts(db: Option<TestDb>, leased: bool, two_flights: bool) {
+    let Some(db) = db else { return };
+    // The kind names the test: the counter is the process's, shared with other tests.
+    let kind = format!(
+        "chain-{:?}-{leased}-{two_flights}",
+        db.db.get_database_backend()
+    );
+    db.seed_nodes(3).await;
+    // Two hot keys and unkeyed jobs: a key's jobs wait behind its running one, so a worker's
+    // finish (or its transaction) goes on with the key's next.
+    for seq in 0..JOBS {
+        let node = seq % 3 + 1;
+        let job = NewJob::new(kind.as_str(), &node).unwrap();
+        let job = if node < 3 {
+            job.key(format!("node:{node}"))
+        } else {
+            job
+        };
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
+    let proxied = through(&proxy, &db, false).await;
+    proxy.cut_every(4);
+    let handlers = if leased {
+        let work =
+            |job: Job<i32>, _lease| async move { Ok::<_, freshlock::ApplyError>(job.payload) };
+        // No claim here waits out its lease: a job claimed by a finish whose reply was lost
+        // (the commit resolved as made) is read back by its claim's owner and runs at once.
+        let lease = Duration::from_secs(3600);
+        Jobs::new().handle_leased(
+            kind.as_str(),
+            RetryPolicy::default(),
+            lease,
+            work,
+            bump_output,
+        )
+    } else {
+        Jobs::new().handle(kind.as_str(), RetryPolicy::default(), bump_node)
+    };
+    let session = Session::builder(proxied)
+        .two_flights(two_flights)
+        .build()
+        .unwrap();
+    let completed_before = completed_counter(&kind);
+    let worker = Worker::new(session, handlers)
+        .with_poll(Duration::from_millis(5), Duration::from_millis(50));
+    let running: Vec<_> = (0..WORKERS)
+        .map(|_| job_support::run_in_background(worker.clone()))
+        .collect();
+    let done_sql = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+    while number(&db.db, done_sql).await < i64::from(JOBS) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the jobs did not finish"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // Each worker finishes the job it runs (its commit and its count included), then stops.
+    let mut ran = 0;
+    for (stop, task) in running {
+        let _ = stop.send(());
+        ran += task.await.unwrap();
+    }
+    let acknowledged = completed_counter(&kind) - completed_before;
+    eprintln!(
+        "chains (leased: {leased}, two flights: {two_flights}): {} cut; {ran} ran, {acknowledged} acknowledged",
+        proxy.cuts()
+    );
+    assert!(proxy.cuts() >= 5, "the proxy cut connections");
+    assert_eq!(number(&db.db, done_sql).await, i64::from(JOBS));
+    assert_eq!(
+        acknowledged,
+        u64::from(JOBS.unsigned_abs()),
+        "each job acknowledged exactly once"
+    );
+    assert_eq!(
+        job_support::total_score(&db.db).await,
+        i64::from(JOBS),
+        "every job's effect is in the database exactly once"
+    );
+}
+
+/// How many of `kind`'s jobs the process's workers counted completed
+/// (`freshlock_jobs_total{kind, outcome=completed}`), from a recorder this test binary installs
+/// once. A snapshot zeroes the recorder's counters, so every reading adds them up here.
+#[cfg(feature = "metrics")]
+fn completed_counter(kind: &str) -> u64 {
+    use std::{
+        collections::BTreeMap,
+        sync::{Mutex, OnceLock},
+    };
+
+    use metrics_util::debugging::{DebugValue, DebuggingRecorder, Snapshotter};
+
+    static SNAPSHOTS: OnceLock<Snapshotter> = OnceLock::new();
+    static TOTALS: Mutex<BTreeMap<String, u64>> = Mutex::new(BTreeMap::new());
+    let snapshotter = SNAPSHOTS.get_or_init(|| {
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        recorder
+            .install()
+            .expect("no other metrics recorder in this test binary");
+        snapshotter
+    });
+    let mut totals = TOTALS.lock().unwrap();
+    for (key, _, _, value) in snapshotter.snapshot().into_vec() {
+        let key = key.key();
+        let label = |name: &str| {
+            key.labels()
+                .find(|l| l.key() == name)
+                .map(|l| l.value().to_owned())
+        };
+        if let (DebugValue::Counter(n), Some(kind), Some("completed")) =
+            (value, label("kind"), label("outcome").as_deref())
+            && key.name() == freshlock::metrics::JOBS
+        {
+            *totals.entry(kind).or_default() += n;
+        }
+    }
+    totals.get(kind).copied().unwrap_or(0)
+}
+
+#[cfg(feature = "metrics")]
+async fn chained_cuts(db: Option<TestDb>) {
+    chains_through_cuts(db, false, false).await;
+}
+
+#[cfg(feature = "metrics")]
+async fn chained_cuts_two_flights(db: Option<TestDb>) {
+    chains_through_cuts(db, false, true).await;
+}
+
+#[cfg(feature = "metrics")]
+async fn leased_chained_cuts(db: Option<TestDb>) {
+    chains_through_cuts(db, true, false).await;
+}
+
+#[cfg(feature = "metrics")]
+async fn leased_chained_cuts_two_flights(db: Option<TestDb>) {
+    chains_through_cuts(db, true, true).await;
+}
+
 async fn lost_commit_replies(db: Option<TestDb>) {
     jobs_through_cuts(db, CutAfter::Commit, 4, false, false).await;
 }
@@ -315,4 +466,16 @@ on_databases! {
     job_takes_cut_two_flights_mysql: cut_after_the_take_two_flights, mysql;
     leased_commits_lost_two_flights_postgres: leased_lost_commit_replies_two_flights, postgres;
     leased_commits_lost_two_flights_mysql: leased_lost_commit_replies_two_flights, mysql;
+}
+
+#[cfg(feature = "metrics")]
+on_databases! {
+    job_chain_cuts_postgres: chained_cuts, postgres;
+    job_chain_cuts_mysql: chained_cuts, mysql;
+    job_chain_cuts_flights_postgres: chained_cuts_two_flights, postgres;
+    job_chain_cuts_flights_mysql: chained_cuts_two_flights, mysql;
+    leased_chain_cuts_postgres: leased_chained_cuts, postgres;
+    leased_chain_cuts_mysql: leased_chained_cuts, mysql;
+    leased_chain_cuts_flights_postgres: leased_chained_cuts_two_flights, postgres;
+    leased_chain_cuts_flights_mysql: leased_chained_cuts_two_flights, mysql;
 }
