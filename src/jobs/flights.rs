@@ -33,8 +33,10 @@
 //! is one message on MySQL/MariaDB: `BEGIN`, the marker, the completion, then the promotion that
 //! checks it and claims the key's next job (`store::Chained`, which stands for the check) and
 //! `COMMIT`; on PostgreSQL `BEGIN` with the transaction's id, then the completion, which
-//! promotes and claims, its check and `COMMIT`. Databases other than PostgreSQL and
-//! MySQL/MariaDB go through the engine.
+//! promotes and claims, its check and `COMMIT`. When that message's reply is lost and the
+//! evidence says it committed, the job its promotion claimed came back in no reply: it is read
+//! by its claim's owner token ([`store::claimed_by`]) and runs at once, not after its lease.
+//! Databases other than PostgreSQL and MySQL/MariaDB go through the engine.
 
 use std::sync::Arc;
 
