@@ -62,6 +62,22 @@ fn options_through(proxy: &Proxy, db: &TestDb, uncached: bool) -> sea_orm::Conne
     options
 }
 
+/// `nodes` nodes, and [`JOBS`] jobs of `kind` that bump them in turn: each node's jobs keyed
+/// by it, the last node's unkeyed.
+async fn enqueue_bumps(db: &TestDb, kind: &str, nodes: i32) {
+    db.seed_nodes(nodes).await;
+    for seq in 0..JOBS {
+        let node = seq % nodes + 1;
+        let job = NewJob::new(kind, &node).unwrap();
+        let job = if node < nodes {
+            job.key(format!("node:{node}"))
+        } else {
+            job
+        };
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+}
+
 async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
     let row = db
         .query_one_raw(Statement::from_string(db.get_database_backend(), sql))
@@ -81,17 +97,7 @@ async fn jobs_through_cuts(
     two_flights: bool,
 ) {
     let Some(db) = db else { return };
-    db.seed_nodes(5).await;
-    for seq in 0..JOBS {
-        let node = seq % 5 + 1;
-        let job = NewJob::new("bump", &node).unwrap();
-        let job = if node < 5 {
-            job.key(format!("node:{node}"))
-        } else {
-            job
-        };
-        jobs::enqueue(&db.db, job).await.unwrap();
-    }
+    enqueue_bumps(&db, "bump", 5).await;
     let proxy = Proxy::start(proxy::target(&db.url), cut).await;
     let proxied = through(&proxy, &db, cut == CutAfter::Reload).await;
     proxy.cut_every(every);
@@ -205,19 +211,9 @@ async fn chains_through_cuts(db: Option<TestDb>, leased: bool, two_flights: bool
         "chain-{:?}-{leased}-{two_flights}",
         db.db.get_database_backend()
     );
-    db.seed_nodes(3).await;
     // Two hot keys and unkeyed jobs: a key's jobs wait behind its running one, so a worker's
     // finish (or its transaction) goes on with the key's next.
-    for seq in 0..JOBS {
-        let node = seq % 3 + 1;
-        let job = NewJob::new(kind.as_str(), &node).unwrap();
-        let job = if node < 3 {
-            job.key(format!("node:{node}"))
-        } else {
-            job
-        };
-        jobs::enqueue(&db.db, job).await.unwrap();
-    }
+    enqueue_bumps(&db, &kind, 3).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let proxied = through(&proxy, &db, false).await;
     proxy.cut_every(4);
