@@ -339,7 +339,15 @@ fn promotion(
     let (set, mut values) = set_of(backend, claiming);
     let (heads, heads_values) = heads(key_hashes, except);
     values.extend(heads_values);
-    let sql = format!("UPDATE {JOB_TABLE} SET {set} WHERE id IN ({heads})");
+    // On PostgreSQL the heads' ids are read first (`ARRAY(…)`, run once) and their rows found
+    // by the primary key: as `id IN (…)` the planner joined the heads to a scan of the whole
+    // table (a hash semi-join, measured at 0.5 ms per completion with 2,000 jobs queued).
+    let sql = match backend {
+        DbBackend::Postgres => {
+            format!("UPDATE {JOB_TABLE} SET {set} WHERE id = ANY(ARRAY({heads}))")
+        }
+        _ => format!("UPDATE {JOB_TABLE} SET {set} WHERE id IN ({heads})"),
+    };
     (sql, values)
 }
 
