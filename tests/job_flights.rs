@@ -24,7 +24,7 @@ use freshlock::{
 };
 use job_support::{bump, bump_node, total_score};
 use proxy::{CutAfter, Proxy};
-use sea_orm::DatabaseConnection;
+use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use servers::{TestDb, databases};
 use tokio::sync::Notify;
 
@@ -96,8 +96,9 @@ async fn run_counted(
 /// A job whose handler sends one UPDATE: three round trips with two flights (`BEGIN` + the
 /// take, the UPDATE, the completion + `COMMIT`) where the engine sends five; a batch of eight
 /// is two plus its handlers'. A keyed job's completion readies its key's next job in the same
-/// statement on PostgreSQL; on MariaDB that promotion is a statement of its own (four). Each
-/// acknowledged job's effect is in the database once.
+/// statement on PostgreSQL; on MariaDB that promotion is a statement of its own (four). After
+/// the first jobs no transaction reads which statements its connection prepared (PostgreSQL).
+/// Each acknowledged job's effect is in the database once.
 async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
     let Some(db) = db else { return };
     let (proxy, pool) = counted(&db).await;
@@ -112,10 +113,20 @@ async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
         let worker = Worker::new(session(pool.clone(), two_flights), handlers.clone());
         let worker = worker.with_batch(batch);
         let key = |i: i32| keyed.then(|| format!("k{i}"));
-        // The first time prepares the statements.
-        acknowledged += run_counted(&db, &proxy, &worker, 8, key).await.1;
+        // The first time prepares the statements, the second reads which the connection has.
+        for _ in 0..2 {
+            acknowledged += run_counted(&db, &proxy, &worker, 8, key).await.1;
+        }
+        let listed = proxy.names_listed();
         let (sent, ran) = run_counted(&db, &proxy, &worker, 16, key).await;
         acknowledged += ran;
+        // Which statements the connection prepared is known after the first jobs: not read
+        // again (`db/prepared.rs`).
+        assert_eq!(
+            proxy.names_listed(),
+            listed,
+            "two flights {two_flights}, batch {batch}, keyed {keyed}: prepared statements read again"
+        );
         let batches = 16 / batch;
         assert_eq!(
             sent,
@@ -140,6 +151,54 @@ async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
 servers::server_tests! {
     round_trips_postgres: round_trips, 0, postgres;
     round_trips_mysql: round_trips, 1, mysql;
+}
+
+/// The statements freshlock prepared on a connection dropped behind its back (`DEALLOCATE`),
+/// three times: freshlock knows which the connection had without reading them on every
+/// transaction, so the next job's first statement finds its own gone, goes again with its
+/// `PREPARE`, and the names are read again with it (`db/prepared.rs`). Every job completes, no
+/// attempt fails on a statement freshlock thought prepared, and each write is in the table
+/// once (PostgreSQL: statements go by name only there).
+#[tokio::test]
+async fn statements_dropped_behind_freshlocks_back_are_prepared_again() {
+    let Some(db) = servers::postgres("job_flights_deallocated").await else {
+        return;
+    };
+    let (proxy, pool) = counted(&db).await;
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), bump_node);
+    let worker = Worker::new(session(pool.clone(), true), handlers);
+    let names = "SELECT name FROM pg_prepared_statements WHERE name LIKE 'freshlock\\_%'";
+    let mut acknowledged = 0;
+    for round in 0..4 {
+        let (sent, ran) = run_counted(&db, &proxy, &worker, 4, |_| None).await;
+        acknowledged += ran;
+        if round > 0 {
+            // Three a job, and the first take once more with its `PREPARE`: no attempt failed
+            // on a statement it thought prepared.
+            assert_eq!(sent, 4 * 3 + 1, "round trips after DEALLOCATE {round}");
+        }
+        if round == 3 {
+            break;
+        }
+        // On the pool's one connection, the one the jobs ran on.
+        let prepared = pool
+            .query_all_raw(Statement::from_string(DbBackend::Postgres, names))
+            .await
+            .expect("the names");
+        assert!(
+            prepared.len() >= 3,
+            "{} statements prepared",
+            prepared.len()
+        );
+        for row in prepared {
+            let name: String = row.try_get("", "name").expect("a name");
+            pool.execute_unprepared(&format!("DEALLOCATE {name}"))
+                .await
+                .expect("deallocate");
+        }
+    }
+    assert_eq!(total_score(&db.db).await, acknowledged as i64);
+    assert_eq!(acknowledged, 16);
 }
 
 /// Runs `counted` with a worker of `handlers` on `pool`, with two flights, then on the engine,

@@ -78,7 +78,8 @@ async fn increment(session: &Session, id: i32) -> freshlock::UpdateReport<node::
 
 /// Round trips per uncontended increment: two in two flights (versioned or not), four without;
 /// a write that finds no row, or changes nothing, is two as well (the reload, then `COMMIT`).
-/// The row holds every acknowledged increment once.
+/// After the warm-up no call reads which statements its connection prepared (PostgreSQL). The
+/// row holds every acknowledged increment once.
 ///
 /// `without`: the round trips of the same call without two flights — four on PostgreSQL; six on
 /// MariaDB (`SET TRANSACTION`, `BEGIN`, the reload, the marker and the UPDATE as one message,
@@ -97,7 +98,7 @@ async fn two_round_trips(db: Option<TestDb>, without: u32) {
             increment(&session, 1).await;
             acknowledged += 1;
         }
-        let before = proxy.round_trips();
+        let (before, listed) = (proxy.round_trips(), proxy.names_listed());
         for _ in 0..CALLS {
             let report = increment(&session, 1).await;
             assert!(matches!(report.outcome, UpdateOutcome::Updated(_)));
@@ -109,6 +110,13 @@ async fn two_round_trips(db: Option<TestDb>, without: u32) {
             sent,
             CALLS * per_call,
             "two_flights {two_flights}, versioned {versioned}: round trips of {CALLS} calls"
+        );
+        // Which statements the connection prepared is known after the warm-up: not read again
+        // (`db/prepared.rs`).
+        assert_eq!(
+            proxy.names_listed(),
+            listed,
+            "prepared statements read again"
         );
         if two_flights {
             let nodes = session.repository::<node::Entity>();

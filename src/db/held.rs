@@ -15,7 +15,7 @@
 //! transaction ended cleanly, and the server rolls back what it held.
 
 use std::sync::{
-    Mutex, PoisonError,
+    Arc, Mutex, PoisonError,
     atomic::{AtomicBool, Ordering},
 };
 
@@ -24,7 +24,7 @@ use sea_orm::{ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, Statem
 
 use super::{
     pinned::{Pinned, Reply},
-    prepared::{Prepared, Text},
+    prepared::{Known, Prepared, Text},
 };
 
 /// A transaction on a held connection (see the module docs).
@@ -49,14 +49,14 @@ pub(crate) struct Held {
 impl Held {
     /// A transaction on `conn`, begun by `begin` (not yet sent); `with_begin`: statements
     /// (values written in) to send in `BEGIN`'s message, whose replies
-    /// [`read_with_begin`](Self::read_with_begin) gives. `prepares`: freshlock's statements
-    /// go as `EXECUTE` of statements prepared on the connection (PostgreSQL, not behind a
-    /// transaction pooler, which would run them on other server connections).
+    /// [`read_with_begin`](Self::read_with_begin) gives. With `prepares` (the pool's), freshlock's
+    /// statements go as `EXECUTE` of statements prepared on the connection (PostgreSQL, not
+    /// behind a transaction pooler, which would run them on other server connections).
     pub(crate) fn new(
         conn: Pinned,
         begin: &'static str,
         with_begin: Option<String>,
-        prepares: bool,
+        prepares: Option<Arc<Known>>,
     ) -> Self {
         Self {
             conn,

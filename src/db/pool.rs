@@ -17,6 +17,9 @@ use std::{
 use sea_orm::{ConnectionTrait, DatabaseConnection, DbBackend, Statement};
 use tracing::debug;
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+use super::prepared::Known;
+
 /// A sea-orm connection pool and what freshlock keeps of it. Cheap to clone: clones share
 /// everything. Dereferences to the connection.
 #[derive(Clone, Debug)]
@@ -40,6 +43,9 @@ struct Inner {
     incarnation: Mutex<Option<(Arc<str>, Instant)>>,
     /// Commit markers written on this pool (see `commit/marker.rs`'s sweep).
     markers: AtomicU64,
+    /// freshlock's statements prepared on each connection, as last read (`prepared.rs`).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    prepared: Arc<Known>,
 }
 
 impl Deref for Pool {
@@ -72,6 +78,8 @@ impl Pool {
                 incarnation_table: OnceLock::new(),
                 incarnation: Mutex::new(None),
                 markers: AtomicU64::new(0),
+                #[cfg(any(feature = "postgres", feature = "mysql"))]
+                prepared: Arc::new(Known::new()),
             }),
         }
     }
@@ -94,6 +102,15 @@ impl Pool {
     #[cfg(feature = "postgres")]
     pub(crate) fn mark_transaction_pooled(&self) {
         self.inner.pooled.store(true, Ordering::Relaxed);
+    }
+
+    /// Which of freshlock's statements each connection prepared, when freshlock's statements go
+    /// by name on this pool (PostgreSQL, not behind a transaction pooler: `prepared.rs`).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(crate) fn prepares(&self) -> Option<Arc<Known>> {
+        let by_name =
+            self.get_database_backend() == DbBackend::Postgres && !self.transaction_pooled();
+        by_name.then(|| Arc::clone(&self.inner.prepared))
     }
 
     /// How many commit markers this pool's writes have written, this one included.

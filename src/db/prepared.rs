@@ -5,16 +5,38 @@
 //! message: a job's completion took 0.63 ms to plan cold, `freshlock_job` having many indexes,
 //! and 0.05 ms to run, and jobs in few flights ran at 0.70× of the engine's rate on loopback.
 //!
-//! Which names a connection has is read at the end of each transaction's first message
-//! ([`Prepared::begin`]); its first statement cannot know yet, so it goes as `EXECUTE` and, when
-//! the connection turns out not to have it (SQLSTATE 26000: the message stopped there), again
-//! after `ROLLBACK` and its `PREPARE` — one round trip, once per connection and statement (the
-//! server logs that error once). A `PREPARE` is not undone by a rollback.
+//! A transaction's first statement goes as `EXECUTE` before the transaction knows which names
+//! the connection has (they come with the first message's reply); when the connection turns out
+//! not to have it (SQLSTATE 26000: the message stopped there), it goes again after `ROLLBACK`
+//! and its `PREPARE` — one round trip, once per connection and statement (the server logs that
+//! error once). A `PREPARE` is not undone by a rollback.
+//!
+//! Which names a connection has is read from the server (`pg_prepared_statements`) only when
+//! the pool does not know it ([`Known`]): that read lists every statement the connection
+//! prepared, sqlx's too, with its text, and made on every transaction it took a tenth of the
+//! server's time in jobs of one `UPDATE` (`perf`, on loopback). A connection is
+//! known by a token in a setting of its session (`freshlock.conn`), given by the first message
+//! that finds none of this pool's there; the pool keeps, by token, the names last read from the
+//! connection. Where this could go wrong the names are read again, never guessed:
+//! - a token set in a transaction that rolls back is undone with it: the next first message
+//!   gives a new one and reads the names;
+//! - a transaction that prepares a statement forgets its connection's names (a `PREPARE`
+//!   written but never sent would otherwise count as made) and marks its token stale: the next
+//!   first message on the connection reads them (one whose token the pool dropped to keep its
+//!   lists short reads them in a message of its own);
+//! - a token of another pool or process (a session a pooler handed on) is replaced;
+//! - statements dropped behind freshlock's back (`DEALLOCATE ALL`): the first statement's
+//!   SQLSTATE 26000 sends it again with its `PREPARE` and reads the names with it. (Had only a
+//!   later statement's been dropped, its message would fail before its `COMMIT`: nothing of
+//!   it written, the call failing with the error — a job's attempt is retried as after any.)
 
 use std::{
-    collections::HashSet,
+    collections::{HashMap, HashSet},
     hash::{Hash, Hasher},
-    sync::{Mutex, PoisonError},
+    sync::{
+        Arc, Mutex, PoisonError,
+        atomic::{AtomicU64, Ordering},
+    },
 };
 
 use sea_orm::{DbErr, Statement};
@@ -25,19 +47,127 @@ use super::{
     pinned::{Pinned, Reply},
 };
 
-/// The statement a first message ends with: the names of freshlock's statements prepared on
-/// the connection.
-const NAMES: &str = "SELECT array_to_string(ARRAY(SELECT name FROM pg_prepared_statements \
-     WHERE name LIKE 'freshlock\\_%'), ' ') AS freshlock_prepared";
+/// The names of freshlock's statements prepared on the connection, as an expression.
+const NAMES: &str = "(SELECT array_to_string(ARRAY(SELECT name FROM pg_prepared_statements \
+     WHERE name LIKE 'freshlock\\_%'), ' '))";
+
+/// The session setting that holds a connection's token (see the module docs).
+const TOKEN: &str = "freshlock.conn";
+
+/// How many connections' names a pool keeps at most: tokens of connections closed since are
+/// never seen again, and all are dropped when there are more (each connection's names are then
+/// read once more).
+const KNOWN_AT_MOST: usize = 1024;
+
+/// How many stale tokens a pool keeps at most: each is written into every first message until
+/// its connection's names are read (a connection closed before that leaves its token there), so
+/// all are dropped when there are more (their names are then read in a message of their own).
+const STALE_AT_MOST: usize = 16;
+
+/// Which statements each connection of a pool prepared for freshlock, by the connection's
+/// token, as last read from it (see the module docs). Owned by the pool.
+#[derive(Debug)]
+pub(crate) struct Known {
+    /// The start of this pool's tokens (unique to the pool and the process).
+    nonce: String,
+    /// The next token's number.
+    next: AtomicU64,
+    by_token: Mutex<ByToken>,
+}
+
+/// What a pool knows of its connections, by token.
+#[derive(Debug, Default)]
+struct ByToken {
+    /// The names last read from each connection.
+    names: HashMap<String, Arc<HashSet<String>>>,
+    /// Connections that prepared a statement since: their names are read with the next `BEGIN`.
+    stale: HashSet<String>,
+}
+
+impl Known {
+    /// Nothing known yet.
+    pub(crate) fn new() -> Self {
+        Self {
+            nonce: crate::lock::holder::new_token(),
+            next: AtomicU64::new(0),
+            by_token: Mutex::default(),
+        }
+    }
+
+    /// A token no connection has yet.
+    fn fresh(&self) -> String {
+        format!(
+            "{}.{}",
+            self.nonce,
+            self.next.fetch_add(1, Ordering::Relaxed)
+        )
+    }
+
+    /// The statement a first message ends with: the connection's token, given `fresh` when it
+    /// has none of this pool's; the names it has, read when it was just given one, when its
+    /// token is stale, or `again`. (Tokens are hex digits, `-` and `.`: written in as they
+    /// are.)
+    fn statement(&self, fresh: &str, again: bool) -> String {
+        if again {
+            return format!(
+                "SELECT set_config('{TOKEN}', '{fresh}', false) AS freshlock_conn, \
+                 {NAMES} AS freshlock_prepared"
+            );
+        }
+        let nonce = &self.nonce;
+        let stale: String = (self.lock().stale.iter())
+            .map(|token| format!(", '{token}'"))
+            .collect();
+        format!(
+            "SELECT c AS freshlock_conn, CASE WHEN c IN ('{fresh}'{stale}) THEN {NAMES} END \
+             AS freshlock_prepared FROM (SELECT CASE WHEN current_setting('{TOKEN}', true) \
+             LIKE '{nonce}.%' THEN current_setting('{TOKEN}', true) \
+             ELSE set_config('{TOKEN}', '{fresh}', false) END AS c) AS t"
+        )
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ByToken> {
+        self.by_token.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The names last read from the connection of `token`.
+    fn get(&self, token: &str) -> Option<Arc<HashSet<String>>> {
+        self.lock().names.get(token).cloned()
+    }
+
+    /// Keeps `names` as read from the connection of `token`.
+    fn keep(&self, token: String, names: Arc<HashSet<String>>) {
+        let mut known = self.lock();
+        if known.names.len() >= KNOWN_AT_MOST && !known.names.contains_key(&token) {
+            known.names.clear();
+        }
+        known.stale.remove(&token);
+        known.names.insert(token, names);
+    }
+
+    /// Forgets the names of the connection of `token`, which prepares one more: read them with
+    /// its next `BEGIN`.
+    fn forget(&self, token: &str) {
+        let mut known = self.lock();
+        known.names.remove(token);
+        if known.stale.len() >= STALE_AT_MOST {
+            known.stale.clear();
+        }
+        known.stale.insert(token.to_owned());
+    }
+}
 
 /// The statements a connection has prepared for freshlock (see the module docs), as one
 /// transaction on it knows them.
 #[derive(Debug, Default)]
 pub(crate) struct Prepared {
-    /// Whether statements go as `EXECUTE` (else as plain text).
-    on: bool,
-    /// The names the connection has: read with `BEGIN`, and those the messages prepare.
+    /// The pool's names by connection, when statements go as `EXECUTE` (else as plain text).
+    known: Option<Arc<Known>>,
+    /// The names the connection has: read or known with `BEGIN`, and those the messages
+    /// prepare.
     names: Mutex<HashSet<String>>,
+    /// The connection's token, once `BEGIN`'s message read it.
+    token: Mutex<Option<String>>,
 }
 
 /// A statement as a message sends it.
@@ -57,23 +187,25 @@ impl Text {
 }
 
 impl Prepared {
-    /// Statements by name when `on` (PostgreSQL, not behind a transaction pooler), else as text.
-    pub(crate) fn new(on: bool) -> Self {
+    /// Statements by name with `known`, the pool's (PostgreSQL, not behind a transaction
+    /// pooler), else as text.
+    pub(crate) fn new(known: Option<Arc<Known>>) -> Self {
         Self {
-            on,
+            known,
             names: Mutex::default(),
+            token: Mutex::default(),
         }
     }
 
     /// `stmt` as a message sends it, its values written in, or `None` when one cannot be.
     pub(crate) fn text(&self, stmt: &Statement) -> Option<Text> {
         let text = statement_text(stmt)?;
-        if !self.on {
+        let Some(known) = &self.known else {
             return Some(Text {
                 prepare: None,
                 text,
             });
-        }
+        };
         let types = types(stmt)?;
         let mut hasher = std::collections::hash_map::DefaultHasher::new();
         (&stmt.sql, &types).hash(&mut hasher);
@@ -96,6 +228,11 @@ impl Prepared {
             0 => format!("PREPARE {name} AS {}", stmt.sql),
             _ => format!("PREPARE {name} ({types}) AS {}", stmt.sql),
         });
+        if prepare.is_some()
+            && let Some(token) = &*self.token.lock().unwrap_or_else(PoisonError::into_inner)
+        {
+            known.forget(token);
+        }
         Some(Text { prepare, text })
     }
 
@@ -143,9 +280,8 @@ impl Prepared {
         if let Some(with) = with {
             statements.push(with);
         }
-        if self.on {
-            statements.push(NAMES);
-        }
+        let token = (self.known.as_ref()).map(|known| known.statement(&known.fresh(), again));
+        statements.extend(token.as_deref());
         let mut replies = conn
             .flight(statements.join("; "))
             .await?
@@ -156,17 +292,47 @@ impl Prepared {
             None => None,
         };
         let mut rest: Vec<Reply> = replies.collect();
-        if self.on {
-            let names = rest.pop().ok_or_else(short)?;
-            let names = (names.rows.first())
-                .map(|row| row.try_get::<String>("", "freshlock_prepared"))
-                .transpose()?
-                .unwrap_or_default();
-            *self.names.lock().unwrap_or_else(PoisonError::into_inner) =
-                names.split_whitespace().map(str::to_owned).collect();
+        if let Some(known) = &self.known {
+            let reply = rest.pop().ok_or_else(short)?;
+            let row = reply.rows.first().ok_or_else(short)?;
+            let token: String = row.try_get("", "freshlock_conn")?;
+            let read: Option<String> = row.try_get("", "freshlock_prepared")?;
+            let names = match read {
+                Some(read) => {
+                    let names = Arc::new(read.split_whitespace().map(str::to_owned).collect());
+                    known.keep(token.clone(), Arc::clone(&names));
+                    names
+                }
+                None => match known.get(&token) {
+                    Some(names) => names,
+                    None => {
+                        let names = read_names(conn).await?;
+                        known.keep(token.clone(), Arc::clone(&names));
+                        names
+                    }
+                },
+            };
+            *self.names.lock().unwrap_or_else(PoisonError::into_inner) = (*names).clone();
+            *self.token.lock().unwrap_or_else(PoisonError::into_inner) = Some(token);
         }
         Ok((first, rest))
     }
+}
+
+/// The names of freshlock's statements prepared on `conn`, read in a message of their own
+/// (its token is this pool's, but the pool does not know them: see the module docs).
+async fn read_names(conn: &Pinned) -> Result<Arc<HashSet<String>>, DbErr> {
+    let reply = conn
+        .flight(format!("SELECT {NAMES} AS freshlock_prepared"))
+        .await?;
+    let reply = reply.into_iter().next().ok_or_else(short)?;
+    let names = (reply.rows.first())
+        .map(|row| row.try_get::<String>("", "freshlock_prepared"))
+        .transpose()?
+        .unwrap_or_default();
+    Ok(Arc::new(
+        names.split_whitespace().map(str::to_owned).collect(),
+    ))
 }
 
 /// The types of `stmt`'s parameters as its `PREPARE` names them: those sqlx binds its values
@@ -189,4 +355,79 @@ fn types(_: &Statement) -> Option<String> {
 /// whose error the message reports instead).
 pub(crate) fn short() -> DbErr {
     DbErr::Custom("a message's reply answered fewer statements than it sent".into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn names(names: &[&str]) -> Arc<HashSet<String>> {
+        Arc::new(names.iter().map(|name| (*name).to_owned()).collect())
+    }
+
+    #[test]
+    fn a_pools_tokens_are_its_own_and_never_the_same() {
+        let (one, other) = (Known::new(), Known::new());
+        let (a, b) = (one.fresh(), one.fresh());
+        assert_ne!(a, b);
+        assert!(a.starts_with(&format!("{}.", one.nonce)));
+        assert!(!other.fresh().starts_with(&format!("{}.", one.nonce)));
+        // Written into SQL as they are.
+        assert!(
+            a.chars()
+                .all(|c| c.is_ascii_hexdigit() || c == '-' || c == '.')
+        );
+    }
+
+    #[test]
+    fn a_connection_that_prepares_has_its_names_read_with_its_next_begin() {
+        let known = Known::new();
+        known.keep("t.1".into(), names(&["freshlock_a"]));
+        assert_eq!(known.get("t.1"), Some(names(&["freshlock_a"])));
+        assert!(!known.statement("t.9", false).contains("'t.1'"));
+        known.forget("t.1");
+        assert_eq!(known.get("t.1"), None, "not trusted once it prepared");
+        assert!(known.statement("t.9", false).contains("IN ('t.9', 't.1')"));
+        known.keep("t.1".into(), names(&["freshlock_a", "freshlock_b"]));
+        assert!(
+            !known.statement("t.9", false).contains("'t.1'"),
+            "read: not stale"
+        );
+    }
+
+    #[test]
+    fn what_a_pool_keeps_is_bounded() {
+        let known = Known::new();
+        for n in 0..KNOWN_AT_MOST + 1 {
+            known.keep(format!("t.{n}"), names(&[]));
+        }
+        assert_eq!(
+            known.lock().names.len(),
+            1,
+            "dropped when full, then the newest"
+        );
+        for n in 0..STALE_AT_MOST + 1 {
+            known.forget(&format!("t.{n}"));
+        }
+        assert_eq!(known.lock().stale.len(), 1);
+        assert_eq!(known.get(&format!("t.{STALE_AT_MOST}")), None);
+    }
+
+    #[test]
+    fn a_statement_made_after_begin_forgets_the_connections_names() {
+        let known = Arc::new(Known::new());
+        known.keep("t.1".into(), names(&[]));
+        let prepared = Prepared::new(Some(Arc::clone(&known)));
+        *prepared.token.lock().unwrap() = Some("t.1".into());
+        let stmt = Statement::from_sql_and_values(
+            sea_orm::DbBackend::Postgres,
+            "SELECT 1 WHERE $1 = 1",
+            [1i32.into()],
+        );
+        let text = prepared.text(&stmt).expect("written in");
+        assert!(text.prepare.is_some());
+        assert_eq!(known.get("t.1"), None);
+        // Made once: the same statement again is only executed.
+        assert!(prepared.text(&stmt).expect("written in").prepare.is_none());
+    }
 }

@@ -116,8 +116,7 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
         _ => None,
     };
     // freshlock's statements prepared on the connection, unless a pooler shares it.
-    let prepares = db.get_database_backend() == DbBackend::Postgres && !db.transaction_pooled();
-    let held = Arc::new(Held::new(conn, begin, with_begin, prepares));
+    let held = Arc::new(Held::new(conn, begin, with_begin, db.prepares()));
     step.plan = plan;
     step.deferred = None;
     let (txn, worked) = step.run_on(Txn::Held(Arc::clone(&held))).await;

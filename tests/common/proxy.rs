@@ -104,6 +104,8 @@ struct Counters {
     /// server (messages a client sends without waiting in between are one round trip), not
     /// counting pings (PostgreSQL: a `Sync` alone; MySQL: `COM_PING`).
     messages: AtomicU32,
+    /// Replies that listed statements freshlock prepared (see [`Proxy::names_listed`]).
+    names: AtomicU32,
     /// Instead of cutting, black-hole the connection: after the message, nothing passes either
     /// way and both sockets stay open (no FIN, no RST), as behind a firewall that forgot it.
     hole: std::sync::atomic::AtomicBool,
@@ -137,6 +139,7 @@ impl Proxy {
             seen: AtomicU32::new(0),
             cuts: AtomicU32::new(0),
             messages: AtomicU32::new(0),
+            names: AtomicU32::new(0),
             hole: std::sync::atomic::AtomicBool::new(false),
             limit: AtomicU32::new(u32::MAX),
         });
@@ -186,6 +189,12 @@ impl Proxy {
     /// Takes the "server" down (every connection dropped, new ones closed at once) or back up.
     pub fn set_down(&self, down: bool) {
         self.counters.down.send_replace(down);
+    }
+
+    /// How many replies so far listed the names of statements freshlock prepared on their
+    /// connection (`freshlock_` and 16 hex digits): PostgreSQL's `pg_prepared_statements` read.
+    pub fn names_listed(&self) -> u32 {
+        self.counters.names.load(Ordering::SeqCst)
     }
 
     /// How many round trips the clients' statements made so far (see `Counters::messages`).
@@ -326,9 +335,23 @@ async fn forward(
                 }
                 client.write_all(&down[..n]).await?;
                 replied = true;
+                if lists_prepared_names(&down[..n]) {
+                    counters.names.fetch_add(1, Ordering::SeqCst);
+                }
             }
         }
     }
+}
+
+/// Whether a reply holds the name of a statement freshlock prepared: `freshlock_` and 16 hex
+/// digits.
+fn lists_prepared_names(chunk: &[u8]) -> bool {
+    const PREFIX: &[u8] = b"freshlock_";
+    chunk.windows(PREFIX.len() + 16).any(|window| {
+        window.starts_with(PREFIX)
+            && (window[PREFIX.len()..].iter())
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+    })
 }
 
 /// `options` whose sessions the server ends once they sit in a transaction for a second (what

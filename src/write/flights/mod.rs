@@ -171,7 +171,7 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
     });
     let folded = folded.flatten();
     // The reload and the UPDATE by name where the connection prepares them (`prepared.rs`).
-    let prepared = Prepared::new(backend == DbBackend::Postgres && !db.transaction_pooled());
+    let prepared = Prepared::new(db.prepares());
     let reload = reload_statement::<E>(step, backend, stamps, folded.as_ref());
     let Some(reload) = reload.and_then(|reload| prepared.text(&reload)) else {
         // Nothing begun on it yet (`applies` checked the key, so this does not happen).
