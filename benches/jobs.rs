@@ -15,7 +15,8 @@
 //! `FRESHLOCK_BENCH_ONLY=w1` (or `w2`, `w3`) only that one, `FRESHLOCK_BENCH_ROWS=100` W2 on
 //! that many rows (default 1,000; count deadlocks in the server's log or `Innodb_deadlocks`),
 //! `FRESHLOCK_BENCH_RUNS=10` W2 that many times, `FRESHLOCK_BENCH_FORM=leased` (or `tx`) W3
-//! in that form only, `FRESHLOCK_BENCH_PING=1` with sqlx's
+//! in that form only, `FRESHLOCK_BENCH_FLIGHTS=1` (or `0`) W2 and W3 in two flights (or on the
+//! engine) only, `FRESHLOCK_BENCH_PING=1` with sqlx's
 //! checkout ping on (off by default, as README's *Reliability* recommends),
 //! `FRESHLOCK_BENCH_DELAY_US=1000` every connection through a link adding that many
 //! microseconds each way (`tests/common/delay.rs`, as the floor's). The databases' `node` and
@@ -48,6 +49,16 @@ use workload::percentile_ms;
 /// Whether workload `name` runs: `FRESHLOCK_BENCH_ONLY` names one (`w1`, `w2`, `w3`), or all.
 fn only(name: &str) -> bool {
     std::env::var("FRESHLOCK_BENCH_ONLY").map_or(true, |only| only.eq_ignore_ascii_case(name))
+}
+
+/// Whether W2 and W3 run on the engine, in two flights, or both: `FRESHLOCK_BENCH_FLIGHTS=1`
+/// (two flights only) or `0` (the engine only), else both.
+fn flight_forms() -> Vec<bool> {
+    match std::env::var("FRESHLOCK_BENCH_FLIGHTS").as_deref() {
+        Ok("1") => vec![true],
+        Ok("0") => vec![false],
+        _ => vec![false, true],
+    }
 }
 
 /// W3's forms (leased or not): `FRESHLOCK_BENCH_FORM` names one (`leased`, `tx`), or both.
@@ -148,7 +159,7 @@ async fn main() {
             for _ in 0..runs() {
                 for form in [Form::Update, Form::Locked, Form::Leased] {
                     for batch in [1, 32] {
-                        for two_flights in [false, true] {
+                        for two_flights in flight_forms() {
                             updates(&db, scaled(5_000), 8, batch, form, two_flights).await;
                         }
                     }
@@ -157,7 +168,7 @@ async fn main() {
         }
         if only("w3") {
             for leased in w3_forms() {
-                for two_flights in [false, true] {
+                for two_flights in flight_forms() {
                     skewed(&db, leased, two_flights).await;
                 }
             }
