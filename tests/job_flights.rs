@@ -117,14 +117,14 @@ async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
         for _ in 0..2 {
             acknowledged += run_counted(&db, &proxy, &worker, 8, key).await.1;
         }
-        let listed = proxy.names_listed();
+        let (listed, asked) = (proxy.names_listed(), proxy.names_asked());
         let (sent, ran) = run_counted(&db, &proxy, &worker, 16, key).await;
         acknowledged += ran;
         // Which statements the connection prepared is known after the first jobs: not read
-        // again (`db/prepared.rs`).
+        // again, nor asked for (`db/prepared.rs`).
         assert_eq!(
-            proxy.names_listed(),
-            listed,
+            (proxy.names_listed(), proxy.names_asked()),
+            (listed, asked),
             "two flights {two_flights}, batch {batch}, keyed {keyed}: prepared statements read again"
         );
         let batches = 16 / batch;

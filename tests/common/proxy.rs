@@ -106,6 +106,8 @@ struct Counters {
     messages: AtomicU32,
     /// Replies that listed statements freshlock prepared (see [`Proxy::names_listed`]).
     names: AtomicU32,
+    /// Client messages that asked for them (see [`Proxy::names_asked`]).
+    asked: AtomicU32,
     /// Instead of cutting, black-hole the connection: after the message, nothing passes either
     /// way and both sockets stay open (no FIN, no RST), as behind a firewall that forgot it.
     hole: std::sync::atomic::AtomicBool,
@@ -140,6 +142,7 @@ impl Proxy {
             cuts: AtomicU32::new(0),
             messages: AtomicU32::new(0),
             names: AtomicU32::new(0),
+            asked: AtomicU32::new(0),
             hole: std::sync::atomic::AtomicBool::new(false),
             limit: AtomicU32::new(u32::MAX),
         });
@@ -195,6 +198,13 @@ impl Proxy {
     /// connection (`freshlock_` and 16 hex digits): PostgreSQL's `pg_prepared_statements` read.
     pub fn names_listed(&self) -> u32 {
         self.counters.names.load(Ordering::SeqCst)
+    }
+
+    /// How many client messages so far asked the server which statements their connection
+    /// prepared (named `pg_prepared_statements`), read or not: the server plans the read in
+    /// every message that names it.
+    pub fn names_asked(&self) -> u32 {
+        self.counters.asked.load(Ordering::SeqCst)
     }
 
     /// How many round trips the clients' statements made so far (see `Counters::messages`).
@@ -281,6 +291,9 @@ async fn forward(
                 let ping = chunk == b"S\0\0\0\x04" || chunk == b"\x01\0\0\0\x0e";
                 if std::mem::take(&mut replied) && !ping {
                     counters.messages.fetch_add(1, Ordering::SeqCst);
+                }
+                if (chunk.windows(22)).any(|window| window == b"pg_prepared_statements") {
+                    counters.asked.fetch_add(1, Ordering::SeqCst);
                 }
                 let every = counters.every.load(Ordering::SeqCst);
                 let under_limit =
