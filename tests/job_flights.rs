@@ -97,7 +97,8 @@ async fn run_counted(
 /// take, the UPDATE, the completion + `COMMIT`) where the engine sends five; a batch of eight
 /// is two plus its handlers'. A keyed job's completion readies its key's next job in the same
 /// statement on PostgreSQL; on MariaDB that promotion is a statement of its own (four). After
-/// the first jobs no transaction reads which statements its connection prepared (PostgreSQL).
+/// the first jobs no transaction reads, or asks for, which statements its connection prepared
+/// (PostgreSQL).
 /// Each acknowledged job's effect is in the database once.
 async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
     let Some(db) = db else { return };

@@ -292,7 +292,8 @@ async fn forward(
                 if std::mem::take(&mut replied) && !ping {
                     counters.messages.fetch_add(1, Ordering::SeqCst);
                 }
-                if (chunk.windows(22)).any(|window| window == b"pg_prepared_statements") {
+                const ASKS: &[u8] = b"pg_prepared_statements";
+                if (chunk.windows(ASKS.len())).any(|window| window == ASKS) {
                     counters.asked.fetch_add(1, Ordering::SeqCst);
                 }
                 let every = counters.every.load(Ordering::SeqCst);
