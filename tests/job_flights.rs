@@ -428,3 +428,35 @@ servers::server_tests! {
     chain_round_trips_postgres: chain_round_trips, (3, 4), postgres;
     chain_round_trips_mysql: chain_round_trips, (3, 5), mysql;
 }
+
+/// Without `freshlock_incarnation` a PostgreSQL transaction's evidence is a marker whose INSERT
+/// rides in its last message: a leased finish that sends nothing sends nothing before that
+/// message either. Its statements go by name, and the names the connection has are read with
+/// `BEGIN`: four round trips a job, as with the table (its finish once sent
+/// `PREPARE` for statements the connection had, 42P05, and failed every time after the first
+/// jobs). Every acknowledged job is done once.
+async fn quiet_finish_with_markers(db: Option<TestDb>, per_job: u32) {
+    let Some(db) = db else { return };
+    let drop = "DROP TABLE freshlock_incarnation";
+    db.db.execute_unprepared(drop).await.unwrap();
+    let (proxy, pool) = counted(&db).await;
+    let handlers = Jobs::new().handle_leased(
+        "bump",
+        RetryPolicy::default(),
+        std::time::Duration::from_secs(30),
+        async |job: Job<i32>, _lease: jobs::Lease| Ok(job.payload),
+        async |_tx: &freshlock::Tx, _job: Job<i32>, _node: &i32| Ok(()),
+    );
+    let worker = Worker::new(session(pool, true), handlers);
+    let warm = run_counted(&db, &proxy, &worker, 8, |_| None).await.1;
+    let (sent, ran) = run_counted(&db, &proxy, &worker, 16, |_| None).await;
+    assert_eq!(sent, 16 * per_job, "round trips of 16 leased jobs");
+    let done = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    assert_eq!(job_support::number(&db.db, done).await, (warm + ran) as i64);
+    let markers = "SELECT COUNT(*) FROM freshlock_commit";
+    assert!(job_support::number(&db.db, markers).await > 0, "markers");
+}
+
+servers::server_tests! {
+    quiet_finish_with_markers_postgres: quiet_finish_with_markers, 4, postgres;
+}

@@ -74,6 +74,13 @@ impl Held {
         self.begun.load(Ordering::SeqCst)
     }
 
+    /// Whether its statements go by name ([`executed`](Self::executed)) and the transaction
+    /// was not begun: the names the connection has are read with `BEGIN`, and until then a
+    /// statement would be prepared again.
+    pub(crate) fn names_unread(&self) -> bool {
+        !self.begun() && self.prepared.by_name()
+    }
+
     /// The text that begins the transaction when it was not begun yet, for its owner to send
     /// first in a message of its own (the transaction counts as begun from here).
     pub(crate) fn unbegun(&self) -> Option<&'static str> {

@@ -220,6 +220,11 @@ impl Prepared {
         }
     }
 
+    /// Whether statements go as `EXECUTE` of statements prepared on the connection.
+    pub(crate) fn by_name(&self) -> bool {
+        self.known.is_some()
+    }
+
     /// `stmt` as a message sends it, its values written in, or `None` when one cannot be.
     pub(crate) fn text(&self, stmt: &Statement) -> Option<Text> {
         let text = statement_text(stmt)?;

@@ -238,6 +238,12 @@ async fn commit(
             .await
             .map(|_| Committed::Yes);
     };
+    // Statements by name need the names the connection has, read with `BEGIN`: a transaction
+    // nothing was sent in yet (a leased finish that sent nothing, its evidence a marker that
+    // rides) begins first, or its message would `PREPARE` again what the connection has.
+    if held.names_unread() {
+        (held.begun_before().await).map_err(fail("beginning the transaction for"))?;
+    }
     let completion = held.executed(&deferred.completion.statement());
     let after = after(backend, &deferred, step.owner());
     let checked: Option<Vec<_>> = after.iter().map(|stmt| held.executed(stmt)).collect();
