@@ -87,15 +87,28 @@ async fn number(db: &DatabaseConnection, sql: &str) -> i64 {
     row.try_get_by_index::<Option<i64>>(0).unwrap().unwrap_or(0)
 }
 
+/// How the storm's jobs run.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Form {
+    /// In the job's transaction, bumping a node.
+    InTx,
+    /// Leased, the finish bumping the node.
+    Leased,
+    /// Leased, the finish sending nothing: its transaction is its last message alone with two
+    /// flights (on PostgreSQL a commit marker rides in it, not the transaction's id).
+    Quiet,
+}
+
 /// `two_flights`: the session's jobs in few round trips (`SessionBuilder::two_flights`: the take
 /// in `BEGIN`'s message, the completion in `COMMIT`'s).
 async fn jobs_through_cuts(
     db: Option<TestDb>,
     cut: CutAfter,
     every: u32,
-    leased: bool,
+    form: Form,
     two_flights: bool,
 ) {
+    let leased = form != Form::InTx;
     let Some(db) = db else { return };
     enqueue_bumps(&db, "bump", 5).await;
     let proxy = Proxy::start(proxy::target(&db.url), cut).await;
@@ -106,7 +119,18 @@ async fn jobs_through_cuts(
         let work =
             |job: Job<i32>, _lease| async move { Ok::<_, freshlock::ApplyError>(job.payload) };
         let lease = Duration::from_secs(1);
-        Jobs::new().handle_leased("bump", RetryPolicy::default(), lease, work, bump_output)
+        match form {
+            Form::Quiet => Jobs::new().handle_leased(
+                "bump",
+                RetryPolicy::default(),
+                lease,
+                work,
+                async |_tx: &freshlock::Tx, _job: Job<i32>, _node: &i32| Ok(()),
+            ),
+            _ => {
+                Jobs::new().handle_leased("bump", RetryPolicy::default(), lease, work, bump_output)
+            }
+        }
     } else {
         Jobs::new().handle("bump", RetryPolicy::default(), bump_node)
     };
@@ -179,7 +203,7 @@ async fn jobs_through_cuts(
         unknown.load(Ordering::SeqCst),
     );
     eprintln!(
-        "{cut:?} (leased: {leased}, two flights: {two_flights}): {} cut; {acknowledged} acknowledged, {unknown} unknown",
+        "{cut:?} ({form:?}, two flights: {two_flights}): {} cut; {acknowledged} acknowledged, {unknown} unknown",
         proxy.cuts()
     );
     assert!(proxy.cuts() >= 5, "the proxy cut connections");
@@ -189,9 +213,11 @@ async fn jobs_through_cuts(
         acknowledged, JOBS as u32,
         "each job acknowledged exactly once"
     );
+    // A quiet finish has no effect but its completion, counted above.
+    let effects = if form == Form::Quiet { 0 } else { JOBS };
     assert_eq!(
         number(&db.db, sum).await,
-        i64::from(JOBS),
+        i64::from(effects),
         "every job's effect is in the database exactly once"
     );
 }
@@ -338,21 +364,21 @@ async fn leased_chained_cuts_two_flights(db: Option<TestDb>) {
 }
 
 async fn lost_commit_replies(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4, false, false).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, Form::InTx, false).await;
 }
 
 async fn cut_after_the_take(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Reload, 5, false, false).await;
+    jobs_through_cuts(db, CutAfter::Reload, 5, Form::InTx, false).await;
 }
 
 async fn leased_lost_commit_replies(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4, true, false).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, Form::Leased, false).await;
 }
 
 /// The completion's `COMMIT` rides with it: a lost reply loses the completion's too, and the
 /// evidence read with the take resolves it.
 async fn lost_commit_replies_two_flights(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4, false, true).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, Form::InTx, true).await;
 }
 
 /// The take rides with `BEGIN`: cut, the transaction never began on the client's side. On
@@ -367,11 +393,17 @@ async fn cut_after_the_take_two_flights(db: Option<TestDb>) {
     } else {
         CutAfter::Reload
     };
-    jobs_through_cuts(db, cut, 5, false, true).await;
+    jobs_through_cuts(db, cut, 5, Form::InTx, true).await;
 }
 
 async fn leased_lost_commit_replies_two_flights(db: Option<TestDb>) {
-    jobs_through_cuts(db, CutAfter::Commit, 4, true, true).await;
+    jobs_through_cuts(db, CutAfter::Commit, 4, Form::Leased, true).await;
+}
+
+/// A finish that sends nothing is one message with two flights — `BEGIN`, the commit marker,
+/// the completion, its check, `COMMIT` — its lost reply resolved by the marker.
+async fn quiet_lost_commit_replies_two_flights(db: Option<TestDb>) {
+    jobs_through_cuts(db, CutAfter::Commit, 4, Form::Quiet, true).await;
 }
 
 async fn black_holed_savepoint(db: Option<TestDb>) {
@@ -462,6 +494,8 @@ on_databases! {
     job_takes_cut_two_flights_mysql: cut_after_the_take_two_flights, mysql;
     leased_commits_lost_two_flights_postgres: leased_lost_commit_replies_two_flights, postgres;
     leased_commits_lost_two_flights_mysql: leased_lost_commit_replies_two_flights, mysql;
+    quiet_commits_lost_two_flights_postgres: quiet_lost_commit_replies_two_flights, postgres;
+    quiet_commits_lost_two_flights_mysql: quiet_lost_commit_replies_two_flights, mysql;
 }
 
 #[cfg(feature = "metrics")]

@@ -230,6 +230,18 @@ fn leased_bump() -> Jobs {
     )
 }
 
+/// Kind `bump` leased, its finish sending nothing (the completion is its transaction's only
+/// statement).
+fn leased_quiet() -> Jobs {
+    Jobs::new().handle_leased(
+        "bump",
+        RetryPolicy::default(),
+        std::time::Duration::from_secs(30),
+        async |job: Job<i32>, _lease: jobs::Lease| Ok(job.payload),
+        async |_tx: &freshlock::Tx, _job: Job<i32>, _node: &i32| Ok(()),
+    )
+}
+
 /// A leased job whose finish sends one UPDATE: five round trips with two flights where the
 /// engine sends nine — the claim (`BEGIN` + the take, then the claim's UPDATE + `COMMIT`, the
 /// evidence read with `BEGIN` or a marker riding in that message) and the finish (`BEGIN`, the
@@ -240,13 +252,7 @@ async fn leased_round_trips(db: Option<TestDb>, (quiet, per_job): (bool, (u32, u
     let (proxy, pool) = counted(&db).await;
     let handlers = match quiet {
         false => leased_bump(),
-        true => Jobs::new().handle_leased(
-            "bump",
-            RetryPolicy::default(),
-            std::time::Duration::from_secs(30),
-            async |job: Job<i32>, _lease: jobs::Lease| Ok(job.payload),
-            async |_tx: &freshlock::Tx, _job: Job<i32>, _node: &i32| Ok(()),
-        ),
+        true => leased_quiet(),
     };
     let counted = async |worker: &Worker, two_flights: bool, per_job: u32| {
         let warm = run_counted(&db, &proxy, worker, 8, |_| None).await.1;
@@ -272,14 +278,14 @@ servers::server_tests! {
     leased_round_trips_mysql: leased_round_trips, (false, (5, 9)), mysql;
 }
 
-// A leased job whose finish sends nothing: with two flights its finish is one message on
-// MySQL/MariaDB (`BEGIN`, the marker, the completion, its check, `COMMIT`) and two on
-// PostgreSQL, where the commit's evidence, the transaction's id, is read with `BEGIN` first (and
-// with it the names of the statements the connection has prepared, `db/prepared.rs`, which the
-// completion goes by); with its claim's two, three round trips and four. The engine sends
-// eight on both. Every acknowledged job is done once (`leased_round_trips`).
+// A leased job whose finish sends nothing: with two flights its finish is one message
+// (`BEGIN`, the commit marker, the completion, its check, `COMMIT`; on PostgreSQL the marker
+// instead of the transaction's id, which would need a message before, and the completion by the
+// name the connection prepared it under, without reading the names first: `db/prepared.rs`);
+// with its claim's two, three round trips. The engine sends eight. Every acknowledged job is
+// done once (`leased_round_trips`).
 servers::server_tests! {
-    quiet_finish_round_trips_postgres: leased_round_trips, (true, (4, 8)), postgres;
+    quiet_finish_round_trips_postgres: leased_round_trips, (true, (3, 8)), postgres;
     quiet_finish_round_trips_mysql: leased_round_trips, (true, (3, 8)), mysql;
 }
 
@@ -430,23 +436,16 @@ servers::server_tests! {
 }
 
 /// Without `freshlock_incarnation` a PostgreSQL transaction's evidence is a marker whose INSERT
-/// rides in its last message: a leased finish that sends nothing sends nothing before that
-/// message either. Its statements go by name, and the names the connection has are read with
-/// `BEGIN`: four round trips a job, as with the table (its finish once sent
-/// `PREPARE` for statements the connection had, 42P05, and failed every time after the first
-/// jobs). Every acknowledged job is done once.
+/// rides in its last message: a leased finish that sends nothing is one message, its statements
+/// by name, as with the table — three round trips a job (its finish once sent `PREPARE` for
+/// statements the connection had, 42P05, and failed every time after the first jobs). Every
+/// acknowledged job is done once.
 async fn quiet_finish_with_markers(db: Option<TestDb>, per_job: u32) {
     let Some(db) = db else { return };
     let drop = "DROP TABLE freshlock_incarnation";
     db.db.execute_unprepared(drop).await.unwrap();
     let (proxy, pool) = counted(&db).await;
-    let handlers = Jobs::new().handle_leased(
-        "bump",
-        RetryPolicy::default(),
-        std::time::Duration::from_secs(30),
-        async |job: Job<i32>, _lease: jobs::Lease| Ok(job.payload),
-        async |_tx: &freshlock::Tx, _job: Job<i32>, _node: &i32| Ok(()),
-    );
+    let handlers = leased_quiet();
     let worker = Worker::new(session(pool, true), handlers);
     let warm = run_counted(&db, &proxy, &worker, 8, |_| None).await.1;
     let (sent, ran) = run_counted(&db, &proxy, &worker, 16, |_| None).await;
@@ -458,5 +457,46 @@ async fn quiet_finish_with_markers(db: Option<TestDb>, per_job: u32) {
 }
 
 servers::server_tests! {
-    quiet_finish_with_markers_postgres: quiet_finish_with_markers, 4, postgres;
+    quiet_finish_with_markers_postgres: quiet_finish_with_markers, 3, postgres;
+}
+
+/// A leased finish that sends nothing goes by the names of statements it assumes the
+/// connection prepared (it reads no names: one message). After `DEALLOCATE ALL` behind
+/// freshlock's back it stops at the first one before its `COMMIT` (SQLSTATE 26000), rolls back,
+/// reads the names and goes again with the `PREPARE`s it lacks: the job completes once, two
+/// round trips later, and the next finish is one message again.
+#[tokio::test]
+async fn a_quiet_finish_prepares_what_the_connection_lost() {
+    let Some(db) = servers::postgres("job_flights_quiet_deallocated").await else {
+        return;
+    };
+    let (proxy, pool) = counted(&db).await;
+    let handlers = leased_quiet();
+    let worker = Worker::new(session(pool.clone(), true), handlers);
+    let mut acknowledged = run_counted(&db, &proxy, &worker, 8, |_| None).await.1;
+    for round in 0..3 {
+        pool.execute_unprepared("DEALLOCATE ALL")
+            .await
+            .expect("deallocate");
+        let (sent, ran) = run_counted(&db, &proxy, &worker, 4, |_| None).await;
+        acknowledged += ran;
+        // Three a job; the first claim's take once more with its `PREPARE`, and the first
+        // finish's two (`ROLLBACK` with the names, then its message again after its
+        // `PREPARE`s).
+        assert_eq!(
+            sent,
+            4 * 3 + 3,
+            "round trips after DEALLOCATE ALL, round {round}"
+        );
+        let (sent, ran) = run_counted(&db, &proxy, &worker, 4, |_| None).await;
+        acknowledged += ran;
+        assert_eq!(
+            sent,
+            4 * 3,
+            "round trips once prepared again, round {round}"
+        );
+    }
+    let done = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    assert_eq!(job_support::number(&db.db, done).await, acknowledged as i64);
+    assert_eq!(acknowledged, 8 + 3 * 8);
 }

@@ -23,6 +23,7 @@ use async_trait::async_trait;
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, Statement};
 
 use super::{
+    failure::is_missing_prepared,
     pinned::{Pinned, Reply},
     prepared::{Known, Prepared, Text},
 };
@@ -128,6 +129,37 @@ impl Held {
     /// (`prepared.rs`).
     pub(crate) fn executed(&self, stmt: &Statement) -> Option<Text> {
         self.prepared.text(stmt)
+    }
+
+    /// `stmt` as the transaction's only message sends it, when nothing was sent before it
+    /// ([`names_unread`](Self::names_unread)): by name, assuming the connection has it
+    /// ([`Prepared::assumed`]; [`last`](Self::last) sends it again when it has not).
+    pub(crate) fn assumed(&self, stmt: &Statement) -> Option<Text> {
+        self.prepared.assumed(stmt)
+    }
+
+    /// Sends `statements`, the transaction's last message. When it stopped at a statement
+    /// [`assumed`](Self::assumed) to be prepared that the connection does not have (SQLSTATE
+    /// 26000), nothing of it was committed — the server stopped before its `COMMIT` — and it
+    /// goes again after `ROLLBACK` and the `PREPARE`s it lacks: two round trips more, once per
+    /// connection and statement.
+    pub(crate) async fn last(&self, statements: &[String]) -> Result<Vec<Reply>, DbErr> {
+        let text = statements.join("; ");
+        let e = match self.conn.flight(text.clone()).await {
+            Err(e) if is_missing_prepared(&e) => e,
+            sent => return sent,
+        };
+        match self.prepared.missing(&self.conn).await? {
+            Some(missing) if !missing.is_empty() => {
+                let skip = missing.len();
+                let again = missing.into_iter().chain([text]).collect::<Vec<_>>();
+                let mut replies = self.conn.flight(again.join("; ")).await?;
+                replies.drain(..skip.min(replies.len()));
+                Ok(replies)
+            }
+            // Not an assumed statement's: the message's own error.
+            _ => Err(e),
+        }
     }
 
     /// Sends `BEGIN` (with `query`, when given) and the statements asked for with it, as one

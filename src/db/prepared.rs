@@ -9,7 +9,11 @@
 //! the connection has (they come with the first message's reply); when the connection turns out
 //! not to have it (SQLSTATE 26000: the message stopped there), it goes again after `ROLLBACK`
 //! and its `PREPARE` — one round trip, once per connection and statement (the server logs that
-//! error once). A `PREPARE` is not undone by a rollback.
+//! error once). A `PREPARE` is not undone by a rollback. A transaction whose only message is its
+//! last (a leased finish that sends nothing but its completion) sends every statement so
+//! ([`Prepared::assumed`]); when the connection lacks one, the message stops before its
+//! `COMMIT`, and `ROLLBACK` with the names read, then the message again after the `PREPARE`s
+//! it lacks, cost two round trips.
 //!
 //! Which names a connection has is read from the server (`pg_prepared_statements`) only when
 //! the pool does not know it ([`Known`]): that read lists every statement the connection
@@ -191,6 +195,9 @@ pub(crate) struct Prepared {
     names: Mutex<HashSet<String>>,
     /// The connection's token, once `BEGIN`'s message read it.
     token: Mutex<Option<String>>,
+    /// Statements written as `EXECUTE` before the names were read, on the assumption that the
+    /// connection has them ([`assumed`](Self::assumed)): each name with its `PREPARE`.
+    assumed: Mutex<Vec<(String, String)>>,
 }
 
 /// A statement as a message sends it.
@@ -217,12 +224,62 @@ impl Prepared {
             known,
             names: Mutex::default(),
             token: Mutex::default(),
+            assumed: Mutex::default(),
         }
     }
 
     /// Whether statements go as `EXECUTE` of statements prepared on the connection.
     pub(crate) fn by_name(&self) -> bool {
         self.known.is_some()
+    }
+
+    /// `stmt` as a transaction's only message sends it, the names the connection has not read
+    /// (nothing was sent before it): as `EXECUTE`, assuming the connection has it — it has once
+    /// a transaction on it sent the statement, as any connection of a warm pool has. When it
+    /// has not, the message stops there before its `COMMIT` (SQLSTATE 26000) and
+    /// [`missing`](Self::missing) gives the `PREPARE`s to send it again with.
+    pub(crate) fn assumed(&self, stmt: &Statement) -> Option<Text> {
+        let mut text = self.text(stmt)?;
+        if let Some(prepare) = text.prepare.take() {
+            let name = prepare
+                .split_whitespace()
+                .nth(1)
+                .unwrap_or_default()
+                .to_owned();
+            (self.assumed.lock().unwrap_or_else(PoisonError::into_inner)).push((name, prepare));
+        }
+        Some(text)
+    }
+
+    /// After a message of [`assumed`](Self::assumed) statements stopped at one the connection
+    /// does not have (its transaction aborted): `ROLLBACK`, and the connection's names read
+    /// (with a token of this pool's, marked stale: the caller prepares what is missing) — the
+    /// `PREPARE`s of the assumed statements it lacks, to send before the message again.
+    /// `None` when no statement was assumed (the error is another's).
+    pub(crate) async fn missing(&self, conn: &Pinned) -> Result<Option<Vec<String>>, DbErr> {
+        let assumed =
+            std::mem::take(&mut *self.assumed.lock().unwrap_or_else(PoisonError::into_inner));
+        let Some(known) = self.known.as_ref().filter(|_| !assumed.is_empty()) else {
+            return Ok(None);
+        };
+        let token = known.fresh();
+        let (read, _) = known.statement(&token, true);
+        let mut replies = conn.flight(format!("ROLLBACK; {read}")).await?;
+        let reply = replies.pop().ok_or_else(short)?;
+        let row = reply.rows.first().ok_or_else(short)?;
+        let read: Option<String> = row.try_get("", "freshlock_prepared")?;
+        let has: HashSet<&str> = read
+            .as_deref()
+            .unwrap_or_default()
+            .split_whitespace()
+            .collect();
+        let missing: Vec<String> = (assumed.into_iter())
+            .filter(|(name, _)| !has.contains(name.as_str()))
+            .map(|(_, prepare)| prepare)
+            .collect();
+        // Read, then changed by the `PREPARE`s: the next `BEGIN` on it reads them again.
+        known.forget(&token);
+        Ok(Some(missing))
     }
 
     /// `stmt` as a message sends it, its values written in, or `None` when one cannot be.

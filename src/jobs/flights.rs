@@ -30,10 +30,13 @@
 //! same way: its completion requires the claim, so a check that
 //! stops the message means the claim is gone, and the next attempt looks at it first and says
 //! why (lease lost or cancelled), as in the engine. A finish whose kind's finish sends nothing
-//! is one message on MySQL/MariaDB: `BEGIN`, the marker, the completion, then the promotion that
-//! checks it and claims the key's next job (`store::Chained`, which stands for the check) and
-//! `COMMIT`; on PostgreSQL `BEGIN` with the transaction's id, then the completion, which
-//! promotes and claims, its check and `COMMIT`. When that message's reply is lost and the
+//! is one message: `BEGIN`, the commit marker, the completion, then on MySQL/MariaDB the
+//! promotion that checks it and claims the key's next job (`store::Chained`, which stands for
+//! the check), on PostgreSQL the completion's check (the completion promotes and claims), and
+//! `COMMIT`. On PostgreSQL its evidence is a marker, not the transaction's id (which a message
+//! before it would read), and its statements go by the names the connection is assumed to
+//! have prepared them under: no names are read (`Held::last` prepares them when the
+//! connection turns out not to have them). When that message's reply is lost and the
 //! evidence says it committed, the job its promotion claimed came back in no reply: it is read
 //! by its claim's owner token ([`store::claimed_by`]) and runs at once, not after its lease.
 //! Databases other than PostgreSQL and MySQL/MariaDB go through the engine.
@@ -238,15 +241,17 @@ async fn commit(
             .await
             .map(|_| Committed::Yes);
     };
-    // Statements by name need the names the connection has, read with `BEGIN`: a transaction
-    // nothing was sent in yet (a leased finish that sent nothing, its evidence a marker that
-    // rides) begins first, or its message would `PREPARE` again what the connection has.
-    if held.names_unread() {
-        (held.begun_before().await).map_err(fail("beginning the transaction for"))?;
-    }
-    let completion = held.executed(&deferred.completion.statement());
+    // A transaction nothing was sent in yet (a leased finish that sent nothing, its evidence a
+    // marker that rides) is this one message: by name, its statements assume the connection
+    // has them (it read no names; `Held::last` prepares them when it has not).
+    let unread = held.names_unread();
+    let text = |stmt: &sea_orm::Statement| match unread {
+        true => held.assumed(stmt),
+        false => held.executed(stmt),
+    };
+    let completion = text(&deferred.completion.statement());
     let after = after(backend, &deferred, step.owner());
-    let checked: Option<Vec<_>> = after.iter().map(|stmt| held.executed(stmt)).collect();
+    let checked: Option<Vec<_>> = after.iter().map(text).collect();
     let readied = match (insert, completion, checked) {
         (Some(insert), Some(completion), Some(checked)) => {
             let mut statements = Vec::with_capacity(8);
@@ -384,7 +389,7 @@ async fn end(
     first.extend(riders);
     statements.splice(0..0, first);
     statements.push("COMMIT".to_owned());
-    let sent = within(reply, held.conn().flight(statements.join("; "))).await;
+    let sent = within(reply, held.last(&statements)).await;
     let e = match sent {
         Ok(mut replies) => {
             held.release();

@@ -243,14 +243,20 @@ impl<'w> JobStep<'w> {
     }
 
     /// A held attempt's commit evidence, known before its last message leaves (`self.plan`'s):
-    /// the transaction's id read with `BEGIN` (PostgreSQL; `BEGIN` is sent first when nothing
-    /// was yet), or a new marker whose INSERT is to ride in the last message (`true`).
+    /// the transaction's id read with `BEGIN` (PostgreSQL, once something was sent), or a new
+    /// marker whose INSERT is to ride in the last message (`true`): elsewhere, and on PostgreSQL
+    /// when nothing was sent yet — the last message is then the transaction's only one.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(super) async fn held_evidence(
         &mut self,
         held: &crate::db::held::Held,
     ) -> std::result::Result<(Option<Evidence>, bool), DbErr> {
         match self.plan.take() {
+            // Nothing sent yet (a leased finish whose finish sent nothing): a marker that rides
+            // in the transaction's only message, not a round trip of its own for the id.
+            Some(Plan::Stamped(_)) if !held.begun() => {
+                Ok((Some(Evidence::Marker(Marker::new())), true))
+            }
             Some(Plan::Stamped(stamped)) => {
                 let reply = self.cx.reply();
                 crate::db::deadline::within(reply, held.begun_before()).await?;
