@@ -122,7 +122,7 @@ async fn round_trips(db: Option<TestDb>, keyed_extra: u32) {
         let (sent, ran) = run_counted(&db, &proxy, &worker, 16, key).await;
         acknowledged += ran;
         // Which statements the connection prepared is known after the first jobs: not read
-        // again, nor asked for (`db/prepared.rs`).
+        // again, nor asked for (`db/prepared/`).
         assert_eq!(
             (proxy.names_listed(), proxy.names_asked()),
             (listed, asked),
@@ -157,7 +157,7 @@ servers::server_tests! {
 /// The statements freshlock prepared on a connection dropped behind its back (`DEALLOCATE`),
 /// three times: freshlock knows which the connection had without reading them on every
 /// transaction, so the next job's first statement finds its own gone, goes again with its
-/// `PREPARE`, and the names are read again with it (`db/prepared.rs`). Every job completes, no
+/// `PREPARE`, and the names are read again with it (`db/prepared/`). Every job completes, no
 /// attempt fails on a statement freshlock thought prepared, and each write is in the table
 /// once (PostgreSQL: statements go by name only there).
 #[tokio::test]
@@ -281,7 +281,7 @@ servers::server_tests! {
 // A leased job whose finish sends nothing: with two flights its finish is one message
 // (`BEGIN`, the commit marker, the completion, its check, `COMMIT`; on PostgreSQL the marker
 // instead of the transaction's id, which would need a message before, and the completion by the
-// name the connection prepared it under, without reading the names first: `db/prepared.rs`);
+// name the connection prepared it under, without reading the names first: `db/prepared/`);
 // with its claim's two, three round trips. The engine sends eight. Every acknowledged job is
 // done once (`leased_round_trips`).
 servers::server_tests! {

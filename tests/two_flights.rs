@@ -112,7 +112,7 @@ async fn two_round_trips(db: Option<TestDb>, without: u32) {
             "two_flights {two_flights}, versioned {versioned}: round trips of {CALLS} calls"
         );
         // Which statements the connection prepared is known after the warm-up: not read again
-        // (`db/prepared.rs`).
+        // (`db/prepared/`).
         assert_eq!(
             proxy.names_listed(),
             listed,

@@ -135,7 +135,7 @@ pub(crate) fn is_cardinality_violation(err: &DbErr) -> bool {
 }
 
 /// Whether `err` is PostgreSQL's 26000, an `EXECUTE` of a statement the connection has not
-/// prepared (`prepared.rs` prepares it then).
+/// prepared (`prepared/` prepares it then).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn is_missing_prepared(err: &DbErr) -> bool {
     has_sqlstate(err, "26000")

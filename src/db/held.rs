@@ -8,7 +8,7 @@
 //! `BEGIN` and those statements go first and the query after, bound. Every later statement is
 //! sent bound and prepared, as sea-orm sends it (a handler's). Its owner sends the last
 //! statements and `COMMIT` as one message on [`Held::conn`], each written by
-//! [`Held::executed`] (`prepared.rs`: on PostgreSQL, `EXECUTE` of statements the connection
+//! [`Held::executed`] (`prepared/`: on PostgreSQL, `EXECUTE` of statements the connection
 //! prepared, planned once per connection).
 //!
 //! Why, and what happens after a failure: see `pinned.rs` — the connection is closed unless the
@@ -126,7 +126,7 @@ impl Held {
     }
 
     /// `stmt` as a message sends it, its values written in, or `None` when one cannot be
-    /// (`prepared.rs`).
+    /// (`prepared/`).
     pub(crate) fn executed(&self, stmt: &Statement) -> Option<Text> {
         self.prepared.text(stmt)
     }

@@ -43,7 +43,7 @@ struct Inner {
     incarnation: Mutex<Option<(Arc<str>, Instant)>>,
     /// Commit markers written on this pool (see `commit/marker.rs`'s sweep).
     markers: AtomicU64,
-    /// freshlock's statements prepared on each connection, as last read (`prepared.rs`).
+    /// freshlock's statements prepared on each connection, as last read (`prepared/`).
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     prepared: Arc<Known>,
 }
@@ -105,7 +105,7 @@ impl Pool {
     }
 
     /// Which of freshlock's statements each connection prepared, when freshlock's statements go
-    /// by name on this pool (PostgreSQL, not behind a transaction pooler: `prepared.rs`).
+    /// by name on this pool (PostgreSQL, not behind a transaction pooler: `prepared/`).
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(crate) fn prepares(&self) -> Option<Arc<Known>> {
         let by_name =

@@ -170,7 +170,7 @@ async fn attempt<E: Writable>(step: &mut RowStep<E>, locking: &mut Locking) -> A
         locking.folding()
     });
     let folded = folded.flatten();
-    // The reload and the UPDATE by name where the connection prepares them (`prepared.rs`).
+    // The reload and the UPDATE by name where the connection prepares them (`prepared/`).
     let prepared = Prepared::new(db.prepares());
     let reload = reload_statement::<E>(step, backend, stamps, folded.as_ref());
     let Some(reload) = reload.and_then(|reload| prepared.text(&reload)) else {

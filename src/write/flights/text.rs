@@ -41,7 +41,7 @@ pub(super) fn key_written_in(backend: DbBackend, pk: &sea_orm::sea_query::ValueT
 }
 
 /// Flight 2's statements before its `COMMIT`, values written in: PostgreSQL's UPDATE (which
-/// returns the row, behind a riding marker's INSERT; by name, `prepared.rs`); MySQL/MariaDB's
+/// returns the row, behind a riding marker's INSERT; by name, `prepared/`); MySQL/MariaDB's
 /// marker INSERT (when one rides), the UPDATE, and the read of the row by key (no `RETURNING`
 /// there; the row is this transaction's, locked). `None` when a value cannot be written in.
 pub(super) fn message<E: Writable>(
