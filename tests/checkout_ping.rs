@@ -106,31 +106,27 @@ async fn end_connections(db: &TestDb, admin: &DatabaseConnection) -> usize {
 async fn kill_all(db: &TestDb, admin: &DatabaseConnection, pool: &DatabaseConnection) -> usize {
     let size = match pool.get_database_backend() {
         #[cfg(feature = "postgres")]
-        DbBackend::Postgres => {
-            let sqlx = pool.get_postgres_connection_pool();
-            let mut taken = Vec::new();
-            for _ in 0..POOL {
-                taken.push(sqlx.acquire().await.expect("a connection of the pool"));
-            }
-            drop(taken);
-            sqlx.size()
-        }
+        DbBackend::Postgres => fill(pool.get_postgres_connection_pool()).await,
         #[cfg(feature = "mysql")]
-        DbBackend::MySql => {
-            let sqlx = pool.get_mysql_connection_pool();
-            let mut taken = Vec::new();
-            for _ in 0..POOL {
-                taken.push(sqlx.acquire().await.expect("a connection of the pool"));
-            }
-            drop(taken);
-            sqlx.size()
-        }
+        DbBackend::MySql => fill(pool.get_mysql_connection_pool()).await,
         _ => POOL,
     };
     assert_eq!(size, POOL, "the pool holds all its connections");
     // Every connection of the pool is dead now: the live ones are ended, the others died
     // before and were not handed out since (sqlx still counts them).
     end_connections(db, admin).await
+}
+
+/// Takes all the connections of `pool` at once (it opens those it lacks) and gives them back:
+/// how many it holds then.
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+async fn fill<DB: sea_orm::sqlx::Database>(pool: &sea_orm::sqlx::Pool<DB>) -> u32 {
+    let mut taken = Vec::new();
+    for _ in 0..POOL {
+        taken.push(pool.acquire().await.expect("a connection of the pool"));
+    }
+    drop(taken);
+    pool.size()
 }
 
 fn statement(sql: &str) -> sea_orm::Statement {
