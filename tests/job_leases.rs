@@ -170,6 +170,26 @@ struct Gate {
     release: watch::Receiver<bool>,
 }
 
+/// [`gated_jobs`] with a gate of its own: the handlers, the attempts started (in order) and
+/// the release of first attempts.
+fn gated(lease: Duration) -> (Jobs, mpsc::Receiver<u32>, watch::Sender<bool>) {
+    let (started_tx, started) = mpsc::channel(4);
+    let (release_tx, release) = watch::channel(false);
+    let gate = Gate {
+        started: started_tx,
+        release,
+    };
+    (gated_jobs(gate, lease, at_once(3)), started, release_tx)
+}
+
+/// Adds `job`: its id.
+async fn added(db: &DatabaseConnection, job: NewJob) -> i64 {
+    match add(db, job).await.unwrap() {
+        jobs::Enqueued::Added(id) => id,
+        other => panic!("{other:?}"),
+    }
+}
+
 fn gated_jobs(gate: Gate, lease: Duration, policy: RetryPolicy) -> Jobs {
     let gate = Arc::new(gate);
     Jobs::new().handle_leased(
@@ -200,23 +220,9 @@ async fn a_late_finish_after_a_takeover_is_refused(db: Option<TestDb>, two_fligh
     let Some(db) = db else { return };
     db.seed_nodes(1).await;
     let (db, handle) = (db.db, db.handle);
-    let id = match add(
-        &db,
-        NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap(),
-    )
-    .await
-    .unwrap()
-    {
-        jobs::Enqueued::Added(id) => id,
-        other => panic!("{other:?}"),
-    };
-    let (started_tx, mut started) = mpsc::channel(4);
-    let (release_tx, release) = watch::channel(false);
-    let gate = Gate {
-        started: started_tx,
-        release,
-    };
-    let handlers = gated_jobs(gate, Duration::from_secs(60), at_once(3));
+    let job = NewJob::new("analyze", &Analyze { node: 1, seq: 0 }).unwrap();
+    let id = added(&db, job).await;
+    let (handlers, mut started, release_tx) = gated(Duration::from_secs(60));
     let a = Worker::new(session(&handle, two_flights), handlers.clone());
     let first = tokio::spawn(async move { a.run_one().await });
     assert_eq!(started.recv().await, Some(1));
@@ -258,6 +264,63 @@ servers::server_tests! {
     late_finish_refused_mysql_flights: a_late_finish_after_a_takeover_is_refused, true, mysql;
 }
 
+/// As above, with the key's next job queued behind the job and worker A in its run loop
+/// (`run_until_idle`), where a finish claims the key's next job with its completion (on
+/// MySQL/MariaDB with two flights, a promotion after the completion that checks it by the
+/// completion's own count): A's late finish finds its claim gone, is refused and rolls back —
+/// its write not committed, the next job not claimed by it — then A takes the next job and
+/// runs it once.
+async fn a_late_chained_finish_is_refused(db: Option<TestDb>, two_flights: bool) {
+    let Some(db) = db else { return };
+    db.seed_nodes(2).await;
+    let (db, handle) = (db.db, db.handle);
+    let mut ids = Vec::new();
+    for node in [1, 2] {
+        let job = NewJob::new("analyze", &Analyze { node, seq: 0 }).unwrap();
+        ids.push(added(&db, job.key("ham:1")).await);
+    }
+    let (handlers, mut started, release_tx) = gated(Duration::from_secs(60));
+    let a = Worker::new(session(&handle, two_flights), handlers.clone());
+    let first = tokio::spawn(async move { a.run_until_idle().await });
+    assert_eq!(started.recv().await, Some(1));
+    expire_leases(&db).await;
+    let b = Worker::new(session(&handle, two_flights), handlers);
+    let taken_over = b.run_one().await.unwrap().expect("the job, reclaimed");
+    assert_eq!(started.recv().await, Some(2));
+    assert_eq!(
+        (taken_over.id, taken_over.attempt, taken_over.outcome),
+        (ids[0], 2, JobOutcome::Completed)
+    );
+    release_tx.send(true).unwrap();
+    let runs = first.await.unwrap().unwrap();
+    let outcomes: Vec<_> = (runs.iter())
+        .map(|run| (run.id, run.attempt, run.outcome.clone()))
+        .collect();
+    assert_eq!(
+        outcomes,
+        vec![
+            (ids[0], 1, JobOutcome::LeaseLost),
+            (ids[1], 1, JobOutcome::Completed)
+        ]
+    );
+    assert_eq!(
+        total_score(&db).await,
+        2,
+        "B's finish of the first job and A's of the second, once each"
+    );
+    for id in &ids {
+        assert_eq!(state_of(&db, *id).await, i64::from(DONE));
+    }
+}
+
+servers::server_tests! {
+    a_late_chained_finish_is_refused_sqlite: a_late_chained_finish_is_refused, false, sqlite;
+    a_late_chained_finish_is_refused_postgres: a_late_chained_finish_is_refused, false, postgres;
+    a_late_chained_finish_is_refused_mysql: a_late_chained_finish_is_refused, false, mysql;
+    late_chained_finish_refused_postgres_flights: a_late_chained_finish_is_refused, true, postgres;
+    late_chained_finish_refused_mysql_flights: a_late_chained_finish_is_refused, true, mysql;
+}
+
 // ------------------------------------------------------------------------- the heartbeat
 
 /// A work that runs longer than its lease keeps it: the heartbeat moves the expiry on, so a
@@ -273,14 +336,8 @@ async fn the_heartbeat_keeps_a_long_jobs_lease(db: Option<TestDb>, two_flights: 
     )
     .await
     .unwrap();
-    let (started_tx, mut started) = mpsc::channel(4);
-    let (release_tx, release) = watch::channel(false);
-    let gate = Gate {
-        started: started_tx,
-        release,
-    };
     let lease = Duration::from_millis(900);
-    let handlers = gated_jobs(gate, lease, at_once(3));
+    let (handlers, mut started, release_tx) = gated(lease);
     let a = Worker::new(session(&handle, two_flights), handlers.clone());
     let first = tokio::spawn(async move { a.run_one().await });
     assert_eq!(started.recv().await, Some(1));

@@ -66,6 +66,21 @@ impl Marker {
             .to_owned()
     }
 
+    /// The writer's INSERT made only while `check` is `NULL`, an expression that fails the
+    /// statement otherwise (MySQL/MariaDB: `jobs::store::unless_counted`): one statement that
+    /// both checks a message's completion and marks its commit. (A binary log in `STATEMENT`
+    /// format replays it right after the same completion, so a replica reads the same count;
+    /// `MIXED` and `ROW`, the defaults, log its row.)
+    #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+    pub(crate) fn insert_unless(&self, backend: DbBackend, check: &str) -> Statement {
+        let now = crate::lock::sql::now_ms(backend);
+        let sql = format!(
+            "INSERT INTO {COMMIT_TABLE} (token, created_at) SELECT ?, {now} FROM DUAL \
+             WHERE {check} IS NULL"
+        );
+        Statement::from_sql_and_values(backend, sql, [self.token.clone().into()])
+    }
+
     /// Writes the marker in the write's transaction, just before its `COMMIT`.
     pub(crate) async fn write(&self, txn: &impl ConnectionTrait) -> Result<(), DbErr> {
         txn.execute(&self.insert(txn.get_database_backend(), true))

@@ -17,7 +17,8 @@
 //! - a completion that finds a job asked to stop ([`super::cancel`]) must not commit the
 //!   handler's writes: the message checks, after the completion, that it marked every job done,
 //!   and the check fails (a subquery of two rows, SQLSTATE 21000) when it did not, so the
-//!   server stops the message before its `COMMIT`; the attempt rolls back, reads which jobs were
+//!   server stops the message before its `COMMIT` (MySQL/MariaDB: by the completion's own
+//!   count, in the statement that writes the commit marker); the attempt rolls back, reads which jobs were
 //!   asked to stop, and the next attempt cancels them, as in the engine;
 //! - a completion whose values cannot be written in goes alone and bound, then `COMMIT`;
 //! - on PostgreSQL (not behind a transaction pooler) the take, the completion and the check go
@@ -53,7 +54,7 @@ use super::{
     store,
 };
 use crate::{
-    commit::{Evidence, Plan, Resolution},
+    commit::{Evidence, Marker, Plan, Resolution},
     db::{
         deadline::within,
         failure::{in_doubt, is_cardinality_violation},
@@ -250,7 +251,14 @@ async fn commit(
         false => held.executed(stmt),
     };
     let completion = text(&deferred.completion.statement());
-    let after = after(backend, &deferred, step.owner());
+    // MySQL/MariaDB: a riding marker's INSERT is the completion's check (see `after`).
+    let merged =
+        marker.filter(|_| backend == DbBackend::MySql && deferred.completion.chained().is_none());
+    let insert = match merged {
+        Some(_) => Some(String::new()),
+        None => insert,
+    };
+    let after = after(backend, &deferred, step.owner(), merged);
     let checked: Option<Vec<_>> = after.iter().map(text).collect();
     let readied = match (insert, completion, checked) {
         (Some(insert), Some(completion), Some(checked)) => {
@@ -336,7 +344,7 @@ async fn commit(
                 // Its check passes: the completion was counted above.
                 Some(chained) => {
                     let conn = held.conn();
-                    let found = within(reply, conn.execute_raw(chained.find.clone())).await;
+                    let found = within(reply, conn.execute_raw(chained.head.clone())).await;
                     found.map_err(fail("readying the next jobs of"))?;
                     let promoted = within(reply, conn.execute_raw(chained.promote.clone())).await;
                     let readied = promoted.map_err(fail("readying the next jobs of"))?;
@@ -415,13 +423,32 @@ async fn end(
 /// The statements after the completion: the check that it marked every job of `ids` done
 /// (`store::unless_done`: it stops the message otherwise) — or, for a finish's completion whose
 /// promotion follows it (`store::Chained`, MySQL/MariaDB), that promotion, which checks first.
-fn after(backend: DbBackend, deferred: &Deferred, owner: Option<&str>) -> Vec<sea_orm::Statement> {
+/// On MySQL/MariaDB the check reads the completion's own count (`store::unless_counted`, right
+/// after it), and `marker`, the commit's marker when it rides, is written by the check itself
+/// (`Marker::insert_unless`): one statement where there were two, and no read of the jobs'
+/// rows.
+fn after(
+    backend: DbBackend,
+    deferred: &Deferred,
+    owner: Option<&str>,
+    marker: Option<&Marker>,
+) -> Vec<sea_orm::Statement> {
     if let Some(chained) = deferred.completion.chained() {
         return vec![
             chained.find.clone(),
             chained.promote.clone(),
             chained.read.clone(),
         ];
+    }
+    if backend == DbBackend::MySql {
+        let check = store::unless_counted(deferred.ids.len());
+        return vec![match marker {
+            Some(marker) => marker.insert_unless(backend, &check),
+            None => {
+                let sql = format!("SELECT {check} AS freshlock_all_done");
+                crate::lock::sql::statement(backend, &sql, Vec::new())
+            }
+        }];
     }
     let (unless_done, values) = store::unless_done(&deferred.ids, owner);
     let sql = format!("SELECT {unless_done} AS freshlock_all_done");

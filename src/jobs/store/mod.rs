@@ -17,9 +17,9 @@ pub(crate) use cancel::{Found, cancel, forget_finished, is_cancelled, look, requ
 pub(crate) use cancel::{read_requested, requested_statement};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use finish::completion;
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) use finish::unless_done;
 pub(crate) use finish::{Completion, complete, failed};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use finish::{unless_counted, unless_done};
 pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use lease::claim_statement;

@@ -179,9 +179,9 @@ async fn read_then_ready(
 /// round trip of its own:
 ///
 /// 1. [`find`](Self::find): `SET @freshlock_head = COALESCE(<the check>, <the key's first
-///    queued job>)` — the check ([`super::unless_done`]) fails the statement (SQLSTATE 21000,
-///    which stops the message before its `COMMIT`) unless the completion marked its jobs done
-///    under the finish's claim; then the head is found by the same plain read as
+///    queued job>)` — the check ([`super::unless_counted`], the completion's count, as the
+///    statement right after it) fails the statement (SQLSTATE 21000, which stops the message
+///    before its `COMMIT`) unless the completion marked its jobs done under the finish's claim; then the head is found by the same plain read as
 ///    [`read_then_ready`]'s (it locks nothing and passes over uncommitted rows). A session
 ///    variable carries the id to the next statement, as no `UPDATE` may read its own table.
 /// 2. [`promote`](Self::promote): claims the head by id, or readies it when it cannot be
@@ -199,6 +199,11 @@ async fn read_then_ready(
 #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
 pub(crate) struct Chained {
     pub(crate) find: sea_orm::Statement,
+    /// [`find`](Self::find) without its check, for statements sent one by one (bound, when
+    /// their values cannot be written in): there the caller checks the completion's count
+    /// itself, and `ROW_COUNT()` would read another statement's (sqlx prepares a statement
+    /// before its first run).
+    pub(crate) head: sea_orm::Statement,
     pub(crate) promote: sea_orm::Statement,
     pub(crate) read: sea_orm::Statement,
 }
@@ -213,19 +218,14 @@ impl Chained {
     }
 }
 
-/// The [`Chained`] promotion of key `key_hash` after a completion of jobs `ids` under claim
-/// `owner`.
-pub(crate) fn chained(
-    key_hash: Vec<u8>,
-    ids: &[i64],
-    owner: &str,
-    claiming: &Claiming<'_>,
-) -> Chained {
+/// The [`Chained`] promotion of key `key_hash` after a completion of jobs `ids` (under their
+/// claim: the completion requires its owner, so its count says whether the claim held).
+pub(crate) fn chained(key_hash: Vec<u8>, ids: &[i64], claiming: &Claiming<'_>) -> Chained {
     let backend = DbBackend::MySql;
-    let (unless_done, mut values) = super::finish::unless_done(ids, Some(owner));
-    let (head, head_values) = head("id", key_hash, ids);
-    values.extend(head_values);
+    let unless_done = super::finish::unless_counted(ids.len());
+    let (head, values) = head("id", key_hash, ids);
     let find = format!("SET @freshlock_head = COALESCE({unless_done}, ({head}))");
+    let unchecked = format!("SET @freshlock_head = ({head})");
     let (set, set_values) = claiming.set(backend);
     let promote =
         format!("UPDATE {JOB_TABLE} SET {set} WHERE id = @freshlock_head AND state = {Queued}");
@@ -235,7 +235,8 @@ pub(crate) fn chained(
         claimed_columns(backend)
     );
     Chained {
-        find: statement(backend, &find, values),
+        find: statement(backend, &find, values.clone()),
+        head: statement(backend, &unchecked, values),
         promote: statement(backend, &promote, set_values),
         read: statement(backend, &read, vec![claiming.owner.into()]),
     }
