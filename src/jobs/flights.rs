@@ -18,8 +18,8 @@
 //!   handler's writes: the message checks, after the completion, that it marked every job done,
 //!   and the check fails (a subquery of two rows, SQLSTATE 21000) when it did not, so the
 //!   server stops the message before its `COMMIT` (MySQL/MariaDB: by the completion's own
-//!   count, in the statement that writes the commit marker); the attempt rolls back, reads which jobs were
-//!   asked to stop, and the next attempt cancels them, as in the engine;
+//!   count, in the statement that writes the commit marker); the attempt rolls back, reads
+//!   which jobs were asked to stop, and the next attempt cancels them, as in the engine;
 //! - a completion whose values cannot be written in goes alone and bound, then `COMMIT`;
 //! - on PostgreSQL (not behind a transaction pooler) the take, the completion and the check go
 //!   as `EXECUTE` of statements prepared on the connection (`held.rs`): as text the server

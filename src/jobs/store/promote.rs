@@ -181,9 +181,10 @@ async fn read_then_ready(
 /// 1. [`find`](Self::find): `SET @freshlock_head = COALESCE(<the check>, <the key's first
 ///    queued job>)` — the check ([`super::unless_counted`], the completion's count, as the
 ///    statement right after it) fails the statement (SQLSTATE 21000, which stops the message
-///    before its `COMMIT`) unless the completion marked its jobs done under the finish's claim; then the head is found by the same plain read as
-///    [`read_then_ready`]'s (it locks nothing and passes over uncommitted rows). A session
-///    variable carries the id to the next statement, as no `UPDATE` may read its own table.
+///    before its `COMMIT`) unless the completion marked its jobs done under the finish's
+///    claim; then the head is found by the same plain read as [`read_then_ready`]'s (it locks
+///    nothing and passes over uncommitted rows). A session variable carries the id to the next
+///    statement, as no `UPDATE` may read its own table.
 /// 2. [`promote`](Self::promote): claims the head by id, or readies it when it cannot be
 ///    claimed ([`Claiming::set`], as on PostgreSQL), while it is still queued.
 /// 3. [`read`](Self::read): the claimed job's row, read back in the transaction (none when the
