@@ -116,18 +116,28 @@ pub fn free_port() -> u16 {
     panic!("no free port in 20000..32000")
 }
 
-/// A name no other test (of this or a concurrent process) uses.
+/// A name no other test (of this or a concurrent process) uses, of at most 63 bytes: the
+/// longest PostgreSQL name. A longer database name is cut there by the server, in `CREATE
+/// DATABASE` and when a client connects, but not by PgBouncer, which then finds no such
+/// database — so a long test name failed behind the pooler whenever the process id had one
+/// more digit. The tag is cut to fit (the process id, time and sequence keep it unique).
 pub fn unique(tag: &str) -> String {
     static SEQUENCE: AtomicU32 = AtomicU32::new(0);
+    const LONGEST: usize = 63;
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
-    format!(
-        "fl_{tag}_{}_{:x}_{}",
+    let suffix = format!(
+        "_{}_{:x}_{}",
         std::process::id(),
         nanos,
         SEQUENCE.fetch_add(1, Ordering::Relaxed)
-    )
+    );
+    let mut end = tag.len().min(LONGEST - "fl_".len() - suffix.len());
+    while !tag.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("fl_{}{suffix}", &tag[..end])
 }
 
 /// Where a test database lives, so other processes can connect to it.
