@@ -3,7 +3,7 @@
 //! database once; a late finish after a takeover is refused; the heartbeat keeps a long job's
 //! lease; an expired lease makes the job run again, and a job whose every attempt's lease
 //! expired fails. On PostgreSQL and MariaDB each runs again on a session with two flights,
-//! where the claim and the finish go on a held connection (`jobs/flights.rs`).
+//! where the claim and the finish go on a held connection (`jobs/flights/`).
 
 #[macro_use]
 #[path = "common/job_support.rs"]

@@ -128,7 +128,7 @@ fn has_sqlstate(err: &DbErr, code: &str) -> bool {
 
 /// Whether `err` is SQLSTATE 21000, a subquery used as a value that returned more than one row
 /// (PostgreSQL, MySQL/MariaDB 1242): what a check in a message of several statements raises on
-/// purpose to stop the message before its `COMMIT` (`jobs/flights.rs`).
+/// purpose to stop the message before its `COMMIT` (`jobs/flights/`).
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) fn is_cardinality_violation(err: &DbErr) -> bool {
     has_sqlstate(err, "21000")

@@ -1,6 +1,6 @@
 //! A transaction on a held connection ([`Pinned`]) whose `BEGIN` rides in the message of its
 //! first statement, and whose `COMMIT` rides in the message of its last: a keyed job's attempt
-//! in as few round trips as its handler allows (`jobs/flights.rs`).
+//! in as few round trips as its handler allows (`jobs/flights/`).
 //!
 //! The first query sent through it (a job's take) goes as one text message, `BEGIN`, the query
 //! with its values written in (`inline/`), and the statements the transaction asked to read

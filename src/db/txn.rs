@@ -42,7 +42,7 @@ impl Txn {
     ///
     /// # Panics
     /// Never for a transaction made of sea-orm's: only a keyed job's attempt in fewer round
-    /// trips (`jobs/flights.rs`) makes one of a held connection, and it never asks.
+    /// trips (`jobs/flights/`) makes one of a held connection, and it never asks.
     pub(crate) fn into_sea(self) -> DatabaseTransaction {
         match self {
             Self::Sea(txn) => txn,

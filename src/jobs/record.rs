@@ -121,7 +121,7 @@ impl<'w> JobStep<'w> {
             }
         };
         match self.deferred.as_mut() {
-            // The completion is sent with the `COMMIT` (`flights.rs`), which follows the key
+            // The completion is sent with the `COMMIT` (`flights/`), which follows the key
             // when it readied its next job, and takes the job it claimed.
             Some(deferred) if completes => {
                 deferred.follow = single;
@@ -156,7 +156,7 @@ impl<'w> JobStep<'w> {
         claiming: Option<&store::Claiming<'_>>,
     ) -> std::result::Result<Option<Completed>, Failed> {
         const OPERATION: &str = "completing jobs in";
-        // A held attempt sends the completion with its `COMMIT` (`flights.rs`).
+        // A held attempt sends the completion with its `COMMIT` (`flights/`).
         #[cfg(any(feature = "postgres", feature = "mysql"))]
         if let Txn::Held(held) = txn.inner() {
             return self.defer(held, txn, completed, promote, claiming).await;
@@ -215,7 +215,7 @@ impl<'w> JobStep<'w> {
 
     /// [`complete`](Self::complete) in a held attempt: the commit's evidence — the transaction's
     /// id read with `BEGIN`, or a marker that rides in the `COMMIT`'s message — and the
-    /// completion's statement, left in `self.deferred` for `flights.rs` to send with the
+    /// completion's statement, left in `self.deferred` for `flights/` to send with the
     /// `COMMIT` (what it readies is read from its reply there).
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     async fn defer(
@@ -316,7 +316,7 @@ impl<'w> JobStep<'w> {
     }
 }
 
-/// The completion a held attempt sends in its `COMMIT`'s message (`flights.rs`).
+/// The completion a held attempt sends in its `COMMIT`'s message (`flights/`).
 #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(super) struct Deferred {
     /// The statement, not sent.

@@ -122,7 +122,7 @@ pub(super) struct JobStep<'w> {
     /// A leased job's finish found its claim gone at the completion (`finish.rs`): the
     /// transaction rolled back, and the next attempt checks the claim first and reports why.
     pub(super) recheck: bool,
-    /// In a held attempt (`flights.rs`), the commit's evidence plan, for the completion.
+    /// In a held attempt (`flights/`), the commit's evidence plan, for the completion.
     #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
     pub(super) plan: Option<Plan>,
     /// In a held attempt, the completion to send with the `COMMIT`.
@@ -194,7 +194,7 @@ impl Step for JobStep<'_> {
 }
 
 impl JobStep<'_> {
-    /// One attempt in `txn` (the engine's, or a held connection's: `flights.rs`): take jobs (or
+    /// One attempt in `txn` (the engine's, or a held connection's: `flights/`): take jobs (or
     /// a leased job to finish), run them, record how they ended; `txn` handed back.
     pub(super) async fn run_on(&mut self, txn: Txn) -> Attempted {
         self.measured.clear();

@@ -126,7 +126,7 @@ impl JobStep<'_> {
 
     /// Claims `taken` (its row locked by this transaction) for `attempt` under a lease of
     /// `lease`: its work runs once the transaction commits (`self.claimed`). In a held attempt
-    /// the claim's UPDATE rides in the `COMMIT`'s message (`jobs/flights.rs`).
+    /// the claim's UPDATE rides in the `COMMIT`'s message (`jobs/flights/`).
     pub(super) async fn claim(
         &mut self,
         db: &Bounded<'_, Txn>,

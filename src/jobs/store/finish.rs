@@ -67,7 +67,7 @@ pub(crate) async fn complete(
 }
 
 /// [`complete`]'s statement, not sent yet: a keyed job's attempt on a held connection sends it
-/// in its `COMMIT`'s message (`jobs/flights.rs`) and reads its reply with [`Completion::read`].
+/// in its `COMMIT`'s message (`jobs/flights/`) and reads its reply with [`Completion::read`].
 /// On PostgreSQL the promotion is folded into it; elsewhere it is readied here, first, by a
 /// statement of its own.
 pub(crate) struct Completion {
@@ -122,7 +122,7 @@ pub(crate) async fn completion(
     let now = now_ms(backend);
     let placeholders = vec!["?"; ids.len()].join(", ");
     // A leased job keeps the token of the claim that finished it: a check after the completion
-    // (`jobs/flights.rs`) tells its own completion from another claim's.
+    // (`jobs/flights/`) tells its own completion from another claim's.
     let finished_by = match owner {
         Some(owner) => {
             values.push(owner.into());
@@ -215,7 +215,7 @@ impl Completion {
 /// finish), done by that claim (the completion keeps its token; another claim's completion
 /// keeps its own) — and fails otherwise: a subquery of two rows (SQLSTATE 21000 on PostgreSQL
 /// and MySQL/MariaDB), which stops a message of several statements before its `COMMIT`
-/// (`jobs/flights.rs`, PostgreSQL: MySQL/MariaDB read the completion's own count instead,
+/// (`jobs/flights/`, PostgreSQL: MySQL/MariaDB read the completion's own count instead,
 /// [`unless_counted`]). Its values.
 #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
 pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Value>) {

@@ -30,7 +30,7 @@ pub(crate) async fn claim(
 }
 
 /// [`claim`]'s statement, not sent: a held attempt sends it in its `COMMIT`'s message
-/// (`jobs/flights.rs`; the take's lock on the row makes it claim the job).
+/// (`jobs/flights/`; the take's lock on the row makes it claim the job).
 pub(crate) fn claim_statement(
     backend: sea_orm::DbBackend,
     id: i64,

@@ -175,7 +175,7 @@ async fn read_then_ready(
 
 /// MySQL/MariaDB: a finish's promotion that claims ([`Claiming`]), sent after its completion
 /// in the same message — the engine's (`store::complete`) or a held transaction's last
-/// (`jobs/flights.rs`) — instead of [`read_then_ready`]'s read and `UPDATE` before it, each a
+/// (`jobs/flights/`) — instead of [`read_then_ready`]'s read and `UPDATE` before it, each a
 /// round trip of its own:
 ///
 /// 1. [`find`](Self::find): `SET @freshlock_head = COALESCE(<the check>, <the key's first
