@@ -25,7 +25,8 @@ use super::{
     job::Raw,
     leased::{Claimed, Finishing, Lease, Output},
     retry::Retry,
-    step::{self, Source},
+    run::run_step,
+    step::Source,
     store,
 };
 use crate::{db::deadline::within, error::Result};
@@ -96,7 +97,7 @@ async fn run_one(cx: &Context, claim: Claimed, chain: bool) -> Result<(JobRun, O
         ran: started.elapsed(),
         chain,
     };
-    let stepped = step::run_step(cx, Source::Finish(&finishing))
+    let stepped = run_step(cx, Source::Finish(&finishing))
         .instrument(span.clone())
         .await?;
     let run = stepped.runs;

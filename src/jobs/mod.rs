@@ -78,6 +78,7 @@ mod cancel;
 mod catch;
 mod chores;
 mod context;
+mod deferred;
 mod finish;
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 mod flights;
@@ -91,6 +92,7 @@ mod periodic;
 mod query;
 mod record;
 mod retry;
+mod run;
 mod state;
 mod step;
 mod store;

@@ -7,6 +7,7 @@ use sea_orm::{ConnectionTrait, DbBackend, DbErr};
 
 use super::{
     JobId, JobOutcome, JobRun,
+    deferred::Chaining,
     step::{Ended, Failed, JobStep, Measured, Source, waited},
     store,
 };
@@ -232,7 +233,7 @@ impl<'w> JobStep<'w> {
         let owner = self.owner();
         let completion = store::completion(txn, completed, None, promote, owner, claiming);
         let completion = completion.await.map_err(|e| (OPERATION, e))?;
-        self.deferred = Some(Deferred {
+        self.deferred = Some(super::deferred::Deferred {
             completion,
             ids: completed.to_vec(),
             rides,
@@ -315,27 +316,6 @@ impl<'w> JobStep<'w> {
         (!kinds.is_empty()).then(|| (new_token(), kinds))
     }
 }
-
-/// The completion a held attempt sends in its `COMMIT`'s message (`flights/`).
-#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-pub(super) struct Deferred {
-    /// The statement, not sent.
-    pub(super) completion: store::Completion,
-    /// The jobs it marks done.
-    pub(super) ids: Vec<JobId>,
-    /// Whether a marker's INSERT rides in the message (the evidence is a marker no statement
-    /// wrote yet).
-    pub(super) rides: bool,
-    /// The key the worker follows when the completion readied its next job.
-    pub(super) follow: Option<Vec<u8>>,
-    /// A leased job's finish: what its promotion may claim (the claimed job is read from the
-    /// completion's reply).
-    pub(super) chaining: Option<Chaining>,
-}
-
-/// What a finish's promotion may claim: the new claim's owner token, and the kinds (see
-/// `JobStep::chaining`).
-pub(super) type Chaining = (String, Vec<store::Claimable>);
 
 /// What recording a completion gives: its commit's evidence (when its statement took it), how
 /// many jobs it readied, and the job its promotion claimed.

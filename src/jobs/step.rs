@@ -1,16 +1,16 @@
 //! One attempt of the engine for jobs: take jobs (or a leased job to finish), run them, record
 //! how they ended — so the commit carries the evidence of locked writes and a transient failure
 //! runs the attempt again. The parts of the step: `take.rs`, `finish.rs`, `attempt.rs`,
-//! `record.rs`, `cancel.rs`.
+//! `record.rs`, `cancel.rs`; `run.rs` runs a step to its end (here or on a held connection).
 
 use std::{collections::HashMap, time::Duration};
 
 use sea_orm::{DatabaseTransaction, DbErr};
 
-use super::record::Deferred;
 use super::{
     JobFailure, JobId, JobOutcome, JobRun,
     context::Context,
+    deferred::Deferred,
     job::Raw,
     kinds::Runner,
     leased::{Claimed, Finishing, Output},
@@ -23,60 +23,10 @@ use crate::{
     identity_map::Change,
     schema::JOB_TABLE,
     write::{
-        engine::{self, End, Engine, Retries, Step, Tried, Worked},
+        engine::{End, Step, Tried, Worked},
         locking::Locking,
     },
 };
-
-/// What one attempt of the engine did: the jobs that ended, those the take claimed under a
-/// lease (their work is still to run), and the key whose next job it readied (see
-/// `Source::Take`'s `follow`).
-pub(super) struct Stepped {
-    pub(super) runs: Vec<JobRun>,
-    pub(super) claimed: Vec<Claimed>,
-    pub(super) follow: Option<Vec<u8>>,
-}
-
-/// One attempt of the engine from `source`, run again on a transient failure.
-pub(super) async fn run_step(cx: &Context, source: Source<'_>) -> Result<Stepped> {
-    super::admit::prepare(cx).await;
-    let session = &cx.session;
-    let engine = Engine {
-        db: session.pool(),
-        map: session.map(),
-        markers: session.commit_markers(),
-    };
-    let attempts = session.policy().write_attempts;
-    let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
-    let mut step = JobStep {
-        cx,
-        source,
-        measured: Vec::new(),
-        claimed: Vec::new(),
-        follow: None,
-        savepoints: false,
-        spoiled: HashMap::new(),
-        cancelling: Vec::new(),
-        recheck: false,
-        plan: None,
-        deferred: None,
-    };
-    #[cfg(any(feature = "postgres", feature = "mysql"))]
-    if super::flights::applies(&step) {
-        let runs = super::flights::run(&mut step).await?;
-        return Ok(Stepped {
-            runs,
-            claimed: step.claimed,
-            follow: step.follow,
-        });
-    }
-    let runs = engine::run(engine, &mut [], &mut retries, JOB_TABLE, false, &mut step).await?;
-    Ok(Stepped {
-        runs,
-        claimed: step.claimed,
-        follow: step.follow,
-    })
-}
 
 /// Where an attempt of the engine gets its jobs.
 pub(super) enum Source<'a> {
@@ -127,6 +77,25 @@ pub(super) struct JobStep<'w> {
     pub(super) plan: Option<Plan>,
     /// In a held attempt, the completion to send with the `COMMIT`.
     pub(super) deferred: Option<Deferred>,
+}
+
+impl<'w> JobStep<'w> {
+    /// A step from `source`, before its first attempt.
+    pub(super) fn new(cx: &'w Context, source: Source<'w>) -> Self {
+        Self {
+            cx,
+            source,
+            measured: Vec::new(),
+            claimed: Vec::new(),
+            follow: None,
+            savepoints: false,
+            spoiled: HashMap::new(),
+            cancelling: Vec::new(),
+            recheck: false,
+            plan: None,
+            deferred: None,
+        }
+    }
 }
 
 pub(super) type Attempted = (Txn, Worked<Vec<JobRun>>);

@@ -11,7 +11,8 @@ use super::{
     chores::{ADVERTISE_EVERY, GAUGE_EVERY, due, due_every},
     context::Context,
     lease, periodic,
-    step::{self, Source, Stepped},
+    run::{Stepped, run_step},
+    step::Source,
     store,
 };
 use crate::{db::deadline::within, error::Result, schema::JOB_TABLE, session::Session};
@@ -190,7 +191,7 @@ impl Worker {
             mut runs,
             claimed,
             follow: next,
-        } = step::run_step(&self.cx, take).await?;
+        } = run_step(&self.cx, take).await?;
         *follow = next;
         if !claimed.is_empty() {
             // A single leased job of a key, finished, readied its key's next job: this worker

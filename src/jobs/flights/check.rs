@@ -11,7 +11,7 @@ use crate::{
     error::{Result, database},
     jobs::{
         JobId,
-        record::Deferred,
+        deferred::Deferred,
         step::{JobStep, Source},
         store,
     },

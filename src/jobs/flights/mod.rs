@@ -53,7 +53,7 @@ use tracing::warn;
 
 use super::{
     JobId, JobRun,
-    record::Deferred,
+    deferred::Deferred,
     step::{JobStep, Source},
     store,
 };

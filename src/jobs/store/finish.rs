@@ -211,46 +211,6 @@ impl Completion {
     }
 }
 
-/// An expression that is `NULL` when every job of `ids` is done — with `owner` (a leased job's
-/// finish), done by that claim (the completion keeps its token; another claim's completion
-/// keeps its own) — and fails otherwise: a subquery of two rows (SQLSTATE 21000 on PostgreSQL
-/// and MySQL/MariaDB), which stops a message of several statements before its `COMMIT`
-/// (`jobs/flights/`, PostgreSQL: MySQL/MariaDB read the completion's own count instead,
-/// [`unless_counted`]). Its values.
-#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
-pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Value>) {
-    let list = vec!["?"; ids.len()].join(", ");
-    let by = if owner.is_some() {
-        " AND owner = ?"
-    } else {
-        ""
-    };
-    // The rows are found by id alone and counted by state: with `state = …` beside the id, a
-    // plan PostgreSQL had cached on a connection scanned `freshlock_job_next`'s every done job
-    // for the id (the index leads with `state`), a check slower with each job done.
-    let sql = format!(
-        "(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
-         WHERE (SELECT COUNT(CASE WHEN state = {Done}{by} THEN 1 END) FROM {JOB_TABLE} \
-         WHERE id IN ({list})) <> {})",
-        ids.len()
-    );
-    let mut values: Vec<Value> = owner.map(Value::from).into_iter().collect();
-    values.extend(ids.iter().map(|&id| Value::from(id)));
-    (sql, values)
-}
-
-/// MySQL/MariaDB: [`unless_done`] for a completion of `n` jobs, read from the completion's own
-/// count instead of the jobs' rows: `ROW_COUNT()`, the rows the statement just before changed.
-/// The completion changes every row it marks done (its `state`), and marks only those it may
-/// (not asked to stop; with an owner, still claimed by it), so the count is `n` exactly when
-/// every job is done. Valid only in the statement right after the completion, in its message;
-/// it spares the server a read of the jobs' rows (0.19 against 0.08 ms for 32 jobs, measured on
-/// MariaDB 10.11).
-#[cfg_attr(not(feature = "mysql"), allow(dead_code))]
-pub(crate) fn unless_counted(n: usize) -> String {
-    format!("(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two WHERE ROW_COUNT() <> {n})")
-}
-
 /// [`complete`] with a [`Chained`] promotion (MySQL/MariaDB): `marker`'s INSERT, the completion
 /// and the promotion as one message when their values can be written in (else each bound, in
 /// order), then the read of the job it claimed when it readied one. Completes `jobs` jobs, or

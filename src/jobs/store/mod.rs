@@ -2,6 +2,7 @@
 
 mod advance;
 mod cancel;
+mod check;
 mod finish;
 mod insert;
 mod lease;
@@ -16,10 +17,10 @@ pub(crate) use cancel::{Found, cancel, forget_finished, is_cancelled, look, requ
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use cancel::{read_requested, requested_statement};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use check::{unless_counted, unless_done};
+#[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use finish::completion;
 pub(crate) use finish::{Completion, complete, failed};
-#[cfg(any(feature = "postgres", feature = "mysql"))]
-pub(crate) use finish::{unless_counted, unless_done};
 pub(crate) use insert::{Insert, holder_of, insert, insert_many};
 #[cfg(any(feature = "postgres", feature = "mysql"))]
 pub(crate) use lease::claim_statement;

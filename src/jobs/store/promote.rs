@@ -223,7 +223,7 @@ impl Chained {
 /// claim: the completion requires its owner, so its count says whether the claim held).
 pub(crate) fn chained(key_hash: Vec<u8>, ids: &[i64], claiming: &Claiming<'_>) -> Chained {
     let backend = DbBackend::MySql;
-    let unless_done = super::finish::unless_counted(ids.len());
+    let unless_done = super::check::unless_counted(ids.len());
     let (head, values) = head("id", key_hash, ids);
     let find = format!("SET @freshlock_head = COALESCE({unless_done}, ({head}))");
     let unchecked = format!("SET @freshlock_head = ({head})");
