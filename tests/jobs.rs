@@ -2106,6 +2106,61 @@ on_databases! {
     a_chain_stops_at_a_retry_mysql: a_chain_stops_at_a_retry_and_its_key_waits_for_it, mysql;
 }
 
+/// A chain runs only its key's unbroken line of due jobs of the worker's kinds: it stops before
+/// a job of its key that is not due yet, or of a kind the worker does not take, and the jobs
+/// behind that one wait for it (they are locked by the chain's scan, but not run).
+async fn a_chain_stops_where_its_keys_line_breaks(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    let (db, handle) = (db.db, db.handle);
+    let ran: Arc<Mutex<Vec<i64>>> = Arc::default();
+    let handlers = {
+        let ran = Arc::clone(&ran);
+        Jobs::new().handle(
+            "step",
+            at_once(1),
+            jobs::handler(move |_tx, job: Job<()>| {
+                let ran = Arc::clone(&ran);
+                Box::pin(async move {
+                    ran.lock().unwrap().push(job.id);
+                    Ok(())
+                })
+            }),
+        )
+    };
+    let hour = Duration::from_secs(3600);
+    let line = [
+        // Key a: 1 and 2 run; 3 is not due; 4 waits behind it.
+        (NewJob::new("step", &()).unwrap().key("a"), 1),
+        (NewJob::new("step", &()).unwrap().key("a"), 2),
+        (NewJob::new("step", &()).unwrap().key("a").delay(hour), 3),
+        (NewJob::new("step", &()).unwrap().key("a"), 4),
+        // Key b: 5 runs; nobody here takes 6; 7 waits behind it.
+        (NewJob::new("step", &()).unwrap().key("b"), 5),
+        (NewJob::new("elsewhere", &()).unwrap().key("b"), 6),
+        (NewJob::new("step", &()).unwrap().key("b"), 7),
+    ];
+    for (job, id) in line {
+        assert_eq!(add(&db, job).await.unwrap(), Enqueued::Added(id));
+    }
+    let worker = Worker::new(Session::new(&handle), handlers);
+    let runs = worker.run_until_idle().await.unwrap();
+    let mut ran = ran.lock().unwrap().clone();
+    ran.sort_unstable();
+    assert_eq!(ran, [1, 2, 5], "{runs:?}");
+    let (done, pending, queued) = (2, 0, 5);
+    assert_eq!(
+        states(&db).await,
+        [done, done, pending, queued, done, pending, queued],
+        "each key's first unfinished job is ready (3 not due, 6 for another worker), the rest queued"
+    );
+}
+
+on_databases! {
+    line_breaks_sqlite: a_chain_stops_where_its_keys_line_breaks, sqlite;
+    line_breaks_postgres: a_chain_stops_where_its_keys_line_breaks, postgres;
+    line_breaks_mysql: a_chain_stops_where_its_keys_line_breaks, mysql;
+}
+
 /// A job of a hot key that fails for good ends its chain; the key's next job is readied past
 /// the jobs the chain completed, and the rest run in order, each effect once.
 async fn a_key_goes_on_past_a_job_that_failed_for_good(db: Option<TestDb>) {

@@ -89,10 +89,11 @@ pub(crate) async fn take_key(
 /// key's head, completed in it) to run them one after another: a chain (`Source::Take`). Only
 /// an unbroken run is returned: it ends before the first unfinished job of the key that is not
 /// queued and due, not of `kinds`, or that another transaction locked (skipped, never waited
-/// for). Their
-/// states are left as they are: the completion that marks them done readies the key's next
-/// job after them (`complete`'s exclusion), and one the transaction does not get to stays
-/// queued, first in line.
+/// for) — two statements: the scan that locks, then a plain read of the key's unfinished jobs
+/// up to the last row it locked. Their states are left as they are: the completion that marks
+/// them done readies the key's next job after them (`complete`'s exclusion), and one the
+/// transaction does not get to stays queued, first in line (locked until the commit, as a row
+/// locked after a break in the run).
 pub(crate) async fn take_after(
     txn: &impl ConnectionTrait,
     kinds: &[Vec<u8>],
@@ -113,30 +114,43 @@ pub(crate) async fn take_after(
     } else {
         ""
     };
-    // `ahead`: the key's unfinished jobs between `after` and this one, whatever their state or
-    // lock. The run is unbroken while each row's `ahead` is its place in the run.
     let sql = format!(
-        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited, \
-         (SELECT COUNT(*) FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
-         AND h.state IN ({UNFINISHED}) AND h.id > ? AND h.id < j.id) AS ahead \
+        "SELECT j.id, j.kind, j.job_key, j.payload, j.attempts, {now} - j.run_at AS waited \
          FROM {JOB_TABLE} j{index} \
          WHERE j.key_hash = ? AND j.state = {Queued} AND j.id > ? AND j.run_at <= {now} \
          AND {of_kinds} ORDER BY j.id LIMIT {limit}{skip}"
     );
-    let mut values = vec![
-        after.into(),
-        Value::Bytes(Some(key_hash.to_vec())),
-        after.into(),
-    ];
+    let mut values = vec![Value::Bytes(Some(key_hash.to_vec())), after.into()];
     values.extend(kinds.iter().map(|kind| Value::Bytes(Some(kind.clone()))));
     let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
+    let Some(last) = rows.last() else {
+        return Ok(Vec::new());
+    };
+    let last: i64 = last.try_get("", "id")?;
+    // The run is unbroken while the key's unfinished jobs from `after` on, whatever their state
+    // or lock (a plain read), are the locked rows, one for one. A read of its own, by constant
+    // bounds: as a subquery of the scan above counting them for each row, MariaDB scanned every
+    // queued job of the key after `after` for every row (2.2 ms for 15 rows of a hot key with a
+    // thousand waiting, against 0.2 ms for the scan alone).
+    let unfinished = format!(
+        "SELECT id FROM {JOB_TABLE}{index} WHERE key_hash = ? AND state IN ({UNFINISHED}) \
+         AND id > ? AND id <= ? ORDER BY id"
+    );
+    let values = vec![
+        Value::Bytes(Some(key_hash.to_vec())),
+        after.into(),
+        last.into(),
+    ];
+    let ids = txn
+        .query_all_raw(statement(backend, &unfinished, values))
+        .await?;
     let mut run = Vec::with_capacity(rows.len());
-    for row in &rows {
-        let ahead: i64 = row.try_get("", "ahead")?;
-        if usize::try_from(ahead).ok() != Some(run.len()) {
+    for (row, unfinished) in rows.iter().zip(&ids) {
+        let taken = Taken::read(row, false)?;
+        if unfinished.try_get::<i64>("", "id")? != taken.id {
             break;
         }
-        run.push(Taken::read(row, false)?);
+        run.push(taken);
     }
     Ok(run)
 }
