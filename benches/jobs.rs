@@ -19,7 +19,8 @@
 //! engine) only, `FRESHLOCK_BENCH_PING=1` with sqlx's
 //! checkout ping on (off by default, as README's *Reliability* recommends),
 //! `FRESHLOCK_BENCH_DELAY_US=1000` every connection through a link adding that many
-//! microseconds each way (`tests/common/delay.rs`, as the floor's). The databases' `node` and
+//! microseconds each way (`tests/common/delay.rs`, as the floor's), `FRESHLOCK_BENCH_HISTORY=
+//! 50000` W3 with that many done jobs of its hot key in the table. The databases' `node` and
 //! `freshlock_job` tables are emptied first.
 
 mod common;
@@ -208,6 +209,34 @@ async fn fill(db: &DatabaseConnection, n: usize, job: impl Fn(usize) -> NewJob) 
         _ => "ANALYZE freshlock_job",
     };
     db.execute_unprepared(analyze).await.expect("analyze");
+}
+
+/// `FRESHLOCK_BENCH_HISTORY=50000`: that many done jobs of W3's hot key in the table, as a key
+/// has before its finished jobs are pruned (`jobs::prune`); none by default.
+async fn history(db: &DatabaseConnection) {
+    let n: usize = std::env::var("FRESHLOCK_BENCH_HISTORY")
+        .ok()
+        .and_then(|n| n.trim().parse().ok())
+        .unwrap_or(0);
+    if n == 0 {
+        return;
+    }
+    for start in (0..n).step_by(1000) {
+        let txn = db.begin().await.expect("begin");
+        let batch = (start..(start + 1000).min(n))
+            .map(|_| NewJob::new("past", &()).unwrap().key("ham:hot"));
+        jobs::enqueue_many(&txn, batch).await.expect("enqueue");
+        txn.commit().await.expect("commit");
+    }
+    let done =
+        "UPDATE freshlock_job SET state = 2, finished_at = created_at WHERE payload = 'null'";
+    db.execute_unprepared(done).await.expect("the history done");
+    let analyze = match db.get_database_backend() {
+        sea_orm::DbBackend::MySql => "ANALYZE TABLE freshlock_job",
+        _ => "ANALYZE freshlock_job",
+    };
+    db.execute_unprepared(analyze).await.expect("analyze");
+    println!("{n} done jobs of the hot key in the table");
 }
 
 /// Runs `workers` workers until `total` jobs completed: the seconds it took, and each job's
@@ -421,6 +450,7 @@ async fn skewed(db: &DatabaseConnection, leased: bool, two_flights: bool) {
         NewJob::new("work", &(i % 2 == 0)).unwrap().key(key)
     })
     .await;
+    history(db).await;
     let running: Arc<Mutex<HashMap<String, usize>>> = Arc::default();
     let overlaps = Arc::new(AtomicUsize::new(0));
     // When each job's work ended, from the start, by id (its commit follows within a round

@@ -86,6 +86,11 @@ impl States {
     pub(crate) fn contains(&self, state: Stored) -> bool {
         self.0.contains(&state)
     }
+
+    /// These states, one by one.
+    pub(crate) fn iter(&self) -> impl Iterator<Item = Stored> + '_ {
+        self.0.iter().copied()
+    }
 }
 
 impl fmt::Display for States {

@@ -4,6 +4,7 @@ mod advance;
 mod cancel;
 mod check;
 mod finish;
+mod head;
 mod insert;
 mod lease;
 mod promote;

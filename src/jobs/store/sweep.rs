@@ -2,10 +2,7 @@
 
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, Value};
 
-use crate::jobs::state::{
-    Stored::{Pending, Queued},
-    UNFINISHED,
-};
+use crate::jobs::state::Stored::{Pending, Queued};
 use crate::{
     db::{
         autocommit::{autocommit, upkeep},
@@ -35,9 +32,8 @@ pub(crate) async fn sweep(db: &Pool) -> Result<u64, DbErr> {
     // Only the first queued job of a key can be stranded.
     let find = format!(
         "SELECT q.id FROM (SELECT MIN(id) AS id, key_hash FROM {JOB_TABLE} \
-         WHERE state = {Queued} GROUP BY key_hash) q WHERE NOT EXISTS (\
-         SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = q.key_hash \
-         AND h.state IN ({UNFINISHED}) AND h.id < q.id) LIMIT {SWEEP_AT_MOST}"
+         WHERE state = {Queued} GROUP BY key_hash) q WHERE {} LIMIT {SWEEP_AT_MOST}",
+        super::head::head(backend, "q")
     );
     let rows = db
         .query_all_raw(statement(backend, &find, Vec::new()))

@@ -156,7 +156,7 @@ pub(crate) async fn take_after(
 }
 
 /// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
-/// being due (`{head}` stands for [`head`]), its order, how many, and whether a chain may
+/// being due (`{head}` stands for [`super::head::head`] of `j`), its order, how many, and whether a chain may
 /// follow the job it takes (then it reads `Taken::followed`).
 struct Scan {
     index: &'static str,
@@ -202,7 +202,7 @@ async fn lock_due(
         chain,
         ..
     } = scan;
-    let filter = filter.replace("{head}", &head());
+    let filter = filter.replace("{head}", &super::head::head(backend, "j"));
     // Whether a chain may follow the job (`Taken::followed`): asked only by a take that may
     // start one, so no other take pays for the probe.
     let followed = if *chain {
@@ -231,14 +231,6 @@ fn flag(row: &QueryResult, column: &str) -> Result<bool, DbErr> {
         Ok(flag) => Ok(flag),
         Err(_) => row.try_get::<i64>("", column).map(|n| n != 0),
     }
-}
-
-/// Keyed job `j` is its key's head: no earlier job of its key is unfinished.
-fn head() -> String {
-    format!(
-        "NOT EXISTS (SELECT 1 FROM {JOB_TABLE} h WHERE h.key_hash = j.key_hash \
-         AND h.state IN ({UNFINISHED}) AND h.id < j.id)"
-    )
 }
 
 /// Job `j` is of one of `kinds` (one placeholder each): a worker takes only the kinds it has
