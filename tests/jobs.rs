@@ -2161,6 +2161,40 @@ on_databases! {
     line_breaks_mysql: a_chain_stops_where_its_keys_line_breaks, mysql;
 }
 
+/// A job whose enqueue commits after its key's head finished is stranded — queued, but the head's
+/// promotion could not see it — until a worker's sweep readies it; then it runs, once. (Not on
+/// SQLite: the open enqueue would hold its only writer.)
+async fn a_stranded_job_is_swept_and_runs(db: Option<TestDb>) {
+    let Some(db) = db else { return };
+    db.seed_nodes(1).await;
+    let (db, handle) = (db.db, db.handle);
+    let handlers = Jobs::new().handle("bump", at_once(1), job_support::bump_node);
+    let job = || NewJob::new("bump", &1_i32).unwrap().key("k");
+    assert_eq!(add(&db, job()).await.unwrap(), Enqueued::Added(1));
+    let late = db.begin().await.unwrap();
+    assert_eq!(
+        jobs::enqueue(&late, job()).await.unwrap(),
+        Enqueued::Added(2)
+    );
+    let first = Worker::new(Session::new(&handle), handlers.clone());
+    let runs = first.run_until_idle().await.unwrap();
+    assert_eq!(runs.iter().map(|r| r.id).collect::<Vec<_>>(), [1]);
+    late.commit().await.unwrap();
+    let (done, queued) = (2, 5);
+    assert_eq!(states(&db).await, [done, queued], "job 2 is stranded");
+    // A worker of its own: its first empty take sweeps (at most once a second per worker).
+    let second = Worker::new(Session::new(&handle), handlers);
+    let runs = second.run_until_idle().await.unwrap();
+    assert_eq!(runs.iter().map(|r| r.id).collect::<Vec<_>>(), [2]);
+    assert_eq!(states(&db).await, [done, done]);
+    assert_eq!(total_score(&db).await, 2);
+}
+
+on_databases! {
+    stranded_is_swept_postgres: a_stranded_job_is_swept_and_runs, postgres;
+    stranded_is_swept_mysql: a_stranded_job_is_swept_and_runs, mysql;
+}
+
 /// A job of a hot key that fails for good ends its chain; the key's next job is readied past
 /// the jobs the chain completed, and the rest run in order, each effect once.
 async fn a_key_goes_on_past_a_job_that_failed_for_good(db: Option<TestDb>) {
