@@ -156,8 +156,8 @@ pub(crate) async fn take_after(
 }
 
 /// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
-/// being due (`{head}` stands for [`super::head::head`] of `j`), its order, how many, and whether a chain may
-/// follow the job it takes (then it reads `Taken::followed`).
+/// being due (`{head}` stands for [`super::head::head`] of `j`), its order, how many, and
+/// whether a chain may follow the job it takes (then it reads `Taken::followed`).
 struct Scan {
     index: &'static str,
     filter: &'static str,
