@@ -192,18 +192,28 @@ async fn fill(db: &DatabaseConnection, n: usize, job: impl Fn(usize) -> NewJob) 
     db.execute_unprepared("TRUNCATE TABLE freshlock_job")
         .await
         .expect("empty the queue");
-    // One transaction and one statement per 1,000 jobs (`enqueue_many`).
     let began = Instant::now();
+    enqueue(db, n, job).await;
+    println!(
+        "filled {n} jobs in {:.3} s (enqueue_many)",
+        began.elapsed().as_secs_f64()
+    );
+    analyze(db).await;
+}
+
+/// Enqueues `n` jobs made by `job`: one transaction and one statement per 1,000 jobs
+/// (`enqueue_many`).
+async fn enqueue(db: &DatabaseConnection, n: usize, job: impl Fn(usize) -> NewJob) {
     for start in (0..n).step_by(1000) {
         let txn = db.begin().await.expect("begin");
         let batch = (start..(start + 1000).min(n)).map(&job);
         jobs::enqueue_many(&txn, batch).await.expect("enqueue");
         txn.commit().await.expect("commit");
     }
-    println!(
-        "filled {n} jobs in {:.3} s (enqueue_many)",
-        began.elapsed().as_secs_f64()
-    );
+}
+
+/// The job table's statistics brought up to date (see [`fill`]).
+async fn analyze(db: &DatabaseConnection) {
     let analyze = match db.get_database_backend() {
         sea_orm::DbBackend::MySql => "ANALYZE TABLE freshlock_job",
         _ => "ANALYZE freshlock_job",
@@ -221,21 +231,11 @@ async fn history(db: &DatabaseConnection) {
     if n == 0 {
         return;
     }
-    for start in (0..n).step_by(1000) {
-        let txn = db.begin().await.expect("begin");
-        let batch = (start..(start + 1000).min(n))
-            .map(|_| NewJob::new("past", &()).unwrap().key("ham:hot"));
-        jobs::enqueue_many(&txn, batch).await.expect("enqueue");
-        txn.commit().await.expect("commit");
-    }
+    enqueue(db, n, |_| NewJob::new("past", &()).unwrap().key("ham:hot")).await;
     let done =
         "UPDATE freshlock_job SET state = 2, finished_at = created_at WHERE payload = 'null'";
     db.execute_unprepared(done).await.expect("the history done");
-    let analyze = match db.get_database_backend() {
-        sea_orm::DbBackend::MySql => "ANALYZE TABLE freshlock_job",
-        _ => "ANALYZE freshlock_job",
-    };
-    db.execute_unprepared(analyze).await.expect("analyze");
+    analyze(db).await;
     println!("{n} done jobs of the hot key in the table");
 }
 

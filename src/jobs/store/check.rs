@@ -25,12 +25,11 @@ pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Valu
     // The rows are found by id alone and counted by state: with `state = …` beside the id, a
     // plan PostgreSQL had cached on a connection scanned `freshlock_job_next`'s every done job
     // for the id (the index leads with `state`), a check slower with each job done.
-    let sql = format!(
-        "(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two \
-         WHERE (SELECT COUNT(CASE WHEN state = {Done}{by} THEN 1 END) FROM {JOB_TABLE} \
-         WHERE id IN ({list})) <> {})",
+    let sql = fails_when(&format!(
+        "(SELECT COUNT(CASE WHEN state = {Done}{by} THEN 1 END) FROM {JOB_TABLE} \
+         WHERE id IN ({list})) <> {}",
         ids.len()
-    );
+    ));
     let mut values: Vec<Value> = owner.map(Value::from).into_iter().collect();
     values.extend(ids.iter().map(|&id| Value::from(id)));
     (sql, values)
@@ -45,5 +44,12 @@ pub(crate) fn unless_done(ids: &[i64], owner: Option<&str>) -> (String, Vec<Valu
 /// MariaDB 10.11).
 #[cfg_attr(not(feature = "mysql"), allow(dead_code))]
 pub(crate) fn unless_counted(n: usize) -> String {
-    format!("(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two WHERE ROW_COUNT() <> {n})")
+    fails_when(&format!("ROW_COUNT() <> {n}"))
+}
+
+/// An expression that is `NULL` unless `condition` holds, and fails when it does: a subquery
+/// of two rows used as a value (SQLSTATE 21000, MySQL/MariaDB error 1242).
+#[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+fn fails_when(condition: &str) -> String {
+    format!("(SELECT 1 FROM (SELECT 1 AS n UNION ALL SELECT 2) AS two WHERE {condition})")
 }

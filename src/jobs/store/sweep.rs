@@ -33,7 +33,7 @@ pub(crate) async fn sweep(db: &Pool) -> Result<u64, DbErr> {
     let find = format!(
         "SELECT q.id FROM (SELECT MIN(id) AS id, key_hash FROM {JOB_TABLE} \
          WHERE state = {Queued} GROUP BY key_hash) q WHERE {} LIMIT {SWEEP_AT_MOST}",
-        super::head::head(backend, "q")
+        super::head::is_head(backend, "q")
     );
     let rows = db
         .query_all_raw(statement(backend, &find, Vec::new()))

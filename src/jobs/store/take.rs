@@ -156,7 +156,7 @@ pub(crate) async fn take_after(
 }
 
 /// How a take finds due jobs: the index it follows (forced on MySQL), its condition besides
-/// being due (`{head}` stands for [`super::head::head`] of `j`), its order, how many, and
+/// being due (`{head}` stands for [`super::head::is_head`] of `j`), its order, how many, and
 /// whether a chain may follow the job it takes (then it reads `Taken::followed`).
 struct Scan {
     index: &'static str,
@@ -202,7 +202,7 @@ async fn lock_due(
         chain,
         ..
     } = scan;
-    let filter = filter.replace("{head}", &super::head::head(backend, "j"));
+    let filter = filter.replace("{head}", &super::head::is_head(backend, "j"));
     // Whether a chain may follow the job (`Taken::followed`): asked only by a take that may
     // start one, so no other take pays for the probe.
     let followed = if *chain {
