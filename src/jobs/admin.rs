@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use sea_orm::{ConnectionTrait, DatabaseTransaction, DbBackend, DbErr, Value};
 
-use super::{JobId, query::text, state::Stored, store};
+use super::{job::JobId, query::text, state::Stored, store};
 use crate::{
     database::Db,
     db::{

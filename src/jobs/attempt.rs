@@ -5,8 +5,8 @@ use sea_orm::DbErr;
 use tracing::debug;
 
 use super::{
-    JobFailure, JobId, JobOutcome,
     catch::{CatchUnwind, panic_message},
+    job::{JobFailure, JobId, JobOutcome},
     kinds::Kind,
     retry::{Retry, decide},
     step::{Failed, JobStep, Ran, Start},

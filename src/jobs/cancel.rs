@@ -5,8 +5,8 @@
 use sea_orm::ConnectionTrait;
 
 use super::{
-    JobId, JobOutcome, JobRun,
     admin::decided,
+    job::{JobId, JobOutcome, JobRun},
     step::{Attempted, JobStep, Measured},
     store::{self, Found},
 };

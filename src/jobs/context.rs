@@ -3,7 +3,10 @@
 
 use std::{sync::Arc, time::Duration};
 
-use super::{Jobs, kinds::Kind, limit::Limit};
+use super::{
+    kinds::{Jobs, Kind},
+    limit::Limit,
+};
 use crate::session::Session;
 
 /// A worker's session and handlers. Cheap to clone.

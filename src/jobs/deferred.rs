@@ -1,7 +1,7 @@
 //! A held attempt's completion, deferred to its `COMMIT`'s message (`flights/`): what the job
 //! step records (`record.rs`) and the held attempt sends and reads back.
 
-use super::{JobId, store};
+use super::{job::JobId, store};
 
 /// The completion a held attempt sends in its `COMMIT`'s message (`flights/`).
 #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]

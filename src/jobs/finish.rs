@@ -3,8 +3,7 @@
 use tracing::warn;
 
 use super::{
-    JobFailure, JobOutcome, JobRun,
-    job::Raw,
+    job::{JobFailure, JobOutcome, JobRun, Raw},
     kinds::Kind,
     leased::Finishing,
     retry::decide,

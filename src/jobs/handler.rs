@@ -10,7 +10,7 @@
 
 use std::future::Future;
 
-use super::Job;
+use super::job::Job;
 use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
 
 /// A kind's handler, run in the job's transaction ([`Jobs::handle`](super::Jobs::handle)).

@@ -2,7 +2,8 @@
 
 use std::time::Duration;
 
-use super::JobId;
+/// A job's id: its row in `freshlock_job`, growing in enqueue order.
+pub type JobId = i64;
 
 /// A job as its handler gets it.
 #[derive(Clone, Debug, PartialEq, Eq)]

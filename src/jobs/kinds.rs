@@ -9,12 +9,12 @@ use std::{
 use serde::de::DeserializeOwned;
 
 use super::{
-    Job, RetryPolicy,
     handler::{Finish, Handler},
-    job::Raw,
+    job::{Job, Raw},
     leased::{self, Lease, Leased, Output},
     limit::Limit,
     periodic::Periodic,
+    retry::RetryPolicy,
 };
 use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
 

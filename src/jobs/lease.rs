@@ -19,10 +19,9 @@ use tokio::{sync::watch, time::MissedTickBehavior};
 use tracing::{Instrument, info_span, warn};
 
 use super::{
-    JobFailure, JobRun,
     catch::{CatchUnwind, panic_message},
     context::Context,
-    job::Raw,
+    job::{JobFailure, JobRun, Raw},
     leased::{Claimed, Finishing, Lease, Output},
     retry::Retry,
     run::run_step,

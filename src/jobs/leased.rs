@@ -5,7 +5,10 @@ use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use tokio::sync::watch;
 
-use super::{JobFailure, JobId, job::Raw, retry::Retry};
+use super::{
+    job::{JobFailure, JobId, Raw},
+    retry::Retry,
+};
 use crate::{error::ApplyError, tx::Tx, write::section::SectionWork};
 
 /// The shortest lease a kind gets: the heartbeat beats every third of it.

@@ -8,7 +8,7 @@ use sea_orm::{ConnectionTrait, DatabaseConnection, DbErr, Value};
 use serde::Serialize;
 use tracing::debug;
 
-use super::{NewJob, store};
+use super::{enqueue::NewJob, store};
 use crate::{
     db::{deadline::Bounded, own::Own},
     error::{Error, Result},

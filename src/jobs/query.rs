@@ -3,7 +3,7 @@
 
 use sea_orm::{ConnectionTrait, DbBackend, DbErr, QueryResult, Value};
 
-use super::{JobId, state::Stored, store};
+use super::{job::JobId, state::Stored, store};
 use crate::{
     database::Db,
     db::{

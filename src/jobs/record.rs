@@ -6,8 +6,8 @@ use std::time::Duration;
 use sea_orm::{ConnectionTrait, DbBackend, DbErr};
 
 use super::{
-    JobId, JobOutcome, JobRun,
     deferred::Chaining,
+    job::{JobId, JobOutcome, JobRun},
     step::{Ended, Failed, JobStep, Measured, Source, waited},
     store,
 };

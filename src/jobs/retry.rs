@@ -4,7 +4,7 @@ use std::{fmt, hash::BuildHasher, sync::Arc, time::Duration};
 
 use tracing::warn;
 
-use super::{JobFailure, JobId, JobOutcome};
+use super::job::{JobFailure, JobId, JobOutcome};
 use crate::error::ApplyError;
 
 /// How a kind's failed attempts are retried: Celery's `max_retries`, `retry_backoff` and

@@ -3,8 +3,8 @@
 //! on a transient failure. The step itself (take, run, record) is `step.rs`.
 
 use super::{
-    JobRun,
     context::Context,
+    job::JobRun,
     leased::Claimed,
     step::{JobStep, Source},
 };

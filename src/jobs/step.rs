@@ -8,10 +8,9 @@ use std::{collections::HashMap, time::Duration};
 use sea_orm::{DatabaseTransaction, DbErr};
 
 use super::{
-    JobFailure, JobId, JobOutcome, JobRun,
     context::Context,
     deferred::Deferred,
-    job::Raw,
+    job::{JobFailure, JobId, JobOutcome, JobRun, Raw},
     kinds::Runner,
     leased::{Claimed, Finishing, Output},
     retry::Retry,

@@ -2,8 +2,8 @@
 //! leased kinds claimed; a keyed job's key followed by its next jobs (a chain).
 
 use super::{
-    JobFailure, JobOutcome, admit,
-    job::Raw,
+    admit,
+    job::{JobFailure, JobOutcome, Raw},
     kinds::Runs,
     leased::Claimed,
     step::{Did, Ended, Failed, JobStep, Ran, Start},

@@ -7,9 +7,10 @@ use tokio::sync::Notify;
 use tracing::{debug, error, warn};
 
 use super::{
-    JobOutcome, JobRun, Jobs,
     chores::{ADVERTISE_EVERY, GAUGE_EVERY, due, due_every},
     context::Context,
+    job::{JobOutcome, JobRun},
+    kinds::Jobs,
     lease, periodic,
     run::{Stepped, run_step},
     step::Source,
@@ -147,7 +148,7 @@ impl Worker {
     /// failure has already been tried again within the session policy's `write_attempts`);
     /// [`crate::Error::CommitUnknown`] when the commit's reply was lost and could not be
     /// resolved — the job either completed or runs again, never both. A handler's own failure
-    /// is not an error here: it is the job's [`JobOutcome`](super::JobOutcome).
+    /// is not an error here: it is the job's [`JobOutcome`](super::job::JobOutcome).
     pub async fn run_one(&self) -> Result<Option<JobRun>> {
         Ok(self.run_up_to(1, &mut None, false).await?.pop())
     }
@@ -246,7 +247,7 @@ impl Worker {
         }
     }
 
-    /// Enqueues the periodic kinds' due slots (see [`super::Periodic`]); a failure is only
+    /// Enqueues the periodic kinds' due slots (see [`super::periodic::Periodic`]); a failure is only
     /// logged, the next pass tries again.
     async fn enqueue_periodic(&self) {
         for periodic in self.cx.jobs.schedules() {
@@ -374,7 +375,7 @@ impl Worker {
             }
             if cfg!(feature = "metrics") && due_every(&self.gauged, GAUGE_EVERY) {
                 let db = self.cx.session.connection();
-                match tokio::time::timeout(self.cx.reply(), super::record_depth(db)).await {
+                match tokio::time::timeout(self.cx.reply(), super::query::record_depth(db)).await {
                     Ok(Ok(_)) => {}
                     Ok(Err(error)) => warn!(%error, "recording the queue's depth failed"),
                     Err(_) => warn!("recording the queue's depth timed out"),

@@ -52,8 +52,8 @@ use check::{after, stopped};
 use tracing::warn;
 
 use super::{
-    JobId, JobRun,
     deferred::Deferred,
+    job::{JobId, JobRun},
     step::{JobStep, Source},
     store,
 };
