@@ -8,7 +8,8 @@
 //!   changed column saved, guarded);
 //! - W3: 2,000 jobs of 10 ms, half on one key, the rest over 50 keys, one job per key at a time,
 //!   10 workers: wall time, the other keys' p50/p99 latency (from the start, when every job is
-//!   already enqueued), same-key overlaps seen by the handlers.
+//!   already enqueued), same-key overlaps seen by the handlers; then its hot key by hand, the
+//!   floor of the leased form (`jobs/by_hand.rs`).
 //!
 //! `cargo bench --bench jobs --all-features` with `DATABASE_URL_POSTGRES` and/or
 //! `DATABASE_URL_MYSQL`; `FRESHLOCK_BENCH_QUICK=1` runs a tenth of each workload,
@@ -23,6 +24,9 @@
 //! 50000` W3 with that many done jobs of its hot key in the table. The databases' `node` and
 //! `freshlock_job` tables are emptied first.
 
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+#[path = "jobs/by_hand.rs"]
+mod by_hand;
 mod common;
 #[path = "../tests/common/delay.rs"]
 mod delay;
@@ -173,6 +177,8 @@ async fn main() {
                     skewed(&db, leased, two_flights).await;
                 }
             }
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            by_hand::hot_key(&db, scaled(2_000) / 2).await;
         }
     }
 }
