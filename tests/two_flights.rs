@@ -592,6 +592,7 @@ async fn without_the_incarnation_table_a_marker_rides_in_the_update() {
 /// The value types of MySQL/MariaDB's text replies that read back exactly (no `FLOAT`: see
 /// `flights.rs`), written in and compared by the next write's guard, under the server's
 /// `sql_mode` and under `NO_BACKSLASH_ESCAPES` and `ANSI_QUOTES`.
+#[cfg(feature = "mysql")]
 mod sample {
     use sea_orm::entity::prelude::*;
 
