@@ -45,16 +45,19 @@ users need."]
 //   primary-key check), `decision.rs`, `save.rs`, `row_sql/` (the SQL of a row write:
 //   columns, the guarded UPDATE, DELETE, hooks, keys), and `flights/` (`locked_update` in two
 //   round trips on a held connection, with the engine's rules). It may not name a front end.
-// - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`), what a handler
-//   is (`handler.rs`), retry policy (`retry.rs`), handlers by kind (`kinds.rs`), periodic
-//   kinds (`periodic.rs`), what running needs (`context.rs`), the engine step (`step.rs` with
-//   `take.rs`, `attempt.rs`, `finish.rs`, `record.rs`, `catch.rs` for panics), leased jobs
-//   (`leased.rs`, `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`),
-//   wake-ups, what the queue holds (`query.rs`), what an operator does to it (`admin.rs`) and
-//   cancelling (`cancel.rs`: the call, and the step's half), limits (`limit.rs`: what a
-//   limit is; `admit.rs`: the take's admission of jobs under them), stored states (`state.rs`) and the
-//   table's statements (`store/`). It runs on `write/`'s engine, or, on a session with two
-//   flights, on a held connection with the engine's rules (`flights.rs`).
+// - **`jobs/`** — keyed jobs, one concept per file: the job words (`job.rs`, a job's id
+//   among them), enqueueing (`enqueue.rs`), what a handler is (`handler.rs`), retry policy
+//   (`retry.rs`), handlers by kind (`kinds.rs`), periodic kinds (`periodic.rs`), what running
+//   needs (`context.rs`), the engine step (`step.rs` with `take.rs`, `attempt.rs`, `finish.rs`,
+//   `record.rs`, `deferred.rs`, `run.rs`, `catch.rs` for panics), leased jobs (`leased.rs`,
+//   `lease.rs`), the worker loop (`worker.rs`) and its chores (`chores.rs`), wake-ups, what the
+//   queue holds (`query.rs`), what an operator does to it (`admin.rs`) and cancelling
+//   (`cancel.rs`: the call, and the step's half), limits (`limit.rs`: what a limit is;
+//   `admit.rs`: the take's admission of jobs under them), stored states (`state.rs`) and the
+//   table's statements (`store/`). `mod.rs` holds the docs and the public names only: each
+//   file imports from the file that defines what it uses, and none from a file above it. It
+//   runs on `write/`'s engine, or, on a session with two flights, on a held connection with
+//   the engine's rules (`flights/`).
 // - **`commit/`** — commit and rollback (`transaction.rs`) and the one evidence API
 //   (`evidence.rs`: `Plan` says whether a write's statement returns its transaction id or
 //   writes a marker), markers and their sweep (`marker.rs`), resolving a lost reply
