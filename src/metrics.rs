@@ -17,7 +17,7 @@
 //! | [`JOB_RUN`] | histogram (seconds) | `kind` | a job's handler, from start to end |
 //! | [`JOB_ATTEMPTS`] | histogram | `kind` | the attempt a job ended on (completed or failed for good) |
 //!
-//! | [`JOB_DEPTH`] | gauge | `kind`, `state` (`waiting`/`due`/`failed`) | the queue's depth per kind, as [`crate::jobs::depth`] counts it (summed over keys), set by [`crate::jobs::record_depth`] — which a [`crate::jobs::Worker::run`] calls every 10 s with this feature on |
+//! | [`JOB_DEPTH`] | gauge | `kind`, `state` (`waiting`/`due`/`failed`) | the queue's depth per kind, as [`crate::jobs::depth`] counts it (summed over keys), set by [`crate::jobs::record_depth`], and every 10 s by a [`crate::jobs::Worker::run`] with this feature on (by kind, in a task its loop does not wait for) |
 //!
 //! The depth per key is a query, not a metric (keys are unbounded): [`crate::jobs::depth`].
 //!

@@ -9,6 +9,7 @@ use crate::{
     db::{
         autocommit::autocommit,
         deadline::{Bounded, DEFAULT_REPLY},
+        pool::Pool,
     },
     error::{Result, database},
     lock::sql::{now_ms, statement},
@@ -217,6 +218,17 @@ impl JobFilter {
     /// # Errors
     /// [`crate::Error::Database`] when the query fails.
     pub async fn depth(&self, db: &impl ConnectionTrait) -> Result<Vec<Depth>> {
+        self.depth_by(db, true).await
+    }
+
+    /// [`depth`](Self::depth) by kind and key (`by_key`), or by kind only: one row a kind, its
+    /// keys summed by the database (the worker's gauge: a queue of 500,000 jobs over 100,000
+    /// keys is 100,000 rows by key — 0.37 s on PostgreSQL here — and 0.05 s by kind).
+    pub(super) async fn depth_by(
+        &self,
+        db: &impl ConnectionTrait,
+        by_key: bool,
+    ) -> Result<Vec<Depth>> {
         let db = &Bounded::new(db, DEFAULT_REPLY);
         let backend = db.get_database_backend();
         let now = now_ms(backend);
@@ -239,11 +251,18 @@ impl JobFilter {
         } else {
             "kind"
         };
+        let (key, group, order) = match by_key {
+            true => (
+                ", job_key",
+                format!("{kind}, key_hash, job_key"),
+                format!("{kind}, key_hash"),
+            ),
+            false => ("", kind.to_owned(), kind.to_owned()),
+        };
         let (condition, values) = self.condition(&[pending, leased, queued, failed]);
         let sql = format!(
-            "SELECT kind, job_key, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
-             FROM {JOB_TABLE} WHERE {condition} \
-             GROUP BY {kind}, key_hash, job_key ORDER BY {kind}, key_hash",
+            "SELECT kind{key}, {waiting} AS waiting, {due} AS due, {failed_n} AS failed \
+             FROM {JOB_TABLE} WHERE {condition} GROUP BY {group} ORDER BY {order}",
             waiting = sum(&format!("state IN ({pending}, {leased}, {queued})")),
             due = sum(&format!("state = {pending} AND run_at <= {now}")),
             failed_n = sum(&format!("state = {failed}")),
@@ -256,10 +275,14 @@ impl JobFilter {
             statement(backend, &sql, values),
             |row| {
                 let kind: Option<Vec<u8>> = row.try_get("", "kind")?;
+                let key = match by_key {
+                    true => text(row.try_get("", "job_key")?),
+                    false => None,
+                };
                 Ok(Depth {
                     handled: kind.as_ref().is_some_and(|kind| taken.contains(kind)),
                     kind: text(kind).unwrap_or_default(),
-                    key: text(row.try_get("", "job_key")?),
+                    key,
                     waiting: count(row, "waiting")?,
                     due: count(row, "due")?,
                     failed: count(row, "failed")?,
@@ -336,14 +359,29 @@ pub async fn depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
 /// (`waiting`, `due`, `failed`, and `no_worker`: waiting jobs of a kind no running worker takes;
 /// summed over keys; a kind no longer in the queue goes to 0) —
 /// with the `metrics` feature; without it, this only reads. [`Worker::run`](super::Worker::run)
-/// calls it every 10 s (one of a worker's clones), so a service that runs workers need not.
+/// sets the same gauge every 10 s (one of a worker's clones; by kind only, in a task of its own
+/// that its loop does not wait for), so a service that runs workers need not.
 ///
 /// # Errors
 /// As [`depth`].
 pub async fn record_depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
     let depths = depth(db).await?;
+    gauge(&depths);
+    Ok(depths)
+}
+
+/// [`record_depth`] as a running worker records it: the depth by kind only (the database sums
+/// the keys: see [`JobFilter::depth_by`]).
+pub(super) async fn record_kind_depth(db: &Pool) -> Result<()> {
+    let depths = JobFilter::new().depth_by(&autocommit(db), false).await?;
+    gauge(&depths);
+    Ok(())
+}
+
+/// Sets the depth gauge per kind from `depths` (ordered by kind; a kind's rows summed).
+fn gauge(depths: &[Depth]) {
     let mut per_kind: Vec<crate::metrics::KindDepth> = Vec::new();
-    for d in &depths {
+    for d in depths {
         let no_worker = if d.handled { 0 } else { d.waiting };
         match per_kind.last_mut() {
             // `depth` is ordered by kind.
@@ -363,7 +401,6 @@ pub async fn record_depth(db: impl Into<Db>) -> Result<Vec<Depth>> {
         }
     }
     crate::metrics::job_depth(&per_kind);
-    Ok(depths)
 }
 
 /// Up to `limit` jobs in `state`, oldest first ([`JobFilter::list`] filters by kind and key
