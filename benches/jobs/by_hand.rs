@@ -59,17 +59,16 @@ async fn setup(db: &DatabaseConnection, n: usize) {
         DbBackend::Postgres => "BYTEA",
         _ => "VARBINARY(32)",
     };
-    for sql in [
-        format!(
-            "CREATE TABLE IF NOT EXISTS {TABLE} (id BIGINT PRIMARY KEY, key_hash {bytes} NOT NULL, \
-             state INT NOT NULL, owner VARCHAR(64), attempts INT NOT NULL, payload TEXT NOT NULL)"
-        ),
-        format!("CREATE INDEX {TABLE}_key ON {TABLE} (key_hash, state, id)"),
-        format!("DELETE FROM {TABLE}"),
-    ] {
-        // The index exists after the first run: its `CREATE` fails then.
-        let _ = db.execute_unprepared(&sql).await;
-    }
+    let create = format!(
+        "CREATE TABLE IF NOT EXISTS {TABLE} (id BIGINT PRIMARY KEY, key_hash {bytes} NOT NULL, \
+         state INT NOT NULL, owner VARCHAR(64), attempts INT NOT NULL, payload TEXT NOT NULL)"
+    );
+    db.execute_unprepared(&create).await.expect("the table");
+    // The index exists after the first run: its `CREATE` fails then.
+    let index = format!("CREATE INDEX {TABLE}_key ON {TABLE} (key_hash, state, id)");
+    let _ = db.execute_unprepared(&index).await;
+    let empty = format!("DELETE FROM {TABLE}");
+    db.execute_unprepared(&empty).await.expect("emptied");
     let rows: Vec<String> = (1..=n)
         .map(|id| format!("({id}, 'hot', {}, NULL, 0, 'true')", u8::from(id > 1)))
         .collect();
