@@ -223,7 +223,8 @@ impl JobFilter {
 
     /// [`depth`](Self::depth) by kind and key (`by_key`), or by kind only: one row a kind, its
     /// keys summed by the database (the worker's gauge: a queue of 500,000 jobs over 100,000
-    /// keys is 100,000 rows by key — 0.37 s on PostgreSQL here — and 0.05 s by kind).
+    /// keys is 100,000 rows by key — 0.37–0.45 s on PostgreSQL here, 1.45–1.54 s on MariaDB —
+    /// and one row by kind, 0.05 s / 0.89 s).
     pub(super) async fn depth_by(
         &self,
         db: &impl ConnectionTrait,

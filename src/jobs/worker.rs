@@ -247,8 +247,8 @@ impl Worker {
         }
     }
 
-    /// Enqueues the periodic kinds' due slots (see [`super::periodic::Periodic`]); a failure is only
-    /// logged, the next pass tries again.
+    /// Enqueues the periodic kinds' due slots (see [`super::periodic::Periodic`]); a failure is
+    /// only logged, the next pass tries again.
     async fn enqueue_periodic(&self) {
         for periodic in self.cx.jobs.schedules() {
             let db = self.cx.session.pool();
@@ -432,12 +432,11 @@ impl Worker {
         }
     }
 
-    /// Records the queue's depth (by kind) when it is due, in a task of its own: its `GROUP BY`
-    /// reads every unfinished job, and the loop takes on meanwhile (a queue of 500,000 jobs
-    /// took 0.37 s by key on PostgreSQL here, before the worker's next take). One at a time per
-    /// loop; the clones of a worker share when it is due.
-    fn gauge(&self, gauge: &mut Option<tokio::task::JoinHandle<()>>) {
-        let running = gauge.as_ref().is_some_and(|task| !task.is_finished());
+    /// Records the queue's depth (by kind, [`super::query::record_kind_depth`]) when it is due,
+    /// in `task`, a task of its own: its `GROUP BY` reads every unfinished job, and the loop
+    /// takes on meanwhile. One at a time per loop; the clones of a worker share when it is due.
+    fn gauge(&self, task: &mut Option<tokio::task::JoinHandle<()>>) {
+        let running = task.as_ref().is_some_and(|task| !task.is_finished());
         if running || !due_every(&self.gauged, GAUGE_EVERY) {
             return;
         }
@@ -449,6 +448,6 @@ impl Worker {
                 Err(_) => warn!("recording the queue's depth timed out"),
             }
         };
-        *gauge = Some(tokio::spawn(recorded.in_current_span()));
+        *task = Some(tokio::spawn(recorded.in_current_span()));
     }
 }
