@@ -228,18 +228,19 @@ async fn jobs_through_cuts(
 /// reply lost. `Worker::run` reports nothing per job, so what it acknowledged is counted where
 /// an operator sees it: the `freshlock_jobs_total{outcome=completed}` counter, which a worker
 /// increments once a job's transaction committed (or its lost reply was resolved as committed).
-/// Every job is done, each acknowledged once, each effect in the database once.
+/// Every job is done, each acknowledged once, each effect in the database once. `nodes`: the
+/// jobs bump that many nodes, each but the last's keyed by it (see [`enqueue_bumps`]).
 #[cfg(feature = "metrics")]
-async fn chains_through_cuts(db: Option<TestDb>, leased: bool, two_flights: bool) {
+async fn chains_through_cuts(db: Option<TestDb>, leased: bool, two_flights: bool, nodes: i32) {
     let Some(db) = db else { return };
     // The kind names the test: the counter is the process's, shared with other tests.
     let kind = format!(
-        "chain-{:?}-{leased}-{two_flights}",
+        "chain-{:?}-{leased}-{two_flights}-{nodes}",
         db.db.get_database_backend()
     );
-    // Two hot keys and unkeyed jobs: a key's jobs wait behind its running one, so a worker's
-    // finish (or its transaction) goes on with the key's next.
-    enqueue_bumps(&db, &kind, 3).await;
+    // With 3 nodes, two hot keys and unkeyed jobs: a key's jobs wait behind its running one,
+    // so a worker's finish (or its transaction) goes on with the key's next.
+    enqueue_bumps(&db, &kind, nodes).await;
     let proxy = Proxy::start(proxy::target(&db.url), CutAfter::Commit).await;
     let proxied = through(&proxy, &db, false).await;
     proxy.cut_every(4);
@@ -345,22 +346,30 @@ fn completed_counter(kind: &str) -> u64 {
 
 #[cfg(feature = "metrics")]
 async fn chained_cuts(db: Option<TestDb>) {
-    chains_through_cuts(db, false, false).await;
+    chains_through_cuts(db, false, false, 3).await;
 }
 
 #[cfg(feature = "metrics")]
 async fn chained_cuts_two_flights(db: Option<TestDb>) {
-    chains_through_cuts(db, false, true).await;
+    chains_through_cuts(db, false, true, 3).await;
+}
+
+/// Unkeyed jobs in a worker's loop with two flights: on MySQL/MariaDB every job's last message
+/// carries the next take after its `COMMIT` (`jobs/flights/pretake.rs`), so a lost reply loses
+/// the take's too, and the rows it locked stay with the lost connection's transaction.
+#[cfg(feature = "metrics")]
+async fn loop_cuts_two_flights(db: Option<TestDb>) {
+    chains_through_cuts(db, false, true, 1).await;
 }
 
 #[cfg(feature = "metrics")]
 async fn leased_chained_cuts(db: Option<TestDb>) {
-    chains_through_cuts(db, true, false).await;
+    chains_through_cuts(db, true, false, 3).await;
 }
 
 #[cfg(feature = "metrics")]
 async fn leased_chained_cuts_two_flights(db: Option<TestDb>) {
-    chains_through_cuts(db, true, true).await;
+    chains_through_cuts(db, true, true, 3).await;
 }
 
 async fn lost_commit_replies(db: Option<TestDb>) {
@@ -508,4 +517,6 @@ on_databases! {
     leased_chain_cuts_mysql: leased_chained_cuts, mysql;
     leased_chain_cuts_flights_postgres: leased_chained_cuts_two_flights, postgres;
     leased_chain_cuts_flights_mysql: leased_chained_cuts_two_flights, mysql;
+    job_loop_cuts_flights_postgres: loop_cuts_two_flights, postgres;
+    job_loop_cuts_flights_mysql: loop_cuts_two_flights, mysql;
 }

@@ -154,6 +154,140 @@ servers::server_tests! {
     round_trips_mysql: round_trips, 1, mysql;
 }
 
+/// Enqueues `n` unkeyed jobs of kind `bump` (node `i % 5 + 1`) and runs them with `worker`'s
+/// loop (`run_until_idle`, which takes again at once as `Worker::run` does): the round trips
+/// that took, and how many completed.
+async fn run_looped(db: &TestDb, proxy: &Proxy, worker: &Worker, n: i32) -> (u32, usize) {
+    for i in 0..n {
+        let job = NewJob::new("bump", &(i % 5 + 1)).unwrap();
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    let before = proxy.round_trips();
+    let runs = worker.run_until_idle().await.unwrap();
+    for run in &runs {
+        assert_eq!(run.outcome, JobOutcome::Completed, "{run:?}");
+    }
+    assert_eq!(runs.len(), n as usize, "every job ran once");
+    (proxy.round_trips() - before, runs.len())
+}
+
+/// A worker's loop takes again at once after jobs ran. On MySQL/MariaDB the next take rides in
+/// the last message, after the `COMMIT` (`jobs/flights/pretake.rs`): a job whose handler sends
+/// one UPDATE is two round trips (the UPDATE; the completion, `COMMIT` and the next take) after
+/// the loop's first take; one job at a time or eight. On PostgreSQL nothing rides (three).
+/// `per_loop`: what a loop adds — its first take, the take that finds nothing (with the
+/// `ROLLBACK` of its transaction: on MySQL/MariaDB begun ahead), and the loop's last take
+/// (`BEGIN` and the take, `ROLLBACK`).
+/// Each acknowledged job's effect is in the database once.
+async fn a_loop_sends_the_next_take_ahead(db: Option<TestDb>, (per_job, per_loop): (u32, u32)) {
+    let Some(db) = db else { return };
+    let (proxy, pool) = counted(&db).await;
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), bump_node);
+    let mut acknowledged = 0;
+    for batch in [1, 8] {
+        let worker = Worker::new(session(pool.clone(), true), handlers.clone()).with_batch(batch);
+        // The first time prepares the statements (PostgreSQL).
+        acknowledged += run_looped(&db, &proxy, &worker, 8).await.1;
+        let (sent, ran) = run_looped(&db, &proxy, &worker, 16).await;
+        acknowledged += ran;
+        let attempts = 16 / batch;
+        assert_eq!(
+            sent,
+            attempts * (per_job + batch - 1) + per_loop,
+            "batch {batch}: round trips of 16 jobs in a loop"
+        );
+    }
+    assert_eq!(total_score(&db.db).await, acknowledged as i64);
+}
+
+servers::server_tests! {
+    a_loop_sends_the_next_take_ahead_postgres: a_loop_sends_the_next_take_ahead, (3, 2), postgres;
+    a_loop_sends_the_next_take_ahead_mysql: a_loop_sends_the_next_take_ahead, (2, 4), mysql;
+}
+
+/// A take sent after the `COMMIT` that fails there (the proxy spoils its text) leaves the
+/// commit made: the jobs before it are acknowledged once, the connection — in a transaction
+/// that failed — is closed, and the loop goes on with a take of its own. Every job completes
+/// once, its effect in the database once (MySQL/MariaDB: nothing rides after a `COMMIT` on
+/// PostgreSQL).
+async fn a_failed_take_after_the_commit(db: Option<TestDb>, _: ()) {
+    let Some(db) = db else { return };
+    let (proxy, pool) = counted(&db).await;
+    let handlers = Jobs::new().handle("bump", RetryPolicy::default(), bump_node);
+    proxy.spoil_after_commit(true);
+    let worker = Worker::new(session(pool.clone(), true), handlers);
+    let (_, ran) = run_looped(&db, &proxy, &worker, 8).await;
+    assert!(proxy.spoiled() >= 4, "{} takes spoiled", proxy.spoiled());
+    let done = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    assert_eq!(job_support::number(&db.db, done).await, ran as i64);
+    assert_eq!(total_score(&db.db).await, ran as i64);
+}
+
+servers::server_tests! {
+    a_failed_take_after_the_commit_mysql: a_failed_take_after_the_commit, (), mysql;
+}
+
+/// A worker's loop told to stop while a job runs finishes that job and runs no other, though
+/// with two flights its last message took the next job ahead (MySQL/MariaDB,
+/// `jobs/flights/pretake.rs`): that transaction is rolled back, so every job left is free to
+/// take at once on another connection (`SKIP LOCKED` would pass over a locked one), and each
+/// acknowledged job's effect is in the database once.
+async fn a_stopped_loop_runs_no_other_job(db: Option<TestDb>, _: ()) {
+    let Some(db) = db else { return };
+    db.seed_nodes(5).await;
+    for i in 0..10 {
+        let job = NewJob::new("bump", &i).unwrap();
+        jobs::enqueue(&db.db, job).await.unwrap();
+    }
+    // The third job waits until the worker was told to stop.
+    let started = Arc::new(Notify::new());
+    let go = Arc::new(Notify::new());
+    let (s, g) = (Arc::clone(&started), Arc::clone(&go));
+    let handlers = Jobs::new().handle(
+        "bump",
+        RetryPolicy::default(),
+        jobs::handler(move |tx, job: Job<i32>| {
+            let (started, go) = (Arc::clone(&s), Arc::clone(&g));
+            Box::pin(async move {
+                bump(tx, job.payload % 5 + 1).await?;
+                if job.payload == 2 {
+                    started.notify_one();
+                    go.notified().await;
+                }
+                Ok(())
+            })
+        }),
+    );
+    let worker = Worker::new(session(db.db.clone(), true), handlers);
+    let (stop, running) = job_support::run_in_background(worker);
+    started.notified().await;
+    // Sent before the job may end: the loop, which polls it while its step runs, sees it
+    // before the job's last message answers.
+    stop.send(()).unwrap();
+    go.notify_one();
+    let ran = running.await.unwrap();
+    assert_eq!(ran, 3, "the running job finished, no other ran");
+    let done = "SELECT COUNT(*) FROM freshlock_job WHERE state = 2";
+    assert_eq!(job_support::number(&db.db, done).await, 3);
+    assert_eq!(total_score(&db.db).await, 3);
+    let backend = db.db.get_database_backend();
+    let txn = sea_orm::TransactionTrait::begin(&db.db).await.unwrap();
+    let takeable = txn
+        .query_all_raw(Statement::from_string(
+            backend,
+            "SELECT id FROM freshlock_job WHERE state <> 2 FOR UPDATE SKIP LOCKED",
+        ))
+        .await
+        .unwrap();
+    txn.rollback().await.unwrap();
+    assert_eq!(takeable.len(), 7, "every job left is free to take");
+}
+
+servers::server_tests! {
+    a_stopped_loop_runs_no_other_job_postgres: a_stopped_loop_runs_no_other_job, (), postgres;
+    a_stopped_loop_runs_no_other_job_mysql: a_stopped_loop_runs_no_other_job, (), mysql;
+}
+
 /// The statements freshlock prepared on a connection dropped behind its back (`DEALLOCATE`),
 /// three times: freshlock knows which the connection had without reading them on every
 /// transaction, so the next job's first statement finds its own gone, goes again with its

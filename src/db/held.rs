@@ -9,7 +9,8 @@
 //! sent bound and prepared, as sea-orm sends it (a handler's). Its owner sends the last
 //! statements and `COMMIT` as one message on [`Held::conn`], each written by
 //! [`Held::executed`] (`prepared/`: on PostgreSQL, `EXECUTE` of statements the connection
-//! prepared, planned once per connection).
+//! prepared, planned once per connection). That message may go on after its `COMMIT` with the
+//! next transaction's `BEGIN` and first query ([`Held::carry`], `jobs/flights/pretake.rs`).
 //!
 //! Why, and what happens after a failure: see `pinned.rs` — the connection is closed unless the
 //! transaction ended cleanly, and the server rolls back what it held.
@@ -24,6 +25,7 @@ use sea_orm::{ConnectionTrait, DbBackend, DbErr, ExecResult, QueryResult, Statem
 
 use super::{
     failure::is_missing_prepared,
+    inline::statement_text,
     pinned::{Pinned, Reply},
     prepared::{Known, Prepared, Text},
 };
@@ -45,6 +47,10 @@ pub(crate) struct Held {
     /// Statements (values written in, one each) to send in the transaction's last message,
     /// before the owner's own ([`ride`](Self::ride)).
     riders: Mutex<Vec<String>>,
+    /// A transaction begun in the previous one's last message, after its `COMMIT`: the text of
+    /// the query sent there and its rows, for the first query that sends the same
+    /// ([`carry`](Self::carry)).
+    sent_ahead: Mutex<Option<(String, Vec<QueryResult>)>>,
 }
 
 impl Held {
@@ -67,6 +73,42 @@ impl Held {
             read_with_begin: Mutex::default(),
             prepared: Prepared::new(prepares),
             riders: Mutex::default(),
+            sent_ahead: Mutex::default(),
+        }
+    }
+
+    /// Whether a transaction can begin in this one's last message, after its `COMMIT`: its
+    /// `BEGIN` reads nothing — no names of prepared statements, no statements asked for with
+    /// it (the evidence's transaction id) — so the text that begins it and its first query are
+    /// all it sends (MySQL/MariaDB; on PostgreSQL the first message reads the connection's
+    /// names and the transaction's id, which would have to ride too).
+    pub(crate) fn carries(&self) -> bool {
+        !self.prepared.by_name() && self.with_begin.is_none()
+    }
+
+    /// The statements that begin the next transaction, one each, for the last message to send
+    /// after its `COMMIT` ([`carries`](Self::carries)).
+    pub(crate) fn begin_statements(&self) -> impl Iterator<Item = String> {
+        self.begin
+            .split(';')
+            .map(|statement| statement.trim().to_owned())
+    }
+
+    /// The next transaction on this connection, begun in this one's last message after its
+    /// `COMMIT` with query `text`, which answered `rows` (only once the `COMMIT` and every
+    /// statement after it answered): its first statement, when it is a query that sends the
+    /// same text, gets them without a round trip; any other statement (and any after the
+    /// first) goes as in a begun transaction.
+    pub(crate) fn carry(self, text: String, rows: Vec<QueryResult>) -> Self {
+        Self {
+            conn: self.conn,
+            begin: self.begin,
+            begun: AtomicBool::new(true),
+            with_begin: None,
+            read_with_begin: Mutex::default(),
+            prepared: Prepared::new(None),
+            riders: Mutex::default(),
+            sent_ahead: Mutex::new(Some((text, rows))),
         }
     }
 
@@ -138,16 +180,25 @@ impl Held {
         self.prepared.assumed(stmt)
     }
 
-    /// Sends `statements`, the transaction's last message. When it stopped at a statement
+    /// Sends `statements`, the transaction's last message, whose first `committed` replies
+    /// end with its `COMMIT`'s. A statement after the `COMMIT` that fails leaves it committed:
+    /// the replies read are returned, fewer than the statements (the connection is then in a
+    /// transaction that failed, and must be closed). When it stopped before, at a statement
     /// [`assumed`](Self::assumed) to be prepared that the connection does not have (SQLSTATE
     /// 26000), nothing of it was committed — the server stopped before its `COMMIT` — and it
     /// goes again after `ROLLBACK` and the `PREPARE`s it lacks: two round trips more, once per
     /// connection and statement.
-    pub(crate) async fn last(&self, statements: &[String]) -> Result<Vec<Reply>, DbErr> {
+    pub(crate) async fn last(
+        &self,
+        statements: &[String],
+        committed: usize,
+    ) -> Result<Vec<Reply>, DbErr> {
         let text = statements.join("; ");
-        let e = match self.conn.flight(text.clone()).await {
-            Err(e) if is_missing_prepared(&e) => e,
-            sent => return sent,
+        let e = match self.conn.flight_until(text.clone()).await {
+            (replies, None) => return Ok(replies),
+            (replies, Some(_)) if replies.len() >= committed => return Ok(replies),
+            (_, Some(e)) if is_missing_prepared(&e) => e,
+            (_, Some(e)) => return Err(e),
         };
         match self.prepared.missing(&self.conn).await? {
             Some(missing) if !missing.is_empty() => {
@@ -182,12 +233,32 @@ impl Held {
     /// first when it was not yet).
     async fn first(&self, stmt: &Statement) -> Result<Option<Vec<QueryResult>>, DbErr> {
         if self.begun() {
-            return Ok(None);
+            return Ok(self.answered_ahead(stmt));
         }
         let text = self.executed(stmt);
         let written = text.is_some();
         let reply = self.begin(text).await?;
         Ok(reply.filter(|_| written).map(|reply| reply.rows))
+    }
+
+    /// The rows of `stmt` when it is the transaction's first query and sends what was sent
+    /// ahead of the transaction ([`carry`](Self::carry)): `None` otherwise (it goes on its own).
+    fn answered_ahead(&self, stmt: &Statement) -> Option<Vec<QueryResult>> {
+        let mut ahead = self
+            .sent_ahead
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (text, rows) = ahead.take()?;
+        (statement_text(stmt).as_deref() == Some(text.as_str())).then_some(rows)
+    }
+
+    /// Drops what was sent ahead: a statement ran before the take that would have read it, and
+    /// may have changed its rows.
+    fn forget_ahead(&self) {
+        *self
+            .sent_ahead
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = None;
     }
 
     /// Sends `BEGIN` (and the statements asked for with it) when the transaction was not
@@ -208,11 +279,13 @@ impl ConnectionTrait for Held {
 
     async fn execute_raw(&self, stmt: Statement) -> Result<ExecResult, DbErr> {
         self.begun_before().await?;
+        self.forget_ahead();
         self.conn.execute_raw(stmt).await
     }
 
     async fn execute_unprepared(&self, sql: &str) -> Result<ExecResult, DbErr> {
         self.begun_before().await?;
+        self.forget_ahead();
         self.conn.execute_unprepared(sql).await
     }
 

@@ -154,22 +154,36 @@ impl Pinned {
     /// The first failing statement's error (the rest of the message did not run), or the
     /// connection's.
     pub(crate) async fn flight(&self, text: String) -> Result<Vec<Reply>, DbErr> {
+        let (replies, failed) = self.flight_until(text).await;
+        match failed {
+            Some(e) => Err(e),
+            None => Ok(replies),
+        }
+    }
+
+    /// As [`flight`](Self::flight), with the replies of the statements that ran before the
+    /// failing one: a message whose `COMMIT` answered before a later statement failed
+    /// committed (`jobs/flights/pretake.rs`).
+    pub(crate) async fn flight_until(&self, text: String) -> (Vec<Reply>, Option<DbErr>) {
         let text = sqlx::AssertSqlSafe(text);
-        on!(self, conn => {
-            let mut replies = Vec::with_capacity(4);
+        let mut replies = Vec::with_capacity(4);
+        let failed = on!(self, conn => {
             let mut current = Reply::default();
             let mut stream = sqlx::raw_sql(text).fetch_many(conn);
-            while let Some(item) = stream.try_next().await.map_err(query_error)? {
-                match item {
-                    Either::Right(row) => current.rows.push(QueryResult::from(row)),
-                    Either::Left(done) => {
+            loop {
+                match stream.try_next().await {
+                    Ok(Some(Either::Right(row))) => current.rows.push(QueryResult::from(row)),
+                    Ok(Some(Either::Left(done))) => {
                         current.affected = done.rows_affected();
                         replies.push(std::mem::take(&mut current));
                     }
+                    Ok(None) => break Ok(()),
+                    Err(e) => break Err(query_error(e)),
                 }
             }
-            Ok(replies)
         })
+        .err();
+        (replies, failed)
     }
 
     /// How many statements were sent through [`ConnectionTrait`] so far: a write compares the

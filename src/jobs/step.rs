@@ -3,7 +3,7 @@
 //! runs the attempt again. The parts of the step: `take.rs`, `finish.rs`, `attempt.rs`,
 //! `record.rs`, `cancel.rs`; `run.rs` runs a step to its end (here or on a held connection).
 
-use std::{collections::HashMap, time::Duration};
+use std::{collections::HashMap, sync::atomic::AtomicBool, time::Duration};
 
 use sea_orm::{DatabaseTransaction, DbErr};
 
@@ -37,11 +37,15 @@ pub(super) enum Source<'a> {
     /// transaction (up to [`CHAIN_JOBS`](super::take::CHAIN_JOBS) jobs while the transaction is younger than
     /// [`CHAIN_FOR`](super::take::CHAIN_FOR)), locked by one statement and completed by the transaction's completion:
     /// a hot key's short jobs share a commit, and send nothing between them, instead of paying
-    /// `COMMIT`, `BEGIN` and a take each.
+    /// `COMMIT`, `BEGIN` and a take each. `stop`: set when the loop that runs the step
+    /// ([`Worker::run`](super::Worker::run)) was told to stop: the step runs no job it did not
+    /// take before (`flights/pretake.rs`).
     Take {
         limit: u32,
         follow: Option<&'a [u8]>,
         chain: bool,
+        #[cfg_attr(not(any(feature = "postgres", feature = "mysql")), allow(dead_code))]
+        stop: Option<&'a AtomicBool>,
     },
     /// Finishes a leased job whose work ended, fenced by its claim.
     Finish(&'a Finishing),
@@ -76,6 +80,13 @@ pub(super) struct JobStep<'w> {
     pub(super) plan: Option<Plan>,
     /// In a held attempt, the completion to send with the `COMMIT`.
     pub(super) deferred: Option<Deferred>,
+    /// Whether a held attempt may send the next take after its `COMMIT` (`flights/pretake.rs`).
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(super) send_ahead: bool,
+    /// The transaction a held attempt began after its `COMMIT`, its take sent: the next
+    /// attempt's.
+    #[cfg(any(feature = "postgres", feature = "mysql"))]
+    pub(super) ahead: Option<crate::db::held::Held>,
 }
 
 impl<'w> JobStep<'w> {
@@ -93,6 +104,10 @@ impl<'w> JobStep<'w> {
             recheck: false,
             plan: None,
             deferred: None,
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            send_ahead: false,
+            #[cfg(any(feature = "postgres", feature = "mysql"))]
+            ahead: None,
         }
     }
 }
@@ -176,6 +191,7 @@ impl JobStep<'_> {
                 limit,
                 follow,
                 chain,
+                ..
             } => self.take(txn, limit, follow, chain).await,
             Source::Finish(finishing) => self.finish(txn, finishing).await,
         };

@@ -1,7 +1,14 @@
 //! The worker: runs due jobs one transaction at a time (see `step.rs`), leased jobs' work
 //! after their claim (`lease.rs`), and the periodic chores (`chores.rs`) between them.
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{
+    future::Future,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
 
 use tokio::sync::Notify;
 use tracing::{Instrument as _, debug, error, warn};
@@ -150,7 +157,7 @@ impl Worker {
     /// resolved — the job either completed or runs again, never both. A handler's own failure
     /// is not an error here: it is the job's [`JobOutcome`](super::job::JobOutcome).
     pub async fn run_one(&self) -> Result<Option<JobRun>> {
-        Ok(self.run_up_to(1, &mut None, false).await?.pop())
+        Ok(self.run_up_to(1, &mut None, false, None).await?.pop())
     }
 
     /// Runs the next batch of due jobs (see [`with_batch`](Self::with_batch)) in one
@@ -159,18 +166,20 @@ impl Worker {
     /// # Errors
     /// As [`run_one`](Self::run_one), for the batch as a whole (it commits or not as one).
     pub async fn run_batch(&self) -> Result<Vec<JobRun>> {
-        self.run_up_to(self.batch, &mut None, false).await
+        self.run_up_to(self.batch, &mut None, false, None).await
     }
 
     /// Runs up to `limit` due jobs, the next job of key `follow` (a key hash) first when it
     /// is due; `follow` is left as the key whose next job this run readied (one job run, not
     /// leased), for the caller's next run. `chain`: a single job's key may be followed within
-    /// the transaction (see `Source::Take`).
+    /// the transaction (see `Source::Take`); `stop`: set when the caller's loop was told to
+    /// stop (see `Source::Take`).
     async fn run_up_to(
         &self,
         limit: u32,
         follow: &mut Option<Vec<u8>>,
         chain: bool,
+        stop: Option<&AtomicBool>,
     ) -> Result<Vec<JobRun>> {
         if self.cx.jobs.any_leased() && due(&self.reclaimed) {
             // Leases that expired (their workers stopped or hung) make their jobs wait again; a
@@ -187,6 +196,7 @@ impl Worker {
             limit,
             follow: following.as_deref(),
             chain,
+            stop,
         };
         let Stepped {
             mut runs,
@@ -221,7 +231,7 @@ impl Worker {
                 Ok(0) => {}
                 Ok(readied) => {
                     debug!(readied, "queued jobs whose key was free made ready");
-                    return Box::pin(self.run_up_to(limit, follow, chain)).await;
+                    return Box::pin(self.run_up_to(limit, follow, chain, stop)).await;
                 }
                 Err(error) => warn!(%error, "sweeping for queued jobs failed"),
             }
@@ -239,7 +249,7 @@ impl Worker {
         let mut runs = Vec::new();
         let mut follow = None;
         loop {
-            let batch = self.run_up_to(self.batch, &mut follow, true).await?;
+            let batch = self.run_up_to(self.batch, &mut follow, true, None).await?;
             if batch.is_empty() {
                 return Ok(runs);
             }
@@ -400,7 +410,34 @@ impl Worker {
             if let Some(notified) = notified.as_mut().as_pin_mut() {
                 notified.enable();
             }
-            match self.run_up_to(self.batch, &mut follow, true).await {
+            // Told to stop while the step runs: it finishes the jobs it took and takes no other.
+            let stop = AtomicBool::new(false);
+            let step = self.run_up_to(self.batch, &mut follow, true, Some(&stop));
+            tokio::pin!(step);
+            let stepped = loop {
+                tokio::select! {
+                    biased;
+                    stepped = &mut step => break stepped,
+                    () = &mut shutdown, if !stop.load(Ordering::SeqCst) => {
+                        stop.store(true, Ordering::SeqCst);
+                    }
+                }
+            };
+            // `shutdown` completed (it is not polled again).
+            if stop.load(Ordering::SeqCst) {
+                return match stepped {
+                    Ok(batch) => Ok(ran + batch.len() as u64),
+                    Err(error) if error.is_missing_table() => {
+                        error!(%error, "the job table is missing: the worker stops");
+                        Err(error)
+                    }
+                    Err(error) => {
+                        warn!(%error, "running a job failed as the worker stopped");
+                        Ok(ran)
+                    }
+                };
+            }
+            match stepped {
                 Ok(batch) if !batch.is_empty() => {
                     ran += batch.len() as u64;
                     idle = first;

@@ -113,6 +113,10 @@ struct Counters {
     hole: std::sync::atomic::AtomicBool,
     /// At most this many cuts (`u32::MAX`: no limit).
     limit: AtomicU32,
+    /// Spoil a locking take sent after a `COMMIT` in the same message (see
+    /// [`Proxy::spoil_after_commit`]), and how many were.
+    spoil: std::sync::atomic::AtomicBool,
+    spoiled: AtomicU32,
 }
 
 /// A running proxy; stops when dropped.
@@ -145,6 +149,8 @@ impl Proxy {
             asked: AtomicU32::new(0),
             hole: std::sync::atomic::AtomicBool::new(false),
             limit: AtomicU32::new(u32::MAX),
+            spoil: std::sync::atomic::AtomicBool::new(false),
+            spoiled: AtomicU32::new(0),
         });
         let shared = Arc::clone(&counters);
         let task = tokio::spawn(async move {
@@ -187,6 +193,18 @@ impl Proxy {
     /// Black-holes (`true`) instead of cutting: a silent partition, not a closed connection.
     pub fn black_hole(&self, on: bool) {
         self.counters.hole.store(on, Ordering::SeqCst);
+    }
+
+    /// While `on`, a client message that sends a locking take (`SKIP LOCKED`) after a `COMMIT`
+    /// reaches the server with that take's text spoiled (`SKIP LOCKEX`, the same length: the
+    /// message's framing holds), so the server commits and then fails the take.
+    pub fn spoil_after_commit(&self, on: bool) {
+        self.counters.spoil.store(on, Ordering::SeqCst);
+    }
+
+    /// How many messages [`spoil_after_commit`](Self::spoil_after_commit) spoiled.
+    pub fn spoiled(&self) -> u32 {
+        self.counters.spoiled.load(Ordering::SeqCst)
     }
 
     /// Takes the "server" down (every connection dropped, new ones closed at once) or back up.
@@ -283,6 +301,9 @@ async fn forward(
                 if n == 0 {
                     return Ok(());
                 }
+                if counters.spoil.load(Ordering::SeqCst) && spoil_after_commit(&mut up[..n]) {
+                    counters.spoiled.fetch_add(1, Ordering::SeqCst);
+                }
                 let chunk = &up[..n];
                 // A round trip starts with the client's first message after a reply.
                 // A PostgreSQL `Sync` alone is sqlx's ping (it pings every connection it is given
@@ -355,6 +376,26 @@ async fn forward(
             }
         }
     }
+}
+
+/// Spoils the first `SKIP LOCKED` after a `COMMIT` in `chunk` (see
+/// [`Proxy::spoil_after_commit`]): whether there was one.
+fn spoil_after_commit(chunk: &mut [u8]) -> bool {
+    const COMMIT: &[u8] = b"COMMIT";
+    const SKIP: &[u8] = b"SKIP LOCKED";
+    let find = |chunk: &[u8], what: &[u8]| chunk.windows(what.len()).position(|w| w == what);
+    // The word `COMMIT`, not `READ COMMITTED`.
+    let Some(commit) = (chunk.windows(COMMIT.len() + 1))
+        .position(|w| w.starts_with(COMMIT) && !w[COMMIT.len()].is_ascii_alphabetic())
+    else {
+        return false;
+    };
+    let after = commit + COMMIT.len();
+    let Some(skip) = find(&chunk[after..], SKIP) else {
+        return false;
+    };
+    chunk[after + skip + SKIP.len() - 1] = b'X';
+    true
 }
 
 /// Whether a reply holds the name of a statement freshlock prepared: `freshlock_` and 16 hex

@@ -2,7 +2,9 @@
 //! [`crate::SessionBuilder::two_flights`]: `BEGIN` and the take as one message, the handler's
 //! statements, then the completion and `COMMIT` as one message — a job whose handler sends one
 //! statement is three round trips instead of five (`BEGIN`, the take, the handler's, the
-//! completion, `COMMIT`), a batch of jobs two plus its handlers'.
+//! completion, `COMMIT`), a batch of jobs two plus its handlers'. In a worker's loop on
+//! MySQL/MariaDB the next take rides in that last message, after the `COMMIT`, and the step goes
+//! on with it (`pretake.rs`): two round trips a job, one plus its handlers' a batch.
 //!
 //! Why a held connection and not the engine's transaction: see `db/pinned.rs` (sea-orm's
 //! transaction waits for its `BEGIN` and sends its `COMMIT` alone). The attempt is the engine's
@@ -43,25 +45,27 @@
 //! Databases other than PostgreSQL and MySQL/MariaDB go through the engine.
 
 mod check;
+mod last;
+mod pretake;
 
-use std::sync::Arc;
+use std::sync::{Arc, atomic::Ordering};
 
 use sea_orm::{ConnectionTrait, DbBackend, DbErr};
 
 use check::{after, stopped};
+use last::{Ended, roll_back};
 use tracing::warn;
 
 use super::{
     deferred::Deferred,
-    job::{JobId, JobRun},
+    job::JobRun,
     step::{JobStep, Source},
     store,
 };
 use crate::{
-    commit::{Evidence, Plan, Resolution},
+    commit::{Evidence, Plan},
     db::{
         deadline::within,
-        failure::{in_doubt, is_cardinality_violation},
         held::Held,
         inline::statement_text,
         pinned::{Pinned, Reply},
@@ -85,17 +89,57 @@ pub(super) fn applies(step: &JobStep<'_>) -> bool {
         )
 }
 
-/// Runs `step`'s attempts on held connections until one settles, as the engine would.
+/// Runs `step`'s attempts on held connections until one settles, as the engine would — and
+/// then, while one began the next attempt's transaction after its `COMMIT` (`pretake.rs`), the
+/// next the same way: the jobs of every attempt that settled.
 pub(super) async fn run(step: &mut JobStep<'_>) -> Result<Vec<JobRun>> {
     let attempts = step.cx.session.policy().write_attempts;
-    let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
-    loop {
-        retries.start();
-        let tried = attempt(step).await;
-        if let Some(result) = retries.settle(tried).await {
-            return result;
+    let began = std::time::Instant::now();
+    let mut runs = Vec::new();
+    for settled in 0.. {
+        let mut retries = Retries::new(JOB_TABLE.to_owned(), attempts, true, None);
+        let result = loop {
+            retries.start();
+            step.send_ahead = pretake::may(step, settled, began.elapsed());
+            let tried = attempt(step).await;
+            if let Some(result) = retries.settle(tried).await {
+                break result;
+            }
+        };
+        match result {
+            Ok(ran) => runs.extend(ran),
+            Err(error) if runs.is_empty() => return Err(error),
+            // The attempts before it committed: their jobs are reported, and the error comes
+            // again with the worker's next step if it lasts.
+            Err(error) => {
+                warn!(%error, "a job attempt on a transaction begun ahead failed");
+                return Ok(runs);
+            }
+        }
+        if step.ahead.is_none() {
+            break;
+        }
+        // The next attempt takes what was sent ahead: it follows no key.
+        if let Source::Take {
+            limit, chain, stop, ..
+        } = step.source
+        {
+            // Told to stop meanwhile: the jobs taken ahead are left to the next take.
+            if stop.is_some_and(|stop| stop.load(Ordering::SeqCst)) {
+                if let Some(held) = step.ahead.take() {
+                    roll_back(held, step.cx.reply()).await;
+                }
+                break;
+            }
+            step.source = Source::Take {
+                limit,
+                follow: None,
+                chain,
+                stop,
+            };
         }
     }
+    Ok(runs)
 }
 
 /// One attempt: the job step on a held transaction, then its end.
@@ -103,29 +147,21 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
     let failed = |operation, e| Ok(Tried::failed(database(operation, &JOB_TABLE, e)));
     let session = step.cx.session.clone();
     let (db, reply) = (session.pool(), step.cx.reply());
-    // Read before the connection is held (a pool of one would wait for itself).
-    let begin = crate::db::begin::text(db).await;
-    let conn = match Pinned::acquire(db.connection(), db.transaction_pooled()).await {
-        Some(Ok(conn)) => conn,
-        Some(Err(e)) => return failed("beginning the transaction for", e),
-        None => {
-            let e = DbErr::Custom("no held connection on this database".into());
-            return failed("beginning the transaction for", e);
+    let held = match step.ahead.take() {
+        // Begun after the last attempt's `COMMIT`, its take sent (`pretake.rs`).
+        Some(held) => {
+            step.plan = match session.commit_markers() {
+                true => Some(Plan::of(db, held.conn()).await),
+                false => None,
+            };
+            held
         }
+        None => match hold(step).await {
+            Ok(held) => held,
+            Err(e) => return failed("beginning the transaction for", e),
+        },
     };
-    // The evidence's plan is known before the transaction; on PostgreSQL its id is read in the
-    // take's message.
-    let plan = match session.commit_markers() {
-        true => Some(Plan::of(db, &conn).await),
-        false => None,
-    };
-    let with_begin = match &plan {
-        Some(Plan::Stamped(stamped)) => Some(format!("SELECT {}", stamped.exprs().join(", "))),
-        _ => None,
-    };
-    // freshlock's statements prepared on the connection, unless a pooler shares it.
-    let held = Arc::new(Held::new(conn, begin, with_begin, db.prepares()));
-    step.plan = plan;
+    let held = Arc::new(held);
     step.deferred = None;
     let (txn, worked) = step.run_on(Txn::Held(Arc::clone(&held))).await;
     drop(txn);
@@ -151,7 +187,7 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
             match end {
                 // With whatever rides in the last message.
                 End::Commit if held.begun() => {
-                    if let Err(error) = self::end(step, held, None, Vec::new(), None).await {
+                    if let Err(error) = last::end(step, held, None, Vec::new(), None, None).await {
                         step.metrics(false);
                         return Err(error);
                     }
@@ -199,6 +235,32 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
     }
 }
 
+/// A connection of the pool held for `step`'s attempt, its transaction not begun; `step.plan`
+/// set.
+async fn hold(step: &mut JobStep<'_>) -> std::result::Result<Held, DbErr> {
+    let session = step.cx.session.clone();
+    let db = session.pool();
+    // Read before the connection is held (a pool of one would wait for itself).
+    let begin = crate::db::begin::text(db).await;
+    let Some(conn) = Pinned::acquire(db.connection(), db.transaction_pooled()).await else {
+        return Err(DbErr::Custom("no held connection on this database".into()));
+    };
+    let conn = conn?;
+    // The evidence's plan is known before the transaction; on PostgreSQL its id is read in the
+    // take's message.
+    let plan = match session.commit_markers() {
+        true => Some(Plan::of(db, &conn).await),
+        false => None,
+    };
+    let with_begin = match &plan {
+        Some(Plan::Stamped(stamped)) => Some(format!("SELECT {}", stamped.exprs().join(", "))),
+        _ => None,
+    };
+    step.plan = plan;
+    // freshlock's statements prepared on the connection, unless a pooler shares it.
+    Ok(Held::new(conn, begin, with_begin, db.prepares()))
+}
+
 /// How the last message ended, when it did not fail.
 enum Committed {
     /// Committed (or resolved as committed after a lost reply).
@@ -242,7 +304,7 @@ async fn commit(
             }
             (None, None) => Vec::new(),
         };
-        return end(step, held, None, statements, evidence)
+        return last::end(step, held, None, statements, evidence, None)
             .await
             .map(|_| Committed::Yes);
     };
@@ -274,7 +336,10 @@ async fn commit(
             // The completion's reply, before the check's statements.
             let at = statements.len() - 1;
             statements.extend(checked.into_iter().flat_map(|text| text.statements()));
-            match end(step, held, Some(&deferred.ids), statements, evidence).await? {
+            // The next take, after the `COMMIT` (`pretake.rs`).
+            let ahead = pretake::ahead(step, &held, &deferred);
+            let ids = Some(deferred.ids.as_slice());
+            match last::end(step, held, ids, statements, evidence, ahead).await? {
                 Ended::Stopped => return Ok(Committed::Stopped),
                 // The replies were lost with the `COMMIT`'s: the job the promotion claimed (if
                 // any) is read by its claim's owner token, and the worker goes on with it.
@@ -361,7 +426,7 @@ async fn commit(
                 }
                 None => (completed.readied, completed.claimed),
             };
-            end(step, held, None, Vec::new(), evidence).await?;
+            last::end(step, held, None, Vec::new(), evidence, None).await?;
             step.claim_next(claimed, deferred.chaining);
             readied
         }
@@ -370,90 +435,4 @@ async fn commit(
         step.follow = deferred.follow;
     }
     Ok(Committed::Yes)
-}
-
-/// How [`end`] ended, when it did not fail.
-enum Ended {
-    /// Committed: the replies of the message's statements.
-    Committed(Vec<Reply>),
-    /// Committed, known from the evidence after the reply was lost: no statement's reply.
-    Resolved,
-    /// The check stopped the message (see [`stopped`]).
-    Stopped,
-}
-
-/// Sends `statements` and `COMMIT` as one message; `checked`: the jobs whose check is among
-/// them. A lost reply is resolved with `evidence`.
-async fn end(
-    step: &mut JobStep<'_>,
-    held: Held,
-    checked: Option<&[JobId]>,
-    mut statements: Vec<String>,
-    evidence: Option<&Evidence>,
-) -> Result<Ended> {
-    let reply = step.cx.reply();
-    // A finish that sent nothing yet: its whole transaction is this message. Then the
-    // statements left to ride (a claim's UPDATE), whose replies nobody reads.
-    let mut first: Vec<String> = held.unbegun().map(str::to_owned).into_iter().collect();
-    let skip = first.first().map_or(0, |begin| begin.split(';').count());
-    let riders = held.riders();
-    let skip = skip + riders.len();
-    first.extend(riders);
-    statements.splice(0..0, first);
-    statements.push("COMMIT".to_owned());
-    let sent = within(reply, held.last(&statements)).await;
-    let e = match sent {
-        Ok(mut replies) => {
-            held.release();
-            replies.drain(..skip.min(replies.len()));
-            return Ok(Ended::Committed(replies));
-        }
-        Err(e) => e,
-    };
-    match checked {
-        Some(ids) if is_cardinality_violation(&e) => stopped(step, held, ids, reply)
-            .await
-            .map(|_| Ended::Stopped),
-        _ if in_doubt(&e) => {
-            // Closed first: the server ends the transaction if the COMMIT never came.
-            drop(held);
-            let resolved = resolve(step, evidence, e).await;
-            resolved.map(|_| Ended::Resolved)
-        }
-        _ => Err(database("completing jobs in", &JOB_TABLE, e)),
-    }
-}
-
-/// A lost reply of the last message, resolved with `evidence` on another connection.
-async fn resolve(
-    step: &JobStep<'_>,
-    evidence: Option<&Evidence>,
-    lost: DbErr,
-) -> Result<Committed> {
-    warn!(error = %lost, "the commit's reply was lost: resolving on another connection");
-    let db = step.cx.session.pool();
-    let Some(evidence) = evidence else {
-        return Err(crate::commit::write_error("committing", JOB_TABLE, lost));
-    };
-    match evidence.resolve(db, JOB_TABLE, step.cx.reply()).await? {
-        Resolution::Committed => Ok(Committed::Yes),
-        // The lost connection, as it is: transient, so the attempt runs again.
-        Resolution::Absent => Err(database("committing", &JOB_TABLE, lost)),
-    }
-}
-
-/// Rolls back a held transaction that was begun (the connection is closed instead when that
-/// fails), and gives the connection back.
-async fn roll_back(held: Held, reply: std::time::Duration) {
-    if !held.begun() {
-        held.release();
-        return;
-    }
-    // Closed instead when the ROLLBACK fails (the server ends the transaction).
-    if within(reply, held.conn().flight("ROLLBACK".to_owned()))
-        .await
-        .is_ok()
-    {
-        held.release();
-    }
 }

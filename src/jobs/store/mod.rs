@@ -31,6 +31,8 @@ pub(crate) use promote::claimed_by;
 pub(crate) use promote::{Claimable, Claiming, promote, promote_claiming};
 pub(crate) use slot::{Tokens, acquire, forget_unused, leased_now, make_missing};
 pub(crate) use sweep::sweep;
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) use take::take_statement;
 pub(crate) use take::{Taken, take, take_after, take_key};
 pub(crate) use workers::{advertise, taken};
 

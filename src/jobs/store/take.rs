@@ -1,7 +1,7 @@
 //! The take: due jobs locked by one statement (`FOR UPDATE SKIP LOCKED`), each the head of
 //! its key; a key followed by its next jobs.
 
-use sea_orm::{ConnectionTrait, DbBackend, DbErr, FromQueryResult, QueryResult, Value};
+use sea_orm::{ConnectionTrait, DbBackend, DbErr, FromQueryResult, QueryResult, Statement, Value};
 
 use crate::jobs::state::{
     Stored::{Pending, Queued},
@@ -52,16 +52,33 @@ pub(crate) async fn take(
     chain: bool,
     skip_keys: &[Vec<u8>],
 ) -> Result<Vec<Taken>, DbErr> {
-    // InnoDB locks every row a sort reads: the scan must follow `freshlock_job_next` (MariaDB
-    // 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row it can lock.
-    let scan = Scan {
+    lock_due(txn, &next(limit, chain), kinds, Vec::new(), skip_keys).await
+}
+
+/// [`take`]'s statement (passing over no key), not sent: a held attempt sends it ahead, after
+/// its `COMMIT` (`jobs/flights/pretake.rs`), and the next attempt's take, which sends the same
+/// text, reads its rows from there. `None` for a worker with no kinds (its take sends nothing).
+#[cfg(any(feature = "postgres", feature = "mysql"))]
+pub(crate) fn take_statement(
+    backend: DbBackend,
+    kinds: &[Vec<u8>],
+    limit: u32,
+    chain: bool,
+) -> Option<Statement> {
+    due_statement(backend, &next(limit, chain), kinds, Vec::new(), &[])
+}
+
+/// The scan of [`take`]: InnoDB locks every row a sort reads, so it must follow
+/// `freshlock_job_next` (MariaDB 10.8+ and MySQL 8 keep its `DESC`), and stop at the first row
+/// it can lock.
+fn next(limit: u32, chain: bool) -> Scan {
+    Scan {
         index: "freshlock_job_next",
         filter: "(j.key_hash IS NULL OR {head})",
         order: "j.priority DESC, j.id",
         limit,
         chain,
-    };
-    lock_due(txn, &scan, kinds, Vec::new(), skip_keys).await
+    }
 }
 
 /// Locks the next job of key `key_hash` (its SHA-256) to run, if it is due and its key's head:
@@ -172,11 +189,29 @@ async fn lock_due(
     txn: &impl ConnectionTrait,
     scan: &Scan,
     kinds: &[Vec<u8>],
-    mut values: Vec<Value>,
+    values: Vec<Value>,
     skip_keys: &[Vec<u8>],
 ) -> Result<Vec<Taken>, DbErr> {
-    if kinds.is_empty() {
+    let backend = txn.get_database_backend();
+    let Some(statement) = due_statement(backend, scan, kinds, values, skip_keys) else {
         return Ok(Vec::new());
+    };
+    let rows = txn.query_all_raw(statement).await?;
+    rows.iter()
+        .map(|row| Taken::read(row, scan.chain && flag(row, "followed")?))
+        .collect()
+}
+
+/// [`lock_due`]'s statement; `None` when `kinds` is empty.
+fn due_statement(
+    backend: DbBackend,
+    scan: &Scan,
+    kinds: &[Vec<u8>],
+    mut values: Vec<Value>,
+    skip_keys: &[Vec<u8>],
+) -> Option<Statement> {
+    if kinds.is_empty() {
+        return None;
     }
     values.extend(kinds.iter().map(|kind| Value::Bytes(Some(kind.clone()))));
     let mut of_kinds = of_kinds(kinds);
@@ -187,7 +222,6 @@ async fn lock_due(
         ));
         values.extend(skip_keys.iter().map(|key| Value::Bytes(Some(key.clone()))));
     }
-    let backend = txn.get_database_backend();
     let now = now_ms(backend);
     let skip = for_update_skip_locked(backend);
     let index = if backend == DbBackend::MySql {
@@ -219,10 +253,7 @@ async fn lock_due(
          WHERE j.state = {Pending} AND j.run_at <= {now} AND {filter} AND {of_kinds} \
          ORDER BY {order} LIMIT {limit}{skip}"
     );
-    let rows = txn.query_all_raw(statement(backend, &sql, values)).await?;
-    rows.iter()
-        .map(|row| Taken::read(row, *chain && flag(row, "followed")?))
-        .collect()
+    Some(statement(backend, &sql, values))
 }
 
 /// A truth value of column `column`: a boolean on PostgreSQL, an integer on MySQL and SQLite.

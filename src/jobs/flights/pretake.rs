@@ -1,0 +1,117 @@
+//! The next take, sent ahead: a worker's loop ([`Worker::run`](crate::jobs::Worker::run),
+//! `run_until_idle`, `drain`) that took jobs takes again at once, so a held attempt sends the
+//! next attempt's `BEGIN` and take in its last message, after the `COMMIT` — `…; COMMIT;
+//! START TRANSACTION; SELECT … FOR UPDATE SKIP LOCKED` — and the step runs the next attempt
+//! on that transaction: a job whose handler sends one statement is two round trips instead of
+//! three (the handler's, then the completion, `COMMIT` and the next take), which is what a
+//! link with latency pays (`BENCHMARKS.md`, W2 through 1 ms each way).
+//!
+//! What keeps it from losing or doubling a job:
+//! - the server runs the message in order and stops at its first failing statement: a take
+//!   that fails after the `COMMIT` leaves the commit made. The attempt reads the replies up to
+//!   the failure (`Pinned::flight_until`): with the `COMMIT`'s among them, the jobs committed
+//!   and are reported so, and the connection — in a transaction that failed — is closed;
+//!   without, nothing of the message committed, as before;
+//! - a message whose reply is lost is resolved by its evidence as any last message; the taken
+//!   rows were locked by a transaction on the lost connection, which the server rolls back;
+//! - the next attempt's take reads the rows sent ahead only when it sends the same text
+//!   ([`Held::carry`]): any other first query (a take whose kinds were narrowed by a limit)
+//!   goes on its own in the same transaction, where the rows locked ahead are its own;
+//! - nothing is sent ahead of a job whose completion may ready its key's next job for the
+//!   worker to follow (a single keyed job), of an attempt that claimed leased jobs (their work
+//!   runs after the commit: the next transaction would stay open over it), nor by a step
+//!   older than [`AHEAD_FOR`] or [`AHEAD_ATTEMPTS`] attempts: the worker's loop looks at its
+//!   chores and wake-ups between steps;
+//! - a loop told to stop while a step runs (`Source::Take`'s `stop`) sends nothing ahead from
+//!   then on, and rolls back a transaction begun ahead instead of running its jobs: a stopping
+//!   worker finishes the job it runs and takes no other, as without the take ahead;
+//! - only where `BEGIN` reads nothing ([`Held::carries`]): MySQL/MariaDB. On PostgreSQL a
+//!   transaction's first message reads its connection's prepared names and its id (the
+//!   evidence); riding after a `COMMIT` they would have to come along (not built: PostgreSQL
+//!   meets its goal in three round trips). Not behind a transaction pooler either, whose
+//!   server connection is the transaction's only, not the next one's (untried there).
+
+use std::{sync::atomic::Ordering, time::Duration};
+
+use tracing::warn;
+
+use super::super::{
+    deferred::Deferred,
+    step::{JobStep, Source},
+    store,
+};
+use crate::db::{held::Held, inline::statement_text, pinned::Reply};
+
+/// How many attempts a step runs on transactions begun ahead, at most.
+pub(super) const AHEAD_ATTEMPTS: u32 = 16;
+
+/// How long a step goes on with transactions begun ahead, at most.
+pub(super) const AHEAD_FOR: Duration = Duration::from_millis(250);
+
+/// The next take, to send after a `COMMIT`.
+pub(super) struct Ahead {
+    /// The statements that begin the next transaction, then the take, one each.
+    statements: Vec<String>,
+    /// The take's text, for the next attempt's take to match.
+    take: String,
+}
+
+impl Ahead {
+    /// The statements to send after the `COMMIT`.
+    pub(super) fn statements(&self) -> &[String] {
+        &self.statements
+    }
+}
+
+/// Whether the next attempt of `step` may begin ahead (see the module docs): a loop's take,
+/// `attempts` in, `age` old.
+pub(super) fn may(step: &JobStep<'_>, attempts: u32, age: Duration) -> bool {
+    let Source::Take {
+        chain: true, stop, ..
+    } = step.source
+    else {
+        return false;
+    };
+    let stopping = stop.is_some_and(|stop| stop.load(Ordering::SeqCst));
+    !stopping && attempts < AHEAD_ATTEMPTS && age < AHEAD_FOR
+}
+
+/// The next take to send after the `COMMIT` of `step`'s attempt on `held`, whose completion is
+/// `deferred`; `None` when nothing goes ahead (see the module docs).
+pub(super) fn ahead(step: &JobStep<'_>, held: &Held, deferred: &Deferred) -> Option<Ahead> {
+    let Source::Take { limit, chain, .. } = step.source else {
+        return None;
+    };
+    let free = step.claimed.is_empty() && deferred.follow.is_none() && deferred.chaining.is_none();
+    let pooled = step.cx.session.pool().transaction_pooled();
+    if !(step.send_ahead && free && held.carries()) || pooled {
+        return None;
+    }
+    let backend = sea_orm::ConnectionTrait::get_database_backend(held);
+    let kinds = step.cx.kinds();
+    let take = statement_text(&store::take_statement(
+        backend,
+        kinds,
+        limit,
+        chain && limit == 1,
+    )?)?;
+    let statements = held.begin_statements().chain([take.clone()]).collect();
+    Some(Ahead { statements, take })
+}
+
+/// After the last message committed: the next transaction when `ahead` was sent and every
+/// statement of it answered (`replies`: those after the `COMMIT`'s); else the connection goes
+/// back to the pool, or is closed when a statement sent ahead failed.
+pub(super) fn carried(held: Held, ahead: Option<Ahead>, mut replies: Vec<Reply>) -> Option<Held> {
+    let Some(ahead) = ahead else {
+        held.release();
+        return None;
+    };
+    if replies.len() < ahead.statements.len() {
+        warn!("the take sent after the commit failed: its connection is closed");
+        drop(held);
+        return None;
+    }
+    let rows = replies.pop().map(|reply| reply.rows).unwrap_or_default();
+    Some(held.carry(ahead.take, rows))
+}
