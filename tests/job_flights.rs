@@ -200,9 +200,10 @@ async fn a_loop_sends_the_next_take_ahead(db: Option<TestDb>, (per_job, per_loop
     assert_eq!(total_score(&db.db).await, acknowledged as i64);
 }
 
+// Named `…round_trips_…`: CI's pooler tier skips round trips counted straight to the server.
 servers::server_tests! {
-    a_loop_sends_the_next_take_ahead_postgres: a_loop_sends_the_next_take_ahead, (3, 2), postgres;
-    a_loop_sends_the_next_take_ahead_mysql: a_loop_sends_the_next_take_ahead, (2, 4), mysql;
+    loop_round_trips_postgres: a_loop_sends_the_next_take_ahead, (3, 2), postgres;
+    loop_round_trips_mysql: a_loop_sends_the_next_take_ahead, (2, 4), mysql;
 }
 
 /// A take sent after the `COMMIT` that fails there (the proxy spoils its text) leaves the
@@ -236,8 +237,9 @@ async fn a_stopped_loop_runs_no_other_job(db: Option<TestDb>, _: ()) {
     let Some(db) = db else { return };
     db.seed_nodes(5).await;
     for i in 0..10 {
-        let job = NewJob::new("bump", &i).unwrap();
-        jobs::enqueue(&db.db, job).await.unwrap();
+        job_support::add(&db.db, NewJob::new("bump", &i).unwrap())
+            .await
+            .unwrap();
     }
     // The third job waits until the worker was told to stop.
     let started = Arc::new(Notify::new());
@@ -258,7 +260,7 @@ async fn a_stopped_loop_runs_no_other_job(db: Option<TestDb>, _: ()) {
             })
         }),
     );
-    let worker = Worker::new(session(db.db.clone(), true), handlers);
+    let worker = Worker::new(session(&db.handle, true), handlers);
     let (stop, running) = job_support::run_in_background(worker);
     started.notified().await;
     // Sent before the job may end: the loop, which polls it while its step runs, sees it

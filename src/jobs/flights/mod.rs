@@ -48,7 +48,7 @@ mod check;
 mod last;
 mod pretake;
 
-use std::sync::{Arc, atomic::Ordering};
+use std::sync::Arc;
 
 use sea_orm::{ConnectionTrait, DbBackend, DbErr};
 
@@ -125,7 +125,7 @@ pub(super) async fn run(step: &mut JobStep<'_>) -> Result<Vec<JobRun>> {
         } = step.source
         {
             // Told to stop meanwhile: the jobs taken ahead are left to the next take.
-            if stop.is_some_and(|stop| stop.load(Ordering::SeqCst)) {
+            if pretake::stopping(stop) {
                 if let Some(held) = step.ahead.take() {
                     roll_back(held, step.cx.reply()).await;
                 }

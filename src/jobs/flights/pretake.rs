@@ -23,15 +23,19 @@
 //!   older than [`AHEAD_FOR`] or [`AHEAD_ATTEMPTS`] attempts: the worker's loop looks at its
 //!   chores and wake-ups between steps;
 //! - a loop told to stop while a step runs (`Source::Take`'s `stop`) sends nothing ahead from
-//!   then on, and rolls back a transaction begun ahead instead of running its jobs: a stopping
-//!   worker finishes the job it runs and takes no other, as without the take ahead;
+//!   then on (the flag is read again as the last message is written), and rolls back a
+//!   transaction begun ahead by a message already on its way instead of running its jobs: a
+//!   stopping worker finishes the job it runs and takes no other, as without the take ahead;
 //! - only where `BEGIN` reads nothing ([`Held::carries`]): MySQL/MariaDB. On PostgreSQL a
 //!   transaction's first message reads its connection's prepared names and its id (the
 //!   evidence); riding after a `COMMIT` they would have to come along (not built: PostgreSQL
 //!   meets its goal in three round trips). Not behind a transaction pooler either, whose
 //!   server connection is the transaction's only, not the next one's (untried there).
 
-use std::{sync::atomic::Ordering, time::Duration};
+use std::{
+    sync::atomic::{AtomicBool, Ordering},
+    time::Duration,
+};
 
 use tracing::warn;
 
@@ -72,19 +76,26 @@ pub(super) fn may(step: &JobStep<'_>, attempts: u32, age: Duration) -> bool {
     else {
         return false;
     };
-    let stopping = stop.is_some_and(|stop| stop.load(Ordering::SeqCst));
-    !stopping && attempts < AHEAD_ATTEMPTS && age < AHEAD_FOR
+    !stopping(stop) && attempts < AHEAD_ATTEMPTS && age < AHEAD_FOR
+}
+
+/// Whether the loop running the step was told to stop (`Source::Take`'s `stop`).
+pub(super) fn stopping(stop: Option<&AtomicBool>) -> bool {
+    stop.is_some_and(|stop| stop.load(Ordering::SeqCst))
 }
 
 /// The next take to send after the `COMMIT` of `step`'s attempt on `held`, whose completion is
 /// `deferred`; `None` when nothing goes ahead (see the module docs).
 pub(super) fn ahead(step: &JobStep<'_>, held: &Held, deferred: &Deferred) -> Option<Ahead> {
-    let Source::Take { limit, chain, .. } = step.source else {
+    let Source::Take {
+        limit, chain, stop, ..
+    } = step.source
+    else {
         return None;
     };
     let free = step.claimed.is_empty() && deferred.follow.is_none() && deferred.chaining.is_none();
     let pooled = step.cx.session.pool().transaction_pooled();
-    if !(step.send_ahead && free && held.carries()) || pooled {
+    if !(step.send_ahead && free && held.carries()) || pooled || stopping(stop) {
         return None;
     }
     let backend = sea_orm::ConnectionTrait::get_database_backend(held);
