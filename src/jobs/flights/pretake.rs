@@ -28,9 +28,9 @@
 //!   stopping worker finishes the job it runs and takes no other, as without the take ahead;
 //! - only where `BEGIN` reads nothing ([`Held::carries`]): MySQL/MariaDB. On PostgreSQL a
 //!   transaction's first message reads its connection's prepared names and its id (the
-//!   evidence); riding after a `COMMIT` they would have to come along (not built: PostgreSQL
-//!   meets its goal in three round trips). Not behind a transaction pooler either, whose
-//!   server connection is the transaction's only, not the next one's (untried there).
+//!   evidence); riding after a `COMMIT` they would have to come along (not built yet: three
+//!   round trips a job there). Not behind a transaction pooler either: untried there, where the
+//!   pooler would have to keep its server connection for a transaction begun mid-message.
 
 use std::{
     sync::atomic::{AtomicBool, Ordering},
