@@ -235,31 +235,14 @@ servers::server_tests! {
 /// acknowledged job's effect is in the database once.
 async fn a_stopped_loop_runs_no_other_job(db: Option<TestDb>, _: ()) {
     let Some(db) = db else { return };
-    db.seed_nodes(5).await;
-    for i in 0..10 {
-        job_support::add(&db.db, NewJob::new("bump", &i).unwrap())
+    db.seed_nodes(10).await;
+    for node in 1..=10 {
+        job_support::add(&db.db, NewJob::new("bump", &node).unwrap())
             .await
             .unwrap();
     }
     // The third job waits until the worker was told to stop.
-    let started = Arc::new(Notify::new());
-    let go = Arc::new(Notify::new());
-    let (s, g) = (Arc::clone(&started), Arc::clone(&go));
-    let handlers = Jobs::new().handle(
-        "bump",
-        RetryPolicy::default(),
-        jobs::handler(move |tx, job: Job<i32>| {
-            let (started, go) = (Arc::clone(&s), Arc::clone(&g));
-            Box::pin(async move {
-                bump(tx, job.payload % 5 + 1).await?;
-                if job.payload == 2 {
-                    started.notify_one();
-                    go.notified().await;
-                }
-                Ok(())
-            })
-        }),
-    );
+    let (handlers, started, go) = bump_held_at(3);
     let worker = Worker::new(session(&db.handle, true), handlers);
     let (stop, running) = job_support::run_in_background(worker);
     started.notified().await;
@@ -425,13 +408,9 @@ servers::server_tests! {
     quiet_finish_round_trips_mysql: leased_round_trips, (true, (3, 8)), mysql;
 }
 
-/// A job asked to stop while its handler runs: its completion finds the request, the check
-/// after it stops the message before its `COMMIT`, and the handler's write is rolled back — the
-/// job ends cancelled, not run again; the job beside it in the batch runs again and completes
-/// once.
-async fn cancel_while_running(db: Option<TestDb>, _: ()) {
-    let Some(db) = db else { return };
-    db.seed_nodes(2).await;
+/// Kind `bump` (its payload the node it bumps), whose job bumping node `held` says so on the
+/// first `Notify` once it wrote, then waits for the second before it returns.
+fn bump_held_at(held: i32) -> (Jobs, Arc<Notify>, Arc<Notify>) {
     let started = Arc::new(Notify::new());
     let go = Arc::new(Notify::new());
     let (s, g) = (Arc::clone(&started), Arc::clone(&go));
@@ -442,7 +421,7 @@ async fn cancel_while_running(db: Option<TestDb>, _: ()) {
             let (started, go) = (Arc::clone(&s), Arc::clone(&g));
             Box::pin(async move {
                 bump(tx, job.payload).await?;
-                if job.payload == 1 {
+                if job.payload == held {
                     started.notify_one();
                     go.notified().await;
                 }
@@ -450,6 +429,17 @@ async fn cancel_while_running(db: Option<TestDb>, _: ()) {
             })
         }),
     );
+    (handlers, started, go)
+}
+
+/// A job asked to stop while its handler runs: its completion finds the request, the check
+/// after it stops the message before its `COMMIT`, and the handler's write is rolled back — the
+/// job ends cancelled, not run again; the job beside it in the batch runs again and completes
+/// once.
+async fn cancel_while_running(db: Option<TestDb>, _: ()) {
+    let Some(db) = db else { return };
+    db.seed_nodes(2).await;
+    let (handlers, started, go) = bump_held_at(1);
     let stopped = job_support::add(&db.db, NewJob::new("bump", &1).unwrap())
         .await
         .unwrap();

@@ -69,14 +69,11 @@ impl Ahead {
 
 /// Whether the next attempt of `step` may begin ahead (see the module docs): a loop's take,
 /// `attempts` in, `age` old.
+/// (A stop is read as the last message is written, in [`ahead`].)
 pub(super) fn may(step: &JobStep<'_>, attempts: u32, age: Duration) -> bool {
-    let Source::Take {
-        chain: true, stop, ..
-    } = step.source
-    else {
-        return false;
-    };
-    !stopping(stop) && attempts < AHEAD_ATTEMPTS && age < AHEAD_FOR
+    matches!(step.source, Source::Take { chain: true, .. })
+        && attempts < AHEAD_ATTEMPTS
+        && age < AHEAD_FOR
 }
 
 /// Whether the loop running the step was told to stop (`Source::Take`'s `stop`).
