@@ -329,10 +329,11 @@ impl SessionBuilder {
         /// **Keyed jobs** of workers on such a session take fewer round trips too: `BEGIN` goes
         /// with the take, the completion with the `COMMIT` — a job whose handler sends one
         /// statement is three round trips instead of five (a batch: two plus its handlers'),
-        /// the evidence read with the take. On MySQL/MariaDB a worker's loop
+        /// the evidence read with the take. A worker's loop
         /// ([`Worker::run`](crate::jobs::Worker::run), `run_until_idle`) sends its next take in
         /// that last message, after the `COMMIT`: two round trips a job (not after a single
-        /// keyed job, whose key the worker may follow, nor after a leased claim). A completion that finds a job asked to stop
+        /// keyed job, whose key the worker may follow, nor after a leased claim, nor behind a
+        /// transaction pooler). A completion that finds a job asked to stop
         /// ([`jobs::cancel`](crate::jobs::cancel)) is followed in its message by a check that
         /// fails, so the `COMMIT` never runs and the handler's writes roll back, as without
         /// this setting. Handlers get a [`Tx`](crate::Tx) on a connection freshlock holds: it

@@ -77,36 +77,48 @@ impl Held {
         }
     }
 
-    /// Whether a transaction can begin in this one's last message, after its `COMMIT`: its
-    /// `BEGIN` reads nothing — no names of prepared statements, no statements asked for with
-    /// it (the evidence's transaction id) — so the text that begins it and its first query are
-    /// all it sends (MySQL/MariaDB; on PostgreSQL the first message reads the connection's
-    /// names and the transaction's id, which would have to ride too).
+    /// Whether a transaction can begin in this one's last message, after its `COMMIT`: this
+    /// one was begun, and so knows what a first message reads — the names the connection has
+    /// prepared (read with `BEGIN`, and those this transaction prepared: the last message
+    /// sends them all) — so the next one's `BEGIN`, its first query and the statements read
+    /// with it ride after the `COMMIT` ([`begin_ahead`](Self::begin_ahead)).
     pub(crate) fn carries(&self) -> bool {
-        !self.prepared.by_name() && self.with_begin.is_none()
+        self.begun() && self.prepared.names_read()
     }
 
-    /// The statements that begin the next transaction, one each, for the last message to send
-    /// after its `COMMIT` ([`carries`](Self::carries)).
-    pub(crate) fn begin_statements(&self) -> impl Iterator<Item = String> {
-        self.begin
-            .split(';')
-            .map(|statement| statement.trim().to_owned())
+    /// The statements that begin the next transaction on this connection with `first` as its
+    /// first query, for this one's last message to send after its `COMMIT`
+    /// ([`carries`](Self::carries)): the text that begins it, `first` as a message sends it
+    /// (by name on PostgreSQL, its `PREPARE` before it when the connection lacks it), and the
+    /// statements asked to be read with `BEGIN` (the evidence's transaction id) — one each,
+    /// with the index of `first`'s reply among theirs. `None` when `first`'s values cannot be
+    /// written in.
+    pub(crate) fn begin_ahead(&self, first: &Statement) -> Option<(Vec<String>, usize)> {
+        let begin = self.begin.split(';').map(|statement| statement.trim());
+        let mut statements: Vec<String> = begin.map(str::to_owned).collect();
+        statements.extend(self.executed(first)?.statements());
+        let at = statements.len() - 1;
+        statements.extend(self.with_begin.iter().cloned());
+        Some((statements, at))
     }
 
     /// The next transaction on this connection, begun in this one's last message after its
-    /// `COMMIT` with query `text`, which answered `rows` (only once the `COMMIT` and every
-    /// statement after it answered): its first statement, when it is a query that sends the
-    /// same text, gets them without a round trip; any other statement (and any after the
-    /// first) goes as in a begun transaction.
-    pub(crate) fn carry(self, text: String, rows: Vec<QueryResult>) -> Self {
+    /// `COMMIT` ([`begin_ahead`](Self::begin_ahead)) with query `text`, whose reply is
+    /// `replies[at]` (only once the `COMMIT` and every statement after it answered; those
+    /// after `at` are what was read with `BEGIN`): its first statement, when it is a query
+    /// that sends the same text, gets the rows without a round trip; any other statement (and
+    /// any after the first) goes as in a begun transaction. The connection's prepared names
+    /// go on with it.
+    pub(crate) fn carry(self, text: String, mut replies: Vec<Reply>, at: usize) -> Self {
+        let with_begin = replies.split_off((at + 1).min(replies.len()));
+        let rows = replies.pop().map(|reply| reply.rows).unwrap_or_default();
         Self {
             conn: self.conn,
             begin: self.begin,
             begun: AtomicBool::new(true),
-            with_begin: None,
-            read_with_begin: Mutex::default(),
-            prepared: Prepared::new(None),
+            with_begin: self.with_begin,
+            read_with_begin: Mutex::new(with_begin),
+            prepared: self.prepared,
             riders: Mutex::default(),
             sent_ahead: Mutex::new(Some((text, rows))),
         }

@@ -195,9 +195,10 @@ impl Proxy {
         self.counters.hole.store(on, Ordering::SeqCst);
     }
 
-    /// While `on`, a client message that sends a locking take (`SKIP LOCKED`) after a `COMMIT`
-    /// reaches the server with that take's text spoiled (`SKIP LOCKEX`, the same length: the
-    /// message's framing holds), so the server commits and then fails the take.
+    /// While `on`, a client message that sends a locking take after a `COMMIT` reaches the
+    /// server with that take's text spoiled, the same length (the message's framing holds):
+    /// `SKIP LOCKEX`, or on PostgreSQL a statement name no statement has (`EXECUTE
+    /// freshlock_g…`) — so the server commits and then fails the take.
     pub fn spoil_after_commit(&self, on: bool) {
         self.counters.spoil.store(on, Ordering::SeqCst);
     }
@@ -378,11 +379,14 @@ async fn forward(
     }
 }
 
-/// Spoils the first `SKIP LOCKED` after a `COMMIT` in `chunk` (see
-/// [`Proxy::spoil_after_commit`]): whether there was one.
+/// Spoils the first take after a `COMMIT` in `chunk` (see [`Proxy::spoil_after_commit`]):
+/// whether there was one.
 fn spoil_after_commit(chunk: &mut [u8]) -> bool {
     const COMMIT: &[u8] = b"COMMIT";
+    // MySQL/MariaDB's take, or PostgreSQL's `PREPARE` of it.
     const SKIP: &[u8] = b"SKIP LOCKED";
+    // PostgreSQL's take by name.
+    const EXECUTE: &[u8] = b"EXECUTE freshlock_";
     let find = |chunk: &[u8], what: &[u8]| chunk.windows(what.len()).position(|w| w == what);
     // The word `COMMIT`, not `READ COMMITTED`.
     let Some(commit) = (chunk.windows(COMMIT.len() + 1))
@@ -391,10 +395,16 @@ fn spoil_after_commit(chunk: &mut [u8]) -> bool {
         return false;
     };
     let after = commit + COMMIT.len();
-    let Some(skip) = find(&chunk[after..], SKIP) else {
-        return false;
+    // `SKIP LOCKEX` (a syntax error), or a name no statement has (`freshlock_g…`).
+    let skip = find(&chunk[after..], SKIP).map(|at| at + SKIP.len() - 1);
+    let execute = find(&chunk[after..], EXECUTE).map(|at| at + EXECUTE.len());
+    let (at, spoilt) = match (skip, execute) {
+        (Some(skip), Some(execute)) if execute < skip => (execute, b'g'),
+        (Some(skip), _) => (skip, b'X'),
+        (None, Some(execute)) => (execute, b'g'),
+        (None, None) => return false,
     };
-    chunk[after + skip + SKIP.len() - 1] = b'X';
+    chunk[after + at] = spoilt;
     true
 }
 

@@ -107,6 +107,17 @@ impl Prepared {
         self.known.is_some()
     }
 
+    /// Whether the names the connection has are known: read with `BEGIN` (or statements go as
+    /// text, and there are none to know).
+    pub(crate) fn names_read(&self) -> bool {
+        !self.by_name()
+            || self
+                .token
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .is_some()
+    }
+
     /// `stmt` as a transaction's only message sends it, the names the connection has not read
     /// (nothing was sent before it): as `EXECUTE`, assuming the connection has it — it has once
     /// a transaction on it sent the statement, as any connection of a warm pool has. When it

@@ -2,9 +2,9 @@
 //! [`crate::SessionBuilder::two_flights`]: `BEGIN` and the take as one message, the handler's
 //! statements, then the completion and `COMMIT` as one message — a job whose handler sends one
 //! statement is three round trips instead of five (`BEGIN`, the take, the handler's, the
-//! completion, `COMMIT`), a batch of jobs two plus its handlers'. In a worker's loop on
-//! MySQL/MariaDB the next take rides in that last message, after the `COMMIT`, and the step goes
-//! on with it (`pretake.rs`): two round trips a job, one plus its handlers' a batch.
+//! completion, `COMMIT`), a batch of jobs two plus its handlers'. In a worker's loop the next
+//! take rides in that last message, after the `COMMIT`, and the step goes on with it
+//! (`pretake.rs`): two round trips a job, one plus its handlers' a batch.
 //!
 //! Why a held connection and not the engine's transaction: see `db/pinned.rs` (sea-orm's
 //! transaction waits for its `BEGIN` and sends its `COMMIT` alone). The attempt is the engine's

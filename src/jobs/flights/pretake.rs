@@ -1,7 +1,8 @@
 //! The next take, sent ahead: a worker's loop ([`Worker::run`](crate::jobs::Worker::run),
 //! `run_until_idle`, `drain`) that took jobs takes again at once, so a held attempt sends the
 //! next attempt's `BEGIN` and take in its last message, after the `COMMIT` — `…; COMMIT;
-//! START TRANSACTION; SELECT … FOR UPDATE SKIP LOCKED` — and the step runs the next attempt
+//! START TRANSACTION; SELECT … FOR UPDATE SKIP LOCKED` (PostgreSQL: `BEGIN; EXECUTE
+//! freshlock_…(…); SELECT <the transaction's id>`) — and the step runs the next attempt
 //! on that transaction: a job whose handler sends one statement is two round trips instead of
 //! three (the handler's, then the completion, `COMMIT` and the next take), which is what a
 //! link with latency pays (`BENCHMARKS.md`, W2 through 1 ms each way).
@@ -26,11 +27,13 @@
 //!   then on (the flag is read again as the last message is written), and rolls back a
 //!   transaction begun ahead by a message already on its way instead of running its jobs: a
 //!   stopping worker finishes the job it runs and takes no other, as without the take ahead;
-//! - only where `BEGIN` reads nothing ([`Held::carries`]): MySQL/MariaDB. On PostgreSQL a
-//!   transaction's first message reads its connection's prepared names and its id (the
-//!   evidence); riding after a `COMMIT` they would have to come along (not built yet: three
-//!   round trips a job there). Not behind a transaction pooler either: untried there, where the
-//!   pooler would have to keep its server connection for a transaction begun mid-message.
+//! - only from a transaction that knows what a first message reads ([`Held::carries`]): the
+//!   names of the statements the connection prepared (PostgreSQL, read with its `BEGIN`;
+//!   the take goes by name, its `PREPARE` before it when the connection lacks it) — the next
+//!   transaction's `BEGIN`, take and the statements read with `BEGIN` (the evidence's
+//!   transaction id) all ride after the `COMMIT`, and it goes on knowing those names. Not
+//!   behind a transaction pooler: untried there, where the pooler would have to keep its
+//!   server connection for a transaction begun mid-message.
 
 use std::{
     sync::atomic::{AtomicBool, Ordering},
@@ -54,8 +57,11 @@ pub(super) const AHEAD_FOR: Duration = Duration::from_millis(250);
 
 /// The next take, to send after a `COMMIT`.
 pub(super) struct Ahead {
-    /// The statements that begin the next transaction, then the take, one each.
+    /// The statements that begin the next transaction, the take and what is read with
+    /// `BEGIN`, one each ([`Held::begin_ahead`]).
     statements: Vec<String>,
+    /// The index of the take's reply among theirs.
+    at: usize,
     /// The take's text, for the next attempt's take to match.
     take: String,
 }
@@ -97,20 +103,20 @@ pub(super) fn ahead(step: &JobStep<'_>, held: &Held, deferred: &Deferred) -> Opt
     }
     let backend = sea_orm::ConnectionTrait::get_database_backend(held);
     let kinds = step.cx.kinds();
-    let take = statement_text(&store::take_statement(
-        backend,
-        kinds,
-        limit,
-        chain && limit == 1,
-    )?)?;
-    let statements = held.begin_statements().chain([take.clone()]).collect();
-    Some(Ahead { statements, take })
+    let take = store::take_statement(backend, kinds, limit, chain && limit == 1)?;
+    let (statements, at) = held.begin_ahead(&take)?;
+    let take = statement_text(&take)?;
+    Some(Ahead {
+        statements,
+        at,
+        take,
+    })
 }
 
 /// After the last message committed: the next transaction when `ahead` was sent and every
 /// statement of it answered (`replies`: those after the `COMMIT`'s); else the connection goes
 /// back to the pool, or is closed when a statement sent ahead failed.
-pub(super) fn carried(held: Held, ahead: Option<Ahead>, mut replies: Vec<Reply>) -> Option<Held> {
+pub(super) fn carried(held: Held, ahead: Option<Ahead>, replies: Vec<Reply>) -> Option<Held> {
     let Some(ahead) = ahead else {
         held.release();
         return None;
@@ -120,6 +126,5 @@ pub(super) fn carried(held: Held, ahead: Option<Ahead>, mut replies: Vec<Reply>)
         drop(held);
         return None;
     }
-    let rows = replies.pop().map(|reply| reply.rows).unwrap_or_default();
-    Some(held.carry(ahead.take, rows))
+    Some(held.carry(ahead.take, replies, ahead.at))
 }
