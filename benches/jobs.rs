@@ -247,9 +247,9 @@ async fn history(db: &DatabaseConnection) {
 
 /// Runs `workers` workers until `total` jobs completed: the seconds it took, and each job's
 /// completion time from the start, by id (the time its worker's loop went idle). Each worker
-/// loops as `Worker::run` does (`run_until_idle`: taking again at once after jobs ran, which on
-/// MySQL/MariaDB with two flights sends the next take after the `COMMIT`), and waits as it does
-/// when nothing is due.
+/// loops as `Worker::run` does (`run_until_idle`: taking again at once after jobs ran, which
+/// with two flights sends the next take after the `COMMIT`), and waits as it does when nothing
+/// is due.
 async fn drain(
     db: &DatabaseConnection,
     handlers: Jobs,

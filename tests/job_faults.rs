@@ -354,9 +354,9 @@ async fn chained_cuts_two_flights(db: Option<TestDb>) {
     chains_through_cuts(db, false, true, 3).await;
 }
 
-/// Unkeyed jobs in a worker's loop with two flights: on MySQL/MariaDB every job's last message
-/// carries the next take after its `COMMIT` (`jobs/flights/pretake.rs`), so a lost reply loses
-/// the take's too, and the rows it locked stay with the lost connection's transaction.
+/// Unkeyed jobs in a worker's loop with two flights: every job's last message carries the next
+/// take after its `COMMIT` (`jobs/flights/pretake.rs`), so a lost reply loses the take's too,
+/// and the rows it locked stay with the lost connection's transaction.
 #[cfg(feature = "metrics")]
 async fn loop_cuts_two_flights(db: Option<TestDb>) {
     chains_through_cuts(db, false, true, 1).await;

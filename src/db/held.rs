@@ -89,16 +89,20 @@ impl Held {
     /// The statements that begin the next transaction on this connection with `first` as its
     /// first query, for this one's last message to send after its `COMMIT`
     /// ([`carries`](Self::carries)): the text that begins it, `first` as a message sends it
-    /// (by name on PostgreSQL, its `PREPARE` before it when the connection lacks it), and the
-    /// statements asked to be read with `BEGIN` (the evidence's transaction id) — one each,
-    /// with the index of `first`'s reply among theirs. `None` when `first`'s values cannot be
-    /// written in.
-    pub(crate) fn begin_ahead(&self, first: &Statement) -> Option<(Vec<String>, usize)> {
+    /// (by name on PostgreSQL, its `PREPARE` before it when the connection lacks it), and
+    /// `with_begin`, the statement the next transaction asks to read with `BEGIN` (the
+    /// evidence's transaction id, as [`new`](Self::new)'s) — one each, with the index of
+    /// `first`'s reply among theirs. `None` when `first`'s values cannot be written in.
+    pub(crate) fn begin_ahead(
+        &self,
+        first: &Statement,
+        with_begin: Option<String>,
+    ) -> Option<(Vec<String>, usize)> {
         let begin = self.begin.split(';').map(|statement| statement.trim());
         let mut statements: Vec<String> = begin.map(str::to_owned).collect();
         statements.extend(self.executed(first)?.statements());
         let at = statements.len() - 1;
-        statements.extend(self.with_begin.iter().cloned());
+        statements.extend(with_begin);
         Some((statements, at))
     }
 
@@ -116,7 +120,7 @@ impl Held {
             conn: self.conn,
             begin: self.begin,
             begun: AtomicBool::new(true),
-            with_begin: self.with_begin,
+            with_begin: None,
             read_with_begin: Mutex::new(with_begin),
             prepared: self.prepared,
             riders: Mutex::default(),

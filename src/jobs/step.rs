@@ -83,10 +83,10 @@ pub(super) struct JobStep<'w> {
     /// Whether a held attempt may send the next take after its `COMMIT` (`flights/pretake.rs`).
     #[cfg(any(feature = "postgres", feature = "mysql"))]
     pub(super) send_ahead: bool,
-    /// The transaction a held attempt began after its `COMMIT`, its take sent: the next
-    /// attempt's.
+    /// The transaction a held attempt began after its `COMMIT`, its take sent, with the plan
+    /// of its evidence (what that message read for it): the next attempt's.
     #[cfg(any(feature = "postgres", feature = "mysql"))]
-    pub(super) ahead: Option<crate::db::held::Held>,
+    pub(super) ahead: Option<(crate::db::held::Held, Option<Plan>)>,
 }
 
 impl<'w> JobStep<'w> {

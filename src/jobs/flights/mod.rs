@@ -126,7 +126,7 @@ pub(super) async fn run(step: &mut JobStep<'_>) -> Result<Vec<JobRun>> {
         {
             // Told to stop meanwhile: the jobs taken ahead are left to the next take.
             if pretake::stopping(stop) {
-                if let Some(held) = step.ahead.take() {
+                if let Some((held, _)) = step.ahead.take() {
                     roll_back(held, step.cx.reply()).await;
                 }
                 break;
@@ -149,11 +149,8 @@ async fn attempt(step: &mut JobStep<'_>) -> Result<Tried<Vec<JobRun>>> {
     let (db, reply) = (session.pool(), step.cx.reply());
     let held = match step.ahead.take() {
         // Begun after the last attempt's `COMMIT`, its take sent (`pretake.rs`).
-        Some(held) => {
-            step.plan = match session.commit_markers() {
-                true => Some(Plan::of(db, held.conn()).await),
-                false => None,
-            };
+        Some((held, plan)) => {
+            step.plan = plan;
             held
         }
         None => match hold(step).await {
@@ -246,19 +243,26 @@ async fn hold(step: &mut JobStep<'_>) -> std::result::Result<Held, DbErr> {
         return Err(DbErr::Custom("no held connection on this database".into()));
     };
     let conn = conn?;
-    // The evidence's plan is known before the transaction; on PostgreSQL its id is read in the
-    // take's message.
+    let (plan, with_begin) = self::plan(&session, &conn).await;
+    step.plan = plan;
+    // freshlock's statements prepared on the connection, unless a pooler shares it.
+    Ok(Held::new(conn, begin, with_begin, db.prepares()))
+}
+
+/// The plan of the evidence of a transaction on `conn` (`None` without commit markers), known
+/// before the transaction begins, and the statement its first message reads for it (on
+/// PostgreSQL the transaction's id, and the incarnation's token when the pool has not seen it
+/// lately): the attempt reads its evidence with this plan, the one that wrote what was read.
+async fn plan(session: &crate::Session, conn: &Pinned) -> (Option<Plan>, Option<String>) {
     let plan = match session.commit_markers() {
-        true => Some(Plan::of(db, &conn).await),
+        true => Some(Plan::of(session.pool(), conn).await),
         false => None,
     };
     let with_begin = match &plan {
         Some(Plan::Stamped(stamped)) => Some(format!("SELECT {}", stamped.exprs().join(", "))),
         _ => None,
     };
-    step.plan = plan;
-    // freshlock's statements prepared on the connection, unless a pooler shares it.
-    Ok(Held::new(conn, begin, with_begin, db.prepares()))
+    (plan, with_begin)
 }
 
 /// How the last message ended, when it did not fail.
@@ -337,7 +341,7 @@ async fn commit(
             let at = statements.len() - 1;
             statements.extend(checked.into_iter().flat_map(|text| text.statements()));
             // The next take, after the `COMMIT` (`pretake.rs`).
-            let ahead = pretake::ahead(step, &held, &deferred);
+            let ahead = pretake::ahead(step, &held, &deferred).await;
             let ids = Some(deferred.ids.as_slice());
             match last::end(step, held, ids, statements, evidence, ahead).await? {
                 Ended::Stopped => return Ok(Committed::Stopped),

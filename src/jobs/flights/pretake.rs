@@ -47,7 +47,10 @@ use super::super::{
     step::{JobStep, Source},
     store,
 };
-use crate::db::{held::Held, inline::statement_text, pinned::Reply};
+use crate::{
+    commit::Plan,
+    db::{held::Held, inline::statement_text, pinned::Reply},
+};
 
 /// How many attempts a step runs on transactions begun ahead, at most.
 pub(super) const AHEAD_ATTEMPTS: u32 = 16;
@@ -64,6 +67,9 @@ pub(super) struct Ahead {
     at: usize,
     /// The take's text, for the next attempt's take to match.
     take: String,
+    /// The plan of the next transaction's evidence, which decided what the statements read
+    /// for it (`super::plan`): its attempt's, whatever the pool knows once it starts.
+    plan: Option<Plan>,
 }
 
 impl Ahead {
@@ -89,7 +95,7 @@ pub(super) fn stopping(stop: Option<&AtomicBool>) -> bool {
 
 /// The next take to send after the `COMMIT` of `step`'s attempt on `held`, whose completion is
 /// `deferred`; `None` when nothing goes ahead (see the module docs).
-pub(super) fn ahead(step: &JobStep<'_>, held: &Held, deferred: &Deferred) -> Option<Ahead> {
+pub(super) async fn ahead(step: &JobStep<'_>, held: &Held, deferred: &Deferred) -> Option<Ahead> {
     let Source::Take {
         limit, chain, stop, ..
     } = step.source
@@ -104,19 +110,25 @@ pub(super) fn ahead(step: &JobStep<'_>, held: &Held, deferred: &Deferred) -> Opt
     let backend = sea_orm::ConnectionTrait::get_database_backend(held);
     let kinds = step.cx.kinds();
     let take = store::take_statement(backend, kinds, limit, chain && limit == 1)?;
-    let (statements, at) = held.begin_ahead(&take)?;
+    let (plan, with_begin) = super::plan(&step.cx.session, held.conn()).await;
+    let (statements, at) = held.begin_ahead(&take, with_begin)?;
     let take = statement_text(&take)?;
     Some(Ahead {
         statements,
         at,
         take,
+        plan,
     })
 }
 
-/// After the last message committed: the next transaction when `ahead` was sent and every
-/// statement of it answered (`replies`: those after the `COMMIT`'s); else the connection goes
-/// back to the pool, or is closed when a statement sent ahead failed.
-pub(super) fn carried(held: Held, ahead: Option<Ahead>, replies: Vec<Reply>) -> Option<Held> {
+/// After the last message committed: the next transaction, with its evidence's plan, when
+/// `ahead` was sent and every statement of it answered (`replies`: those after the `COMMIT`'s);
+/// else the connection goes back to the pool, or is closed when a statement sent ahead failed.
+pub(super) fn carried(
+    held: Held,
+    ahead: Option<Ahead>,
+    replies: Vec<Reply>,
+) -> Option<(Held, Option<Plan>)> {
     let Some(ahead) = ahead else {
         held.release();
         return None;
@@ -126,5 +138,5 @@ pub(super) fn carried(held: Held, ahead: Option<Ahead>, replies: Vec<Reply>) -> 
         drop(held);
         return None;
     }
-    Some(held.carry(ahead.take, replies, ahead.at))
+    Some((held.carry(ahead.take, replies, ahead.at), ahead.plan))
 }
